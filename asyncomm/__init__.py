@@ -1,0 +1,37 @@
+"""asyncomm: await your distributed PyTorch communication.
+
+Collectives and point-to-point operations return awaitable ``Handle``s over
+torch.distributed (gloo, nccl) or MPI; every rank runs one asyncio event loop.
+"""
+
+from asyncomm._comm import Comm
+from asyncomm._errors import (
+    CommClosedError,
+    CommError,
+    CommTimeoutError,
+    MismatchError,
+    PeerFailedError,
+    ProtocolError,
+    RemoteError,
+)
+from asyncomm._handle import Handle
+from asyncomm._ops import ReduceOp
+from asyncomm._runtime import init, run
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Comm",
+    "CommClosedError",
+    "CommError",
+    "CommTimeoutError",
+    "Handle",
+    "MismatchError",
+    "PeerFailedError",
+    "ProtocolError",
+    "ReduceOp",
+    "RemoteError",
+    "__version__",
+    "init",
+    "run",
+]

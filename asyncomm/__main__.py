@@ -1,0 +1,7 @@
+"""``python -m asyncomm``: the same as the ``asyncomm`` console script."""
+
+import sys
+
+from asyncomm._cli import main
+
+sys.exit(main())

@@ -1,0 +1,116 @@
+"""Backends: the only code that talks to torch.distributed or mpi4py.
+
+A ``Backend`` issues non-blocking primitives and reports each one's end to a
+``Sink`` through one of the progress engines. It is chosen once, when a
+communicator is made; nothing outside this package asks which backend it is.
+Ranks, tags and buffers reach a backend already checked by ``Comm``: tensors
+are contiguous, on the backend's device, with matching shapes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from asyncomm._env import LaunchEnv
+from asyncomm._ops import ReduceOp
+from asyncomm._progress import Sink
+
+Tensors = Sequence[torch.Tensor]
+
+
+class Backend(ABC):
+    """One communicator of one backend: non-blocking primitives over ``size`` ranks."""
+
+    name: str
+    rank: int
+    size: int
+    max_tag: int  # the largest tag users may pass; tags above it are asyncomm's own
+    raw: object
+
+    @abstractmethod
+    def check_tensor(self, tensor: torch.Tensor, what: str) -> None:
+        """Raise ``TypeError`` if this backend cannot move ``tensor`` (device, dtype)."""
+
+    def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027
+        """Raise ``TypeError`` for reductions the backend lacks beyond the common rules."""
+
+    @abstractmethod
+    def barrier(self, sink: Sink) -> None:
+        """Issue a barrier."""
+
+    @abstractmethod
+    def broadcast(self, sink: Sink, tensor: torch.Tensor, src: int) -> None:
+        """Issue a broadcast of ``tensor`` from ``src``."""
+
+    @abstractmethod
+    def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
+        """Issue an in-place all-reduce."""
+
+    @abstractmethod
+    def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
+        """Issue an in-place reduce to ``dst``."""
+
+    @abstractmethod
+    def all_gather(self, sink: Sink, out: Tensors, tensor: torch.Tensor) -> None:
+        """Issue an all-gather of ``tensor`` into ``out`` (one per rank)."""
+
+    @abstractmethod
+    def gather(self, sink: Sink, out: Tensors | None, tensor: torch.Tensor, dst: int) -> None:
+        """Issue a gather of ``tensor`` into ``out`` on ``dst`` (``None`` elsewhere)."""
+
+    @abstractmethod
+    def scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors | None,
+                src: int) -> None:
+        """Issue a scatter of ``chunks`` (on ``src``) into ``tensor``."""
+
+    @abstractmethod
+    def reduce_scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors,
+                       op: ReduceOp) -> None:
+        """Issue a reduce-scatter: ``tensor`` = reduction over ranks of ``chunks[rank]``."""
+
+    @abstractmethod
+    def all_to_all(self, sink: Sink, outputs: Tensors, inputs: Tensors) -> None:
+        """Issue an all-to-all: ``outputs[j]`` receives rank j's ``inputs[rank]``."""
+
+    @abstractmethod
+    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Issue a send."""
+
+    @abstractmethod
+    def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
+        """Issue a receive; the sink gets the source rank (``src=None``: any source)."""
+
+    @abstractmethod
+    async def split(self, ranks: Sequence[int]) -> tuple[Backend, Backend] | None:
+        """Make the user's and asyncomm's communicators over ``ranks`` (sorted).
+
+        Collective over this communicator; ``None`` on ranks not in ``ranks``.
+        """
+
+    def abort_job(self, code: int) -> None:  # noqa: B027
+        """End the whole job after an uncaught error, where the launcher would not."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Fail what is in flight, release the communicator and join threads. Idempotent."""
+
+
+async def open_backend(name: str, env: LaunchEnv, timeout: float,
+                       loop: asyncio.AbstractEventLoop) -> tuple[Backend, Backend]:
+    """Join the world on backend ``name``; return the user's and asyncomm's own communicator.
+
+    The second communicator spans the same ranks and carries asyncomm's own
+    multi-step operations (objects), so they never interleave with the
+    user's collectives.
+    """
+    if name == "mpi":
+        from asyncomm._backends._mpi import open_mpi
+
+        return await open_mpi(loop)
+    from asyncomm._backends._torch import open_torch
+
+    return await open_torch(name, env, timeout, loop)

@@ -1,0 +1,258 @@
+"""torch.distributed backends: gloo (CPU tensors) and nccl (CUDA tensors).
+
+Collectives complete through their futures (``FutureBridge``). gloo's
+send/recv have no future and cannot be polled, so they complete in
+``Waiters``. Operations go straight to the ``ProcessGroup`` methods, whose
+ranks are the group's own.
+
+Note on CUDA (nccl)
+-------------------
+An nccl future completes once the operation is enqueued. When it does, the
+loop thread calls ``work.wait()``, which makes the *current stream* wait for
+nccl's stream without blocking the host: after ``await`` the result is ready
+for kernels on the current stream, as with torch's own ``async_op`` works.
+``Handle.wait()`` adds nothing more; synchronize the stream for host reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncomm._backends import Backend, Tensors
+from asyncomm._env import LaunchEnv
+from asyncomm._errors import CommError, CommTimeoutError, PeerFailedError
+from asyncomm._ops import ReduceOp
+from asyncomm._progress import FutureBridge, Sink, Waiters
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.AVG,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
+}
+
+_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connection refused",
+              "socket closed", "peer", "remote process exited")
+
+# gloo's tag is a 32-bit slot; keep the top of the range for asyncomm's own traffic.
+_MAX_TAG = 2**31 - 1 - 1024
+
+_stores: dict[tuple[str, int, int, int], dist.Store] = {}
+_generation = 0
+_store_lock = threading.Lock()
+
+
+def classify(exc: BaseException) -> type[CommError]:
+    """Map an exception raised by torch.distributed to the asyncomm error it means."""
+    text = str(exc).lower()
+    if "timed out" in text or "timeout" in text:
+        return CommTimeoutError
+    if any(sign in text for sign in _PEER_GONE):
+        return PeerFailedError
+    return CommError
+
+
+def _value(future: Any) -> object:
+    future.value()  # raises the backend's error, if any
+    return None
+
+
+def _none(_: object) -> object:
+    return None
+
+
+class TorchBackend(Backend):
+    """A torch ``ProcessGroup`` driven without blocking."""
+
+    def __init__(self, name: str, pg: dist.ProcessGroup, global_ranks: Sequence[int],
+                 loop: asyncio.AbstractEventLoop, timeout: float, owns_world: bool) -> None:
+        self.name = name
+        self.raw = pg
+        self.rank = pg.rank()
+        self.size = pg.size()
+        self.max_tag = _MAX_TAG
+        self._pg = pg
+        self._global_ranks = list(global_ranks)
+        self._loop = loop
+        self._timeout = timeout
+        self._owns_world = owns_world
+        self._device = "cuda" if name == "nccl" else "cpu"
+        self._bridge = FutureBridge(loop, classify)
+        self._waiters = Waiters(loop, classify)
+        self._closed = False
+        # nccl's future resolves at enqueue: its works also need wait() (see module note).
+        self._finish: Callable[[Any], Callable[[Any], object]] = (
+            (lambda work: lambda future: (future.value(), work.wait()))
+            if name == "nccl" else (lambda work: _value)
+        )
+
+    # -- checks ---------------------------------------------------------------
+
+    def check_tensor(self, tensor: torch.Tensor, what: str) -> None:
+        if tensor.device.type != self._device:
+            raise TypeError(
+                f"{what}: the {self.name} backend moves {self._device} tensors, "
+                f"got one on {tensor.device}"
+            )
+
+    # -- collectives ------------------------------------------------------------
+
+    def _collective(self, sink: Sink, work: Any) -> None:
+        self._bridge.watch(work.get_future(), sink, self._finish(work))
+
+    def _futureless(self, sink: Sink, work: Any) -> None:
+        """Watch a work that has no future on CPU (gloo's reduce_scatter)."""
+        if self._device == "cuda":
+            self._collective(sink, work)
+        else:
+            self._waiters.watch(work.wait, sink, _none)
+
+    def barrier(self, sink: Sink) -> None:
+        self._collective(sink, self._pg.barrier())
+
+    def broadcast(self, sink: Sink, tensor: torch.Tensor, src: int) -> None:
+        self._collective(sink, self._pg.broadcast(tensor, src))
+
+    def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
+        self._collective(sink, self._pg.allreduce([tensor], _TORCH_OPS[op]))
+
+    def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
+        self._collective(sink, self._pg.reduce(tensor, dst, _TORCH_OPS[op]))
+
+    def all_gather(self, sink: Sink, out: Tensors, tensor: torch.Tensor) -> None:
+        self._collective(sink, self._pg.allgather([list(out)], [tensor]))
+
+    def gather(self, sink: Sink, out: Tensors | None, tensor: torch.Tensor, dst: int) -> None:
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        self._collective(sink, self._pg.gather([list(out)] if out is not None else [],
+                                               [tensor], opts))
+
+    def scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors | None,
+                src: int) -> None:
+        opts = dist.ScatterOptions()
+        opts.rootRank = src
+        self._collective(sink, self._pg.scatter([tensor],
+                                                [list(chunks)] if chunks is not None else [],
+                                                opts))
+
+    def reduce_scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors,
+                       op: ReduceOp) -> None:
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _TORCH_OPS[op]
+        self._futureless(sink, self._pg.reduce_scatter([tensor], [list(chunks)], opts))
+
+    def all_to_all(self, sink: Sink, outputs: Tensors, inputs: Tensors) -> None:
+        self._collective(sink, self._pg.alltoall(list(outputs), list(inputs)))
+
+    # -- point to point -----------------------------------------------------------
+
+    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        work = self._pg.send([tensor], dst, tag)
+        self._p2p(sink, work, _none)
+
+    def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
+        if src is None:
+            work = self._pg.recv_anysource([tensor], tag)
+        else:
+            work = self._pg.recv([tensor], src, tag)
+        self._p2p(sink, work, lambda _: work._source_rank())
+
+    def _p2p(self, sink: Sink, work: Any, finish: Callable[[Any], object]) -> None:
+        if self._device == "cuda":
+            self._bridge.watch(work.get_future(), sink, finish)
+        else:  # gloo: no future, no polling: a waiter thread calls wait()
+            self._waiters.watch(work.wait, sink, finish)
+
+    # -- groups and lifecycle ---------------------------------------------------------
+
+    async def split(self, ranks: Sequence[int]) -> tuple[Backend, Backend] | None:
+        if self.rank not in ranks:
+            return None
+        members = [self._global_ranks[r] for r in ranks]
+        user = await self._new_group(members, self.name)
+        own = await self._new_group(members, "gloo")
+        return user, own
+
+    async def _new_group(self, members: list[int], name: str) -> TorchBackend:
+        timeout = datetime.timedelta(seconds=self._timeout)
+        pg = await self._loop.run_in_executor(
+            None, lambda: dist.new_group(members, backend=name, timeout=timeout,
+                                         use_local_synchronization=True))
+        assert isinstance(pg, dist.ProcessGroup)
+        return TorchBackend(name, pg, members, self._loop, self._timeout, owns_world=False)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_world:
+            dist.destroy_process_group()
+        elif dist.is_initialized():
+            try:
+                dist.destroy_process_group(self._pg)
+            except (ValueError, RuntimeError):
+                pass  # already gone with the world
+        self._waiters.close(timeout=2.0)
+
+
+def _base_store(env: LaunchEnv, timeout: float) -> dist.Store:
+    """Return this process's rendezvous store, made once and reused by every init."""
+    key = (env.master_addr, env.master_port, env.rank, env.size)
+    with _store_lock:
+        store = _stores.get(key)
+        if store is None:
+            if env.size == 1:
+                store = dist.HashStore()
+            else:
+                store = dist.TCPStore(
+                    env.master_addr, env.master_port, env.size, is_master=env.hosts_store,
+                    timeout=datetime.timedelta(seconds=timeout),
+                    wait_for_workers=False)
+            _stores[key] = store
+        return store
+
+
+async def open_torch(name: str, env: LaunchEnv, timeout: float,
+                     loop: asyncio.AbstractEventLoop) -> tuple[Backend, Backend]:
+    """Join (or adopt) torch's default process group; return it and a private twin."""
+    global _generation
+    if name == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' needs CUDA, and no GPU is visible")
+        local = int(os.environ.get("LOCAL_RANK", env.rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local)
+    owns = not dist.is_initialized()
+    if owns:
+        store = _base_store(env, timeout)
+        _generation += 1
+        prefixed = dist.PrefixStore(f"asyncomm/{_generation}", store)
+
+        def init() -> None:
+            dist.init_process_group(name, store=prefixed, rank=env.rank, world_size=env.size,
+                                    timeout=datetime.timedelta(seconds=timeout))
+
+        await loop.run_in_executor(None, init)
+    world = dist.group.WORLD
+    assert isinstance(world, dist.ProcessGroup)
+    ranks = list(range(world.size()))
+    # asyncomm's own traffic (objects) is CPU bytes: always gloo.
+    own_pg = await loop.run_in_executor(
+        None, lambda: dist.new_group(ranks, backend="gloo",
+                                     timeout=datetime.timedelta(seconds=timeout)))
+    assert isinstance(own_pg, dist.ProcessGroup)
+    user = TorchBackend(name, world, ranks, loop, timeout, owns_world=owns)
+    own = TorchBackend("gloo", own_pg, ranks, loop, timeout, owns_world=False)
+    return user, own

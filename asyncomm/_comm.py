@@ -1,0 +1,440 @@
+"""``Comm``: check arguments, issue operations in call order, hand back ``Handle``s."""
+
+from __future__ import annotations
+
+import asyncio
+import operator
+import pickle
+import warnings
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+
+from asyncomm._backends import Backend
+from asyncomm._errors import CommClosedError, CommError
+from asyncomm._handle import Handle
+from asyncomm._ops import ReduceOp, check_reduce
+
+T = TypeVar("T")
+Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)  # type: ignore[type-arg]
+
+
+def _same(value: object) -> object:
+    return value
+
+
+class Comm:
+    """A communicator: this rank's view of a group of ranks, with awaitable operations.
+
+    Every operation is issued when it is called, in program order, and
+    returns a ``Handle``; ``await`` it for the result. Arguments are checked
+    before anything is sent: bad ones raise ``ValueError``/``TypeError`` at
+    the call and leave the communicator usable.
+    """
+
+    def __init__(self, backend: Backend, own: Backend, loop: asyncio.AbstractEventLoop,
+                 timeout: float) -> None:
+        self._backend = backend
+        self._own = own  # asyncomm's private twin: objects and groups travel here
+        self._loop = loop
+        self._timeout = timeout
+        self._seq = 0
+        self._closed = False
+        self._children: list[Comm] = []
+        self._chain: asyncio.Future[Any] | None = None  # last multi-step op on ``_own``
+
+    def __repr__(self) -> str:
+        state = " closed" if self._closed else ""
+        return f"<Comm {self.backend} rank {self.rank} of {self.size}{state}>"
+
+    @property
+    def rank(self) -> int:
+        """This rank's number in the communicator, ``0 <= rank < size``."""
+        return self._backend.rank
+
+    @property
+    def size(self) -> int:
+        """How many ranks the communicator spans."""
+        return self._backend.size
+
+    @property
+    def backend(self) -> str:
+        """``"gloo"``, ``"nccl"`` or ``"mpi"``."""
+        return self._backend.name
+
+    @property
+    def raw(self) -> Any:
+        """The underlying ``torch.distributed.ProcessGroup`` or ``mpi4py.MPI.Comm``."""
+        return self._backend.raw
+
+    @property
+    def max_tag(self) -> int:
+        """The largest tag point-to-point operations accept."""
+        return self._backend.max_tag
+
+    @property
+    def timeout(self) -> float:
+        """The default deadline of every operation, in seconds."""
+        return self._timeout
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
+
+    # -- argument checks --------------------------------------------------------
+
+    def _what(self, op: str) -> str:
+        return f"rank {self.rank}: {op}"
+
+    def _open(self, op: str) -> None:
+        if self._closed:
+            raise CommClosedError(f"{self._what(op)}: the communicator is closed")
+
+    def _tensor(self, value: object, op: str, name: str = "tensor",
+                writes: bool = True) -> torch.Tensor:
+        if isinstance(value, torch.Tensor):
+            tensor = value
+        elif isinstance(value, np.ndarray):
+            tensor = self._from_numpy(value, op, name, writes)
+        else:
+            raise TypeError(f"{self._what(op)}: {name} must be a torch.Tensor or numpy.ndarray, "
+                            f"not {type(value).__name__}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{self._what(op)}: {name} must be contiguous "
+                             "(call .contiguous() and use the copy)")
+        self._backend.check_tensor(tensor, self._what(op))
+        return tensor
+
+    def _from_numpy(self, array: np.ndarray, op: str, name: str,  # type: ignore[type-arg]
+                    writes: bool) -> torch.Tensor:
+        if not array.flags.writeable:
+            if writes:
+                raise ValueError(f"{self._what(op)}: {name} is a read-only array")
+            with warnings.catch_warnings():  # torch warns of read-only arrays; we only read
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(array)
+        try:
+            return torch.from_numpy(array)
+        except TypeError as exc:
+            raise TypeError(f"{self._what(op)}: {name}: {exc}") from None
+
+    def _tensors(self, values: object, op: str, name: str, like: torch.Tensor | None,
+                 writes: bool = True) -> list[torch.Tensor]:
+        if not isinstance(values, (list, tuple)):
+            raise TypeError(f"{self._what(op)}: {name} must be a list of {self.size} tensors, "
+                            f"not {type(values).__name__}")
+        if len(values) != self.size:
+            raise ValueError(f"{self._what(op)}: {name} has {len(values)} tensors, "
+                             f"expected one per rank ({self.size})")
+        tensors = [self._tensor(v, op, f"{name}[{i}]", writes) for i, v in enumerate(values)]
+        for i, tensor in enumerate(tensors):
+            if like is not None and (tensor.shape != like.shape or tensor.dtype != like.dtype):
+                raise ValueError(
+                    f"{self._what(op)}: {name}[{i}] is {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"expected {tuple(like.shape)} {like.dtype} like the tensor")
+            if tensor.dtype != tensors[0].dtype:
+                raise TypeError(f"{self._what(op)}: {name} mixes dtypes "
+                                f"{tensors[0].dtype} and {tensor.dtype}")
+        return tensors
+
+    def _peer(self, value: object, op: str, name: str, self_ok: bool = True) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{self._what(op)}: {name} must be an int rank, "
+                            f"not {type(value).__name__}")
+        rank = operator.index(value)
+        if not 0 <= rank < self.size:
+            raise ValueError(f"{self._what(op)}: {name}={rank} is outside 0..{self.size - 1}")
+        if not self_ok and rank == self.rank:
+            raise ValueError(f"{self._what(op)}: {name}={rank} is this rank itself")
+        return rank
+
+    def _tag(self, value: object, op: str) -> int:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise TypeError(f"{self._what(op)}: tag must be an int, not {type(value).__name__}")
+        tag = operator.index(value)
+        if not 0 <= tag <= self.max_tag:
+            raise ValueError(f"{self._what(op)}: tag={tag} is outside 0..{self.max_tag}")
+        return tag
+
+    def _deadline(self, timeout: float | None, op: str) -> float:
+        if timeout is None:
+            return self._timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"{self._what(op)}: timeout must be seconds (a number), "
+                            f"not {type(timeout).__name__}")
+        if not timeout > 0:
+            raise ValueError(f"{self._what(op)}: timeout must be > 0 (math.inf for none), "
+                             f"got {timeout}")
+        return float(timeout)
+
+    def _reduce_op(self, op: ReduceOp | str, dtype: torch.dtype, what: str) -> ReduceOp:
+        parsed = ReduceOp.parse(op)
+        check_reduce(dtype, parsed, self._what(what))
+        self._backend.check_reduce(dtype, parsed, self._what(what))
+        return parsed
+
+    # -- issuing ------------------------------------------------------------------
+
+    def _issue(self, op: str, start: Callable[[Handle[T]], None], result_of: Callable[[Any], T],
+               keep: object, timeout: float, peer: int | None = None,
+               tag: int | None = None) -> Handle[T]:
+        self._open(op)
+        self._seq += 1
+        handle: Handle[T] = Handle(self._loop, (self.rank, op, self._seq, peer, tag),
+                                   result_of, keep, timeout)
+        try:
+            start(handle)
+        except (TypeError, ValueError):
+            handle._settle(2, None)  # never started: drop its timer
+            raise
+        except Exception as exc:
+            handle._fail(CommError, exc)
+        return handle
+
+    # -- collectives -----------------------------------------------------------------
+
+    def barrier(self, *, timeout: float | None = None) -> Handle[None]:
+        """Wait until every rank has called ``barrier``."""
+        deadline = self._deadline(timeout, "barrier")
+        return self._issue("barrier", self._backend.barrier, lambda _: None, None, deadline)
+
+    def broadcast(self, tensor: Buffer, src: int, *, timeout: float | None = None
+                  ) -> Handle[Buffer]:
+        """Copy ``src``'s ``tensor`` into ``tensor`` on every rank."""
+        t = self._tensor(tensor, "broadcast")
+        src = self._peer(src, "broadcast", "src")
+        deadline = self._deadline(timeout, "broadcast")
+        return self._issue("broadcast", lambda h: self._backend.broadcast(h, t, src),
+                           lambda _: tensor, t, deadline)
+
+    def all_reduce(self, tensor: Buffer, op: ReduceOp | str = "sum", *,
+                   timeout: float | None = None) -> Handle[Buffer]:
+        """Reduce ``tensor`` over all ranks, in place; every rank gets the result."""
+        t = self._tensor(tensor, "all_reduce")
+        reduce_op = self._reduce_op(op, t.dtype, "all_reduce")
+        deadline = self._deadline(timeout, "all_reduce")
+        return self._issue("all_reduce", lambda h: self._backend.all_reduce(h, t, reduce_op),
+                           lambda _: tensor, t, deadline)
+
+    def reduce(self, tensor: Buffer, dst: int, op: ReduceOp | str = "sum", *,
+               timeout: float | None = None) -> Handle[Buffer]:
+        """Reduce ``tensor`` over all ranks into ``tensor`` on ``dst``."""
+        t = self._tensor(tensor, "reduce")
+        dst = self._peer(dst, "reduce", "dst")
+        reduce_op = self._reduce_op(op, t.dtype, "reduce")
+        deadline = self._deadline(timeout, "reduce")
+        return self._issue("reduce", lambda h: self._backend.reduce(h, t, dst, reduce_op),
+                           lambda _: tensor, t, deadline)
+
+    def all_gather(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
+                   out: Sequence[Any] | None = None, *,
+                   timeout: float | None = None) -> Handle[Sequence[Any]]:
+        """Gather every rank's ``tensor``; resolve to the list of them in rank order."""
+        t = self._tensor(tensor, "all_gather", writes=False)
+        outs = self._outputs(out, t, "all_gather")
+        result = outs if out is None else out
+        deadline = self._deadline(timeout, "all_gather")
+        return self._issue("all_gather", lambda h: self._backend.all_gather(h, outs, t),
+                           lambda _: result, (t, outs), deadline)
+
+    def gather(self, tensor: torch.Tensor | np.ndarray, dst: int,  # type: ignore[type-arg]
+               out: Sequence[Any] | None = None, *,
+               timeout: float | None = None) -> Handle[Sequence[Any] | None]:
+        """Gather every rank's ``tensor`` on ``dst``; resolve to the list there, ``None`` elsewhere."""
+        t = self._tensor(tensor, "gather", writes=False)
+        dst = self._peer(dst, "gather", "dst")
+        outs = self._outputs(out, t, "gather") if self.rank == dst else None
+        result = outs if out is None or outs is None else out
+        deadline = self._deadline(timeout, "gather")
+        return self._issue("gather", lambda h: self._backend.gather(h, outs, t, dst),
+                           lambda _: result, (t, outs), deadline)
+
+    def scatter(self, tensor: Buffer, chunks: Sequence[torch.Tensor] | None = None,
+                src: int = 0, *, timeout: float | None = None) -> Handle[Buffer]:
+        """Fill ``tensor`` on every rank with ``chunks[rank]`` of ``src``."""
+        t = self._tensor(tensor, "scatter")
+        src = self._peer(src, "scatter", "src")
+        parts: list[torch.Tensor] | None = None
+        if self.rank == src:
+            if chunks is None:
+                raise ValueError(f"{self._what('scatter')}: src {src} must give chunks")
+            parts = self._tensors(chunks, "scatter", "chunks", like=t, writes=False)
+        deadline = self._deadline(timeout, "scatter")
+        return self._issue("scatter", lambda h: self._backend.scatter(h, t, parts, src),
+                           lambda _: tensor, (t, parts), deadline)
+
+    def reduce_scatter(self, tensor: Buffer, chunks: Sequence[torch.Tensor],
+                       op: ReduceOp | str = "sum", *, timeout: float | None = None
+                       ) -> Handle[Buffer]:
+        """Set ``tensor`` to the reduction over ranks of their ``chunks[rank]``."""
+        t = self._tensor(tensor, "reduce_scatter")
+        parts = self._tensors(chunks, "reduce_scatter", "chunks", like=t, writes=False)
+        reduce_op = self._reduce_op(op, t.dtype, "reduce_scatter")
+        deadline = self._deadline(timeout, "reduce_scatter")
+        return self._issue("reduce_scatter",
+                           lambda h: self._backend.reduce_scatter(h, t, parts, reduce_op),
+                           lambda _: tensor, (t, parts), deadline)
+
+    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *,
+                   timeout: float | None = None) -> Handle[list[torch.Tensor]]:
+        """Send ``inputs[j]`` to rank j; resolve to ``outputs``, ``outputs[j]`` from rank j."""
+        ins = self._tensors(inputs, "all_to_all", "inputs", like=None, writes=False)
+        outs = self._tensors(outputs, "all_to_all", "outputs", like=None)
+        if outs[0].dtype != ins[0].dtype:
+            raise TypeError(f"{self._what('all_to_all')}: outputs are {outs[0].dtype}, "
+                            f"inputs {ins[0].dtype}")
+        deadline = self._deadline(timeout, "all_to_all")
+        result = list(outputs)
+        return self._issue("all_to_all", lambda h: self._backend.all_to_all(h, outs, ins),
+                           lambda _: result, (outs, ins), deadline)
+
+    def _outputs(self, out: Sequence[torch.Tensor] | None, like: torch.Tensor,
+                 op: str) -> list[torch.Tensor]:
+        if out is None:  # one allocation; consecutive views let backends gather in place
+            return list(like.new_empty((self.size, *like.shape)).unbind(0))
+        return self._tensors(out, op, "out", like=like)
+
+    # -- point to point -------------------------------------------------------------
+
+    def send(self, tensor: torch.Tensor | np.ndarray, dst: int,  # type: ignore[type-arg]
+             tag: int = 0, *, timeout: float | None = None) -> Handle[None]:
+        """Send ``tensor`` to ``dst``; the handle completes when the buffer may be reused."""
+        t = self._tensor(tensor, "send", writes=False)
+        dst = self._peer(dst, "send", "dst", self_ok=False)
+        tag = self._tag(tag, "send")
+        deadline = self._deadline(timeout, "send")
+        return self._issue("send", lambda h: self._backend.send(h, t, dst, tag),
+                           lambda _: None, t, deadline, peer=dst, tag=tag)
+
+    def recv(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
+             src: int | None = None, tag: int = 0, *,
+             timeout: float | None = None) -> Handle[int]:
+        """Receive into ``tensor`` from ``src`` (``None``: any source); resolve to the source."""
+        t = self._tensor(tensor, "recv")
+        peer = None if src is None else self._peer(src, "recv", "src", self_ok=False)
+        tag = self._tag(tag, "recv")
+        deadline = self._deadline(timeout, "recv")
+        return self._issue("recv", lambda h: self._backend.recv(h, t, peer, tag),
+                           operator.index, t, deadline, peer=peer, tag=tag)
+
+    # -- objects and groups: multi-step operations on the private twin ----------------
+
+    def _steps(self, op: str, body: Callable[[], Awaitable[T]],
+               timeout: float | None) -> Handle[T]:
+        """Run ``body`` after the previous multi-step operation, as one ``Handle``."""
+        deadline = self._deadline(timeout, op)
+        handle: Handle[T] = self._issue(op, lambda h: None, _same, None, deadline)  # type: ignore[arg-type]
+        previous = self._chain
+
+        async def run() -> None:
+            if previous is not None:
+                await asyncio.wait([previous])
+            try:
+                value = await body()
+            except CommError as exc:
+                handle._fail(type(exc), exc)
+            except Exception as exc:
+                handle._fail(CommError, exc)
+            else:
+                handle._succeed(value)
+
+        self._chain = self._loop.create_task(run())
+        return handle
+
+    async def _own_op(self, op: str, start: Callable[[Handle[Any]], None]) -> None:
+        handle: Handle[None] = Handle(self._loop, (self.rank, op, self._seq, None, None),
+                                      lambda _: None)
+        start(handle)
+        await handle
+
+    def broadcast_object(self, obj: Any, src: int, *,
+                         timeout: float | None = None) -> Handle[Any]:
+        """Send a picklable object from ``src`` to every rank; resolve to it.
+
+        Objects are pickled: every rank trusts every other, as with torch.
+        """
+        src = self._peer(src, "broadcast_object", "src")
+        payload = pickle.dumps(obj, protocol=5) if self.rank == src else b""
+        own = self._own
+
+        async def body() -> Any:
+            size = torch.tensor([len(payload)], dtype=torch.int64)
+            await self._own_op("broadcast_object", lambda h: own.broadcast(h, size, src))
+            if self.rank == src:
+                data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            else:
+                data = torch.empty(int(size.item()), dtype=torch.uint8)
+            await self._own_op("broadcast_object", lambda h: own.broadcast(h, data, src))
+            return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
+
+        return self._steps("broadcast_object", body, timeout)
+
+    def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> Handle[list[Any]]:
+        """Gather a picklable object from every rank; resolve to the list in rank order."""
+        payload = pickle.dumps(obj, protocol=5)
+        own = self._own
+
+        async def body() -> list[Any]:
+            mine = torch.tensor([len(payload)], dtype=torch.int64)
+            sizes = list(torch.empty(self.size, dtype=torch.int64).unbind(0))
+            sizes = [s.view(1) for s in sizes]
+            await self._own_op("all_gather_object", lambda h: own.all_gather(h, sizes, mine))
+            longest = max(int(s.item()) for s in sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            rows = list(torch.empty((self.size, longest), dtype=torch.uint8).unbind(0))
+            await self._own_op("all_gather_object", lambda h: own.all_gather(h, rows, padded))
+            return [pickle.loads(row[: int(n.item())].numpy().tobytes())
+                    for row, n in zip(rows, sizes, strict=True)]
+
+        return self._steps("all_gather_object", body, timeout)
+
+    def group(self, ranks: Iterable[int], *, timeout: float | None = None
+              ) -> Handle[Comm | None]:
+        """Make a communicator over ``ranks``, renumbered 0..k-1 in ascending order.
+
+        Every rank of this communicator calls it; it resolves to the new
+        ``Comm`` on members and to ``None`` elsewhere.
+        """
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+            raise TypeError(f"{self._what('group')}: ranks must be an iterable of ints")
+        members = sorted(self._peer(r, "group", "rank") for r in ranks)
+        if not members:
+            raise ValueError(f"{self._what('group')}: ranks is empty")
+        if len(set(members)) != len(members):
+            raise ValueError(f"{self._what('group')}: ranks has duplicates: {members}")
+
+        async def body() -> Comm | None:
+            made = await self._own.split(members)
+            if made is None:
+                return None
+            child = Comm(made[0], made[1], self._loop, self._timeout)
+            self._children.append(child)
+            return child
+
+        return self._steps("group", body, timeout)
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Close this communicator and the groups made from it; idempotent.
+
+        Operations still in flight fail with ``CommClosedError``; later calls
+        raise it at once.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for child in self._children:
+            await child.close()
+        if self._chain is not None and not self._chain.done():
+            self._chain.cancel()
+        self._own.close()
+        self._backend.close()
+
+    def _abort_job(self, code: int) -> None:
+        self._backend.abort_job(code)
+

@@ -1,0 +1,368 @@
+"""``asyncomm run``: start N local ranks, label their output, stop them all when one fails.
+
+With gloo (or nccl) the launcher spawns the ranks itself and hosts their rendezvous store on
+loopback, so no rank has to race for a port; with ``--backend mpi`` it hands the ranks to
+``mpiexec`` and only watches its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections import defaultdict, deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from asyncomm._env import _MPI_RANK_VARS, BACKENDS
+
+GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the world
+TAIL_LINES = 200  # stderr lines kept per rank for the failure summary
+_TRACEBACK = "Traceback (most recent call last):"
+# "[3] text" from MPICH's -prepend-rank, "[1,3]<stderr>: text" from Open MPI's --tag-output.
+_LABEL = re.compile(rb"\[(?:\d+,)?(\d+)\](?:<std\w+>)?:? ?")
+# mpiexec labels each chunk a rank writes rather than each line, so make every rank write
+# whole lines: line-buffer both streams (even under PYTHONUNBUFFERED), then run as python does.
+_LINE_BUFFERED_MAIN = """\
+import os, runpy, sys
+for stream in (sys.stdout, sys.stderr):
+    stream.reconfigure(line_buffering=True, write_through=False)
+del sys.argv[0]
+if sys.argv[0] == "-m":
+    del sys.argv[0]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the options of ``asyncomm run`` on its subparser."""
+    parser.add_argument(
+        "-n", "--nproc", type=int, required=True, metavar="N", help="ranks to start"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="mpi: start the ranks with mpiexec; gloo (default) or nccl: start them here",
+    )
+    parser.add_argument(
+        "--timeout", type=float, metavar="SECONDS", help="set ASYNCOMM_TIMEOUT for every rank"
+    )
+    parser.add_argument(
+        "-m", dest="module", action="store_true", help="SCRIPT names a module, as in python -m"
+    )
+    parser.add_argument("script", metavar="SCRIPT", help="the Python script every rank runs")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT"
+    )
+    parser.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run ``asyncomm run`` as parsed; return its exit code."""
+    if not args.module and not os.path.isfile(args.script):
+        print(f"asyncomm run: no such script: {args.script}", file=sys.stderr)
+        return 2
+    argv = ["-m", args.script] if args.module else [args.script]
+    try:
+        return launch([*argv, *args.script_args], args.nproc, args.backend, timeout=args.timeout)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"asyncomm run: {err}", file=sys.stderr)
+        return 2
+
+
+def find_mpiexec() -> str | None:
+    """Return the path of ``mpiexec``: on PATH, else beside this Python (the mpich wheel)."""
+    found = shutil.which("mpiexec")
+    if found is not None:
+        return found
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if os.access(beside, os.X_OK) else None
+
+
+def launch(
+    script_argv: list[str],
+    n: int,
+    backend: str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+) -> int:
+    """Run ``python *script_argv`` (a script or ``-m module``, then its arguments) on n ranks.
+
+    Blocks until every rank has exited and returns the world's exit code. ``backend`` is
+    exported as ``ASYNCOMM_BACKEND`` when given (``"mpi"`` starts the ranks with mpiexec),
+    ``env`` is added to every rank's environment and ``timeout`` becomes ``ASYNCOMM_TIMEOUT``.
+    """
+    if n < 1:
+        raise ValueError(f"-n must be at least 1, not {n}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    base = dict(os.environ)
+    if backend is not None:
+        base["ASYNCOMM_BACKEND"] = backend
+    if timeout is not None:
+        base["ASYNCOMM_TIMEOUT"] = f"{timeout:g}"
+    if backend == "mpi":
+        return _launch_mpi(script_argv, n, {**base, **(env or {})})
+    base["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    base["PYTHONUNBUFFERED"] = "1"  # our pumps split lines, so let ranks write at once
+    for name in _MPI_RANK_VARS:  # an enclosing MPI job must not make ranks look like MPI's
+        base.pop(name, None)
+    return _launch_local(script_argv, n, {**base, **(env or {})})
+
+
+def _launch_local(script_argv: list[str], n: int, base: dict[str, str]) -> int:
+    """Host the store, spawn n ranks of ``python *script_argv``, and supervise them."""
+    store, port = host_store()  # referenced until the ranks are gone: it serves them
+    shared = {
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "ASYNCOMM_STORE": "client",
+    }
+    envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
+    world = asyncio.run(_supervise([[sys.executable, *script_argv]] * n, envs, labeled=False))
+    del store
+    if world.signal is not None:
+        _say(f"interrupted by {signal.Signals(world.signal).name}; stopped {n} ranks")
+        return 128 + world.signal
+    if world.first_failed is None:
+        return 0
+    rank, code = world.first_failed, world.codes[world.first_failed] or 1
+    _say(f"rank {rank} failed first ({_how(code)}); stopped the other ranks", world.tails[rank])
+    return code if code > 0 else 1
+
+
+def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str]) -> int:
+    """Run the ranks under mpiexec, passing its rank-labelled output through."""
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise FileNotFoundError("mpiexec not found; pip install 'asyncomm[mpi]' provides one")
+    python = [sys.executable, "-c", _LINE_BUFFERED_MAIN, *script_argv]
+    cmd = [mpiexec, "-n", str(n), *_label_flag(mpiexec), *python]
+    world = asyncio.run(_supervise([cmd], [{**env, "ASYNCOMM_BACKEND": "mpi"}], labeled=True))
+    code = world.codes[0] or 0
+    if world.signal is not None:
+        _say(f"interrupted by {signal.Signals(world.signal).name}; stopped mpiexec")
+        return 128 + world.signal
+    if code == 0:
+        return 0
+    if world.tracebacks:  # the first rank to raise is the likeliest culprit
+        rank = world.tracebacks[0]
+        _say(f"mpiexec {_how(code)}; rank {rank} raised first", world.tails[rank])
+    else:
+        _say(f"mpiexec {_how(code)}", world.tails[-1])
+    return code if code > 0 else 1
+
+
+def loopback_interface() -> str:
+    """Return the name of the loopback network interface, for gloo to bind to."""
+    return "lo0" if sys.platform == "darwin" else "lo"
+
+
+def host_store() -> tuple[object, int]:
+    """Start the rendezvous store on a free loopback port; return it and the port."""
+    import torch
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    # Binding to port 0 ourselves gets a free port without a probe-then-bind race and keeps
+    # the store off every interface but loopback; the store adopts the fd and closes it.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+        port: int = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    fd = sock.detach()
+    # The libuv store learnt to adopt a listening fd only recently (pytorch#150215).
+    use_libuv = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8)
+    try:
+        store = TCPStore(
+            "127.0.0.1",
+            port,
+            world_size=None,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=use_libuv,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    return store, port
+
+
+def _label_flag(mpiexec: str) -> list[str]:
+    """Return the mpiexec option that prefixes each output line with its rank."""
+    try:
+        probe = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    version = (probe.stdout + probe.stderr).lower()
+    if "open mpi" in version or "openrte" in version or "prte" in version:
+        return ["--tag-output"]
+    if "hydra" in version or "intel" in version:
+        return ["-prepend-rank"]
+    return []
+
+
+@dataclass
+class _World:
+    """What supervision saw: exit codes, who failed first, and each rank's last stderr lines."""
+
+    codes: list[int | None]
+    first_failed: int | None = None  # index of the first process to exit non-zero
+    signal: int | None = None  # SIGINT or SIGTERM received by the launcher
+    tracebacks: list[int] = field(default_factory=list)  # ranks, in order of first traceback
+    tails: defaultdict[int, deque[str]] = field(
+        default_factory=lambda: defaultdict(lambda: deque(maxlen=TAIL_LINES))
+    )
+
+
+async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled: bool) -> _World:
+    """Run one process per command until all exit, stopping them all once one fails."""
+    world = _World(codes=[None] * len(cmds))
+    procs: list[asyncio.subprocess.Process] = []
+    stop = asyncio.Event()  # set when all exited, one failed, or the launcher got a signal
+
+    def on_signal(signum: int) -> None:
+        # Ranks live in their own sessions so that a terminal's Ctrl-C reaches them once,
+        # from here; a second signal means the user is out of patience.
+        _kill(procs, signum if world.signal is None else signal.SIGKILL)
+        world.signal = signum
+        stop.set()
+
+    async def watch(index: int, proc: asyncio.subprocess.Process) -> None:
+        world.codes[index] = code = await proc.wait()
+        if code != 0 and world.first_failed is None:
+            world.first_failed = index
+            stop.set()
+
+    loop = asyncio.get_running_loop()
+    handled: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            loop.add_signal_handler(signum, on_signal, signum)  # only in the main thread
+            handled.append(signum)
+    try:
+        for cmd, env in zip(cmds, envs, strict=True):
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            procs.append(proc)
+        pumps = [
+            asyncio.ensure_future(_pump(stream, kept, world, None if labeled else i))
+            for i, proc in enumerate(procs)
+            for stream, kept in ((proc.stdout, False), (proc.stderr, True))
+            if stream is not None
+        ]
+        exits = asyncio.gather(*(watch(i, proc) for i, proc in enumerate(procs)))
+        exits.add_done_callback(lambda _: stop.set())
+        await stop.wait()
+        if not exits.done():
+            if world.signal is None:
+                _kill(procs, signal.SIGTERM)
+            if not (await asyncio.wait({exits}, timeout=GRACE_S))[0]:
+                _kill(procs, signal.SIGKILL)
+            await exits
+        # A rank's own children may hold its pipes open: don't wait on them forever.
+        for pump in (await asyncio.wait(pumps, timeout=GRACE_S))[1] if pumps else ():
+            pump.cancel()
+    finally:
+        _kill(procs, signal.SIGKILL)  # only those still running, e.g. when spawning failed
+        for handled_signum in handled:
+            loop.remove_signal_handler(handled_signum)
+    return world
+
+
+async def _pump(
+    stream: asyncio.StreamReader, is_err: bool, world: _World, rank: int | None
+) -> None:
+    """Copy a rank's output line by line, labelled with ``rank`` unless already labelled."""
+    prefix = b"" if rank is None else f"[{rank}] ".encode()
+
+    def emit(line: bytes) -> None:
+        _write(sys.stderr if is_err else sys.stdout, prefix + line + b"\n")
+        if is_err:
+            _keep(world, line, rank)
+
+    pending = b""
+    while chunk := await stream.read(1 << 16):
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            emit(line)
+    if pending:  # a last line without its newline
+        emit(pending)
+
+
+def _keep(world: _World, line: bytes, rank: int | None) -> None:
+    """Remember a stderr line of ``rank``, reading the rank from its label when None."""
+    if rank is None:
+        world.tails[-1].append(line.decode(errors="replace"))  # all ranks, labels and all
+        label = _LABEL.match(line)
+        if label is None:
+            return
+        rank, line = int(label[1]), line[label.end() :]
+    text = line.decode(errors="replace").rstrip("\r")
+    world.tails[rank].append(text)
+    if text.startswith(_TRACEBACK) and rank not in world.tracebacks:
+        world.tracebacks.append(rank)
+
+
+def _write(sink: TextIO, data: bytes) -> None:
+    """Write one line to ``sink`` now, as bytes when it has a binary buffer."""
+    try:
+        if hasattr(sink, "buffer"):
+            sink.buffer.write(data)
+            sink.buffer.flush()
+        else:  # a replaced stream, e.g. a caller capturing output
+            sink.write(data.decode(errors="replace"))
+            sink.flush()
+    except (OSError, ValueError):
+        pass  # a closed terminal or pipe must not stop the ranks
+
+
+def _kill(procs: list[asyncio.subprocess.Process], signum: int) -> None:
+    """Send ``signum`` to the process group of every process still running."""
+    for proc in procs:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signum)
+
+
+def _how(code: int) -> str:
+    """Describe an exit code as asyncio reports it (negative: killed by that signal)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _say(headline: str, tail: deque[str] | None = None) -> None:
+    """Print the launcher's summary, with the last traceback (or last lines) of ``tail``."""
+    lines = list(tail or ())
+    starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK)]
+    shown = lines[starts[-1] :] if starts else lines[-20:]
+    body = "".join(f"    {line}\n" for line in shown)
+    sys.stderr.write(f"asyncomm run: {headline}\n{body}")
+    sys.stderr.flush()

@@ -1,0 +1,254 @@
+"""Multi-rank tests: run an ``async def check(comm, ...)`` on every rank of a real world.
+
+Starting ranks is the slow part, so a ``World`` is started once and serves
+many tests: each rank process connects back to the test process, imports the
+check function by file and name, runs it with its ``Comm`` and reports the
+result or its traceback. A failure on any rank fails the test with that
+rank's traceback; a rank that hangs past the deadline fails the test naming
+it, and the world is restarted for the next test.
+
+Use it from pytest::
+
+    async def check_sum(comm):
+        t = torch.ones(1)
+        await comm.all_reduce(t)
+        assert t.item() == comm.size
+
+    def test_sum(world):                 # a fixture giving a World
+        world.run(check_sum)
+
+The ``asyncomm.testing`` pytest plugin (see ``tests/conftest.py``) gives the
+``worlds`` fixture, a ``WorldPool``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Client, Connection, Listener, wait
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import asyncomm
+
+_ADDRESS = "ASYNCOMM_TEST_ADDRESS"
+_KEY = "ASYNCOMM_TEST_KEY"
+
+
+class WorldFailure(AssertionError):
+    """A check failed, or hung, on one or more ranks."""
+
+
+class World:
+    """``size`` rank processes on ``backend``, serving checks until stopped."""
+
+    def __init__(self, size: int, backend: str = "gloo", start_timeout: float = 60.0) -> None:
+        if size < 1:
+            raise ValueError(f"a world needs at least one rank, not {size}")
+        self.size = size
+        self.backend = backend
+        self._start_timeout = start_timeout
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._conns: list[Connection] = []
+        self._store: object = None
+        self._logs: list[Path] = []
+        self._logdir = tempfile.TemporaryDirectory(prefix=f"asyncomm-{backend}{size}-")
+
+    def __repr__(self) -> str:
+        return f"<World {self.backend} x{self.size}{'' if self._conns else ' stopped'}>"
+
+    @property
+    def running(self) -> bool:
+        """Whether the rank processes are up and connected."""
+        return bool(self._conns) and all(p.poll() is None for p in self._procs)
+
+    def start(self) -> None:
+        """Start the ranks and wait until each has connected."""
+        from asyncomm import _launch
+
+        key = secrets.token_bytes(16)
+        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+            host, port = listener.address
+            env = {**os.environ, _ADDRESS: f"{host}:{port}", _KEY: key.hex(),
+                   "PYTHONUNBUFFERED": "1", "ASYNCOMM_BACKEND": self.backend}
+            for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK", "WORLD_SIZE"):
+                env.pop(name, None)
+            command = [sys.executable, "-m", "asyncomm.testing"]
+            self._logs = [Path(self._logdir.name) / f"rank{r}.log" for r in range(self.size)]
+            if self.backend == "mpi":
+                mpiexec = _launch.find_mpiexec()
+                if mpiexec is None:
+                    raise RuntimeError("mpiexec not found: pip install 'asyncomm[mpi]'")
+                self._logs = [Path(self._logdir.name) / "mpiexec.log"]
+                self._spawn([mpiexec, "-n", str(self.size), *command], env, self._logs[0])
+            else:
+                self._store, store_port = _launch.host_store()
+                shared = {"WORLD_SIZE": str(self.size), "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": str(store_port), "ASYNCOMM_STORE": "client",
+                          "GLOO_SOCKET_IFNAME": _launch.loopback_interface()}
+                for rank in range(self.size):
+                    self._spawn(command, {**env, **shared, "RANK": str(rank),
+                                          "LOCAL_RANK": str(rank)}, self._logs[rank])
+            conns: dict[int, Connection] = {}
+            deadline = time.monotonic() + self._start_timeout
+            listener._listener._socket.settimeout(1.0)  # type: ignore[attr-defined]
+            while len(conns) < self.size:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in self._procs):
+                    self.stop()
+                    raise RuntimeError(f"{self!r} did not start:\n{self._log_tail()}")
+                try:
+                    conn = listener.accept()
+                except (TimeoutError, OSError):
+                    continue
+                conns[conn.recv()] = conn
+        self._conns = [conns[r] for r in range(self.size)]
+
+    def _spawn(self, command: list[str], env: dict[str, str], log: Path) -> None:
+        with open(log, "wb") as out:
+            self._procs.append(subprocess.Popen(command, env=env, stdout=out,
+                                                stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL))
+
+    def run(self, check: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
+        """Run ``await check(comm, *args)`` on every rank; return their results in rank order.
+
+        Raise ``WorldFailure`` with the traceback of every rank that raised,
+        or naming the ranks still busy after ``timeout`` seconds.
+        """
+        if not self.running:
+            self.stop()
+            self.start()
+        path = str(Path(sys.modules[check.__module__].__file__ or "").resolve())
+        for conn in self._conns:
+            conn.send(("run", path, check.__qualname__, args))
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        while pending:
+            # Once a rank failed, the others get a short grace: they may be waiting on it.
+            limit = deadline if not failures else min(deadline, time.monotonic() + 5.0)
+            ready = wait(list(pending), timeout=max(0.0, limit - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                rank = pending.pop(conn)  # type: ignore[call-overload]
+                try:
+                    status, value = conn.recv()  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    status, value = "error", f"rank {rank} died\n{self._log_tail()}"
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    failures[rank] = value
+        if pending or failures:
+            hung = sorted(pending.values())
+            self.stop()  # its state is unknown now: the next check gets a fresh world
+            report = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
+            if hung:
+                report.append(f"ranks {hung} still busy after {timeout:g} s"
+                              if not failures else f"ranks {hung} did not finish after the failure")
+            raise WorldFailure(f"{check.__qualname__} failed on {self!r}:\n" + "\n".join(report))
+        return [results[r] for r in range(self.size)]
+
+    def _log_tail(self, lines: int = 40) -> str:
+        text = []
+        for log in self._logs:
+            try:
+                text.append(f"{log.name}:\n" + "\n".join(
+                    log.read_text(errors="replace").splitlines()[-lines:]))
+            except OSError:
+                pass
+        return "\n".join(text)
+
+    def stop(self) -> None:
+        """Stop the ranks (politely, then not)."""
+        for conn in self._conns:
+            try:
+                conn.send(("stop", "", "", ()))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns, self._store = [], [], None
+
+
+class WorldPool:
+    """Worlds by (backend, size), started on first use and kept for later tests."""
+
+    def __init__(self) -> None:
+        self._worlds: dict[tuple[str, int], World] = {}
+
+    def get(self, backend: str, size: int) -> World:
+        """Return the running world of ``size`` ranks on ``backend``."""
+        world = self._worlds.get((backend, size))
+        if world is None:
+            world = self._worlds[(backend, size)] = World(size, backend)
+        if not world.running:
+            world.stop()
+            world.start()
+        return world
+
+    def close(self) -> None:
+        """Stop every world."""
+        for world in self._worlds.values():
+            world.stop()
+        self._worlds.clear()
+
+
+# -- the rank side -----------------------------------------------------------------
+
+_modules: dict[str, ModuleType] = {}
+
+
+def _load(path: str, qualname: str) -> Callable[..., Any]:
+    module = _modules.get(path)
+    if module is None:
+        sys.path.insert(0, str(Path(path).parent))
+        spec = importlib.util.spec_from_file_location(f"asyncomm_check_{len(_modules)}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _modules[path] = module
+    target: Any = module
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target  # type: ignore[no-any-return]
+
+
+async def _serve(comm: asyncomm.Comm) -> None:
+    host, port = os.environ[_ADDRESS].rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[_KEY]))
+    conn.send(comm.rank)
+    loop = asyncio.get_running_loop()
+    while True:
+        command, path, qualname, args = await loop.run_in_executor(None, conn.recv)
+        if command == "stop":
+            break
+        try:
+            result = await _load(path, qualname)(comm, *args)
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+        else:
+            conn.send(("ok", result))
+    conn.close()
+
+
+if __name__ == "__main__":
+    asyncomm.run(_serve)

@@ -1,0 +1,41 @@
+"""Fixtures: real multi-rank worlds on gloo and MPI, started once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from asyncomm import _launch
+from asyncomm.testing import World, WorldPool
+
+BACKENDS = [
+    "gloo",
+    pytest.param("mpi", marks=pytest.mark.skipif(_launch.find_mpiexec() is None,
+                                                 reason="mpiexec not installed")),
+]
+
+
+@pytest.fixture(scope="session")
+def worlds() -> Iterator[WorldPool]:
+    pool = WorldPool()
+    yield pool
+    pool.close()
+
+
+@pytest.fixture(params=BACKENDS)
+def world(request: pytest.FixtureRequest, worlds: WorldPool) -> World:
+    """A world of 3 ranks (odd on purpose: no power-of-two shortcuts)."""
+    return worlds.get(request.param, 3)
+
+
+@pytest.fixture(params=BACKENDS)
+def world2(request: pytest.FixtureRequest, worlds: WorldPool) -> World:
+    """A world of 2 ranks."""
+    return worlds.get(request.param, 2)
+
+
+@pytest.fixture(params=BACKENDS)
+def world4(request: pytest.FixtureRequest, worlds: WorldPool) -> World:
+    """A world of 4 ranks."""
+    return worlds.get(request.param, 4)

@@ -1,0 +1,212 @@
+"""``asyncomm run`` end to end: real launcher, real ranks, no mocks."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncomm._launch import find_mpiexec, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+needs_mpi = pytest.mark.skipif(
+    find_mpiexec() is None or importlib.util.find_spec("mpi4py") is None,
+    reason="needs mpiexec and mpi4py",
+)
+
+
+def write(tmp_path: Path, source: str) -> Path:
+    """Write a rank script into tmp_path and return its path."""
+    script = tmp_path / "rank.py"
+    script.write_text(textwrap.dedent(source))
+    return script
+
+
+def asyncomm_run(
+    tmp_path: Path, *args: str, timeout: float = 60
+) -> tuple[subprocess.CompletedProcess[str], float]:
+    """Run ``python -m asyncomm run ARGS`` in tmp_path; return the result and its duration."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncomm", "run", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done, time.monotonic() - start
+
+
+def summary(stderr: str) -> str:
+    """Return the launcher's own failure summary at the end of stderr."""
+    assert "asyncomm run: " in stderr, stderr
+    return stderr[stderr.rindex("asyncomm run: ") :]
+
+
+def test_output_is_labelled_and_env_and_args_pass_through(tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        """
+        import os, sys
+        env = os.environ
+        print(f"rank={env['RANK']} size={env['WORLD_SIZE']} local={env['LOCAL_RANK']}"
+              f" store={env['ASYNCOMM_STORE']} addr={env['MASTER_ADDR']}"
+              f" backend={env.get('ASYNCOMM_BACKEND')} timeout={env.get('ASYNCOMM_TIMEOUT')}"
+              f" args={sys.argv[1:]}")
+        print(f"to stderr from {env['RANK']}", file=sys.stderr)
+        """,
+    )
+    done, _ = asyncomm_run(tmp_path, "-n", "3", "--timeout", "12", script.name, "-n", "7", "--x")
+    assert done.returncode == 0, done.stderr
+    for rank in range(3):
+        assert (
+            f"[{rank}] rank={rank} size=3 local={rank} store=client addr=127.0.0.1"
+            f" backend=None timeout=12 args=['-n', '7', '--x']\n"
+        ) in done.stdout
+        assert f"[{rank}] to stderr from {rank}\n" in done.stderr
+    assert len(done.stdout.splitlines()) == 3
+
+
+def test_a_raising_rank_stops_the_world_and_is_named(tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        """
+        import os, time
+        if os.environ["RANK"] == "1":
+            time.sleep(0.2)
+            raise ValueError("boom from rank one")
+        time.sleep(60)
+        """,
+    )
+    done, took = asyncomm_run(tmp_path, "-n", "3", script.name)
+    assert done.returncode == 1
+    assert took < 15
+    report = summary(done.stderr)
+    assert report.startswith("asyncomm run: rank 1 failed first (exited with code 1)")
+    assert "Traceback (most recent call last):" in report
+    assert "ValueError: boom from rank one" in report
+
+
+def test_a_killed_rank_is_named(tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        """
+        import os, signal, time
+        if os.environ["RANK"] == "2":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        """,
+    )
+    done, took = asyncomm_run(tmp_path, "-n", "3", script.name)
+    assert done.returncode != 0
+    assert took < 15
+    assert summary(done.stderr).startswith("asyncomm run: rank 2 failed first (killed by SIGKILL)")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp")
+def test_store_listens_on_loopback_only_and_serves_ranks(tmp_path: Path) -> None:
+    script = write(
+        tmp_path,
+        """
+        import datetime, os
+        from torch.distributed import TCPStore
+
+        port = int(os.environ["MASTER_PORT"])
+        listening = set()
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            if os.path.exists(table):
+                for row in open(table).readlines()[1:]:
+                    local, state = row.split()[1], row.split()[3]
+                    addr, hexport = local.rsplit(":", 1)
+                    if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                        listening.add(addr)
+        print("listening", sorted(listening))
+
+        store = TCPStore(os.environ["MASTER_ADDR"], port, is_master=False,
+                         timeout=datetime.timedelta(seconds=30))
+        store.set("rank" + os.environ["RANK"], "here")
+        store.wait(["rank0", "rank1"])
+        print("store ok")
+        """,
+    )
+    done, _ = asyncomm_run(tmp_path, "-n", "2", script.name)
+    assert done.returncode == 0, done.stderr
+    for rank in range(2):
+        assert f"[{rank}] listening ['0100007F']\n" in done.stdout  # 127.0.0.1, little-endian
+        assert f"[{rank}] store ok\n" in done.stdout
+
+
+def test_launch_returns_the_failed_rank_exit_code(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    script = write(
+        tmp_path,
+        """
+        import os, pathlib, sys, time
+        print("extra", os.environ["EXTRA"])
+        if os.environ["RANK"] == "1":
+            pathlib.Path(os.environ["FLAG"]).touch()
+            sys.exit(0)
+        # Rank 0's exit stops rank 1, so let rank 1 print first.
+        while not pathlib.Path(os.environ["FLAG"]).exists():
+            time.sleep(0.05)
+        sys.exit(7)
+        """,
+    )
+    flag = str(tmp_path / "printed")
+    assert launch([str(script)], 2, env={"EXTRA": "yes", "FLAG": flag}) == 7
+    out, err = capfd.readouterr()
+    assert "[0] extra yes\n" in out and "[1] extra yes\n" in out
+    assert summary(err).startswith("asyncomm run: rank 0 failed first (exited with code 7)")
+
+
+MPI_SCRIPT = """
+import sys, time
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+print(f"hello from {rank} of {comm.Get_size()} args={sys.argv[1:]}")
+comm.Barrier()
+if "fail" in sys.argv:
+    if rank == 1:
+        try:
+            raise RuntimeError("mpi rank one broke")
+        except RuntimeError:
+            import traceback
+            traceback.print_exc()
+        comm.Abort(3)  # what asyncomm.run does when a rank raises
+    time.sleep(60)
+"""
+
+
+@needs_mpi
+def test_mpi_output_is_labelled(tmp_path: Path) -> None:
+    script = write(tmp_path, MPI_SCRIPT)
+    done, _ = asyncomm_run(tmp_path, "-n", "3", "--backend", "mpi", script.name, "-v", "x")
+    assert done.returncode == 0, done.stderr
+    for rank in range(3):
+        assert f"[{rank}] hello from {rank} of 3 args=['-v', 'x']\n" in done.stdout
+
+
+@needs_mpi
+def test_mpi_failure_names_the_rank(tmp_path: Path) -> None:
+    script = write(tmp_path, MPI_SCRIPT)
+    done, took = asyncomm_run(tmp_path, "-n", "3", "--backend", "mpi", script.name, "fail")
+    assert done.returncode == 3
+    assert took < 15
+    report = summary(done.stderr)
+    assert report.startswith("asyncomm run: mpiexec exited with code 3; rank 1 raised first")
+    assert "RuntimeError: mpi rank one broke" in report
