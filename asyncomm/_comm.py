@@ -243,7 +243,7 @@ class Comm:
     def gather(self, tensor: torch.Tensor | np.ndarray, dst: int,  # type: ignore[type-arg]
                out: Sequence[Any] | None = None, *,
                timeout: float | None = None) -> Handle[Sequence[Any] | None]:
-        """Gather every rank's ``tensor`` on ``dst``; resolve to the list there, ``None`` elsewhere."""
+        """Gather every rank's ``tensor`` on ``dst``: the list there, ``None`` elsewhere."""
         t = self._tensor(tensor, "gather", writes=False)
         dst = self._peer(dst, "gather", "dst")
         outs = self._outputs(out, t, "gather") if self.rank == dst else None
@@ -350,6 +350,13 @@ class Comm:
         start(handle)
         await handle
 
+    def _pickle(self, obj: Any, op: str) -> bytes:
+        try:
+            return pickle.dumps(obj, protocol=5)
+        except (pickle.PicklingError, AttributeError, TypeError) as exc:
+            raise TypeError(f"{self._what(op)}: cannot pickle {type(obj).__name__}: {exc}") \
+                from exc
+
     def broadcast_object(self, obj: Any, src: int, *,
                          timeout: float | None = None) -> Handle[Any]:
         """Send a picklable object from ``src`` to every rank; resolve to it.
@@ -357,7 +364,7 @@ class Comm:
         Objects are pickled: every rank trusts every other, as with torch.
         """
         src = self._peer(src, "broadcast_object", "src")
-        payload = pickle.dumps(obj, protocol=5) if self.rank == src else b""
+        payload = self._pickle(obj, "broadcast_object") if self.rank == src else b""
         own = self._own
 
         async def body() -> Any:
@@ -374,7 +381,7 @@ class Comm:
 
     def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> Handle[list[Any]]:
         """Gather a picklable object from every rank; resolve to the list in rank order."""
-        payload = pickle.dumps(obj, protocol=5)
+        payload = self._pickle(obj, "all_gather_object")
         own = self._own
 
         async def body() -> list[Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
@@ -25,8 +26,17 @@ class Handle(Generic[T]):
     """
 
     __slots__ = (
-        "_error", "_events", "_keep", "_loop", "_result_of", "_state", "_timer", "_value",
-        "_waiters", "_what", "__weakref__",
+        "__weakref__",
+        "_error",
+        "_events",
+        "_keep",
+        "_loop",
+        "_result_of",
+        "_state",
+        "_timer",
+        "_value",
+        "_waiters",
+        "_what",
     )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, what: tuple[Any, ...],
@@ -43,7 +53,8 @@ class Handle(Generic[T]):
         self._events: list[threading.Event] = []
         self._timer: asyncio.TimerHandle | None = None
         if timeout != math.inf:
-            self._timer = loop.call_at(loop.time() + timeout, self._expire, timeout)
+            self._timer = loop.call_at(loop.time() + timeout, self._expire, timeout,
+                                       time.monotonic() + timeout)
 
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self._state]
@@ -140,7 +151,11 @@ class Handle(Generic[T]):
         error.__cause__ = cause
         self._settle(_FAILED, error)
 
-    def _expire(self, timeout: float) -> None:
+    def _expire(self, timeout: float, deadline: float) -> None:
+        early = deadline - time.monotonic()
+        if early > 0:  # loop timers are rounded to the millisecond: never fire early
+            self._timer = self._loop.call_later(early, self._expire, timeout, deadline)
+            return
         self._timer = None
         if self._state == _PENDING:
             error = CommTimeoutError(f"{describe(*self._what)} timed out after {timeout:g} s")

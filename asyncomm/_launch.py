@@ -131,6 +131,7 @@ def _launch_local(script_argv: list[str], n: int, base: dict[str, str]) -> int:
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
         "ASYNCOMM_STORE": "client",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # plain torch scripts connect as clients too
     }
     envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
     world = asyncio.run(_supervise([[sys.executable, *script_argv]] * n, envs, labeled=False))

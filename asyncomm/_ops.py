@@ -56,7 +56,7 @@ REDUCIBLE_DTYPES = (
 
 
 def check_reduce(dtype: torch.dtype, op: ReduceOp, what: str) -> None:
-    """Raise ``TypeError`` if ``op`` is meaningless on ``dtype`` (the same rule on every backend)."""
+    """Raise ``TypeError`` if ``op`` is meaningless on ``dtype`` (one rule for all backends)."""
     if dtype not in REDUCIBLE_DTYPES:
         raise TypeError(f"{what}: cannot reduce tensors of dtype {dtype}")
     if op in BITWISE and dtype.is_floating_point:

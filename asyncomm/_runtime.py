@@ -37,7 +37,7 @@ async def _open(backend: str | None, timeout: float) -> Comm:
     return Comm(user, own, loop, timeout)
 
 
-class init:  # noqa: N801 -- used like a function: ``async with asyncomm.init() as comm``
+class init:
     """Join this rank's world from its environment; closing leaves it.
 
     ``async with asyncomm.init() as comm: ...`` closes ``comm`` on exit;

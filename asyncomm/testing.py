@@ -36,7 +36,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import asyncomm
 
@@ -94,6 +94,7 @@ class World:
                 self._store, store_port = _launch.host_store()
                 shared = {"WORLD_SIZE": str(self.size), "MASTER_ADDR": "127.0.0.1",
                           "MASTER_PORT": str(store_port), "ASYNCOMM_STORE": "client",
+                          "TORCHELASTIC_USE_AGENT_STORE": "True",
                           "GLOO_SOCKET_IFNAME": _launch.loopback_interface()}
                 for rank in range(self.size):
                     self._spawn(command, {**env, **shared, "RANK": str(rank),
@@ -106,7 +107,7 @@ class World:
                     self.stop()
                     raise RuntimeError(f"{self!r} did not start:\n{self._log_tail()}")
                 try:
-                    conn = listener.accept()
+                    conn: Any = listener.accept()
                 except (TimeoutError, OSError):
                     continue
                 conns[conn.recv()] = conn
@@ -140,10 +141,11 @@ class World:
             ready = wait(list(pending), timeout=max(0.0, limit - time.monotonic()))
             if not ready:
                 break
-            for conn in ready:
-                rank = pending.pop(conn)  # type: ignore[call-overload]
+            for item in ready:
+                conn = cast(Connection, item)
+                rank = pending.pop(conn)
                 try:
-                    status, value = conn.recv()  # type: ignore[union-attr]
+                    status, value = conn.recv()
                 except (EOFError, OSError):
                     status, value = "error", f"rank {rank} died\n{self._log_tail()}"
                 if status == "ok":

@@ -115,7 +115,7 @@ def _consecutive(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
                 or tensor.untyped_storage().data_ptr() != storage.data_ptr()):
             return None
     flat = first.new_empty(0)
-    flat.set_(storage, first.storage_offset(), (first.numel() * len(tensors),))
+    flat.set_(storage, first.storage_offset(), (first.numel() * len(tensors),), (1,))
     return flat
 
 
@@ -154,7 +154,7 @@ class MpiBackend(Backend):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
-        self.max_tag = int(tag_ub) - 1024  # the top 1024 tags are asyncomm's own
+        self.max_tag = int(tag_ub) - 1024  # type: ignore[arg-type]  # the top 1024 tags are asyncomm's own
         self._comm = comm
         self._loop = loop
         self._poller = Poller(loop, self._testsome, classify)

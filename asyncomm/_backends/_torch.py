@@ -49,7 +49,7 @@ _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connectio
 # gloo's tag is a 32-bit slot; keep the top of the range for asyncomm's own traffic.
 _MAX_TAG = 2**31 - 1 - 1024
 
-_stores: dict[tuple[str, int, int, int], dist.Store] = {}
+_stores: dict[tuple[str, int, int, int], Any] = {}
 _generation = 0
 _store_lock = threading.Lock()
 
@@ -77,7 +77,9 @@ class TorchBackend(Backend):
     """A torch ``ProcessGroup`` driven without blocking."""
 
     def __init__(self, name: str, pg: dist.ProcessGroup, global_ranks: Sequence[int],
-                 loop: asyncio.AbstractEventLoop, timeout: float, owns_world: bool) -> None:
+                 loop: asyncio.AbstractEventLoop, timeout: float,
+                 release: Callable[[], None] | None, label: str,
+                 user_backend: str) -> None:
         self.name = name
         self.raw = pg
         self.rank = pg.rank()
@@ -87,7 +89,10 @@ class TorchBackend(Backend):
         self._global_ranks = list(global_ranks)
         self._loop = loop
         self._timeout = timeout
-        self._owns_world = owns_world
+        self._release = release  # destroys the group, if asyncomm made it
+        self._label = label  # names this group's subgroups alike on every member
+        self._user_backend = user_backend  # what groups split from this one run on
+        self._splits = 0
         self._device = "cuda" if name == "nccl" else "cpu"
         self._bridge = FutureBridge(loop, classify)
         self._waiters = Waiters(loop, classify)
@@ -151,7 +156,7 @@ class TorchBackend(Backend):
     def reduce_scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors,
                        op: ReduceOp) -> None:
         opts = dist.ReduceScatterOptions()
-        opts.reduceOp = _TORCH_OPS[op]
+        opts.reduceOp = _TORCH_OPS[op]  # type: ignore[assignment]
         self._futureless(sink, self._pg.reduce_scatter([tensor], [list(chunks)], opts))
 
     def all_to_all(self, sink: Sink, outputs: Tensors, inputs: Tensors) -> None:
@@ -179,45 +184,43 @@ class TorchBackend(Backend):
     # -- groups and lifecycle ---------------------------------------------------------
 
     async def split(self, ranks: Sequence[int]) -> tuple[Backend, Backend] | None:
+        self._splits += 1  # on every rank, member or not: names must agree
         if self.rank not in ranks:
             return None
         members = [self._global_ranks[r] for r in ranks]
-        user = await self._new_group(members, self.name)
-        own = await self._new_group(members, "gloo")
+        label = f"{self._label}.{self._splits}"
+        user = await self._new_group(members, self._user_backend, label)
+        own = await self._new_group(members, "gloo", label + ".own")
         return user, own
 
-    async def _new_group(self, members: list[int], name: str) -> TorchBackend:
+    async def _new_group(self, members: list[int], name: str, label: str) -> TorchBackend:
         timeout = datetime.timedelta(seconds=self._timeout)
-        pg = await self._loop.run_in_executor(
-            None, lambda: dist.new_group(members, backend=name, timeout=timeout,
-                                         use_local_synchronization=True))
-        assert isinstance(pg, dist.ProcessGroup)
-        return TorchBackend(name, pg, members, self._loop, self._timeout, owns_world=False)
+        pg = await self._loop.run_in_executor(None, _make_group, members, name, label, timeout)
+        return TorchBackend(name, pg, members, self._loop, self._timeout, _destroyer(pg),
+                            label=label, user_backend=name)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._owns_world:
-            dist.destroy_process_group()
-        elif dist.is_initialized():
+        if self._release is not None and dist.is_initialized():
             try:
-                dist.destroy_process_group(self._pg)
+                self._release()
             except (ValueError, RuntimeError):
                 pass  # already gone with the world
         self._waiters.close(timeout=2.0)
 
 
-def _base_store(env: LaunchEnv, timeout: float) -> dist.Store:
+def _base_store(env: LaunchEnv, timeout: float) -> Any:
     """Return this process's rendezvous store, made once and reused by every init."""
     key = (env.master_addr, env.master_port, env.rank, env.size)
     with _store_lock:
         store = _stores.get(key)
         if store is None:
             if env.size == 1:
-                store = dist.HashStore()
+                store = dist.HashStore()  # type: ignore[attr-defined]
             else:
-                store = dist.TCPStore(
+                store = dist.TCPStore(  # type: ignore[attr-defined]
                     env.master_addr, env.master_port, env.size, is_master=env.hosts_store,
                     timeout=datetime.timedelta(seconds=timeout),
                     wait_for_workers=False)
@@ -229,6 +232,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
                      loop: asyncio.AbstractEventLoop) -> tuple[Backend, Backend]:
     """Join (or adopt) torch's default process group; return it and a private twin."""
     global _generation
+    _generation += 1  # every rank opens as often as the others: labels agree
     if name == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("backend 'nccl' needs CUDA, and no GPU is visible")
@@ -237,8 +241,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
     owns = not dist.is_initialized()
     if owns:
         store = _base_store(env, timeout)
-        _generation += 1
-        prefixed = dist.PrefixStore(f"asyncomm/{_generation}", store)
+        prefixed = dist.PrefixStore(f"asyncomm/{_generation}", store)  # type: ignore[attr-defined]
 
         def init() -> None:
             dist.init_process_group(name, store=prefixed, rank=env.rank, world_size=env.size,
@@ -249,10 +252,42 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
     assert isinstance(world, dist.ProcessGroup)
     ranks = list(range(world.size()))
     # asyncomm's own traffic (objects) is CPU bytes: always gloo.
-    own_pg = await loop.run_in_executor(
-        None, lambda: dist.new_group(ranks, backend="gloo",
-                                     timeout=datetime.timedelta(seconds=timeout)))
-    assert isinstance(own_pg, dist.ProcessGroup)
-    user = TorchBackend(name, world, ranks, loop, timeout, owns_world=owns)
-    own = TorchBackend("gloo", own_pg, ranks, loop, timeout, owns_world=False)
+    label = f"asyncomm{_generation}"
+    own_pg = await loop.run_in_executor(None, _make_group, ranks, "gloo", label + ".own",
+                                        datetime.timedelta(seconds=timeout))
+    release = dist.destroy_process_group if owns else None
+    user = TorchBackend(name, world, ranks, loop, timeout, release, label, name)
+    own = TorchBackend("gloo", own_pg, ranks, loop, timeout, _destroyer(own_pg), label, name)
     return user, own
+
+
+def _make_group(members: list[int], backend: str, label: str,
+                timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """Create the process group of ``members`` (global ranks) named ``label``; members only.
+
+    Note on names
+    -------------
+    ``dist.new_group`` names a group either by a counter every rank of the
+    world must advance together, or (``use_local_synchronization``) by a
+    hash that also counts the groups this process already has -- which
+    differs between ranks that belong to different groups. asyncomm names
+    its groups itself, after the parent and how many groups it split off,
+    which every member agrees on.
+    """
+    c10d = dist.distributed_c10d
+    try:
+        pg, _ = c10d._new_process_group_helper(
+            len(members), members.index(dist.get_rank()), members, backend,
+            c10d._get_default_store(), c10d.GroupName(label), timeout=timeout)
+    except (AttributeError, TypeError):  # a torch without that helper: its own naming
+        made = dist.new_group(members, backend=backend, timeout=timeout,
+                              use_local_synchronization=True)
+        assert isinstance(made, dist.ProcessGroup)
+        return made
+    c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(members)}
+    assert isinstance(pg, dist.ProcessGroup)
+    return pg
+
+
+def _destroyer(pg: dist.ProcessGroup) -> Callable[[], None]:
+    return lambda: dist.destroy_process_group(pg)

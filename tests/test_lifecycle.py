@@ -1,0 +1,256 @@
+"""Timeouts, cancellation, buffer lifetime, bad arguments, close and re-init."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import math
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import asyncomm
+from asyncomm import Comm, _launch
+from asyncomm.testing import World
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def check_recv_timeout(comm: Comm) -> float:
+    elapsed = 0.0
+    if comm.rank == 0:
+        start = time.monotonic()
+        with pytest.raises(asyncomm.CommTimeoutError) as info:
+            await comm.recv(torch.zeros(1), 1, tag=7771, timeout=0.5)
+        elapsed = time.monotonic() - start
+        text = str(info.value)
+        assert "rank 0" in text and "recv" in text and "peer 1" in text and "tag 7771" in text
+    await comm.barrier()
+    return elapsed
+
+
+def test_recv_timeout_names_rank_op_peer_and_tag(world: World) -> None:
+    elapsed = world.run(check_recv_timeout)[0]
+    assert 0.5 <= elapsed < 5.0
+
+
+async def check_collective_timeout(comm: Comm) -> None:
+    solo = await comm.group([0])
+    if comm.rank == 0:
+        assert solo is not None and solo.size == 1
+    lonely = await comm.group(range(comm.size), timeout=30)
+    assert lonely is not None
+    if comm.rank == 0:  # the others never join this all_reduce
+        with pytest.raises(asyncomm.CommTimeoutError, match=r"rank 0: all_reduce"):
+            await lonely.all_reduce(torch.ones(1), timeout=0.3)
+    await comm.barrier()
+
+
+def test_collective_timeout(world: World) -> None:
+    world.run(check_collective_timeout)
+
+
+async def check_communicator_default_timeout(comm: Comm) -> None:
+    async with asyncomm.init(timeout=0.4) as short:  # a second world over the same ranks
+        assert short.timeout == 0.4
+        if short.rank == 0:
+            with pytest.raises(asyncomm.CommTimeoutError, match=r"timed out after 0\.4"):
+                await short.recv(torch.zeros(1), 1, tag=30003)
+        await short.barrier(timeout=30)
+
+
+def test_communicator_default_timeout(world: World) -> None:
+    world.run(check_communicator_default_timeout)
+
+
+async def check_cancelled_recv_keeps_its_buffer(comm: Comm) -> None:
+    if comm.rank == 0:
+        buf = torch.zeros(1000)
+        alive = weakref.ref(buf)
+        handle = comm.recv(buf, 1, tag=11)
+        task = asyncio.ensure_future(handle)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del buf
+        gc.collect()
+        got = alive()  # the backend may still write into it: the handle keeps it
+        assert got is not None
+        await comm.send(torch.zeros(1), 1, tag=12)  # now rank 1 sends
+        assert await handle == 1  # the operation itself was never cancelled
+        assert got[0].item() == 42.0
+    elif comm.rank == 1:
+        await comm.recv(torch.zeros(1), 0, tag=12)
+        await comm.send(torch.full((1000,), 42.0), 0, tag=11)
+    await comm.barrier()
+
+
+def test_cancelled_await_keeps_the_operation_and_its_buffer(world: World) -> None:
+    world.run(check_cancelled_recv_keeps_its_buffer)
+
+
+async def check_handle_api(comm: Comm) -> None:
+    t = torch.ones(3)
+    handle = comm.all_reduce(t)
+    assert "all_reduce" in repr(handle)
+    loop = asyncio.get_running_loop()
+    # wait() blocks a thread other than the loop's while the loop progresses the op
+    result = await loop.run_in_executor(None, handle.wait, 30)
+    assert result is t and handle.done()
+    assert t.tolist() == [comm.size] * 3
+    with pytest.raises(RuntimeError, match="use await"):
+        comm.barrier().wait()  # on the loop thread, wait() would deadlock
+    await comm.barrier()
+    nothing = comm.all_reduce(torch.ones(1))
+    if not nothing.done():
+        with pytest.raises(asyncio.InvalidStateError):
+            nothing.result()
+    await nothing
+
+
+def test_handle_wait_done_and_result(world: World) -> None:
+    world.run(check_handle_api)
+
+
+async def check_bad_arguments(comm: Comm) -> None:
+    t = torch.ones(4)
+    bad = [
+        (ValueError, lambda: comm.send(t, comm.size)),
+        (ValueError, lambda: comm.send(t, -1)),
+        (ValueError, lambda: comm.send(t, comm.rank)),
+        (TypeError, lambda: comm.send(t, 1.0)),
+        (TypeError, lambda: comm.send(t, True)),
+        (ValueError, lambda: comm.send(t, (comm.rank + 1) % comm.size, tag=-1)),
+        (ValueError, lambda: comm.send(t, (comm.rank + 1) % comm.size, tag=comm.max_tag + 1)),
+        (TypeError, lambda: comm.send(t, (comm.rank + 1) % comm.size, tag="x")),
+        (ValueError, lambda: comm.recv(t, comm.size)),
+        (TypeError, lambda: comm.send([1.0, 2.0], 0)),
+        (TypeError, lambda: comm.all_reduce("tensor")),
+        (ValueError, lambda: comm.all_reduce(torch.ones(4, 4).t())),
+        (ValueError, lambda: comm.all_reduce(t, "median")),
+        (TypeError, lambda: comm.all_reduce(t, 3)),
+        (TypeError, lambda: comm.all_reduce(t, "band")),
+        (TypeError, lambda: comm.all_reduce(torch.ones(2, dtype=torch.int32), "avg")),
+        (TypeError, lambda: comm.all_reduce(torch.ones(2, dtype=torch.complex64))),
+        (ValueError, lambda: comm.broadcast(t, comm.size)),
+        (ValueError, lambda: comm.all_gather(t, out=[t] * (comm.size + 1))),
+        (ValueError, lambda: comm.all_gather(t, out=[torch.ones(5)] * comm.size)),
+        (TypeError, lambda: comm.all_gather(t, out=t)),
+        (ValueError, lambda: comm.reduce_scatter(t, [t])),
+        (ValueError, lambda: comm.scatter(t, None, src=comm.rank)),
+        (ValueError, lambda: comm.all_to_all([t] * comm.size, [t])),
+        (TypeError, lambda: comm.all_to_all([t] * comm.size,
+                                            [torch.ones(4, dtype=torch.int64)] * comm.size)),
+        (ValueError, lambda: comm.group([0, 0])),
+        (ValueError, lambda: comm.group([])),
+        (ValueError, lambda: comm.group([comm.size])),
+        (TypeError, lambda: comm.group(3)),
+        (ValueError, lambda: comm.barrier(timeout=0)),
+        (ValueError, lambda: comm.barrier(timeout=-1)),
+        (TypeError, lambda: comm.barrier(timeout="1")),
+        (TypeError, lambda: comm.broadcast_object(lambda: 0, 0)
+         if comm.rank == 0 else comm.broadcast(t, "0")),
+    ]
+    if torch.cuda.is_available() and comm.backend != "nccl":
+        bad.append((TypeError, lambda: comm.all_reduce(torch.ones(1, device="cuda"))))
+    for i, (kind, call) in enumerate(bad):
+        try:
+            call()
+        except kind:
+            continue
+        except Exception as exc:
+            raise AssertionError(f"case {i}: expected {kind.__name__}, got {exc!r}") from exc
+        raise AssertionError(f"case {i}: expected {kind.__name__}, nothing raised")
+    # ... and nothing was sent: the communicator still works in step on every rank
+    await comm.all_reduce(t)
+    assert t.tolist() == [comm.size] * 4
+    assert comm.max_tag >= 32767
+    await comm.all_reduce(np.ones(2), timeout=math.inf)
+
+
+def test_bad_arguments_raise_before_anything_is_sent(world: World) -> None:
+    world.run(check_bad_arguments)
+
+
+REINIT = """
+import asyncio, threading, sys
+import torch
+import asyncomm
+
+async def session(round_: int) -> None:
+    async with asyncomm.init() as comm:
+        t = torch.tensor([float(comm.rank + round_)])
+        await comm.all_reduce(t)
+        peer = (comm.rank + 1) % comm.size
+        got = torch.zeros(1)
+        await asyncio.gather(comm.send(t, peer, tag=round_),
+                             comm.recv(got, (comm.rank - 1) % comm.size, tag=round_))
+        g = await comm.group(range(comm.size))
+        assert g is not None
+        await g.barrier()
+        print(f"round {round_} sum {t.item():g}", flush=True)
+    assert comm.closed
+    await comm.close()  # idempotent
+    try:
+        comm.barrier()
+    except asyncomm.CommClosedError as exc:
+        assert "closed" in str(exc)
+    else:
+        raise AssertionError("no CommClosedError after close")
+    leftover = [t.name for t in threading.enumerate() if t.name.startswith("asyncomm")]
+    assert not leftover, leftover
+
+async def main() -> None:
+    for round_ in range(3):
+        await session(round_)
+    print("reinit ok", flush=True)
+
+asyncomm._runtime.run_loop(main())
+"""
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_init_close_init_in_one_process(tmp_path: Path, backend: str) -> None:
+    if backend == "mpi" and _launch.find_mpiexec() is None:
+        pytest.skip("mpiexec not installed")
+    script = tmp_path / "reinit.py"
+    script.write_text(REINIT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncomm", "run", "-n", "3", "--backend", backend, str(script)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for round_ in range(3):
+        expected = f"round {round_} sum {sum(range(3)) + 3 * round_}"
+        assert proc.stdout.count(expected) == 3, proc.stdout
+    assert proc.stdout.count("reinit ok") == 3
+
+
+def test_bare_python_is_a_world_of_one(tmp_path: Path) -> None:
+    script = tmp_path / "solo.py"
+    script.write_text(textwrap.dedent("""
+        import torch, asyncomm
+
+        async def main(comm):
+            t = torch.ones(2)
+            await comm.all_reduce(t)
+            objs = await comm.all_gather_object("me")
+            return comm.rank, comm.size, comm.backend, t.tolist(), objs
+
+        print(asyncomm.run(main))
+    """))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, env={**env, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert "(0, 1, 'gloo', [1.0, 1.0], ['me'])" in proc.stdout

@@ -1,0 +1,93 @@
+"""Point-to-point: every dtype, tags, any source, many in flight, no head-of-line blocking."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+from test_collectives import DTYPES, value
+
+from asyncomm import Comm
+from asyncomm.testing import World
+
+
+async def check_every_dtype(comm: Comm) -> None:
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    for i, dtype in enumerate(DTYPES):
+        got = torch.zeros(5, dtype=dtype)
+        receiving = comm.recv(got, left, tag=i)  # posted before the matching send
+        await comm.send(value(comm.rank, dtype), right, tag=i)
+        assert await receiving == left
+        assert torch.equal(got, value(left, dtype)), dtype
+
+
+def test_ring_every_dtype(world: World) -> None:
+    world.run(check_every_dtype)
+
+
+async def check_any_source(comm: Comm) -> None:
+    if comm.rank == 0:
+        seen = []
+        for _ in range(2 * (comm.size - 1)):
+            buf = torch.zeros(1, dtype=torch.int64)
+            src = await comm.recv(buf, tag=5)
+            assert buf.item() == src * 100, (src, buf)
+            seen.append(src)
+        assert sorted(seen) == sorted(list(range(1, comm.size)) * 2)
+    else:
+        for _ in range(2):
+            await comm.send(torch.tensor([comm.rank * 100]), 0, tag=5)
+
+
+def test_any_source_resolves_to_the_sender(world: World) -> None:
+    world.run(check_any_source)
+
+
+async def check_tags_out_of_order(comm: Comm) -> None:
+    n = 40
+    if comm.rank == 0:
+        bufs = [torch.zeros(3) for _ in range(n)]
+        handles = [comm.recv(b, 1, tag=t) for t, b in enumerate(bufs)]  # all in flight
+        assert await asyncio.gather(*handles) == [1] * n
+        assert all(b[0].item() == t for t, b in enumerate(bufs))
+    elif comm.rank == 1:
+        sends = [comm.send(torch.full((3,), float(t)), 0, tag=t) for t in reversed(range(n))]
+        await asyncio.gather(*sends)
+
+
+def test_many_receives_in_flight_matched_by_tag(world2: World) -> None:
+    world2.run(check_tags_out_of_order)
+
+
+async def check_no_head_of_line_blocking(comm: Comm) -> None:
+    # Rank 0's receive is issued first and completes last; its sends must not
+    # wait behind it, or rank 1 never gets what it needs to answer.
+    if comm.rank == 0:
+        answer = torch.zeros(1)
+        pending = comm.recv(answer, 1, tag=9)
+        await comm.send(torch.tensor([1.0]), 1, tag=1)
+        await comm.send(torch.tensor([2.0]), 1, tag=2)
+        assert await pending == 1
+        assert answer.item() == 3.0
+    else:
+        x, y = torch.zeros(1), torch.zeros(1)
+        await comm.recv(x, 0, tag=1)
+        await comm.recv(y, 0, tag=2)
+        await comm.send(x + y, 0, tag=9)
+
+
+def test_no_head_of_line_blocking(world2: World) -> None:
+    world2.run(check_no_head_of_line_blocking)
+
+
+async def check_large_messages(comm: Comm) -> None:
+    n = 4 << 20  # 16 MiB of float32, both directions at once
+    out = torch.arange(n, dtype=torch.float32) + comm.rank
+    got = torch.empty(n)
+    peer = 1 - comm.rank
+    await asyncio.gather(comm.send(out, peer, tag=1), comm.recv(got, peer, tag=1))
+    assert got[0].item() == peer and got[-1].item() == n - 1 + peer
+
+
+def test_large_messages_both_ways(world2: World) -> None:
+    world2.run(check_large_messages)
