@@ -254,3 +254,31 @@ def test_bare_python_is_a_world_of_one(tmp_path: Path) -> None:
                           timeout=60, env={**env, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert "(0, 1, 'gloo', [1.0, 1.0], ['me'])" in proc.stdout
+
+
+FAILING = """
+import asyncio, torch, asyncomm
+
+async def main(comm):
+    if comm.rank == 1:
+        raise RuntimeError("boom on purpose")
+    await comm.all_reduce(torch.ones(1))  # would wait for rank 1 forever
+
+asyncomm.run(main)
+"""
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_failing_rank_ends_the_job(tmp_path: Path, backend: str) -> None:
+    if backend == "mpi" and _launch.find_mpiexec() is None:
+        pytest.skip("mpiexec not installed")
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncomm", "run", "-n", "3", "--backend", backend, str(script)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 60  # not the 300 s default deadline
+    assert "rank 1" in proc.stderr and "boom on purpose" in proc.stderr, proc.stderr
