@@ -44,6 +44,7 @@ class Comm:
         self._closed = False
         self._children: list[Comm] = []
         self._chain: asyncio.Future[Any] | None = None  # last multi-step op on ``_own``
+        self._checked_ops: dict[tuple[object, torch.dtype], ReduceOp] = {}
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
@@ -105,7 +106,13 @@ class Comm:
         if not tensor.is_contiguous():
             raise ValueError(f"{self._what(op)}: {name} must be contiguous "
                              "(call .contiguous() and use the copy)")
-        self._backend.check_tensor(tensor, self._what(op))
+        backend = self._backend
+        if tensor.device.type != backend.device:
+            raise TypeError(f"{self._what(op)}: the {backend.name} backend moves "
+                            f"{backend.device} tensors, {name} is on {tensor.device}")
+        if backend.dtypes is not None and tensor.dtype not in backend.dtypes:
+            raise TypeError(f"{self._what(op)}: the {backend.name} backend cannot move "
+                            f"{tensor.dtype}")
         return tensor
 
     def _from_numpy(self, array: np.ndarray, op: str, name: str,  # type: ignore[type-arg]
@@ -171,9 +178,13 @@ class Comm:
         return float(timeout)
 
     def _reduce_op(self, op: ReduceOp | str, dtype: torch.dtype, what: str) -> ReduceOp:
-        parsed = ReduceOp.parse(op)
-        check_reduce(dtype, parsed, self._what(what))
-        self._backend.check_reduce(dtype, parsed, self._what(what))
+        key = (op, dtype)
+        parsed = self._checked_ops.get(key)
+        if parsed is None:  # checked once per (op, dtype): reductions are a hot path
+            parsed = ReduceOp.parse(op)
+            check_reduce(dtype, parsed, self._what(what))
+            self._backend.check_reduce(dtype, parsed, self._what(what))
+            self._checked_ops[key] = parsed
         return parsed
 
     # -- issuing ------------------------------------------------------------------

@@ -30,10 +30,8 @@ class Backend(ABC):
     size: int
     max_tag: int  # the largest tag users may pass; tags above it are asyncomm's own
     raw: object
-
-    @abstractmethod
-    def check_tensor(self, tensor: torch.Tensor, what: str) -> None:
-        """Raise ``TypeError`` if this backend cannot move ``tensor`` (device, dtype)."""
+    device: str  # the device type of the tensors it moves: "cpu" or "cuda"
+    dtypes: frozenset[torch.dtype] | None = None  # the dtypes it moves; None: every one
 
     def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027
         """Raise ``TypeError`` for reductions the backend lacks beyond the common rules."""

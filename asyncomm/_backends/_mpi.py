@@ -148,6 +148,8 @@ class MpiBackend(Backend):
     """An MPI communicator driven by polling from the event loop."""
 
     name = "mpi"
+    device = "cpu"
+    dtypes = frozenset(_DATATYPES)
 
     def __init__(self, comm: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.raw = comm
@@ -160,13 +162,6 @@ class MpiBackend(Backend):
         self._poller = Poller(loop, self._testsome, classify)
         self._statuses: list[Any] = []
         self._closed = False
-
-    def check_tensor(self, tensor: torch.Tensor, what: str) -> None:
-        if tensor.device.type != "cpu":
-            raise TypeError(f"{what}: the mpi backend moves CPU tensors, got one on "
-                            f"{tensor.device}")
-        if tensor.dtype not in _DATATYPES:
-            raise TypeError(f"{what}: the mpi backend cannot move dtype {tensor.dtype}")
 
     def _op(self, dtype: torch.dtype, op: ReduceOp) -> Any:
         if dtype == torch.bool:

@@ -1,0 +1,67 @@
+"""``asyncomm bench``: the smoke runs complete and write sane records (no timing thresholds)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from asyncomm import _bench, _launch
+
+BACKEND = "both" if _launch.find_mpiexec() is not None else "gloo"
+EXPECTED = ("gloo", "mpi") if BACKEND == "both" else ("gloo",)
+
+
+def _bench_run(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncomm", "bench", *args, "--backend", BACKEND, "--quick",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=110, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    records: list[dict[str, Any]] = json.loads(out.read_text())
+    assert {r["backend"] for r in records} == set(EXPECTED)
+    return records
+
+
+@pytest.mark.timeout(120)
+def test_core_quick_writes_every_op_and_variant(tmp_path: Path) -> None:
+    records = _bench_run(tmp_path, "all")
+    seen = {(r["backend"], r["op"], r["size"]) for r in records}
+    assert seen == {(b, op, size) for b in EXPECTED for op in _bench.OPS
+                    for size in _bench.QUICK_SIZES}
+    for r in records:
+        assert r["ranks"] == 2 and r["loop"] in ("uvloop", "asyncio") and r["torch"]
+        for variant in _bench.VARIANTS:
+            assert r[f"{variant}_us"] > 0, r
+            assert len(r["samples_us"][variant]) == r["rounds"]
+        assert r["ratio_asyncomm_raw"] == pytest.approx(r["asyncomm_us"] / r["raw_us"])
+
+
+@pytest.mark.timeout(120)
+def test_idle_quick_reports_cpu_per_variant(tmp_path: Path) -> None:
+    records = _bench_run(tmp_path, "idle")
+    assert {(r["backend"], r["variant"]) for r in records} == {
+        (b, v) for b in EXPECTED for v in _bench.VARIANTS}
+    for r in records:
+        assert r["op"] == "idle" and r["cpu_s"] >= 0 and r["wall_s"] >= r["wait_s"] * 0.5
+
+
+def test_sizes_parse_suffixes_and_reject_partial_floats() -> None:
+    assert _bench._sizes("8, 1K,4kib,1M") == (8, 1024, 4096, 1 << 20)
+    for bad in ("6", "0", "x", "1G"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _bench._sizes(bad)
+
+
+def test_iterations_shrink_with_size() -> None:
+    counts = [_bench.iterations(size)[1] for size in _bench.DEFAULT_SIZES]
+    assert counts == sorted(counts, reverse=True) and counts[-1] >= 4
+    assert all(_bench.iterations(s, quick=True)[1] < _bench.iterations(s)[1]
+               for s in _bench.DEFAULT_SIZES)
