@@ -1,0 +1,136 @@
+"""Every script in examples/ runs under ``asyncomm run -n 4`` and prints what it promises.
+
+Each example is started the way its docstring says, as a real 4-rank world. Lines
+arrive in any order across ranks, so the labelled stdout lines are compared as a
+multiset. Every example runs on gloo; on MPI only quickstart (all_reduce, all_gather,
+any-source point-to-point, objects, groups) and send_recv run: each world costs seconds
+of interpreter start-up, and the collectives on MPI are covered by test_collectives.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from asyncomm._launch import find_mpiexec
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+N = 4
+LIST = str([float(r + 1) for r in range(N)])  # "[1.0, 2.0, 3.0, 4.0]"
+TOTAL = float(sum(range(1, N + 1)))  # 10.0
+HAS_MPI = find_mpiexec() is not None and importlib.util.find_spec("mpi4py") is not None
+
+
+def each(line: Callable[[int], str]) -> list[str]:
+    """One labelled line per rank."""
+    return [f"[{r}] {line(r)}" for r in range(N)]
+
+
+def left(r: int) -> int:
+    return (r - 1) % N
+
+
+def quickstart_line(r: int) -> str:
+    evens = sum(range(0, N, 2)) if r % 2 == 0 else None
+    config = {"lr": 0.1, "steps": 3}
+    return f"rank {r}/{N}: sum={TOTAL:g} max={N - 1} ring<-{left(r)} config={config} evens={evens}"
+
+
+EXPECTED: dict[str, Callable[[str], list[str]]] = {
+    "broadcast": lambda _: each(lambda r: f"Rank {r} has data: 1.0"),
+    "all_reduce": lambda _: [
+        *each(lambda r: f"Rank {r} initial tensor: {r + 1.0}"),
+        *each(lambda r: f"Rank {r} final tensor: {TOTAL}"),
+    ],
+    "reduce": lambda _: [
+        f"[0] Rank 0 final tensor: {TOTAL}",
+        *each(lambda r: f"Rank {r} sent tensor: {r + 1.0}")[1:],
+    ],
+    "scatter": lambda _: [
+        f"[0] Rank 0 scatter list: {LIST}",
+        *each(lambda r: f"Rank {r} received tensor: {r + 1.0}"),
+    ],
+    "gather": lambda _: [
+        f"[0] Rank 0 gathered list: {LIST}",
+        *each(lambda r: f"Rank {r} sent tensor: {r + 1.0}")[1:],
+    ],
+    "all_gather": lambda _: each(lambda r: f"Rank {r} gathered list: {LIST}"),
+    "nonblocking_all_reduce": lambda _: each(
+        lambda r: f"Rank {r} async all_reduce result: {float(sum(range(N)))}"
+    ),
+    "send_recv": lambda _: [
+        f"[0] Rank 0 sent tensors to ranks {list(range(1, N))}",
+        *each(lambda r: f"Rank {r} received tensor: {10.0 * r} from rank 0")[1:],
+        *each(lambda r: f"Rank {r} ring: got {float(left(r))} from rank {left(r)}"),
+    ],
+    "quickstart": lambda backend: [
+        *each(quickstart_line),
+        f"[0] ok: {N} rank(s) on {backend}, all checks passed",
+    ],
+}
+ON_MPI = ["quickstart", "send_recv"]
+
+needs_mpi = pytest.mark.skipif(not HAS_MPI, reason="needs mpiexec and mpi4py")
+CASES = [pytest.param("gloo", name, id=f"gloo-{name}") for name in EXPECTED] + [
+    pytest.param("mpi", name, id=f"mpi-{name}", marks=needs_mpi) for name in ON_MPI
+]
+
+
+def run_python(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``python ARGS`` from the repository root; stop it and its ranks if it hangs."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    argv = [sys.executable, *args]
+    with subprocess.Popen(
+        argv,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # so a last-resort kill takes what the launcher started too
+    ) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # the launcher stops its ranks (each in a session of its own)
+            try:
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+            pytest.fail(f"{' '.join(args)} hung for {timeout} s\n{out}{err}")
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def test_every_example_is_covered() -> None:
+    assert sorted(p.stem for p in EXAMPLES.glob("*.py")) == sorted(EXPECTED)
+
+
+@pytest.mark.parametrize(("backend", "name"), CASES)
+def test_example(backend: str, name: str) -> None:
+    args = ["-m", "asyncomm", "run", "-n", str(N)]
+    if backend != "gloo":
+        args += ["--backend", backend]
+    done = run_python(*args, f"examples/{name}.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert Counter(done.stdout.splitlines()) == Counter(EXPECTED[name](backend)), (
+        done.stdout + done.stderr
+    )
+
+
+def test_quickstart_runs_alone() -> None:
+    done = run_python("examples/quickstart.py")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.splitlines()[-1] == "ok: 1 rank(s) on gloo, all checks passed"

@@ -1,0 +1,63 @@
+"""The nccl backend on CUDA tensors; skipped on machines without a GPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+
+SCRIPT = """
+import asyncio, torch, asyncomm
+
+async def main(comm):
+    assert comm.backend == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.full((1 << 20,), float(comm.rank + 1), device=device)
+    await comm.all_reduce(t)
+    torch.cuda.current_stream().synchronize()
+    assert t[0].item() == sum(range(1, comm.size + 1)), t[0].item()
+    handles = [comm.all_reduce(torch.ones(10, device=device), "avg") for _ in range(8)]
+    for result in await asyncio.gather(*handles):
+        assert result.sum().item() == 10.0
+    gathered = await comm.all_gather(torch.tensor([comm.rank], device=device))
+    assert [g.item() for g in gathered] == list(range(comm.size))
+    b = torch.arange(4.0, device=device) if comm.rank == 0 else torch.zeros(4, device=device)
+    await comm.broadcast(b, 0)
+    assert b.tolist() == [0.0, 1.0, 2.0, 3.0]
+    if comm.size > 1:
+        got = torch.zeros(3, device=device)
+        right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+        await asyncio.gather(comm.send(torch.full((3,), float(comm.rank), device=device), right),
+                             comm.recv(got, left))
+        assert got.tolist() == [float(left)] * 3
+    try:
+        comm.all_reduce(torch.ones(1))
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("a CPU tensor on nccl must raise TypeError")
+    assert await comm.all_gather_object(comm.rank) == list(range(comm.size))
+    print("nccl ok", comm.rank, flush=True)
+
+asyncomm.run(main, backend="nccl")
+"""
+
+
+def test_nccl_world(tmp_path: Path) -> None:
+    ranks = min(2, torch.cuda.device_count())
+    script = tmp_path / "nccl_check.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncomm", "run", "-n", str(ranks), "--backend", "nccl",
+         str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("nccl ok") == ranks
