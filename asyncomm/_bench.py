@@ -295,15 +295,27 @@ def _sizes(text: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"not a positive integer: {text!r}")
+    return value
+
+
 def _options(p: argparse.ArgumentParser) -> None:
     """The options the command and its workers share."""
     p.add_argument("what", nargs="?", default="all", choices=(*OPS, "all", "idle"),
                    help="what to measure (default: all = pingpong and allreduce)")
     p.add_argument("--sizes", type=_sizes, metavar="BYTES,...",
                    help="message sizes (suffixes K, M allowed); default 8 B to 16 MiB")
-    p.add_argument("--rounds", type=int, metavar="R", help="rounds per variant (default 5)")
+    p.add_argument("--rounds", type=_positive, metavar="R",
+                   help="rounds per variant (default 5, 3 with --quick)")
     p.add_argument("--quick", action="store_true",
-                   help="sizes 8 B and 1 MiB, fewer iterations and rounds (a smoke test)")
+                   help="sizes 8 B and 1 MiB, fewer iterations and rounds, idle waits 0.5 s "
+                   "(a smoke test)")
     p.add_argument("--json", type=Path, metavar="PATH",
                    help="write the records here (default bench-core.json, or bench-idle.json)")
 
@@ -313,7 +325,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     _options(p)
     p.add_argument("--backend", choices=(*BACKENDS, "both"), default="gloo",
                    help="backend to measure; both: gloo, then mpi (default gloo)")
-    p.add_argument("-n", "--nproc", type=int, default=2, metavar="N", help="ranks (default 2)")
+    p.add_argument("-n", "--nproc", type=_positive, default=2, metavar="N",
+                   help="ranks (default 2)")
     p.set_defaults(func=command)
 
 
