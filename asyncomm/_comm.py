@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import operator
 import pickle
 import warnings
@@ -14,15 +15,15 @@ import torch
 
 from asyncomm._backends import Backend
 from asyncomm._errors import CommClosedError, CommError
-from asyncomm._handle import Handle
+from asyncomm._handle import FROM_BACKEND, Deadlines, Handle
 from asyncomm._ops import ReduceOp, check_reduce
 
 T = TypeVar("T")
 Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)  # type: ignore[type-arg]
 
 
-def _same(value: object) -> object:
-    return value
+def _nothing(handle: Handle[Any]) -> None:
+    """Start nothing: the handle of a multi-step operation is settled by its task."""
 
 
 class Comm:
@@ -45,6 +46,7 @@ class Comm:
         self._children: list[Comm] = []
         self._chain: asyncio.Future[Any] | None = None  # last multi-step op on ``_own``
         self._checked_ops: dict[tuple[object, torch.dtype], ReduceOp] = {}
+        self._deadlines = Deadlines(loop)
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
@@ -107,9 +109,10 @@ class Comm:
             raise ValueError(f"{self._what(op)}: {name} must be contiguous "
                              "(call .contiguous() and use the copy)")
         backend = self._backend
-        if tensor.device.type != backend.device:
+        if tensor.is_cuda != backend.cuda:
             raise TypeError(f"{self._what(op)}: the {backend.name} backend moves "
-                            f"{backend.device} tensors, {name} is on {tensor.device}")
+                            f"{'cuda' if backend.cuda else 'cpu'} tensors, "
+                            f"{name} is on {tensor.device}")
         if backend.dtypes is not None and tensor.dtype not in backend.dtypes:
             raise TypeError(f"{self._what(op)}: the {backend.name} backend cannot move "
                             f"{tensor.dtype}")
@@ -189,17 +192,24 @@ class Comm:
 
     # -- issuing ------------------------------------------------------------------
 
-    def _issue(self, op: str, start: Callable[[Handle[T]], None], result_of: Callable[[Any], T],
-               keep: object, timeout: float, peer: int | None = None,
-               tag: int | None = None) -> Handle[T]:
-        self._open(op)
+    def _issue(self, op: str, start: Callable[..., None], args: tuple[Any, ...], result: Any,
+               keep: object, timeout: float | None, peer: int | None = None,
+               tag: int | None = None) -> Handle[Any]:
+        """Check the deadline, then start ``op`` on the backend: ``start(handle, *args)``."""
+        if timeout is not None:
+            timeout = self._deadline(timeout, op)
+        if self._closed:
+            raise CommClosedError(f"{self._what(op)}: the communicator is closed")
         self._seq += 1
-        handle: Handle[T] = Handle(self._loop, (self.rank, op, self._seq, peer, tag),
-                                   result_of, keep, timeout)
+        handle: Handle[Any] = Handle(self._loop, (self.rank, op, self._seq, peer, tag),
+                                     result, keep)
+        limit = self._timeout if timeout is None else timeout
+        if limit != math.inf:
+            self._deadlines.add(handle, limit)
         try:
-            start(handle)
+            start(handle, *args)
         except (TypeError, ValueError):
-            handle._settle(2, None)  # never started: drop its timer
+            handle._settle(2, None)  # never started
             raise
         except Exception as exc:
             handle._fail(CommError, exc)
@@ -209,26 +219,22 @@ class Comm:
 
     def barrier(self, *, timeout: float | None = None) -> Handle[None]:
         """Wait until every rank has called ``barrier``."""
-        deadline = self._deadline(timeout, "barrier")
-        return self._issue("barrier", self._backend.barrier, lambda _: None, None, deadline)
+        return self._issue("barrier", self._backend.barrier, (), None, None, timeout)
 
     def broadcast(self, tensor: Buffer, src: int, *, timeout: float | None = None
                   ) -> Handle[Buffer]:
         """Copy ``src``'s ``tensor`` into ``tensor`` on every rank."""
         t = self._tensor(tensor, "broadcast")
         src = self._peer(src, "broadcast", "src")
-        deadline = self._deadline(timeout, "broadcast")
-        return self._issue("broadcast", lambda h: self._backend.broadcast(h, t, src),
-                           lambda _: tensor, t, deadline)
+        return self._issue("broadcast", self._backend.broadcast, (t, src), tensor, t, timeout)
 
     def all_reduce(self, tensor: Buffer, op: ReduceOp | str = "sum", *,
                    timeout: float | None = None) -> Handle[Buffer]:
         """Reduce ``tensor`` over all ranks, in place; every rank gets the result."""
         t = self._tensor(tensor, "all_reduce")
         reduce_op = self._reduce_op(op, t.dtype, "all_reduce")
-        deadline = self._deadline(timeout, "all_reduce")
-        return self._issue("all_reduce", lambda h: self._backend.all_reduce(h, t, reduce_op),
-                           lambda _: tensor, t, deadline)
+        return self._issue("all_reduce", self._backend.all_reduce, (t, reduce_op), tensor, t,
+                           timeout)
 
     def reduce(self, tensor: Buffer, dst: int, op: ReduceOp | str = "sum", *,
                timeout: float | None = None) -> Handle[Buffer]:
@@ -236,9 +242,8 @@ class Comm:
         t = self._tensor(tensor, "reduce")
         dst = self._peer(dst, "reduce", "dst")
         reduce_op = self._reduce_op(op, t.dtype, "reduce")
-        deadline = self._deadline(timeout, "reduce")
-        return self._issue("reduce", lambda h: self._backend.reduce(h, t, dst, reduce_op),
-                           lambda _: tensor, t, deadline)
+        return self._issue("reduce", self._backend.reduce, (t, dst, reduce_op), tensor, t,
+                           timeout)
 
     def all_gather(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
                    out: Sequence[Any] | None = None, *,
@@ -247,9 +252,8 @@ class Comm:
         t = self._tensor(tensor, "all_gather", writes=False)
         outs = self._outputs(out, t, "all_gather")
         result = outs if out is None else out
-        deadline = self._deadline(timeout, "all_gather")
-        return self._issue("all_gather", lambda h: self._backend.all_gather(h, outs, t),
-                           lambda _: result, (t, outs), deadline)
+        return self._issue("all_gather", self._backend.all_gather, (outs, t), result, (t, outs),
+                           timeout)
 
     def gather(self, tensor: torch.Tensor | np.ndarray, dst: int,  # type: ignore[type-arg]
                out: Sequence[Any] | None = None, *,
@@ -259,9 +263,8 @@ class Comm:
         dst = self._peer(dst, "gather", "dst")
         outs = self._outputs(out, t, "gather") if self.rank == dst else None
         result = outs if out is None or outs is None else out
-        deadline = self._deadline(timeout, "gather")
-        return self._issue("gather", lambda h: self._backend.gather(h, outs, t, dst),
-                           lambda _: result, (t, outs), deadline)
+        return self._issue("gather", self._backend.gather, (outs, t, dst), result, (t, outs),
+                           timeout)
 
     def scatter(self, tensor: Buffer, chunks: Sequence[torch.Tensor] | None = None,
                 src: int = 0, *, timeout: float | None = None) -> Handle[Buffer]:
@@ -273,9 +276,8 @@ class Comm:
             if chunks is None:
                 raise ValueError(f"{self._what('scatter')}: src {src} must give chunks")
             parts = self._tensors(chunks, "scatter", "chunks", like=t, writes=False)
-        deadline = self._deadline(timeout, "scatter")
-        return self._issue("scatter", lambda h: self._backend.scatter(h, t, parts, src),
-                           lambda _: tensor, (t, parts), deadline)
+        return self._issue("scatter", self._backend.scatter, (t, parts, src), tensor, (t, parts),
+                           timeout)
 
     def reduce_scatter(self, tensor: Buffer, chunks: Sequence[torch.Tensor],
                        op: ReduceOp | str = "sum", *, timeout: float | None = None
@@ -284,10 +286,8 @@ class Comm:
         t = self._tensor(tensor, "reduce_scatter")
         parts = self._tensors(chunks, "reduce_scatter", "chunks", like=t, writes=False)
         reduce_op = self._reduce_op(op, t.dtype, "reduce_scatter")
-        deadline = self._deadline(timeout, "reduce_scatter")
-        return self._issue("reduce_scatter",
-                           lambda h: self._backend.reduce_scatter(h, t, parts, reduce_op),
-                           lambda _: tensor, (t, parts), deadline)
+        return self._issue("reduce_scatter", self._backend.reduce_scatter, (t, parts, reduce_op),
+                           tensor, (t, parts), timeout)
 
     def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *,
                    timeout: float | None = None) -> Handle[list[torch.Tensor]]:
@@ -297,10 +297,9 @@ class Comm:
         if outs[0].dtype != ins[0].dtype:
             raise TypeError(f"{self._what('all_to_all')}: outputs are {outs[0].dtype}, "
                             f"inputs {ins[0].dtype}")
-        deadline = self._deadline(timeout, "all_to_all")
         result = list(outputs)
-        return self._issue("all_to_all", lambda h: self._backend.all_to_all(h, outs, ins),
-                           lambda _: result, (outs, ins), deadline)
+        return self._issue("all_to_all", self._backend.all_to_all, (outs, ins), result,
+                           (outs, ins), timeout)
 
     def _outputs(self, out: Sequence[torch.Tensor] | None, like: torch.Tensor,
                  op: str) -> list[torch.Tensor]:
@@ -316,9 +315,8 @@ class Comm:
         t = self._tensor(tensor, "send", writes=False)
         dst = self._peer(dst, "send", "dst", self_ok=False)
         tag = self._tag(tag, "send")
-        deadline = self._deadline(timeout, "send")
-        return self._issue("send", lambda h: self._backend.send(h, t, dst, tag),
-                           lambda _: None, t, deadline, peer=dst, tag=tag)
+        return self._issue("send", self._backend.send, (t, dst, tag), None, t, timeout,
+                           peer=dst, tag=tag)
 
     def recv(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
              src: int | None = None, tag: int = 0, *,
@@ -327,17 +325,15 @@ class Comm:
         t = self._tensor(tensor, "recv")
         peer = None if src is None else self._peer(src, "recv", "src", self_ok=False)
         tag = self._tag(tag, "recv")
-        deadline = self._deadline(timeout, "recv")
-        return self._issue("recv", lambda h: self._backend.recv(h, t, peer, tag),
-                           operator.index, t, deadline, peer=peer, tag=tag)
+        return self._issue("recv", self._backend.recv, (t, peer, tag), FROM_BACKEND, t, timeout,
+                           peer=peer, tag=tag)
 
     # -- objects and groups: multi-step operations on the private twin ----------------
 
     def _steps(self, op: str, body: Callable[[], Awaitable[T]],
                timeout: float | None) -> Handle[T]:
         """Run ``body`` after the previous multi-step operation, as one ``Handle``."""
-        deadline = self._deadline(timeout, op)
-        handle: Handle[T] = self._issue(op, lambda h: None, _same, None, deadline)  # type: ignore[arg-type]
+        handle: Handle[T] = self._issue(op, _nothing, (), FROM_BACKEND, None, timeout)
         previous = self._chain
 
         async def run() -> None:
@@ -355,10 +351,10 @@ class Comm:
         self._chain = self._loop.create_task(run())
         return handle
 
-    async def _own_op(self, op: str, start: Callable[[Handle[Any]], None]) -> None:
-        handle: Handle[None] = Handle(self._loop, (self.rank, op, self._seq, None, None),
-                                      lambda _: None)
-        start(handle)
+    async def _own_op(self, op: str, start: Callable[..., None], *args: Any) -> None:
+        handle: Handle[None] = Handle(self._loop, (self.rank, op, self._seq, None, None), None,
+                                      args)
+        start(handle, *args)
         await handle
 
     def _pickle(self, obj: Any, op: str) -> bytes:
@@ -380,12 +376,12 @@ class Comm:
 
         async def body() -> Any:
             size = torch.tensor([len(payload)], dtype=torch.int64)
-            await self._own_op("broadcast_object", lambda h: own.broadcast(h, size, src))
+            await self._own_op("broadcast_object", own.broadcast, size, src)
             if self.rank == src:
                 data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             else:
                 data = torch.empty(int(size.item()), dtype=torch.uint8)
-            await self._own_op("broadcast_object", lambda h: own.broadcast(h, data, src))
+            await self._own_op("broadcast_object", own.broadcast, data, src)
             return obj if self.rank == src else pickle.loads(data.numpy().tobytes())
 
         return self._steps("broadcast_object", body, timeout)
@@ -399,12 +395,12 @@ class Comm:
             mine = torch.tensor([len(payload)], dtype=torch.int64)
             sizes = list(torch.empty(self.size, dtype=torch.int64).unbind(0))
             sizes = [s.view(1) for s in sizes]
-            await self._own_op("all_gather_object", lambda h: own.all_gather(h, sizes, mine))
+            await self._own_op("all_gather_object", own.all_gather, sizes, mine)
             longest = max(int(s.item()) for s in sizes)
             padded = torch.zeros(longest, dtype=torch.uint8)
             padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             rows = list(torch.empty((self.size, longest), dtype=torch.uint8).unbind(0))
-            await self._own_op("all_gather_object", lambda h: own.all_gather(h, rows, padded))
+            await self._own_op("all_gather_object", own.all_gather, rows, padded)
             return [pickle.loads(row[: int(n.item())].numpy().tobytes())
                     for row, n in zip(rows, sizes, strict=True)]
 

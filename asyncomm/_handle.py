@@ -1,12 +1,13 @@
-"""``Handle``: the awaitable result of one issued operation."""
+"""``Handle``: the awaitable result of one issued operation; ``Deadlines``: their timeouts."""
 
 from __future__ import annotations
 
 import asyncio
-import math
+import collections
 import threading
 import time
-from collections.abc import Callable, Generator
+import weakref
+from collections.abc import Generator
 from typing import Any, Generic, TypeVar
 
 from asyncomm._errors import CommError, CommTimeoutError, describe
@@ -14,6 +15,8 @@ from asyncomm._errors import CommError, CommTimeoutError, describe
 T = TypeVar("T")
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
+
+FROM_BACKEND: Any = object()  # a handle whose result is the value its backend reports
 
 
 class Handle(Generic[T]):
@@ -25,36 +28,20 @@ class Handle(Generic[T]):
     alive until the backend has finished with them.
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_error",
-        "_events",
-        "_keep",
-        "_loop",
-        "_result_of",
-        "_state",
-        "_timer",
-        "_value",
-        "_waiters",
-        "_what",
-    )
+    __slots__ = ("__weakref__", "_error", "_events", "_keep", "_loop", "_result", "_state",
+                 "_value", "_waiters", "_what")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, what: tuple[Any, ...],
-                 result_of: Callable[[Any], T], keep: object = None,
-                 timeout: float = math.inf) -> None:
+                 result: Any = FROM_BACKEND, keep: object = None) -> None:
         self._loop = loop
         self._what = what  # (rank, op, seq, peer, tag): worded only on error
-        self._result_of = result_of
+        self._result = result  # what a success resolves to, unless FROM_BACKEND
         self._keep = keep  # buffers the backend is using, kept until it is done
         self._state = _PENDING
         self._value: Any = None
         self._error: BaseException | None = None
-        self._waiters: list[asyncio.Future[None]] = []
-        self._events: list[threading.Event] = []
-        self._timer: asyncio.TimerHandle | None = None
-        if timeout != math.inf:
-            self._timer = loop.call_at(loop.time() + timeout, self._expire, timeout,
-                                       time.monotonic() + timeout)
+        self._waiters: list[asyncio.Future[None]] | None = None
+        self._events: list[threading.Event] | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self._state]
@@ -76,11 +63,13 @@ class Handle(Generic[T]):
     def __await__(self) -> Generator[Any, None, T]:
         if self._state == _PENDING:
             waiter = self._loop.create_future()
+            if self._waiters is None:
+                self._waiters = []
             self._waiters.append(waiter)
             try:
                 yield from waiter
             finally:
-                if not waiter.done():  # cancelled: forget only this await
+                if not waiter.done() and self._waiters:  # cancelled: forget only this await
                     self._waiters.remove(waiter)
         return self.result()
 
@@ -122,10 +111,12 @@ class Handle(Generic[T]):
             pass
 
     def _add_event(self, event: threading.Event) -> None:
-        if self._state == _PENDING:
-            self._events.append(event)
-        else:
+        if self._state != _PENDING:
             event.set()
+        elif self._events is None:
+            self._events = [event]
+        else:
+            self._events.append(event)
 
     # -- called by the progress engines, on the loop thread -----------------
 
@@ -133,57 +124,124 @@ class Handle(Generic[T]):
         if self._state != _PENDING:  # timed out earlier: the backend is done now
             self._keep = None
             return
-        try:
-            self._value = self._result_of(value)
-        except BaseException as exc:
-            self._settle(_FAILED, exc)
-        else:
-            self._settle(_DONE, None)
+        self._value = value if self._result is FROM_BACKEND else self._result
+        self._settle(_DONE, None)
 
     def _fail(self, kind: type[CommError], cause: BaseException) -> None:
         if self._state != _PENDING:
             self._keep = None
             return
-        if isinstance(cause, CommError) and type(cause) is kind:
-            error: BaseException = type(cause)(f"{describe(*self._what)}: {cause}")
-        else:
-            error = kind(f"{describe(*self._what)}: {cause}")
+        error = kind(f"{describe(*self._what)}: {cause}")
         error.__cause__ = cause
         self._settle(_FAILED, error)
 
-    def _expire(self, timeout: float, deadline: float) -> None:
-        early = deadline - time.monotonic()
-        if early > 0:  # loop timers are rounded to the millisecond: never fire early
-            self._timer = self._loop.call_later(early, self._expire, timeout, deadline)
-            return
-        self._timer = None
+    def _expire(self, timeout: float) -> None:
         if self._state == _PENDING:
             error = CommTimeoutError(f"{describe(*self._what)} timed out after {timeout:g} s")
-            self._state = _FAILED  # keep the buffers: the backend still holds the request
-            self._error = error
-            self._wake()
+            self._give_up(error)
+
+    def _abandon(self, kind: type[CommError], cause: BaseException) -> None:
+        if self._state == _PENDING:
+            error = kind(f"{describe(*self._what)}: {cause}")
+            error.__cause__ = cause
+            self._give_up(error)
+
+    def _give_up(self, error: CommError) -> None:
+        self._state = _FAILED
+        self._error = error
+        self._wake()  # but keep the buffers: the backend still holds the request
 
     def _settle(self, state: int, error: BaseException | None) -> None:
         self._state = state
         self._error = error
         self._keep = None
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
         self._wake()
 
     def _wake(self) -> None:
-        for waiter in self._waiters:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._waiters.clear()
-        for event in self._events:
-            event.set()
-        self._events.clear()
+        if self._waiters:
+            for waiter in self._waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._waiters = None
+        if self._events:
+            for event in self._events:
+                event.set()
+            self._events = None
 
 
 def completed(loop: asyncio.AbstractEventLoop, what: tuple[Any, ...], value: T) -> Handle[T]:
-    """Return a handle that is already done with ``value`` (operations with nothing to send)."""
-    handle: Handle[T] = Handle(loop, what, lambda _: value)
-    handle._succeed(None)
+    """Return a handle that is already done with ``value``."""
+    handle: Handle[T] = Handle(loop, what, value)
+    handle._settle(_DONE, None)
+    handle._value = value
     return handle
+
+
+class Deadlines:
+    """Expire pending handles at their deadlines, with one timer per distinct timeout.
+
+    Note on cost
+    ------------
+    Handles of one timeout are added in deadline order, so each timeout has
+    a FIFO queue whose head is the next to expire: adding is an append, and
+    a single loop timer waits for the head. Settled handles leave lazily
+    (only weak references are queued, so they never hold buffers), and a
+    queue is compacted when settled entries pile up behind a long wait.
+    """
+
+    _COMPACT = 4096
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queues: dict[float, _Queue] = {}
+
+    def add(self, handle: Handle[Any], timeout: float) -> None:
+        """Fail ``handle`` with ``CommTimeoutError`` if it is pending ``timeout`` s from now."""
+        queue = self._queues.get(timeout)
+        if queue is None:
+            queue = self._queues[timeout] = _Queue(self._loop, timeout)
+        queue.add(handle)
+
+
+class _Queue:
+    __slots__ = ("_added", "_entries", "_loop", "_timeout", "_timer")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        self._loop = loop
+        self._timeout = timeout
+        self._entries: collections.deque[tuple[float, weakref.ref[Handle[Any]]]] = (
+            collections.deque())
+        self._timer: asyncio.TimerHandle | None = None
+        self._added = 0
+
+    def add(self, handle: Handle[Any]) -> None:
+        self._entries.append((time.monotonic() + self._timeout, weakref.ref(handle)))
+        self._added += 1
+        if self._added % Deadlines._COMPACT == 0:
+            self._compact()
+        if self._timer is None:
+            self._arm()
+
+    def _compact(self) -> None:
+        self._entries = collections.deque(
+            (deadline, ref) for deadline, ref in self._entries
+            if (handle := ref()) is not None and not handle.done())
+
+    def _arm(self) -> None:
+        delay = self._entries[0][0] - time.monotonic()
+        self._timer = self._loop.call_later(max(delay, 0.0), self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        entries = self._entries
+        while entries:
+            deadline, ref = entries[0]
+            handle = ref()
+            if handle is not None and not handle.done():
+                if deadline > now:  # loop timers round to milliseconds: never fire early
+                    break
+                handle._expire(self._timeout)
+            entries.popleft()
+        if entries:
+            self._arm()

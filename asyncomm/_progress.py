@@ -43,6 +43,9 @@ class Sink(Protocol):
 
     def _fail(self, kind: type[CommError], cause: BaseException) -> None: ...
 
+    def _abandon(self, kind: type[CommError], cause: BaseException) -> None:
+        """Fail without releasing buffers: the backend may still use them."""
+
 
 def _deliver(sink: Sink, finish: Finish, outcome: Any, classify: Classify) -> None:
     try:
@@ -173,23 +176,36 @@ class Waiters:
 class Poller:
     """Complete requests by testing them from the event loop: spin while busy, back off when idle.
 
-    ``testsome(requests)`` returns ``(index, outcome)`` pairs for the requests
-    that completed; an outcome that is an exception fails that request.
+    The backend supplies ``test(request)`` -> ``(done, outcome)`` and
+    ``testsome(requests)`` -> ``[(index, outcome), ...]`` for the completed
+    ones; an outcome that is an exception fails its request.
+
+    Note on spinning
+    ----------------
+    A request is tested once when it is issued (an eager send is often done
+    at once: its ``await`` then never suspends). After that the loop polls
+    with ``call_soon`` for a while after the last issue or completion, then
+    backs off exponentially. *Active* requests -- collectives and sends, which
+    MPI only advances inside MPI calls -- keep the loop spinning for
+    ``active_spin_s`` so that large transfers are not slowed by back-off;
+    a rank with only receives waiting backs off after ``spin_s`` and polls at
+    most every ``max_backoff_s``, so waiting costs little CPU.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
+                 test: Callable[[Any], tuple[bool, Any]],
                  testsome: Callable[[Sequence[Any]], list[tuple[int, Any]]],
-                 classify: Classify, spin_s: float | None = None,
-                 max_backoff_s: float | None = None) -> None:
+                 classify: Classify) -> None:
         self._loop = loop
+        self._test = test
         self._testsome = testsome
         self._classify = classify
-        # Spin this long after the last issue or completion, then back off.
-        self._spin_s = _env_seconds("ASYNCOMM_SPIN_US", 2e-3) if spin_s is None else spin_s
-        self._max_backoff_s = (_env_seconds("ASYNCOMM_MAX_BACKOFF_US", 1e-3)
-                               if max_backoff_s is None else max_backoff_s)
+        self._spin_s = _env_seconds("ASYNCOMM_SPIN_US", 2e-3)
+        self._active_spin_s = _env_seconds("ASYNCOMM_ACTIVE_SPIN_US", 0.1)
+        self._max_backoff_s = _env_seconds("ASYNCOMM_MAX_BACKOFF_US", 1e-3)
         self._requests: list[Any] = []
-        self._entries: list[tuple[Sink, Finish]] = []
+        self._entries: list[tuple[Sink, Finish, bool]] = []
+        self._active = 0  # pending requests that need polling to make progress
         self._timer: asyncio.Handle | None = None
         self._spinning = False
         self._delay = 0.0
@@ -198,10 +214,19 @@ class Poller:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def watch(self, request: Any, sink: Sink, finish: Finish) -> None:
+    def watch(self, request: Any, sink: Sink, finish: Finish, active: bool = True) -> None:
         """Settle ``sink`` with ``finish(outcome)`` once ``request`` completes."""
+        try:
+            done, outcome = self._test(request)
+        except BaseException as exc:
+            sink._fail(self._classify(exc), exc)
+            return
+        if done:
+            _deliver(sink, finish, outcome, self._classify)
+            return
         self._requests.append(request)
-        self._entries.append((sink, finish))
+        self._entries.append((sink, finish, active))
+        self._active += active
         self._last_busy = time.monotonic()
         self._delay = 0.0
         if not self._spinning:
@@ -212,16 +237,25 @@ class Poller:
 
     def _poll(self) -> None:
         self._timer = None
-        completed = self._testsome(self._requests) if self._requests else []
+        requests = self._requests
+        if len(requests) == 1:  # the common case: one request, no index bookkeeping
+            try:
+                done, outcome = self._test(requests[0])
+            except BaseException as exc:
+                done, outcome = True, exc
+            completed = [(0, outcome)] if done else []
+        else:
+            completed = self._testsome(requests) if requests else []
         now = time.monotonic()
         if completed:
             self._last_busy = now
             self._delay = 0.0
             finished = []
             for index, outcome in sorted(completed, key=lambda pair: pair[0], reverse=True):
-                del self._requests[index]
+                del requests[index]
                 finished.append((self._entries.pop(index), outcome))
-            for (sink, finish), outcome in reversed(finished):
+            for (sink, finish, active), outcome in reversed(finished):
+                self._active -= active
                 if isinstance(outcome, BaseException):
                     sink._fail(self._classify(outcome), outcome)
                 else:
@@ -229,7 +263,8 @@ class Poller:
         if not self._requests:
             self._spinning = False
             return
-        if now - self._last_busy < self._spin_s:
+        window = self._active_spin_s if self._active else self._spin_s
+        if now - self._last_busy < window:
             self._spinning = True
             self._timer = self._loop.call_soon(self._poll)
         else:
@@ -237,15 +272,21 @@ class Poller:
             self._delay = min(max(2 * self._delay, 1e-5), self._max_backoff_s)
             self._timer = self._loop.call_later(self._delay, self._poll)
 
-    def drain(self) -> list[Any]:
-        """Stop polling, fail every pending sink as closed; return the requests to cancel."""
+    def drain(self) -> list[tuple[Any, Sink]]:
+        """Stop polling and fail every pending sink as closed.
+
+        Return the pending requests with their sinks: the backend cancels
+        what it can, and must keep the sinks (which hold the buffers) for as
+        long as the requests may still use them.
+        """
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._spinning = False
-        pending, entries = self._requests, self._entries
-        self._requests, self._entries = [], []
+        pending = [(request, sink) for request, (sink, _, _) in zip(self._requests, self._entries,
+                                                                    strict=True)]
+        self._requests, self._entries, self._active = [], [], 0
         closed = CommClosedError("the communicator was closed with this operation in flight")
-        for sink, _ in entries:
-            sink._fail(CommClosedError, closed)
+        for _, sink in pending:
+            sink._abandon(CommClosedError, closed)
         return pending

@@ -30,7 +30,7 @@ class Backend(ABC):
     size: int
     max_tag: int  # the largest tag users may pass; tags above it are asyncomm's own
     raw: object
-    device: str  # the device type of the tensors it moves: "cpu" or "cuda"
+    cuda: bool = False  # whether it moves CUDA tensors (else CPU ones)
     dtypes: frozenset[torch.dtype] | None = None  # the dtypes it moves; None: every one
 
     def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027

@@ -99,9 +99,9 @@ def _bf16_op(op: ReduceOp) -> Any:
 
 
 def _spec(tensor: torch.Tensor) -> list[Any]:
-    """Return an mpi4py buffer spec over the tensor's own memory."""
-    words = tensor.view(torch.int16) if tensor.dtype == torch.bfloat16 else tensor
-    return [words.numpy(), _DATATYPES[tensor.dtype]]
+    """Return an mpi4py buffer spec over the tensor's own memory (the caller keeps it alive)."""
+    memory = MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)
+    return [memory, _DATATYPES[tensor.dtype]]  # mpi4py divides counts among ranks itself
 
 
 def _consecutive(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -148,7 +148,6 @@ class MpiBackend(Backend):
     """An MPI communicator driven by polling from the event loop."""
 
     name = "mpi"
-    device = "cpu"
     dtypes = frozenset(_DATATYPES)
 
     def __init__(self, comm: Any, loop: asyncio.AbstractEventLoop) -> None:
@@ -159,7 +158,8 @@ class MpiBackend(Backend):
         self.max_tag = int(tag_ub) - 1024  # type: ignore[arg-type]  # the top 1024 tags are asyncomm's own
         self._comm = comm
         self._loop = loop
-        self._poller = Poller(loop, self._testsome, classify)
+        self._poller = Poller(loop, self._test, self._testsome, classify)
+        self._status = MPI.Status()
         self._statuses: list[Any] = []
         self._closed = False
 
@@ -182,6 +182,10 @@ class MpiBackend(Backend):
         return divide
 
     # -- progress -------------------------------------------------------------------
+
+    def _test(self, request: Any) -> tuple[bool, Any]:
+        status = self._status
+        return (True, status.Get_source()) if request.Test(status) else (False, None)
 
     def _testsome(self, requests: Sequence[Any]) -> list[tuple[int, Any]]:
         statuses = self._statuses
@@ -208,15 +212,16 @@ class MpiBackend(Backend):
         return completed
 
     def _watch(self, sink: Sink, request: Any, finish: Callable[[Any], object] = _nothing,
-               keep: object = None) -> None:
-        # mpi4py's request holds its buffers; ``keep`` holds temporaries beyond them.
+               keep: object = None, active: bool = True) -> None:
+        # Buffers are raw addresses: the handle keeps the user's tensors alive, and
+        # ``keep`` the temporaries (flat copies) until the request is done.
         if keep is not None:
             request_finish = finish
 
             def finish(outcome: Any, _keep: object = keep) -> object:
                 return request_finish(outcome)
 
-        self._poller.watch(request, sink, finish)
+        self._poller.watch(request, sink, finish, active)
 
     # -- collectives ------------------------------------------------------------------
 
@@ -287,7 +292,7 @@ class MpiBackend(Backend):
 
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
         source = MPI.ANY_SOURCE if src is None else src
-        self._poller.watch(self._comm.Irecv(_spec(tensor), source, tag), sink, _source)
+        self._watch(sink, self._comm.Irecv(_spec(tensor), source, tag), _source, active=False)
 
     # -- groups and lifecycle --------------------------------------------------------
 
@@ -306,12 +311,12 @@ class MpiBackend(Backend):
             return
         self._closed = True
         pending = self._poller.drain()
-        for request in pending:
+        for request, _ in pending:
             try:
                 request.Cancel()  # receives can be cancelled; other requests just finish
             except MPI.Exception:
                 pass
-        _orphans.extend(pending)
+        _orphans.extend(pending)  # their sinks hold the buffers MPI may still write
         self._comm.Free()
 
     def abort_job(self, code: int) -> None:

@@ -93,7 +93,7 @@ class TorchBackend(Backend):
         self._label = label  # names this group's subgroups alike on every member
         self._user_backend = user_backend  # what groups split from this one run on
         self._splits = 0
-        self.device = "cuda" if name == "nccl" else "cpu"
+        self.cuda = name == "nccl"
         self._bridge = FutureBridge(loop, classify)
         self._waiters = Waiters(loop, classify)
         self._closed = False
@@ -112,7 +112,7 @@ class TorchBackend(Backend):
 
     def _futureless(self, sink: Sink, work: Any) -> None:
         """Watch a work that has no future on CPU (gloo's reduce_scatter)."""
-        if self.device == "cuda":
+        if self.cuda:
             self._collective(sink, work)
         else:
             self._waiters.watch(work.wait, sink, _none)
@@ -169,7 +169,7 @@ class TorchBackend(Backend):
         self._p2p(sink, work, lambda _: work._source_rank())
 
     def _p2p(self, sink: Sink, work: Any, finish: Callable[[Any], object]) -> None:
-        if self.device == "cuda":
+        if self.cuda:
             self._bridge.watch(work.get_future(), sink, finish)
         else:  # gloo: no future, no polling: a waiter thread calls wait()
             self._waiters.watch(work.wait, sink, finish)
