@@ -203,16 +203,19 @@ class Comm:
         self._seq += 1
         handle: Handle[Any] = Handle(self._loop, (self.rank, op, self._seq, peer, tag),
                                      result, keep)
-        limit = self._timeout if timeout is None else timeout
-        if limit != math.inf:
-            self._deadlines.add(handle, limit)
         try:
             start(handle, *args)
         except (TypeError, ValueError):
             handle._settle(2, None)  # never started
             raise
+        except CommError as exc:
+            handle._fail(type(exc), exc)
         except Exception as exc:
             handle._fail(CommError, exc)
+        if not handle.done():  # many operations (eager sends) are done at once
+            limit = self._timeout if timeout is None else timeout
+            if limit != math.inf:
+                self._deadlines.add(handle, limit)
         return handle
 
     # -- collectives -----------------------------------------------------------------

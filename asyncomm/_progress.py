@@ -23,6 +23,7 @@ Backend exceptions are classified by the backend's ``classify`` into a
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import queue
 import threading
@@ -61,24 +62,77 @@ def _env_seconds(name: str, default: float) -> float:
     return float(value) * 1e-6 if value else default
 
 
-class FutureBridge:
-    """Complete requests whose backend future fires on a backend thread."""
+class Inbox:
+    """Carry completions from backend threads to the loop: a queue and one wake-up fd.
+
+    Note on waking the loop
+    -----------------------
+    ``call_soon_threadsafe`` wakes the loop while the calling thread still
+    holds the GIL, so the woken loop thread at once blocks on the GIL again
+    (one more thread hand-off, costly on small machines). ``os.write``
+    releases the GIL around the system call: the loop thread wakes to a
+    free GIL. Completions queue up between wake-ups and are delivered in
+    one batch; a wake-up is written only when none is pending.
+    """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, classify: Classify) -> None:
         self._loop = loop
         self._classify = classify
+        self._queue: collections.deque[tuple[Sink, Finish, Any]] = collections.deque()
+        self._signalled = False
+        if hasattr(os, "eventfd"):
+            self._read_fd = self._write_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        else:  # pragma: no cover - not Linux
+            self._read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._read_fd, False)
+        loop.add_reader(self._read_fd, self._drain)
+        self._closed = False
+
+    def put(self, sink: Sink, finish: Finish, outcome: Any) -> None:
+        """Deliver ``finish(outcome)`` to ``sink`` on the loop; callable from any thread."""
+        if self._closed:
+            return  # the loop is gone: nobody can await this any more
+        self._queue.append((sink, finish, outcome))
+        if not self._signalled:
+            self._signalled = True
+            try:
+                os.write(self._write_fd, b"\x01\0\0\0\0\0\0\0")
+            except OSError:
+                pass  # closed meanwhile
+
+    def _drain(self) -> None:
+        try:
+            os.read(self._read_fd, 8)
+        except BlockingIOError:
+            pass
+        self._signalled = False  # before draining: a later put signals again
+        queue, classify = self._queue, self._classify
+        while queue:
+            sink, finish, outcome = queue.popleft()
+            _deliver(sink, finish, outcome, classify)
+
+    def close(self) -> None:
+        """Deliver what is queued, stop listening and close the fds."""
+        if self._closed:
+            return
+        self._drain()
+        self._closed = True
+        self._loop.remove_reader(self._read_fd)
+        os.close(self._read_fd)
+        if self._write_fd != self._read_fd:
+            os.close(self._write_fd)
+
+
+class FutureBridge:
+    """Complete requests whose backend future fires on a backend thread."""
+
+    def __init__(self, inbox: Inbox) -> None:
+        self._inbox = inbox
 
     def watch(self, future: Any, sink: Sink, finish: Finish) -> None:
         """Settle ``sink`` with ``finish(future)`` once ``future`` is done."""
-        loop, classify = self._loop, self._classify
-
-        def on_done(done: Any) -> None:  # runs on a backend thread
-            try:
-                loop.call_soon_threadsafe(_deliver, sink, finish, done, classify)
-            except RuntimeError:
-                pass  # the loop is closed: nobody can await this any more
-
-        future.add_done_callback(on_done)
+        put = self._inbox.put
+        future.add_done_callback(lambda done: put(sink, finish, done))
 
 
 class Waiters:
@@ -92,10 +146,8 @@ class Waiters:
     blocked ``wait()``.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, classify: Classify,
-                 idle_s: float = 30.0) -> None:
-        self._loop = loop
-        self._classify = classify
+    def __init__(self, inbox: Inbox, idle_s: float = 30.0) -> None:
+        self._inbox = inbox
         self._idle_s = idle_s
         self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Sink, Finish] | None] = (
             queue.SimpleQueue()
@@ -156,10 +208,7 @@ class Waiters:
                 raise exc
 
             finish = finish_with_error
-        try:
-            self._loop.call_soon_threadsafe(_deliver, sink, finish, None, self._classify)
-        except RuntimeError:
-            pass  # the loop is closed: nobody can await this any more
+        self._inbox.put(sink, finish, None)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the idle threads; wait up to ``timeout`` for busy ones to return."""
@@ -171,6 +220,68 @@ class Waiters:
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class Reaper:
+    """See off requests nobody awaits (eager sends), in batches, on one thread.
+
+    ``watch(wait)`` queues a request; the thread wakes when ``batch`` are
+    queued (or every ``period_s``) and calls ``wait()`` on each in turn, so
+    it costs one wake-up per batch rather than one per request. A request
+    that raised is kept in ``failure`` for its owner to report.
+    """
+
+    def __init__(self, batch: int = 16, period_s: float = 0.1) -> None:
+        self._batch = batch
+        self._period_s = period_s
+        self._jobs: collections.deque[Callable[[], object]] = collections.deque()
+        self._ready = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.issued = 0  # written by the owner's thread only
+        self.reaped = 0  # written by the reaper thread only
+        self.failure: BaseException | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Return how many requests are not seen off yet."""
+        return self.issued - self.reaped
+
+    def watch(self, wait: Callable[[], object]) -> None:
+        """Queue ``wait`` to be called on the reaper thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="asyncomm-reaper",
+                                            daemon=True)
+            self._thread.start()
+        self.issued += 1
+        self._jobs.append(wait)
+        if len(self._jobs) >= self._batch:
+            with self._ready:
+                self._ready.notify()
+
+    def _serve(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._closing or len(self._jobs) >= self._batch,
+                                     self._period_s)
+                closing = self._closing
+            while self._jobs:
+                try:
+                    self._jobs.popleft()()
+                except BaseException as exc:
+                    self.failure = exc
+                self.reaped += 1
+            if closing:
+                return
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread once the queued requests are seen off (or ``timeout`` passed)."""
+        if self._thread is not None:
+            with self._ready:
+                self._closing = True
+                self._ready.notify()
+            self._thread.join(timeout)
+            self._thread = None
 
 
 class Poller:

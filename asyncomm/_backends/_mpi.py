@@ -65,6 +65,7 @@ _BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = 
     ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
 }
 _bf16_ops: dict[ReduceOp, Any] = {}
+_op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
 
 # Buffers of requests still in MPI's hands when their communicator was freed:
 # kept for the life of the process, since MPI may still write into them.
@@ -164,11 +165,16 @@ class MpiBackend(Backend):
         self._closed = False
 
     def _op(self, dtype: torch.dtype, op: ReduceOp) -> Any:
-        if dtype == torch.bool:
-            return _BOOL_OPS[op]
-        if dtype == torch.bfloat16:
-            return _bf16_op(op)
-        return _OPS[op]
+        mpi_op = _op_cache.get((dtype, op))
+        if mpi_op is None:
+            if dtype == torch.bool:
+                mpi_op = _BOOL_OPS[op]
+            elif dtype == torch.bfloat16:
+                mpi_op = _bf16_op(op)
+            else:
+                mpi_op = _OPS[op]
+            _op_cache[(dtype, op)] = mpi_op
+        return mpi_op
 
     def _average(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[Any], object]:
         if op is not ReduceOp.AVG:

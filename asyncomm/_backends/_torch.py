@@ -5,6 +5,16 @@ send/recv have no future and cannot be polled, so they complete in
 ``Waiters``. Operations go straight to the ``ProcessGroup`` methods, whose
 ranks are the group's own.
 
+Note on eager sends
+-------------------
+gloo's send completes only once the receiver has posted its receive (a
+rendezvous), and each completion reported through a waiter thread costs two
+thread hand-offs. A CPU send of at most ``ASYNCOMM_EAGER_BYTES`` (64 KiB)
+therefore sends a copy and completes at once, as MPI's eager protocol does;
+one reaper thread sees the copies off. At most 64 are in flight per
+communicator (later sends complete as usual). If a copy's transfer fails,
+the next operation on the communicator raises that error.
+
 Note on CUDA (nccl)
 -------------------
 An nccl future completes once the operation is enqueued. When it does, the
@@ -30,7 +40,7 @@ from asyncomm._backends import Backend, Tensors
 from asyncomm._env import LaunchEnv
 from asyncomm._errors import CommError, CommTimeoutError, PeerFailedError
 from asyncomm._ops import ReduceOp
-from asyncomm._progress import FutureBridge, Sink, Waiters
+from asyncomm._progress import FutureBridge, Inbox, Reaper, Sink, Waiters
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -48,6 +58,9 @@ _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connectio
 
 # gloo's tag is a 32-bit slot; keep the top of the range for asyncomm's own traffic.
 _MAX_TAG = 2**31 - 1 - 1024
+
+_EAGER_BYTES = int(os.environ.get("ASYNCOMM_EAGER_BYTES", 64 << 10))
+_EAGER_IN_FLIGHT = 64
 
 _stores: dict[tuple[str, int, int, int], Any] = {}
 _generation = 0
@@ -93,9 +106,11 @@ class TorchBackend(Backend):
         self._label = label  # names this group's subgroups alike on every member
         self._user_backend = user_backend  # what groups split from this one run on
         self._splits = 0
+        self._eager = Reaper()
         self.cuda = name == "nccl"
-        self._bridge = FutureBridge(loop, classify)
-        self._waiters = Waiters(loop, classify)
+        self._inbox = Inbox(loop, classify)
+        self._bridge = FutureBridge(self._inbox)
+        self._waiters = Waiters(self._inbox)
         self._closed = False
         # nccl's future resolves at enqueue: its works also need wait() (see module note).
         self._finish: Callable[[Any], Callable[[Any], object]] = (
@@ -110,6 +125,11 @@ class TorchBackend(Backend):
     def _collective(self, sink: Sink, work: Any) -> None:
         self._bridge.watch(work.get_future(), sink, self._finish(work))
 
+    def _raise_if_failed(self) -> None:
+        failure = self._eager.failure
+        if failure is not None:
+            raise classify(failure)(f"an earlier eager send failed: {failure}") from failure
+
     def _futureless(self, sink: Sink, work: Any) -> None:
         """Watch a work that has no future on CPU (gloo's reduce_scatter)."""
         if self.cuda:
@@ -118,12 +138,14 @@ class TorchBackend(Backend):
             self._waiters.watch(work.wait, sink, _none)
 
     def barrier(self, sink: Sink) -> None:
+        self._raise_if_failed()
         self._collective(sink, self._pg.barrier())
 
     def broadcast(self, sink: Sink, tensor: torch.Tensor, src: int) -> None:
         self._collective(sink, self._pg.broadcast(tensor, src))
 
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
+        self._raise_if_failed()
         self._collective(sink, self._pg.allreduce([tensor], _TORCH_OPS[op]))
 
     def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
@@ -158,10 +180,19 @@ class TorchBackend(Backend):
     # -- point to point -----------------------------------------------------------
 
     def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        self._raise_if_failed()
+        if (not self.cuda and tensor.nbytes <= _EAGER_BYTES
+                and self._eager.in_flight < _EAGER_IN_FLIGHT):
+            # See the module note on eager sends.
+            work = self._pg.send([tensor.clone()], dst, tag)
+            self._eager.watch(work.wait)
+            sink._succeed(None)
+            return
         work = self._pg.send([tensor], dst, tag)
         self._p2p(sink, work, _none)
 
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
+        self._raise_if_failed()
         if src is None:
             work = self._pg.recv_anysource([tensor], tag)
         else:
@@ -201,7 +232,9 @@ class TorchBackend(Backend):
                 self._release()
             except (ValueError, RuntimeError):
                 pass  # already gone with the world
+        self._eager.close(timeout=2.0)
         self._waiters.close(timeout=2.0)
+        self._inbox.close()
 
 
 def _base_store(env: LaunchEnv, timeout: float) -> Any:

@@ -1,0 +1,445 @@
+"""The wire format: one frame layout and two codecs, the same bytes on every backend.
+
+A frame is a *head* followed by raw *buffers*. The head is a fixed prefix, one
+descriptor per buffer and the *structure* (the message with every buffer
+replaced by a reference to it). Buffers travel from their own memory: tensors,
+arrays and large ``bytes`` are never copied into the head. This module does no
+I/O; a transport sends ``encode``'s head and buffers, and on the other side
+calls ``decode_head`` -> ``allocate`` -> (receive into the buffers) -> ``decode``.
+
+Note: layout (integers little-endian; buffers hold little-endian elements)::
+
+    prefix      4s magic "ACMF" | u8 version | u8 kind | u8 codec | u8 flags (0)
+                u64 tag | u64 seq | u32 descriptors | u32 structure bytes | u32 head bytes
+    descriptor  u8 dtype code | u8 buffer kind | u8 ndim | u64 x ndim shape | u64 nbytes
+    structure   msgpack (DEFAULT) or pickle protocol 5 (PICKLE) bytes
+
+Note: a structure larger than ``INLINE_BYTES`` travels as the last buffer
+(kind STRUCTURE) instead of in the head, so heads stay small whatever the
+message; ``bytes`` values larger than ``INLINE_BYTES`` go out of band too.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import math
+import operator
+import pickle
+import struct
+from dataclasses import dataclass
+from typing import Any, Final
+
+import msgpack
+import numpy as np
+import torch
+
+from asyncomm._errors import ProtocolError
+
+__all__ = ["Kind", "Codec", "BufferKind", "Limits", "Descriptor", "Head", "encode",
+           "decode_head", "allocate", "decode", "head_size", "PREFIX_BYTES", "INLINE_BYTES"]
+
+MAGIC: Final = b"ACMF"
+VERSION: Final = 1
+INLINE_BYTES: Final = 1 << 16
+_PREFIX: Final = struct.Struct("<4sBBBBQQIII")
+_DESC: Final = struct.Struct("<BBB")
+PREFIX_BYTES: Final = _PREFIX.size
+_U64: Final = 1 << 64
+_EXT_TUPLE, _EXT_BUFFER = 1, 2  # msgpack extension codes of the DEFAULT codec
+_TUPLE_EXT: Final = msgpack.ExtType(_EXT_TUPLE, b"")  # first item of an array that is a tuple
+
+
+class Kind(enum.IntEnum):
+    """What a frame is for; the layers above give it meaning."""
+
+    DATA = 1
+    EOS = 2
+    CREDIT = 3
+    REQUEST = 4
+    REPLY = 5
+    ERROR = 6
+
+
+class Codec(enum.IntEnum):
+    """How the structure is serialised: msgpack (never unpickles) or pickle protocol 5."""
+
+    DEFAULT = 0
+    PICKLE = 1
+
+
+class BufferKind(enum.IntEnum):
+    """What a buffer becomes on decode."""
+
+    TENSOR = 0
+    NDARRAY = 1
+    BYTES = 2
+    STRUCTURE = 3  # the frame's own structure, too large for the head
+
+
+# The allow-list; a dtype's position is its wire code, so only ever append.
+_DTYPES: Final[dict[int, torch.dtype]] = dict(enumerate([
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
+    torch.complex128, torch.uint16, torch.uint32, torch.uint64], start=1))
+_CODES: Final = {dtype: code for code, dtype in _DTYPES.items()}
+_KINDS: Final = frozenset(Kind)
+_CODECS: Final = frozenset(Codec)
+_BUFFER_KINDS: Final = frozenset(BufferKind)
+_FROM_NUMPY: Final = {np.dtype(str(dtype).removeprefix("torch.")): dtype
+                      for dtype in _DTYPES.values() if dtype is not torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What a receiver accepts; ``decode_head`` checks every head against it."""
+
+    max_message_bytes: int = 1 << 30  # buffer bytes + structure bytes
+    max_buffers: int = 1 << 12
+    max_head_bytes: int = 1 << 20
+    max_ndim: int = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """One buffer: its element type and shape, its size in bytes, what it becomes."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    kind: BufferKind
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A validated frame head, as returned by ``decode_head``."""
+
+    kind: Kind
+    codec: Codec
+    tag: int
+    seq: int
+    descriptors: tuple[Descriptor, ...]
+    structure: bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        """Return the bytes of all buffers that follow the head."""
+        return sum(d.nbytes for d in self.descriptors)
+
+
+Buffer = memoryview | torch.Tensor
+
+
+class _Refused(Exception):
+    """Raised inside ``_lower``; ``path`` gathers the location innermost first."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.path: list[str] = []
+
+
+class _Outgoing:
+    """The descriptors and buffers of a frame being encoded."""
+
+    def __init__(self) -> None:
+        self.descriptors: list[Descriptor] = []
+        self.buffers: list[Buffer] = []
+
+    def add(self, dtype: torch.dtype, shape: tuple[int, ...], kind: BufferKind,
+            buffer: Buffer, nbytes: int) -> msgpack.ExtType:
+        self.descriptors.append(Descriptor(dtype, shape, nbytes, kind))
+        self.buffers.append(buffer)
+        return msgpack.ExtType(_EXT_BUFFER, struct.pack("<I", len(self.buffers) - 1))
+
+
+def _tensor(t: torch.Tensor, out: _Outgoing) -> msgpack.ExtType:
+    if t.layout is not torch.strided or t.dtype not in _CODES:
+        what = t.dtype if t.layout is torch.strided else t.layout
+        raise _Refused(f"a {what} tensor")
+    # Frames carry host memory; conj/neg views are materialised (contiguous() keeps the bits).
+    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    flat = t.reshape(-1).view(torch.uint8)
+    return out.add(t.dtype, tuple(t.shape), BufferKind.TENSOR, flat, flat.numel())
+
+
+def _array(a: np.ndarray[Any, Any], out: _Outgoing) -> msgpack.ExtType:
+    if not a.dtype.isnative:
+        a = a.astype(a.dtype.newbyteorder("="))
+    if a.dtype not in _FROM_NUMPY:
+        raise _Refused(f"a numpy array of dtype {a.dtype}")
+    flat = (a if a.flags.c_contiguous else a.copy(order="C")).reshape(-1).view(np.uint8)
+    return out.add(_FROM_NUMPY[a.dtype], a.shape, BufferKind.NDARRAY, flat.data, flat.size)
+
+
+def _key(k: object) -> object:
+    if k is None or isinstance(k, (bool, float, str, bytes)):
+        return k
+    if isinstance(k, int) and -(1 << 63) <= k < _U64:
+        return k
+    raise _Refused(f"a dict key of type {type(k).__qualname__}")
+
+
+def _lower(obj: object, out: _Outgoing) -> object:
+    """Return ``obj`` in msgpack's own types; tensors, arrays, large bytes become references."""
+    if obj is None or isinstance(obj, (bool, float, str)):
+        return obj
+    if isinstance(obj, int):
+        if -(1 << 63) <= obj < _U64:
+            return obj
+        raise _Refused("an int beyond 64 bits")
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        view = memoryview(obj)
+        if view.nbytes <= INLINE_BYTES or not view.c_contiguous:
+            return view.tobytes()
+        return out.add(torch.uint8, (view.nbytes,), BufferKind.BYTES, view.cast("B"), view.nbytes)
+    if isinstance(obj, torch.Tensor):
+        return _tensor(obj, out)
+    if type(obj) is np.ndarray:
+        return _array(obj, out)
+    if isinstance(obj, (np.bool_, np.integer, np.floating)) and obj.dtype in _FROM_NUMPY:
+        return _lower(obj.item(), out)  # numpy scalars arrive as the Python scalar they hold
+    if isinstance(obj, (list, tuple)):
+        items = [_TUPLE_EXT] if isinstance(obj, tuple) else []
+        for i, item in enumerate(obj):
+            try:
+                items.append(_lower(item, out))
+            except _Refused as e:
+                e.path.append(f"[{i}]")
+                raise
+        return items
+    if isinstance(obj, dict):
+        lowered = {}
+        for k, v in obj.items():
+            key = _key(k)
+            try:
+                lowered[key] = _lower(v, out)
+            except _Refused as e:
+                e.path.append(f"[{k!r}]")
+                raise
+        return lowered
+    raise _Refused(type(obj).__qualname__)
+
+
+class _Pickler(pickle.Pickler):
+    """Pickle protocol 5 that sends plain CPU tensors out of band, like numpy arrays."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (type(obj) is torch.Tensor and obj.layout is torch.strided and obj.device.type == "cpu"
+                and not obj.requires_grad and obj.dtype in _CODES):
+            flat = obj.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+            buffer = pickle.PickleBuffer(flat.numpy().data)
+            return _tensor_from_buffer, (buffer, obj.dtype, tuple(obj.shape))
+        return NotImplemented
+
+
+def _tensor_from_buffer(buffer: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Rebuild a tensor pickled by ``_Pickler`` (on the received buffer, without a copy)."""
+    return torch.from_numpy(np.frombuffer(buffer, np.uint8)).view(dtype).reshape(shape)
+
+
+def encode(kind: Kind, tag: int, seq: int, obj: object, codec: Codec = Codec.DEFAULT,
+           limits: Limits = Limits()) -> tuple[bytes, list[Buffer]]:
+    """Turn ``obj`` into a frame: head bytes and the buffers to send after it.
+
+    Contiguous CPU tensors, arrays and large bytes are not copied: their buffer
+    is a flat uint8 view of their memory (a tensor, or a memoryview).
+
+    Raises:
+        TypeError: the DEFAULT codec cannot carry something in ``obj`` (names it and where).
+        ValueError: bad tag/seq, or the frame exceeds ``limits`` (what the receiver would refuse).
+    """
+    kind, codec, tag, seq = Kind(kind), Codec(codec), operator.index(tag), operator.index(seq)
+    if not (0 <= tag < _U64 and 0 <= seq < _U64):
+        raise ValueError(f"tag and seq must be in [0, 2**64), got tag={tag} seq={seq}")
+    out = _Outgoing()
+    if codec is Codec.PICKLE:
+        def keep(buffer: pickle.PickleBuffer) -> None:
+            view = buffer.raw()
+            out.add(torch.uint8, (view.nbytes,), BufferKind.BYTES, view, view.nbytes)
+        sink = io.BytesIO()
+        _Pickler(sink, protocol=5, buffer_callback=keep).dump(obj)
+        structure = sink.getvalue()
+    else:
+        try:
+            structure = msgpack.packb(_lower(obj, out), use_bin_type=True)
+        except _Refused as e:
+            where = "data" + "".join(reversed(e.path))
+            raise TypeError(f"the default codec cannot carry {e.what} at {where}; "
+                            f'use comm.channel(tag, codec="pickle")') from None
+    if len(structure) > INLINE_BYTES:
+        n = len(structure)
+        out.add(torch.uint8, (n,), BufferKind.STRUCTURE, memoryview(structure), n)
+        structure = b""
+    head = _pack_head(kind, codec, tag, seq, out.descriptors, structure)
+    total = sum(d.nbytes for d in out.descriptors) + len(structure)
+    ndim = max((len(d.shape) for d in out.descriptors), default=0)
+    if (total > limits.max_message_bytes or len(out.buffers) > limits.max_buffers
+            or ndim > limits.max_ndim or len(head) > limits.max_head_bytes):
+        raise ValueError(f"message too large to send: {total} bytes, {len(out.buffers)} buffers, "
+                         f"{ndim} dims, head {len(head)} bytes; limits are {limits}")
+    return head, out.buffers
+
+
+def _pack_head(kind: int, codec: int, tag: int, seq: int, descriptors: list[Descriptor],
+               structure: bytes) -> bytes:
+    """Lay out a head: the inverse of ``decode_head``."""
+    parts = [_DESC.pack(_CODES[d.dtype], d.kind, len(d.shape))
+             + struct.pack(f"<{len(d.shape) + 1}Q", *d.shape, d.nbytes) for d in descriptors]
+    size = PREFIX_BYTES + sum(map(len, parts)) + len(structure)
+    prefix = _PREFIX.pack(MAGIC, VERSION, kind, codec, 0, tag, seq, len(descriptors),
+                          len(structure), size)
+    return b"".join([prefix, *parts, structure])
+
+
+def head_size(prefix: bytes | memoryview, limits: Limits = Limits()) -> int:
+    """Return the length of the whole head from its first ``PREFIX_BYTES`` bytes.
+
+    Raises:
+        ProtocolError: not a frame of this version, or a head longer than ``limits`` allow.
+    """
+    return _prefix(memoryview(prefix), limits)[0]
+
+
+def _prefix(data: memoryview, limits: Limits) -> tuple[int, ...]:
+    if len(data) < PREFIX_BYTES:
+        raise ProtocolError(f"frame head truncated: {len(data)} of at least {PREFIX_BYTES} bytes")
+    magic, version, kind, codec, flags, tag, seq, count, nstruct, size = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise ProtocolError("not an asyncomm frame (bad magic)")
+    if version != VERSION:
+        raise ProtocolError(f"frame version {version} is unknown (this side speaks {VERSION})")
+    if kind not in _KINDS or codec not in _CODECS or flags:
+        raise ProtocolError(f"frame head has unknown kind {kind}, codec {codec} or flags {flags}")
+    if not PREFIX_BYTES <= size <= limits.max_head_bytes:
+        raise ProtocolError(f"frame head of {size} bytes (limit {limits.max_head_bytes})")
+    return size, kind, codec, tag, seq, count, nstruct
+
+
+def decode_head(data: bytes | memoryview, limits: Limits = Limits()) -> Head:
+    """Parse and validate one head; nothing is allocated for the buffers yet.
+
+    Raises:
+        ProtocolError: malformed, truncated, of another version, or beyond ``limits``.
+    """
+    view = memoryview(data).cast("B")
+    size, kind, codec, tag, seq, count, nstruct = _prefix(view, limits)
+    if len(view) != size:
+        raise ProtocolError(f"frame head declares {size} bytes, {len(view)} present")
+    if count > limits.max_buffers:
+        raise ProtocolError(f"frame declares {count} buffers (limit {limits.max_buffers})")
+    descriptors, at, total = [], PREFIX_BYTES, nstruct
+    for i in range(count):
+        if at + _DESC.size > size:
+            raise ProtocolError(f"frame head truncated in descriptor {i}")
+        code, bkind, ndim = _DESC.unpack_from(view, at)
+        end = at + _DESC.size + 8 * (ndim + 1)
+        if ndim > limits.max_ndim:
+            raise ProtocolError(f"descriptor {i}: {ndim} dims (limit {limits.max_ndim})")
+        if end > size:
+            raise ProtocolError(f"frame head truncated in descriptor {i}")
+        *shape, nbytes = struct.unpack_from(f"<{ndim + 1}Q", view, at + _DESC.size)
+        dtype, at, total = _DTYPES.get(code), end, total + nbytes
+        if dtype is None or bkind not in _BUFFER_KINDS:
+            raise ProtocolError(f"descriptor {i}: unknown dtype code {code} or buffer kind {bkind}")
+        d = Descriptor(dtype, tuple(shape), nbytes, BufferKind(bkind))
+        if problem := _misfit(d, Codec(codec), last=i == count - 1, inline=nstruct > 0):
+            raise ProtocolError(f"descriptor {i} ({d.kind.name}, {dtype}, {d.shape}): {problem}")
+        descriptors.append(d)
+    if total > limits.max_message_bytes:
+        raise ProtocolError(f"frame of {total} bytes (limit {limits.max_message_bytes})")
+    if at + nstruct != size:
+        raise ProtocolError(f"frame head lengths disagree: {at} + {nstruct} != {size}")
+    return Head(Kind(kind), Codec(codec), tag, seq, tuple(descriptors), bytes(view[at:]))
+
+
+def _misfit(d: Descriptor, codec: Codec, last: bool, inline: bool) -> str:
+    """Return why a descriptor cannot be in this frame, or "" when it can."""
+    if math.prod(d.shape) * d.dtype.itemsize != d.nbytes:
+        return f"shape and dtype make {math.prod(d.shape) * d.dtype.itemsize} bytes, not {d.nbytes}"
+    if math.prod(max(n, 1) for n in d.shape) >> 63:  # torch's strides must fit int64, even if empty
+        return "shape too large"
+    if d.kind in (BufferKind.BYTES, BufferKind.STRUCTURE) and (d.dtype, len(d.shape)) != (
+            torch.uint8, 1):
+        return "must be flat uint8"
+    if d.kind is BufferKind.NDARRAY and d.dtype is torch.bfloat16:
+        return "numpy has no bfloat16"
+    if d.kind is BufferKind.STRUCTURE and (inline or not last):
+        return "a structure buffer must be the last one, with no structure in the head"
+    if codec is Codec.PICKLE and d.kind in (BufferKind.TENSOR, BufferKind.NDARRAY):
+        return "pickle frames carry only BYTES buffers"
+    return ""
+
+
+def allocate(head: Head) -> list[torch.Tensor]:
+    """Return one empty flat uint8 CPU tensor per descriptor, to receive the buffers into."""
+    return [torch.empty(d.nbytes, dtype=torch.uint8) for d in head.descriptors]
+
+
+def decode(head: Head, buffers: list[torch.Tensor], expect: Codec) -> object:
+    """Rebuild the message from a head and its received buffers (as made by ``allocate``).
+
+    Tensors and arrays are views of the received buffers, not copies.
+
+    Raises:
+        ProtocolError: the frame's codec is not ``expect`` (nothing is decoded then),
+            or its structure is malformed.
+        ValueError: ``buffers`` do not match the head's descriptors.
+    """
+    if head.codec != expect:
+        raise ProtocolError(f"frame of codec {head.codec.name} on a channel of codec "
+                            f"{Codec(expect).name}; refused without decoding")
+    if len(buffers) != len(head.descriptors) or any(
+            b.dtype != torch.uint8 or b.shape != (d.nbytes,) or b.device.type != "cpu"
+            for b, d in zip(buffers, head.descriptors, strict=False)):
+        raise ValueError("buffers do not match the frame's descriptors; use allocate(head)")
+    data, structure = list(buffers), memoryview(head.structure)
+    if head.descriptors and head.descriptors[-1].kind is BufferKind.STRUCTURE:
+        structure = data.pop().numpy().data
+    if head.codec is Codec.PICKLE:
+        try:
+            return pickle.loads(structure, buffers=[b.numpy() for b in data])
+        except Exception as e:
+            raise ProtocolError(f"could not unpickle a frame: {type(e).__name__}") from e
+    return _unpack(structure, head.descriptors, data)
+
+
+def _unpack(structure: memoryview, descriptors: tuple[Descriptor, ...],
+            data: list[torch.Tensor]) -> object:
+    used, tuples = [False] * len(data), [0, 0]  # tuple markers seen, tuple markers consumed
+
+    def ext_hook(code: int, payload: bytes) -> object:
+        if code == _EXT_TUPLE and not payload:
+            tuples[0] += 1
+            return _TUPLE_EXT
+        if code == _EXT_BUFFER and len(payload) == 4:
+            (i,) = struct.unpack("<I", payload)
+            if i < len(data) and not used[i]:
+                used[i] = True
+                return _rebuild(descriptors[i], data[i])
+        raise ProtocolError(f"frame structure has an unknown extension {code} or buffer reference")
+
+    def list_hook(items: list[object]) -> object:
+        if items and items[0] is _TUPLE_EXT:
+            tuples[1] += 1
+            return tuple(items[1:])
+        return items
+
+    try:  # msgpack decodes its own ext -1 (timestamps) before any hook: make it a plain float
+        obj = msgpack.unpackb(structure, ext_hook=ext_hook, list_hook=list_hook, raw=False,
+                              strict_map_key=False, timestamp=1)
+    except ProtocolError:
+        raise
+    except Exception as e:
+        raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})") from e
+    if tuples[0] != tuples[1] or not all(used):
+        raise ProtocolError("frame structure misplaces a tuple marker or leaves a buffer unused")
+    return obj
+
+
+def _rebuild(d: Descriptor, buffer: torch.Tensor) -> object:
+    if d.kind is BufferKind.BYTES:
+        return buffer.numpy().tobytes()
+    if d.dtype is torch.bool:
+        buffer.clamp_(max=1)  # a bool byte other than 0/1 is undefined behaviour in torch
+    tensor = buffer.view(d.dtype).reshape(d.shape)
+    return tensor.numpy() if d.kind is BufferKind.NDARRAY else tensor

@@ -1,0 +1,398 @@
+"""The wire format and codecs: round trips, refusals, and hostile heads (single process)."""
+
+from __future__ import annotations
+
+import pickle
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from asyncomm import _wire
+from asyncomm._errors import ProtocolError
+from asyncomm._wire import (
+    PREFIX_BYTES,
+    BufferKind,
+    Codec,
+    Descriptor,
+    Kind,
+    Limits,
+    allocate,
+    decode,
+    decode_head,
+    encode,
+    head_size,
+)
+
+FUZZ = settings(max_examples=150, deadline=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+DTYPES = list(_wire._DTYPES.values())
+SHAPES = [(), (0,), (5,), (2, 0, 3), (2, 3, 4)]
+
+
+def transfer(obj: object, codec: Codec = Codec.DEFAULT) -> tuple[Any, list[torch.Tensor]]:
+    """Encode, 'send' (copy the buffers), validate and decode, as a transport would."""
+    head_bytes, sent = encode(Kind.DATA, 9, 4, obj, codec)
+    head = decode_head(head_bytes)
+    received = allocate(head)
+    assert sum(r.numel() for r in received) == head.payload_bytes
+    for into, buffer in zip(received, sent, strict=True):
+        if isinstance(buffer, torch.Tensor):
+            into.copy_(buffer)
+        else:
+            into.numpy()[:] = np.frombuffer(buffer, np.uint8)
+    return decode(head, received, codec), received
+
+
+def same(a: Any, b: Any) -> bool:
+    """Equal values of exactly the same types, recursively (tensors and arrays by content)."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and a.device == b.device and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(map(same, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if dtype is torch.bool:
+        return torch.randint(0, 2, shape).bool()
+    if dtype.is_complex or dtype.is_floating_point:
+        return (torch.randn(shape, dtype=torch.complex128 if dtype.is_complex else torch.float64)
+                * 100).to(dtype)
+    return torch.randint(0, 100, shape).to(dtype)
+
+
+# -- round trips -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = sample(dtype, shape)
+    out, _ = transfer(t)
+    assert same(out, t) and out.shape == t.shape
+    if dtype is not torch.bfloat16:
+        a = t.numpy()
+        out, _ = transfer(a)
+        assert same(out, a) and out.shape == a.shape
+
+
+def test_non_contiguous_inputs() -> None:
+    base = torch.arange(24.0).reshape(4, 6)
+    z = torch.randn(3, 2, dtype=torch.complex64)
+    tensors = [base.T, base[:, ::2], base[1:3, 1:], torch.tensor(1.0).expand(3, 4),
+               z.conj(), z.conj().T, torch.randn(3, requires_grad=True)]
+    for t in tensors:
+        out, _ = transfer(t)
+        assert isinstance(out, torch.Tensor) and torch.equal(out, t.detach()), t
+        assert out.is_contiguous() and not out.is_conj()
+    arrays = [np.arange(24.0).reshape(4, 6).T, np.arange(10)[::3], np.arange(6, dtype=">i4")]
+    for a in arrays:
+        out, _ = transfer(a)
+        assert isinstance(out, np.ndarray) and np.array_equal(out, a) and out.dtype.isnative
+
+
+def test_nested_structure_keeps_types() -> None:
+    msg: dict[object, object] = {
+        "t": torch.arange(6).reshape(2, 3), "a": np.ones((2, 2), np.float32), "b": b"\x00raw",
+        "s": "héllo", 1: [1.5, True, None, -(2**63), 2**64 - 1],
+        "tup": (1, (2, [3, (torch.zeros(0),)]), ()), "empty": [[], {}, ()],
+        None: {2.5: "float key", False: b"", b"k": 0},
+    }
+    out, _ = transfer(msg)
+    assert same(out, msg)
+    for codec in Codec:
+        value = transfer(((1, 2), [3, (4,)]), codec)[0]
+        assert value == ((1, 2), [3, (4,)]) and type(value[1][1]) is tuple
+
+
+def test_lenient_scalars_and_containers() -> None:
+    class Color(int):
+        pass
+
+    out, _ = transfer({"n": np.int64(3), "f": np.float32(0.5), "b": np.bool_(True),
+                       "i": Color(2), "m": memoryview(b"ab")})
+    assert same(out, {"n": 3, "f": 0.5, "b": True, "i": 2, "m": b"ab"})
+
+
+def test_contiguous_inputs_are_not_copied() -> None:
+    t, a = torch.arange(12.0).reshape(3, 4), np.arange(7, dtype=np.int16)
+    big = bytes(_wire.INLINE_BYTES + 1)
+    _, buffers = encode(Kind.DATA, 0, 0, [t, a, big])
+    assert isinstance(buffers[0], torch.Tensor) and buffers[0].data_ptr() == t.data_ptr()
+    assert np.shares_memory(np.frombuffer(buffers[1], np.uint8), a)
+    assert np.shares_memory(np.frombuffer(buffers[2], np.uint8), np.frombuffer(big, np.uint8))
+    out, received = transfer([t, a, big])
+    assert out[0].data_ptr() == received[0].data_ptr()
+    assert np.shares_memory(out[1], received[1].numpy()) and out[2] == big
+
+
+def test_large_structure_travels_as_a_buffer() -> None:
+    msg = [*range(50_000), "x" * 100_000]
+    head_bytes, _ = encode(Kind.DATA, 0, 0, msg)
+    head = decode_head(head_bytes)
+    assert len(head_bytes) < 200 and head.descriptors[-1].kind is BufferKind.STRUCTURE
+    assert transfer(msg)[0] == msg
+
+
+@dataclass
+class Point:
+    x: int
+    label: str
+
+
+def test_pickle_codec_sends_tensors_and_arrays_out_of_band() -> None:
+    t, a = torch.arange(1000.0), np.arange(1000, dtype=np.int64)
+    msg = {"p": Point(1, "a"), "t": t, "a": a, "bf": torch.ones(3, dtype=torch.bfloat16),
+           "grad": torch.ones(2, requires_grad=True), "s": {1, 2}}
+    head_bytes, buffers = encode(Kind.DATA, 0, 0, msg, Codec.PICKLE)
+    assert len(buffers) == 3 and len(head_bytes) < 2000
+    assert np.frombuffer(buffers[0], np.uint8).ctypes.data == t.data_ptr()
+    assert np.shares_memory(np.frombuffer(buffers[1], np.uint8), a)
+    out, received = transfer(msg, Codec.PICKLE)
+    assert out["p"] == Point(1, "a") and out["s"] == {1, 2} and out["grad"].requires_grad
+    assert same(out["t"], t) and same(out["a"], a) and same(out["bf"], msg["bf"])
+    assert out["t"].data_ptr() == received[0].data_ptr()
+
+
+def test_golden_head_bytes() -> None:
+    """The format is a contract between ranks: these bytes must never change within version 1."""
+    head, _ = encode(Kind.REQUEST, 7, 3, {"a": (1, None), "t": torch.arange(3, dtype=torch.int16)})
+    assert head.hex() == (
+        "41434d46010400000700000000000000030000000000000001000000110000004800000004000103"
+        "00000000000000060000000000000082a16193c7000101c0a174d60200000000")
+    assert head_size(head[:PREFIX_BYTES]) == len(head)
+
+
+def test_tags_and_limits_at_encode() -> None:
+    head = decode_head(encode(Kind.EOS, 2**63 - 1, 2**64 - 1, None)[0])
+    assert (head.kind, head.tag, head.seq, head.descriptors) == (Kind.EOS, 2**63 - 1, 2**64 - 1, ())
+    with pytest.raises(ValueError, match="tag"):
+        encode(Kind.DATA, -1, 0, None)
+    with pytest.raises(ValueError, match="too large"):
+        encode(Kind.DATA, 0, 0, torch.zeros(100), limits=Limits(max_message_bytes=399))
+    with pytest.raises(ValueError, match="too large"):
+        encode(Kind.DATA, 0, 0, [torch.zeros(1)] * 3, limits=Limits(max_buffers=2))
+
+
+# -- refusals ------------------------------------------------------------------------------
+
+
+class Foo:
+    pass
+
+
+@pytest.mark.parametrize(("obj", "what", "where"), [
+    ({"x": [1, 2, Foo()]}, "Foo", "data['x'][2]"),
+    ([(0, {1: {2, 3}})], "set", "data[0][1][1]"),
+    ({"a": 2**64}, "an int beyond 64 bits", "data['a']"),
+    ([-(2**63) - 1], "an int beyond 64 bits", "data[0]"),
+    ({"d": {(1, 2): 0}}, "a dict key of type tuple", "data['d']"),
+    (1j, "complex", "data"),
+    ([torch.zeros(2, dtype=torch.float8_e4m3fn)], "a torch.float8_e4m3fn tensor", "data[0]"),
+    ({"sp": torch.eye(2).to_sparse()}, "a torch.sparse_coo tensor", "data['sp']"),
+    ((np.array([object()]),), "a numpy array of dtype object", "data[0]"),
+    ([np.ma.masked_array([1])], "MaskedArray", "data[0]"),
+])
+def test_default_codec_refuses_with_path(obj: object, what: str, where: str) -> None:
+    with pytest.raises(TypeError) as info:
+        encode(Kind.DATA, 0, 0, obj)
+    assert str(info.value) == (f"the default codec cannot carry {what} at {where}; "
+                               'use comm.channel(tag, codec="pickle")')
+    encode(Kind.DATA, 0, 0, obj, Codec.PICKLE)  # pickle takes it
+
+
+# -- hostile input ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_allocation_or_unpickling(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail the test if torch allocates or anything unpickles while it runs."""
+    def forbidden(*args: object, **kwargs: object) -> Any:
+        raise AssertionError("must not be reached")
+    monkeypatch.setattr(torch, "empty", forbidden)
+    monkeypatch.setattr(pickle, "loads", forbidden)
+    monkeypatch.setattr(pickle, "Unpickler", forbidden)
+    yield
+
+
+VALID_HEADS = [
+    encode(Kind.DATA, 3, 1, {"a": (1, [2.5, "x"]), "t": torch.zeros(2, 3), "n": np.ones(4)})[0],
+    encode(Kind.REPLY, 2**40, 7, None)[0],
+    encode(Kind.DATA, 0, 0, [Point(1, "p"), np.ones(3)], Codec.PICKLE)[0],
+]
+
+
+def forge(*descriptors: tuple[int, int, tuple[int, ...], int], structure: bytes = b"\xc0",
+          codec: int = Codec.DEFAULT, count: int | None = None) -> bytes:
+    """A head with raw descriptors (dtype code, buffer kind, shape, nbytes) and no checks."""
+    parts = [struct.pack(f"<BBB{len(s) + 1}Q", code, kind, len(s), *s, n)
+             for code, kind, s, n in descriptors]
+    size = PREFIX_BYTES + sum(map(len, parts)) + len(structure)
+    prefix = _wire._PREFIX.pack(b"ACMF", 1, Kind.DATA, codec, 0, 0, 0,
+                                len(parts) if count is None else count, len(structure), size)
+    return b"".join([prefix, *parts, structure])
+
+
+F64, U8, BF16 = (_wire._CODES[d] for d in (torch.float64, torch.uint8, torch.bfloat16))
+T, N, B, S = BufferKind.TENSOR, BufferKind.NDARRAY, BufferKind.BYTES, BufferKind.STRUCTURE
+
+
+HOSTILE_HEADS = [
+    (forge((F64, T, (2**27,), 2**30)), "limit"),  # 1 GiB + structure
+    (forge((U8, T, (2**60,), 2**60)), "limit"),
+    (forge((U8, T, (2**32, 2**32), 0)), "bytes, not 0"),  # 2**64 elements wrap to 0 in C
+    (forge((F64, T, (3,), 25)), "bytes, not 25"),
+    (forge((F64, T, (0, 2**62, 4), 0)), "shape too large"),
+    (forge((F64, T, (1,) * 17, 8)), "17 dims"),
+    (forge((99, T, (1,), 1)), "unknown dtype code 99"),
+    (forge((U8, 9, (1,), 1)), "buffer kind 9"),
+    (forge((BF16, N, (1,), 2)), "numpy has no bfloat16"),
+    (forge((F64, B, (1,), 8)), "flat uint8"),
+    (forge((U8, S, (1,), 1), (U8, T, (1,), 1), structure=b""), "last"),
+    (forge((U8, S, (1,), 1)), "no structure in the head"),
+    (forge((F64, T, (1,), 8), codec=Codec.PICKLE), "only BYTES"),
+    (forge(count=2**32 - 1), "4294967295 buffers"),
+    (forge(count=1), "truncated"),
+    (forge() + b"\x00", "declares"),
+    (b"ACMF\x02" + bytes(31), "version 2 is unknown"),
+    (b"XCMF\x01" + bytes(31), "bad magic"),
+    (b"ACMF", "truncated"),
+    (forge()[:32] + struct.pack("<I", 2**32 - 1) + forge()[36:], "head of 4294967295 bytes"),
+]
+
+
+@pytest.mark.usefixtures("no_allocation_or_unpickling")
+@pytest.mark.parametrize(("data", "message"), HOSTILE_HEADS, ids=[m for _, m in HOSTILE_HEADS])
+def test_hostile_heads_are_refused_before_allocation(data: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        decode_head(data)
+
+
+def test_tighter_limits() -> None:
+    head = VALID_HEADS[0]
+    for limits in [Limits(max_head_bytes=len(head) - 1), Limits(max_buffers=1),
+                   Limits(max_ndim=1), Limits(max_message_bytes=63)]:
+        with pytest.raises(ProtocolError):
+            decode_head(head, limits)
+    with pytest.raises(ProtocolError):
+        head_size(head[:PREFIX_BYTES], Limits(max_head_bytes=PREFIX_BYTES))
+
+
+@pytest.mark.usefixtures("no_allocation_or_unpickling")
+def test_every_truncation_is_refused() -> None:
+    for head in VALID_HEADS:
+        for n in range(len(head)):
+            with pytest.raises(ProtocolError):
+                decode_head(head[:n])
+
+
+@pytest.mark.usefixtures("no_allocation_or_unpickling")
+@FUZZ
+@given(data=st.binary(max_size=300), prefixed=st.booleans())
+def test_random_bytes_are_refused(data: bytes, prefixed: bool) -> None:
+    with pytest.raises(ProtocolError):
+        decode_head(b"ACMF\x01" + data if prefixed else data)
+
+
+def plain(obj: object) -> bool:
+    """Only the types the DEFAULT codec decodes to."""
+    if isinstance(obj, (list, tuple)):
+        return all(map(plain, obj))
+    if isinstance(obj, dict):
+        return all(plain(k) and plain(v) for k, v in obj.items())
+    return obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.Tensor, np.ndarray))
+
+
+def decode_if_valid(data: bytes, monkeypatch: pytest.MonkeyPatch) -> None:
+    """decode_head and decode raise ProtocolError or give plain values; never unpickle."""
+    try:
+        head = decode_head(data)
+    except ProtocolError:
+        return
+    buffers = allocate(head)
+    for buffer in buffers:
+        buffer.fill_(1)
+    with monkeypatch.context() as patch:
+        patch.setattr(pickle, "loads", None)
+        try:
+            assert plain(decode(head, buffers, Codec.DEFAULT))
+        except ProtocolError:
+            pass
+
+
+@FUZZ
+@given(which=st.sampled_from(VALID_HEADS), at=st.integers(0, 10_000), byte=st.integers(0, 255))
+def test_single_byte_mutations(which: bytes, at: int, byte: int,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    data = bytearray(which)
+    data[at % len(data)] = byte
+    decode_if_valid(bytes(data), monkeypatch)
+
+
+scalars = (st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+           | st.text(max_size=5) | st.binary(max_size=5))
+extensions = (st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=6))
+              | st.sampled_from([msgpack.ExtType(1, b""), msgpack.ExtType(2, bytes(4)),
+                                 msgpack.ExtType(2, b"\x01\0\0\0")])
+              | st.builds(msgpack.Timestamp, st.integers(0, 2**34 - 1), st.integers(0, 10**9 - 1)))
+structures = st.recursive(scalars | extensions, lambda inner: st.lists(inner, max_size=4)
+                          | st.dictionaries(scalars, inner, max_size=3), max_leaves=12)
+
+
+@FUZZ
+@given(structure=structures | st.binary(max_size=40), buffers=st.integers(0, 2))
+def test_hostile_structures(structure: object, buffers: int,
+                            monkeypatch: pytest.MonkeyPatch) -> None:
+    raw = structure if isinstance(structure, bytes) else msgpack.packb(structure)
+    decode_if_valid(forge(*[(U8, T, (2,), 2)] * buffers, structure=raw), monkeypatch)
+
+
+flag: list[str] = []
+
+
+def set_flag() -> None:
+    flag.append("unpickled")
+
+
+class Trap:
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return set_flag, ()
+
+
+def test_pickle_frame_on_a_default_channel_is_never_unpickled() -> None:
+    flag.clear()
+    head_bytes, buffers = encode(Kind.DATA, 0, 0, [Trap(), np.ones(3)], Codec.PICKLE)
+    head = decode_head(head_bytes)
+    received = [torch.from_numpy(np.frombuffer(b, np.uint8).copy()) for b in buffers]
+    with pytest.raises(ProtocolError, match="PICKLE"):
+        decode(head, received, Codec.DEFAULT)
+    forged = decode_head(forge(structure=pickle.dumps(Trap())))  # pickle bytes labelled DEFAULT
+    with pytest.raises(ProtocolError):
+        decode(forged, [], Codec.DEFAULT)
+    assert flag == []
+    decode(head, received, Codec.PICKLE)  # the trap is live: it fires when pickle is asked for
+    assert flag == ["unpickled"]
+    with pytest.raises(ProtocolError, match="DEFAULT"):
+        decode(decode_head(encode(Kind.DATA, 0, 0, 1)[0]), [], Codec.PICKLE)
+
+
+def test_decode_checks_buffers() -> None:
+    head = decode_head(encode(Kind.DATA, 0, 0, torch.zeros(2))[0])
+    for wrong in [[], [torch.empty(7, dtype=torch.uint8)], [torch.empty(2)]]:
+        with pytest.raises(ValueError, match="allocate"):
+            decode(head, wrong, Codec.DEFAULT)
+    assert head.descriptors == (Descriptor(torch.float32, (2,), 8, BufferKind.TENSOR),)
