@@ -91,3 +91,24 @@ async def check_large_messages(comm: Comm) -> None:
 
 def test_large_messages_both_ways(world2: World) -> None:
     world2.run(check_large_messages)
+
+
+async def check_send_buffer_reusable_once_done(comm: Comm) -> None:
+    # A send's handle completes when its buffer may be reused: overwriting it
+    # afterwards must not change what the receiver gets, small or large.
+    for n in (2, 1 << 10, 1 << 16, 1 << 20):
+        if comm.rank == 0:
+            t = torch.arange(n, dtype=torch.float32)
+            await comm.send(t, 1, tag=n % 30000)
+            t.fill_(-1.0)
+            await comm.recv(torch.zeros(1), 1, tag=1)  # the receiver is done
+        else:
+            await asyncio.sleep(0.05)  # post the receive late
+            got = torch.zeros(n)
+            await comm.recv(got, 0, tag=n % 30000)
+            assert torch.equal(got, torch.arange(n, dtype=torch.float32)), n
+            await comm.send(torch.zeros(1), 0, tag=1)
+
+
+def test_send_buffer_reusable_once_done(world2: World) -> None:
+    world2.run(check_send_buffer_reusable_once_done)
