@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from asyncomm._backends import Backend
+from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Router, codec_of
 from asyncomm._errors import CommClosedError, CommError
 from asyncomm._handle import FROM_BACKEND, Deadlines, Handle
 from asyncomm._ops import ReduceOp, check_reduce
@@ -47,6 +48,8 @@ class Comm:
         self._chain: asyncio.Future[Any] | None = None  # last multi-step op on ``_own``
         self._checked_ops: dict[tuple[object, torch.dtype], ReduceOp] = {}
         self._deadlines = Deadlines(loop)
+        self._router: Router | None = None  # started by the first channel
+        self._channels: dict[int, Channel] = {}
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
@@ -354,6 +357,53 @@ class Comm:
         self._chain = self._loop.create_task(run())
         return handle
 
+    def _own_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle[None]:
+        """Send on the private twin (channel frames): no deadline, no argument checks."""
+        handle: Handle[None] = Handle(self._loop, (self.rank, "send", None, dst, tag), None,
+                                      tensor)
+        self._own.send(handle, tensor, dst, tag)
+        return handle
+
+    def _own_recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Handle[int]:
+        """Receive on the private twin (channel frames): no deadline, no argument checks."""
+        handle: Handle[int] = Handle(self._loop, (self.rank, "recv", None, src, tag),
+                                     FROM_BACKEND, tensor)
+        self._own.recv(handle, tensor, src, tag)
+        return handle
+
+    def channel(self, tag: int, codec: str = "default", *,
+                timeout: float | None = None) -> Channel:
+        """Return the channel ``tag`` of this communicator (any int >= 0; one object per tag).
+
+        ``codec="default"`` carries tensors, arrays, bytes, str, numbers,
+        ``None`` and lists/tuples/dicts of these, and never unpickles;
+        ``codec="pickle"`` carries any picklable object (trusted peers only).
+        ``timeout`` is the default deadline of its sends (for credit) and receives.
+        """
+        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
+            raise TypeError(f"{self._what('channel')}: tag must be an int, "
+                            f"not {type(tag).__name__}")
+        tag = operator.index(tag)
+        if not 0 <= tag <= MAX_CHANNEL_TAG:
+            raise ValueError(f"{self._what('channel')}: tag={tag} is outside 0..{MAX_CHANNEL_TAG}")
+        wanted = codec_of(codec)
+        self._open("channel")
+        existing = self._channels.get(tag)
+        if existing is not None:
+            if existing.codec is not wanted:
+                raise ValueError(f"{self._what('channel')}: channel {tag} is open with codec "
+                                 f"{existing.codec.name.lower()}, not {codec}")
+            return existing
+        made = Channel(self._ensure_router(), tag, wanted,
+                       self._timeout if timeout is None else self._deadline(timeout, "channel"))
+        self._channels[tag] = made
+        return made
+
+    def _ensure_router(self) -> Router:
+        if self._router is None:
+            self._router = Router(self)
+        return self._router
+
     async def _own_op(self, op: str, start: Callable[..., None], *args: Any) -> None:
         handle: Handle[None] = Handle(self._loop, (self.rank, op, self._seq, None, None), None,
                                       args)
@@ -449,6 +499,8 @@ class Comm:
             await child.close()
         if self._chain is not None and not self._chain.done():
             self._chain.cancel()
+        if self._router is not None:
+            self._router.close()
         self._own.close()
         self._backend.close()
 

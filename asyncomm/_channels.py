@@ -1,0 +1,573 @@
+"""Channels: messages multiplexed by tag between ranks, with flow control.
+
+One ``Router`` per communicator owns the receive side of asyncomm's private
+twin communicator and routes every frame into the mailbox of its channel.
+
+Note on the transport
+---------------------
+A frame (see ``_wire``) travels as an *envelope* of ``ENVELOPE_BYTES`` on tag
+``T_ENVELOPE`` -- a preamble (head length, inline bytes, data messages that
+follow), the head and, when they fit, the buffers inline -- then, if they did
+not fit, one message per buffer on tag ``T_DATA`` from the same source. The
+router always has one any-source envelope receive posted; when an envelope
+arrives it posts the data receives of that frame at once, in order, so
+frames from one source never mix. The envelope has a fixed size because
+gloo receives need the size up front; both backends use the same layout, and
+the frame bytes are the same on both.
+
+Note on flow control
+--------------------
+A sender may have at most ``window`` messages and ``window_bytes`` bytes of
+one channel unconsumed at one receiver (one message is always allowed, so
+large messages pass). The receiver returns credit (a CREDIT frame) as its
+user consumes messages. So a fast producer blocks in ``send`` instead of
+filling a slow consumer's memory, and messages for a channel nobody opened
+yet are kept, but never more than one window per sender.
+
+Note on end of stream
+---------------------
+``close()`` sends an EOS frame to every other rank. A receiver's iteration
+ends when every other rank has closed its end and the mailbox is empty;
+``recv`` then raises ``CommClosedError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import struct
+import warnings
+from collections.abc import AsyncIterator, Coroutine
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncomm import _wire
+from asyncomm._errors import CommClosedError, CommError, CommTimeoutError, ProtocolError
+from asyncomm._wire import Codec, Head, Kind
+
+if TYPE_CHECKING:
+    from asyncomm._comm import Comm
+
+T_ENVELOPE = 1  # tags on the private twin communicator
+T_DATA = 2
+ENVELOPE_BYTES = 4096
+_PREAMBLE = struct.Struct("<III")  # head bytes, inline payload bytes, data messages following
+_ROOM = ENVELOPE_BYTES - _PREAMBLE.size
+MAX_CHANNEL_TAG = (1 << 62) - 1  # tags above are asyncomm's own (actors)
+_CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
+
+
+def _align(offset: int) -> int:
+    """Round up to 16 bytes: inline buffers are viewed as typed tensors in place."""
+    return (offset + 15) & ~15
+
+
+def _span(at: int, buffers: list[torch.Tensor]) -> int:
+    """Return where ``buffers`` laid out inline from offset ``at`` end, padding included."""
+    for b in buffers:
+        at = _align(at) + b.nbytes
+    return at
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """A received message: who sent it, on which channel, and what."""
+
+    src: int
+    tag: int
+    data: Any
+
+
+@dataclass(slots=True)
+class _Frame:
+    src: int
+    head: Head
+    buffers: list[torch.Tensor]
+    error: CommError | None = None  # a frame refused on arrival: raised by recv
+
+
+def _as_tensor(buffer: _wire.Buffer) -> torch.Tensor:
+    if isinstance(buffer, torch.Tensor):
+        return buffer
+    if buffer.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only memory is only read from here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+class _Window:
+    """A sender's credit towards one (receiver, channel)."""
+
+    __slots__ = ("bytes_out", "messages_out", "waiters")
+
+    def __init__(self) -> None:
+        self.messages_out = 0
+        self.bytes_out = 0
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+
+class Mailbox:
+    """Frames of one channel in arrival order, and who has closed their end."""
+
+    def __init__(self) -> None:
+        self.frames: collections.deque[_Frame] = collections.deque()
+        self.ended: set[int] = set()
+        self.waiters: list[asyncio.Future[None]] = []
+
+    def put(self, frame: _Frame) -> None:
+        self.frames.append(frame)
+        self.wake()
+
+    def wake(self) -> None:
+        for waiter in self.waiters:
+            _wake(waiter)
+        self.waiters.clear()
+
+    def take(self, src: int | None) -> _Frame | None:
+        """Pop the first frame (from ``src``, if given), or return ``None``."""
+        frames = self.frames
+        if src is None:
+            return frames.popleft() if frames else None
+        for i, frame in enumerate(frames):
+            if frame.src == src:
+                del frames[i]
+                return frame
+        return None
+
+
+class Router:
+    """This rank's receive loop and send side for every channel of one communicator."""
+
+    def __init__(self, comm: Comm, window: int = 64, window_bytes: int = 64 << 20,
+                 limits: _wire.Limits | None = None) -> None:
+        self._comm = comm
+        self.rank, self.size = comm.rank, comm.size
+        self.window, self.window_bytes = window, window_bytes
+        self.limits = limits or _wire.Limits()
+        self._mailboxes: dict[int, Mailbox] = {}
+        self._windows: dict[tuple[int, int], _Window] = {}
+        self._send_seq: dict[tuple[int, int], int] = collections.defaultdict(int)
+        self._recv_seq: dict[tuple[int, int], int] = collections.defaultdict(int)
+        self._consumed: dict[tuple[int, int], list[int]] = {}
+        self._in_order: dict[int, asyncio.Task[None]] = {}  # last delivery per source
+        self._broken: dict[int, CommError] = {}  # sources whose stream cannot be followed
+        self._held: dict[int, collections.deque[torch.Tensor]] = {}
+        self._inflight: set[Any] = set()
+        self._closed = False
+        self._task = asyncio.get_running_loop().create_task(self._receive())
+
+    def mailbox(self, tag: int) -> Mailbox:
+        box = self._mailboxes.get(tag)
+        if box is None:
+            box = self._mailboxes[tag] = Mailbox()
+        return box
+
+    # -- sending ----------------------------------------------------------------
+
+    async def send(self, kind: Kind, tag: int, obj: object, dst: int, codec: Codec,
+                   timeout: float | None = None) -> None:
+        """Send ``obj`` as one frame; wait for credit first, then until its buffers are free."""
+        if self._closed:
+            raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
+        key = (dst, tag)
+        seq = self._send_seq[key]
+        head, buffers = _wire.encode(kind, tag, seq, obj, codec, self.limits)
+        self._send_seq[key] = seq + 1
+        nbytes = sum(b.nbytes for b in buffers) + len(head)
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = _Window()
+        await self._acquire(window, nbytes, tag, dst, timeout)
+        for handle in self.transmit(dst, head, [_as_tensor(b) for b in buffers]):
+            await handle  # no task per handle: most are done already
+
+    async def _acquire(self, window: _Window, nbytes: int, tag: int, dst: int,
+                       timeout: float | None) -> None:
+        def fits() -> bool:
+            return window.messages_out == 0 or (
+                window.messages_out < self.window
+                and window.bytes_out + nbytes <= self.window_bytes)
+
+        if window.waiters or not fits():
+            waiter = asyncio.get_running_loop().create_future()
+            window.waiters.append(waiter)
+            try:
+                while True:
+                    if window.waiters[0] is waiter and fits():
+                        break
+                    await asyncio.wait_for(asyncio.shield(waiter), timeout)
+                    waiter = asyncio.get_running_loop().create_future()
+                    window.waiters[0] = waiter
+            except asyncio.TimeoutError:
+                raise CommTimeoutError(f"rank {self.rank}: channel {tag} send to peer {dst}: "
+                                       f"no credit after {timeout:g} s") from None
+            finally:
+                window.waiters.remove(waiter)
+                if window.waiters and not window.waiters[0].done():
+                    window.waiters[0].set_result(None)
+        window.messages_out += 1
+        window.bytes_out += nbytes
+
+    def _credit(self, src: int, tag: int, messages: int, nbytes: int) -> None:
+        window = self._windows.get((src, tag))
+        if window is None:
+            return
+        window.messages_out = max(0, window.messages_out - messages)
+        window.bytes_out = max(0, window.bytes_out - nbytes)
+        if window.waiters and not window.waiters[0].done():
+            window.waiters[0].set_result(None)
+
+    def transmit(self, dst: int, head: bytes, buffers: list[torch.Tensor]) -> list[Any]:
+        """Issue one frame to ``dst`` (itself included); return the handles of its sends."""
+        if dst == self.rank:  # no transport: a private copy, delivered in order
+            frame = _Frame(self.rank, _wire.decode_head(head, self.limits),
+                           [b.clone() for b in buffers])
+            self._deliver(frame)
+            return []
+        start = _PREAMBLE.size + len(head)
+        end = _span(start, buffers)
+        inline = end <= ENVELOPE_BYTES
+        big_head = len(head) > _ROOM
+        follow = (0 if inline else len(buffers)) + big_head
+        envelope = torch.zeros(ENVELOPE_BYTES, dtype=torch.uint8)
+        view = envelope.numpy()
+        _PREAMBLE.pack_into(view.data, 0, len(head), end - start if inline else 0, follow)
+        at = _PREAMBLE.size
+        if not big_head:
+            view[at:at + len(head)] = memoryview(head)
+            at += len(head)
+        if inline:
+            for b in buffers:
+                at = _align(at)
+                view[at:at + b.nbytes] = b.numpy()
+                at += b.nbytes
+        comm = self._comm
+        handles = [comm._own_send(envelope, dst, T_ENVELOPE)]
+        if big_head:
+            handles.append(comm._own_send(torch.frombuffer(bytearray(head), dtype=torch.uint8),
+                                          dst, T_DATA))
+        if not inline:
+            handles.extend(comm._own_send(b, dst, T_DATA) for b in buffers)
+        return handles
+
+    def notify(self, kind: Kind, tag: int, dst: int, obj: object = None) -> None:
+        """Send a small control frame without waiting (credit, end of stream)."""
+        head, buffers = _wire.encode(kind, tag, 0, obj)
+        handles = self.transmit(dst, head, [_as_tensor(b) for b in buffers])
+        self._inflight.update(handles)
+        self._inflight = {h for h in self._inflight if not h.done()}
+
+    # -- receiving -----------------------------------------------------------------
+
+    async def _receive(self) -> None:
+        comm = self._comm
+        while not self._closed:
+            envelope = torch.empty(ENVELOPE_BYTES, dtype=torch.uint8)
+            try:
+                src = await comm._own_recv(envelope, None, T_ENVELOPE)
+            except CommError:
+                return  # closed under us
+            self._arrive(src, envelope)
+
+    def _arrive(self, src: int, envelope: torch.Tensor) -> None:
+        if src in self._broken:
+            return
+        held = self._held.get(src)
+        if held is not None:  # a big head from src is still on its way: keep the order
+            held.append(envelope)
+            return
+        view = envelope.numpy()
+        head_bytes, inline, follow = _PREAMBLE.unpack_from(view.data, 0)
+        if head_bytes > self.limits.max_head_bytes or inline > _ROOM:
+            self._break(src, ProtocolError(f"envelope from rank {src} declares a head of "
+                                           f"{head_bytes} bytes, inline {inline}"))
+            return
+        if head_bytes > _ROOM:  # the head follows as a data message: hold src's later frames
+            raw_head = torch.empty(head_bytes, dtype=torch.uint8)
+            self._held[src] = collections.deque()
+            fetched = self._comm._own_recv(raw_head, src, T_DATA)
+            self._in_turn(src, arrival=self._big_head(src, raw_head, fetched, follow - 1))
+            return
+        at = _PREAMBLE.size + head_bytes
+        buffers: list[torch.Tensor] = []
+        try:
+            head = _wire.decode_head(view[_PREAMBLE.size:at].tobytes(), self.limits)
+            if follow == 0:
+                start = at
+                for d in head.descriptors:
+                    at = _align(at)
+                    buffers.append(envelope[at:at + d.nbytes])
+                    at += d.nbytes
+                if at - start != inline or at > ENVELOPE_BYTES:
+                    raise ProtocolError("inline payload does not match the head")
+            elif follow != len(head.descriptors) or inline:
+                raise ProtocolError("data message count does not match the head")
+        except ProtocolError as exc:
+            self._refuse(src, view, exc, follow)
+            return
+        if follow == 0:
+            self._in_turn(src, frame=_Frame(src, head, buffers))
+        else:
+            self._in_turn(src, arrival=self._data(src, head))
+
+    def _data(self, src: int, head: Head) -> Coroutine[Any, Any, _Frame]:
+        """Post a frame's data receives now, in order; return what completes the frame."""
+        buffers = _wire.allocate(head)
+        receives = [self._comm._own_recv(b, src, T_DATA) for b in buffers]
+
+        async def complete() -> _Frame:
+            await asyncio.gather(*receives)
+            return _Frame(src, head, buffers)
+
+        return complete()
+
+    async def _big_head(self, src: int, raw_head: torch.Tensor, fetched: Any,
+                        follow: int) -> _Frame:
+        try:
+            await fetched
+            head = _wire.decode_head(raw_head.numpy().tobytes(), self.limits)
+            if follow != len(head.descriptors):
+                raise ProtocolError("data message count does not match the head")
+            frame = self._data(src, head)
+        finally:
+            for envelope in self._held.pop(src, ()):  # now the later frames, in order
+                self._arrive(src, envelope)
+        return await frame
+
+    def _in_turn(self, src: int, frame: _Frame | None = None,
+                 arrival: Coroutine[Any, Any, _Frame] | None = None) -> None:
+        """Deliver frames of one source in the order their envelopes arrived."""
+        previous = self._in_order.get(src)
+        if frame is not None and previous is None:
+            self._deliver(frame)  # the common case: inline, nothing before it
+            return
+
+        async def in_turn() -> None:
+            try:
+                got = frame if arrival is None else await arrival
+            except CommError as exc:
+                got = None
+                error = exc
+            if previous is not None:
+                await previous
+            if got is None:
+                self._break(src, error if isinstance(error, ProtocolError)
+                            else ProtocolError(f"frame from rank {src} lost: {error}"))
+            else:
+                self._deliver(got)
+
+        task = asyncio.get_running_loop().create_task(in_turn())
+        self._in_order[src] = task
+
+        def forget(done: asyncio.Task[None]) -> None:
+            if self._in_order.get(src) is done:
+                del self._in_order[src]
+
+        task.add_done_callback(forget)
+
+    def _refuse(self, src: int, view: Any, error: ProtocolError, follow: int) -> None:
+        """Refuse a malformed frame: on its channel if its tag is legible, its source if not."""
+        if follow:  # its data messages cannot be skipped safely: the stream is lost
+            self._break(src, error)
+            return
+        try:
+            tag = struct.unpack_from("<Q", view, _PREAMBLE.size + 8)[0]
+        except struct.error:
+            self._break(src, error)
+            return
+        wrapped = ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank {src} "
+                                f"refused: {error}")
+        self.mailbox(tag).put(_Frame(src, _EMPTY_HEAD, [], wrapped))
+
+    def _break(self, src: int, error: CommError) -> None:
+        """Stop following ``src``'s stream: every channel waiting on it gets ``error``."""
+        self._broken[src] = error
+        for tag, box in self._mailboxes.items():
+            box.put(_Frame(src, _EMPTY_HEAD, [], ProtocolError(
+                f"rank {self.rank}: channel {tag}: stream from rank {src} broken: {error}")))
+
+    def _deliver(self, frame: _Frame) -> None:
+        head = frame.head
+        key = (frame.src, head.tag)
+        if head.kind is Kind.CREDIT:
+            credit: Any = _wire.decode(head, frame.buffers, Codec.DEFAULT)
+            self._credit(frame.src, head.tag, int(credit[0]), int(credit[1]))
+            return
+        box = self.mailbox(head.tag)
+        if head.kind is Kind.EOS:
+            box.ended.add(frame.src)
+            box.wake()
+            return
+        expected = self._recv_seq[key]
+        if head.seq != expected:
+            frame.error = ProtocolError(
+                f"rank {self.rank}: channel {head.tag}: frame {head.seq} from rank "
+                f"{frame.src} where {expected} was due")
+        self._recv_seq[key] = head.seq + 1
+        box.put(frame)
+
+    def consumed(self, frame: _Frame) -> None:
+        """Count a frame the user took; return credit to its sender in batches."""
+        if frame.error is not None and not frame.head.descriptors and not frame.head.structure:
+            return
+        key = (frame.src, frame.head.tag)
+        done = self._consumed.get(key)
+        if done is None:
+            done = self._consumed[key] = [0, 0]
+        done[0] += 1
+        done[1] += sum(b.nbytes for b in frame.buffers) + len(frame.head.structure)
+        if done[0] >= max(1, self.window // 4) or done[1] >= self.window_bytes // 4:
+            messages, nbytes = done
+            done[0] = done[1] = 0
+            if frame.src == self.rank:
+                self._credit(self.rank, frame.head.tag, messages, nbytes)
+            else:
+                self.notify(Kind.CREDIT, frame.head.tag, frame.src, [messages, nbytes])
+
+    def close(self) -> None:
+        """Stop receiving; wake every waiter so it sees the communicator closed."""
+        self._closed = True
+        self._task.cancel()
+        for box in self._mailboxes.values():
+            box.wake()
+        for window in self._windows.values():
+            for waiter in window.waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+
+_EMPTY_HEAD = Head(Kind.DATA, Codec.DEFAULT, 0, 0, (), b"")
+
+
+class Channel:
+    """Messages on one tag between the ranks of a communicator.
+
+    ``await ch.send(obj, dst)`` and ``msg = await ch.recv(src=None)``;
+    ``async for msg in ch`` until every other rank closed the channel.
+    Per (sender, channel) messages arrive exactly once and in order.
+    """
+
+    def __init__(self, router: Router, tag: int, codec: Codec, timeout: float) -> None:
+        self._router = router
+        self.tag = tag
+        self.codec = codec
+        self._timeout = timeout
+        self._box = router.mailbox(tag)
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"<Channel {self.tag} rank {self._router.rank} {self.codec.name.lower()}>"
+
+    async def send(self, obj: object, dst: int, *, timeout: float | None = None) -> None:
+        """Send ``obj`` to ``dst``; return once its buffers may be reused.
+
+        Waits for credit if ``dst`` has not consumed enough of the earlier
+        messages. Raises ``TypeError`` for objects the channel's codec cannot
+        carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
+        """
+        router = self._router
+        if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < router.size:
+            raise ValueError(f"rank {router.rank}: channel {self.tag} send: dst={dst!r} is not "
+                             f"a rank in 0..{router.size - 1}")
+        if self._closed:
+            raise CommClosedError(f"rank {router.rank}: channel {self.tag} is closed")
+        limit = self._timeout if timeout is None else timeout
+        await router.send(Kind.DATA, self.tag, obj, dst, self.codec,
+                          None if limit == math.inf else limit)
+
+    async def recv(self, src: int | None = None, *, timeout: float | None = None) -> Message:
+        """Receive the next message (from ``src``, or any source); a cancelled call loses nothing.
+
+        Raises ``CommClosedError`` once every other rank (or ``src``) has
+        closed the channel and no message is left, ``ProtocolError`` for a
+        malformed frame (the next call goes on with the next message).
+        """
+        router = self._router
+        if src is not None and (isinstance(src, bool) or not isinstance(src, int)
+                                or not 0 <= src < router.size):
+            raise ValueError(f"rank {router.rank}: channel {self.tag} recv: src={src!r} is not "
+                             f"a rank in 0..{router.size - 1}")
+        limit = self._timeout if timeout is None else timeout
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit if limit != math.inf else math.inf
+        box = self._box
+        while True:
+            frame = box.take(src)
+            if frame is not None:
+                return self._open(frame)
+            if self._ended(src):
+                who = "every other rank" if src is None else f"rank {src}"
+                raise CommClosedError(f"rank {router.rank}: channel {self.tag}: {who} closed it")
+            if router._closed:
+                raise CommClosedError(f"rank {router.rank}: channel {self.tag}: the "
+                                      "communicator is closed")
+            if loop.time() >= deadline:
+                peer = "any" if src is None else src
+                raise CommTimeoutError(f"rank {router.rank}: channel {self.tag} recv from peer "
+                                       f"{peer} timed out after {limit:g} s")
+            waiter = loop.create_future()
+            box.waiters.append(waiter)
+            timer = None if deadline == math.inf else loop.call_at(deadline, _wake, waiter)
+            try:
+                await waiter  # woken by a frame, the end of a stream, or the deadline
+            finally:
+                if timer is not None:
+                    timer.cancel()
+                if waiter in box.waiters:
+                    box.waiters.remove(waiter)
+
+    def _ended(self, src: int | None) -> bool:
+        ended = self._box.ended
+        if src is not None:
+            return src in ended
+        return len(ended - {self._router.rank}) >= self._router.size - 1
+
+    def _open(self, frame: _Frame) -> Message:
+        self._router.consumed(frame)
+        if frame.error is not None:
+            raise frame.error
+        try:
+            data = _wire.decode(frame.head, frame.buffers, self.codec)
+        except ProtocolError as exc:
+            raise ProtocolError(f"rank {self._router.rank}: channel {self.tag}: message from "
+                                f"rank {frame.src}: {exc}") from exc
+        return Message(frame.src, self.tag, data)
+
+    def __aiter__(self) -> AsyncIterator[Message]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[Message]:
+        while True:
+            try:
+                yield await self.recv()
+            except CommClosedError:
+                return
+
+    async def close(self) -> None:
+        """Close this rank's end: every other rank's iteration ends after our last message."""
+        if self._closed:
+            return
+        self._closed = True
+        router = self._router
+        if router._closed:
+            return
+        for dst in range(router.size):
+            if dst != router.rank:
+                router.notify(Kind.EOS, self.tag, dst)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def codec_of(name: str) -> Codec:
+    """Return the codec called ``name`` ("default" or "pickle")."""
+    try:
+        return _CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}: expected one of {', '.join(_CODECS)}") from None
