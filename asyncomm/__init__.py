@@ -4,6 +4,8 @@ Collectives and point-to-point operations return awaitable ``Handle``s over
 torch.distributed (gloo, nccl) or MPI; every rank runs one asyncio event loop.
 """
 
+from asyncomm._actors import Actor, ActorRef, endpoint
+from asyncomm._channels import Channel, Message
 from asyncomm._comm import Comm
 from asyncomm._errors import (
     CommClosedError,
@@ -21,17 +23,22 @@ from asyncomm._runtime import init, run
 __version__ = "0.1.0"
 
 __all__ = [
+    "Actor",
+    "ActorRef",
+    "Channel",
     "Comm",
     "CommClosedError",
     "CommError",
     "CommTimeoutError",
     "Handle",
+    "Message",
     "MismatchError",
     "PeerFailedError",
     "ProtocolError",
     "ReduceOp",
     "RemoteError",
     "__version__",
+    "endpoint",
     "init",
     "run",
 ]

@@ -156,6 +156,7 @@ class Router:
         self._in_order: dict[int, asyncio.Task[None]] = {}  # last delivery per source
         self._broken: dict[int, CommError] = {}  # sources whose stream cannot be followed
         self._held: dict[int, collections.deque[torch.Tensor]] = {}
+        self._byes: set[int] = set()  # ranks whose router said goodbye
         self._inflight: set[Any] = set()
         self._closed = False
         self._task = asyncio.get_running_loop().create_task(self._receive())
@@ -265,13 +266,17 @@ class Router:
 
     async def _receive(self) -> None:
         comm = self._comm
-        while not self._closed:
+        while len(self._byes) < self.size - 1:  # see the note on closing
             envelope = torch.empty(ENVELOPE_BYTES, dtype=torch.uint8)
             try:
                 src = await comm._own_recv(envelope, None, T_ENVELOPE)
             except CommError:
                 return  # closed under us
-            self._arrive(src, envelope)
+            if envelope[_PREAMBLE.size:_PREAMBLE.size + len(_BYE_HEAD)].numpy().tobytes() \
+                    == _BYE_HEAD:
+                self._byes.add(src)
+            else:
+                self._arrive(src, envelope)
 
     def _arrive(self, src: int, envelope: torch.Tensor) -> None:
         if src in self._broken:
@@ -428,10 +433,29 @@ class Router:
             else:
                 self.notify(Kind.CREDIT, frame.head.tag, frame.src, [messages, nbytes])
 
-    def close(self) -> None:
-        """Stop receiving; wake every waiter so it sees the communicator closed."""
+    async def close(self, timeout: float) -> None:
+        """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
+
+        Note on closing
+        ---------------
+        A receive posted on gloo can be neither cancelled nor aborted, and
+        tearing a process group down under one kills the process. So the
+        router's standing envelope receive is only re-posted until every
+        other rank has said goodbye: closing is collective, like MPI's
+        finalize. A rank that never closes (it died) leaves the receive
+        posted after ``timeout``.
+        """
+        if self._closed:
+            return
         self._closed = True
-        self._task.cancel()
+        for dst in range(self.size):
+            if dst != self.rank:
+                handles = self.transmit(dst, _BYE_HEAD, [])
+                self._inflight.update(handles)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        except asyncio.TimeoutError:
+            self._task.cancel()
         for box in self._mailboxes.values():
             box.wake()
         for window in self._windows.values():
@@ -441,6 +465,7 @@ class Router:
 
 
 _EMPTY_HEAD = Head(Kind.DATA, Codec.DEFAULT, 0, 0, (), b"")
+_BYE_HEAD = _wire.encode(Kind.EOS, MAX_CHANNEL_TAG + 3, 0, None)[0]  # the router's goodbye
 
 
 class Channel:

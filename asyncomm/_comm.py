@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from asyncomm._actors import Actor, ActorRef, Host
 from asyncomm._backends import Backend
 from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Router, codec_of
 from asyncomm._errors import CommClosedError, CommError
@@ -49,6 +50,7 @@ class Comm:
         self._checked_ops: dict[tuple[object, torch.dtype], ReduceOp] = {}
         self._deadlines = Deadlines(loop)
         self._router: Router | None = None  # started by the first channel
+        self._host: Host | None = None  # started by the first actor served or called
         self._channels: dict[int, Channel] = {}
 
     def __repr__(self) -> str:
@@ -399,6 +401,24 @@ class Comm:
         self._channels[tag] = made
         return made
 
+    def serve(self, actor: Actor, name: str) -> None:
+        """Serve ``actor`` on this rank under ``name``; other ranks call it via ``actor()``."""
+        self._open("serve")
+        self._ensure_host().serve(actor, name)
+
+    def actor(self, rank: int, name: str) -> ActorRef:
+        """Return a reference to the actor ``name`` served on ``rank``: ``await ref.method()``."""
+        rank = self._peer(rank, "actor", "rank")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self._what('actor')}: name must be a non-empty str")
+        self._open("actor")
+        return ActorRef(self._ensure_host(), rank, name)
+
+    def _ensure_host(self) -> Host:
+        if self._host is None:
+            self._host = Host(self._ensure_router(), self.rank, self._timeout)
+        return self._host
+
     def _ensure_router(self) -> Router:
         if self._router is None:
             self._router = Router(self)
@@ -499,8 +519,10 @@ class Comm:
             await child.close()
         if self._chain is not None and not self._chain.done():
             self._chain.cancel()
+        if self._host is not None:
+            await self._host.close()
         if self._router is not None:
-            self._router.close()
+            await self._router.close(min(self._timeout, 30.0))
         self._own.close()
         self._backend.close()
 
