@@ -198,9 +198,9 @@ class Waiters:
                 error: BaseException | None = exc
             else:
                 error = None
-            self._report(sink, finish, error)
-            with self._lock:
+            with self._lock:  # free before the report: the loop may post the next job at once
                 self._idle += 1
+            self._report(sink, finish, error)
 
     def _report(self, sink: Sink, finish: Finish, error: BaseException | None) -> None:
         if error is not None:

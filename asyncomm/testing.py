@@ -214,6 +214,28 @@ class WorldPool:
         self._worlds.clear()
 
 
+def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
+               timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+    """Write ``source`` as a script in ``directory`` and run it with ``asyncomm run -n n``.
+
+    Skips the calling test (pytest) when ``backend`` is ``"mpi"`` and no mpiexec exists.
+    """
+    from asyncomm import _launch
+
+    if backend == "mpi" and _launch.find_mpiexec() is None:
+        import pytest
+
+        pytest.skip("mpiexec not installed")
+    script = directory / f"script_{secrets.token_hex(4)}.py"
+    script.write_text(source)
+    root = str(Path(asyncomm.__file__).resolve().parent.parent)
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "asyncomm", "run", "-n", str(n), "--backend", backend,
+         str(script)], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONPATH": path})
+
+
 # -- the rank side -----------------------------------------------------------------
 
 _modules: dict[str, ModuleType] = {}

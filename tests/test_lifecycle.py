@@ -18,8 +18,8 @@ import pytest
 import torch
 
 import asyncomm
-from asyncomm import Comm, _launch
-from asyncomm.testing import World
+from asyncomm import Comm
+from asyncomm.testing import World, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -220,14 +220,7 @@ asyncomm._runtime.run_loop(main())
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_init_close_init_in_one_process(tmp_path: Path, backend: str) -> None:
-    if backend == "mpi" and _launch.find_mpiexec() is None:
-        pytest.skip("mpiexec not installed")
-    script = tmp_path / "reinit.py"
-    script.write_text(REINIT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncomm", "run", "-n", "3", "--backend", backend, str(script)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = run_script(REINIT, tmp_path, 3, backend)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for round_ in range(3):
         expected = f"round {round_} sum {sum(range(3)) + 3 * round_}"
@@ -270,15 +263,8 @@ asyncomm.run(main)
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_a_failing_rank_ends_the_job(tmp_path: Path, backend: str) -> None:
-    if backend == "mpi" and _launch.find_mpiexec() is None:
-        pytest.skip("mpiexec not installed")
-    script = tmp_path / "failing.py"
-    script.write_text(FAILING)
     start = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncomm", "run", "-n", "3", "--backend", backend, str(script)],
-        capture_output=True, text=True, timeout=120, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = run_script(FAILING, tmp_path, 3, backend)
     assert proc.returncode != 0
     assert time.monotonic() - start < 60  # not the 300 s default deadline
     assert "rank 1" in proc.stderr and "boom on purpose" in proc.stderr, proc.stderr
