@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Message
 from asyncomm._errors import CommClosedError, CommError, CommTimeoutError, RemoteError
-from asyncomm._wire import Codec
+from asyncomm import _wire
+from asyncomm._wire import Codec, Kind
 
 if TYPE_CHECKING:
     from asyncomm._channels import Router
@@ -157,7 +158,11 @@ class Host:
                                   "closed its communicator")
 
     def _post(self, rank: int, channel: Channel, message: list[Any]) -> None:
-        """Queue ``message`` for ``rank``: one sender per destination keeps call order."""
+        """Queue ``message`` for ``rank``: one sender per destination keeps call order.
+
+        Raises ``TypeError`` at once if the default codec cannot carry it.
+        """
+        _wire.encode(Kind.DATA, channel.tag, 0, message)  # check now, before anything is sent
         outbox = self._outboxes.get(rank)
         if outbox is None:
             outbox = self._outboxes[rank] = asyncio.Queue()

@@ -1,0 +1,131 @@
+"""Actors on real gloo and MPI worlds: calls, tells, errors, ordering, deadlines, closing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import asyncomm
+from asyncomm import Comm
+from asyncomm.testing import World
+
+
+class Ledger(asyncomm.Actor):
+    """Records calls; one at a time, or ``overlaps`` would count."""
+
+    def __init__(self) -> None:
+        self.entries: list[list[int]] = []
+        self.busy = False
+        self.overlaps = 0
+
+    @asyncomm.endpoint
+    async def record(self, src: int, i: int) -> int:
+        if self.busy:
+            self.overlaps += 1
+        self.busy = True
+        await asyncio.sleep(0.001)  # give another call the chance to overlap
+        self.entries.append([src, i])
+        self.busy = False
+        return len(self.entries)
+
+    @asyncomm.endpoint
+    def summary(self) -> dict[str, object]:
+        return {"entries": self.entries, "overlaps": self.overlaps}
+
+    @asyncomm.endpoint
+    def double(self, t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    @asyncomm.endpoint
+    def fail(self, text: str) -> None:
+        raise KeyError(text)
+
+    @asyncomm.endpoint
+    async def slow(self, seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "late"
+
+    def private(self) -> int:
+        return 1
+
+
+async def check_calls_and_tells(comm: Comm) -> None:
+    name = "ledger"
+    if comm.rank == 0:
+        comm.serve(Ledger(), name)
+        with pytest.raises(ValueError, match="already|served"):
+            comm.serve(Ledger(), name)
+        with pytest.raises(TypeError):
+            comm.serve(object(), "x")  # type: ignore[arg-type]
+    await comm.barrier()
+    ref = comm.actor(0, name)
+    for i in range(10):  # tells and calls from one rank keep their order
+        ref.record.tell(comm.rank, i)
+    assert await ref.record(comm.rank, 10) >= 11
+    doubled = await ref.double(torch.arange(4.0))
+    assert doubled.tolist() == [0.0, 2.0, 4.0, 6.0]
+    await comm.barrier()
+    summary = await ref.summary()
+    assert summary["overlaps"] == 0  # one call at a time
+    mine = [i for src, i in summary["entries"] if src == comm.rank]
+    assert mine == list(range(11))
+    assert len(summary["entries"]) == 11 * comm.size
+    await comm.barrier()
+
+
+def test_calls_and_tells(world: World) -> None:
+    world.run(check_calls_and_tells)
+
+
+async def check_errors(comm: Comm) -> None:
+    if comm.rank == 1:
+        comm.serve(Ledger(), "errors")
+    await comm.barrier()
+    ref = comm.actor(1, "errors")
+    with pytest.raises(asyncomm.RemoteError) as info:
+        await ref.fail("no such key")
+    assert info.value.rank == 1
+    assert "KeyError" in str(info.value) and "no such key" in str(info.value)
+    assert "raise KeyError" in info.value.remote_traceback
+    with pytest.raises(asyncomm.RemoteError, match="no endpoint 'private'"):
+        await ref.private()
+    with pytest.raises(asyncomm.RemoteError, match="no actor named 'nobody'"):
+        await comm.actor(1, "nobody").anything()
+    with pytest.raises(asyncomm.CommTimeoutError, match=r"errors\.slow on rank 1"):
+        await ref.slow(2.0, timeout=0.3)
+    with pytest.raises(ValueError):
+        comm.actor(comm.size, "errors")
+    with pytest.raises(TypeError, match="default codec cannot carry"):
+        await ref.double(object())
+    with pytest.raises(TypeError, match="default codec cannot carry"):
+        ref.double.tell({1, 2})
+    assert await ref.double(torch.ones(1)) is not None  # still serving
+    await comm.barrier()
+
+
+def test_remote_errors_and_deadlines(world: World) -> None:
+    world.run(check_errors)
+
+
+async def check_closed_rank(comm: Comm) -> None:
+    sub = await comm.group(range(comm.size))
+    assert sub is not None
+    if sub.rank == 0:
+        sub.serve(Ledger(), "leaving")
+    await sub.barrier()
+    if sub.rank == 0:
+        await sub.close()  # waits until every other rank closed too
+    else:
+        ref = sub.actor(0, "leaving")
+        with pytest.raises(asyncomm.CommClosedError, match="rank 0"):
+            for _ in range(200):  # until rank 0's goodbye arrives
+                await ref.record(sub.rank, 0, timeout=5)
+                await asyncio.sleep(0.02)
+        await sub.close()
+    await comm.barrier()
+
+
+def test_call_to_a_closed_rank_raises(world: World) -> None:
+    world.run(check_closed_rank)
