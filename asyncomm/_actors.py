@@ -26,9 +26,9 @@ import traceback
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from asyncomm import _wire
 from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Message
 from asyncomm._errors import CommClosedError, CommError, CommTimeoutError, RemoteError
-from asyncomm import _wire
 from asyncomm._wire import Codec, Kind
 
 if TYPE_CHECKING:
