@@ -22,11 +22,13 @@ message; ``bytes`` values larger than ``INLINE_BYTES`` go out of band too.
 from __future__ import annotations
 
 import enum
+import functools
 import io
 import math
 import operator
 import pickle
 import struct
+import threading
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -48,6 +50,11 @@ PREFIX_BYTES: Final = _PREFIX.size
 _U64: Final = 1 << 64
 _EXT_TUPLE, _EXT_BUFFER = 1, 2  # msgpack extension codes of the DEFAULT codec
 _TUPLE_EXT: Final = msgpack.ExtType(_EXT_TUPLE, b"")  # first item of an array that is a tuple
+_INT_MIN: Final = -(1 << 63)
+# Precompiled layouts and references, so hot paths never build them per message.
+_DESCS: Final = [struct.Struct(f"<BBB{ndim + 1}Q") for ndim in range(256)]  # [ndim]
+_REFS: Final = [msgpack.ExtType(_EXT_BUFFER, struct.pack("<I", i)) for i in range(64)]
+_LONE_REF: Final[bytes] = msgpack.packb(_REFS[0])  # the structure of a message that is one buffer
 
 
 class Kind(enum.IntEnum):
@@ -83,11 +90,15 @@ _DTYPES: Final[dict[int, torch.dtype]] = dict(enumerate([
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
     torch.complex128, torch.uint16, torch.uint32, torch.uint64], start=1))
 _CODES: Final = {dtype: code for code, dtype in _DTYPES.items()}
-_KINDS: Final = frozenset(Kind)
-_CODECS: Final = frozenset(Codec)
-_BUFFER_KINDS: Final = frozenset(BufferKind)
+# Lookups instead of Enum(value) calls, which are slow; Enum(value) still raises for the rest.
+_KINDS: Final[dict[int, Kind]] = {k: k for k in Kind}
+_CODECS: Final[dict[int, Codec]] = {c: c for c in Codec}
+_BUFFER_KINDS: Final[dict[int, BufferKind]] = {k: k for k in BufferKind}
+_SCALARS: Final = frozenset({type(None), bool, int, float, str, bytes})  # msgpack packs these as is
 _FROM_NUMPY: Final = {np.dtype(str(dtype).removeprefix("torch.")): dtype
                       for dtype in _DTYPES.values() if dtype is not torch.bfloat16}
+_NUMPY_CODES: Final = {np_dtype: _CODES[dtype] for np_dtype, dtype in _FROM_NUMPY.items()}
+_U8: Final = _CODES[torch.uint8]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +135,10 @@ class Head:
     @property
     def payload_bytes(self) -> int:
         """Return the bytes of all buffers that follow the head."""
-        return sum(d.nbytes for d in self.descriptors)
+        return sum(map(_NBYTES, self.descriptors))
+
+
+_NBYTES: Final = operator.attrgetter("nbytes")
 
 
 Buffer = memoryview | torch.Tensor
@@ -138,45 +152,77 @@ class _Refused(Exception):
         self.path: list[str] = []
 
 
+_Laid = tuple[int, int, tuple[int, ...], int]  # a descriptor as laid out: code, kind, shape, nbytes
+
+
 class _Outgoing:
     """The descriptors and buffers of a frame being encoded."""
 
+    __slots__ = ("buffers", "descriptors")
+
     def __init__(self) -> None:
-        self.descriptors: list[Descriptor] = []
+        self.descriptors: list[_Laid] = []  # tuples, not Descriptors: encode only lays them out
         self.buffers: list[Buffer] = []
 
-    def add(self, dtype: torch.dtype, shape: tuple[int, ...], kind: BufferKind,
-            buffer: Buffer, nbytes: int) -> msgpack.ExtType:
-        self.descriptors.append(Descriptor(dtype, shape, nbytes, kind))
+    def add(self, code: int, shape: tuple[int, ...], kind: BufferKind, buffer: Buffer,
+            nbytes: int) -> msgpack.ExtType:
+        i = len(self.buffers)
+        self.descriptors.append((code, kind, shape, nbytes))
         self.buffers.append(buffer)
-        return msgpack.ExtType(_EXT_BUFFER, struct.pack("<I", len(self.buffers) - 1))
+        return _REFS[i] if i < len(_REFS) else msgpack.ExtType(_EXT_BUFFER, struct.pack("<I", i))
 
 
 def _tensor(t: torch.Tensor, out: _Outgoing) -> msgpack.ExtType:
-    if t.layout is not torch.strided or t.dtype not in _CODES:
+    code = _CODES.get(t.dtype) if t.layout is torch.strided else None
+    if code is None:
         what = t.dtype if t.layout is torch.strided else t.layout
         raise _Refused(f"a {what} tensor")
-    # Frames carry host memory; conj/neg views are materialised (contiguous() keeps the bits).
-    t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
-    flat = t.reshape(-1).view(torch.uint8)
-    return out.add(t.dtype, tuple(t.shape), BufferKind.TENSOR, flat, flat.numel())
+    shape = tuple(t.shape)
+    # Most tensors are sent as they are; each call skipped here costs as much as a check.
+    if not (t.is_cpu and t.is_contiguous()) or t.requires_grad or t.is_conj() or t.is_neg():
+        # Frames carry host memory; conj/neg views are materialised (contiguous() keeps the bits).
+        t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    if t.dim() != 1:
+        t = t.flatten()  # a view, t being contiguous; cheaper than reshape(-1)
+    flat = t if t.dtype is torch.uint8 else t.view(torch.uint8)
+    return out.add(code, shape, BufferKind.TENSOR, flat, flat.numel())
 
 
 def _array(a: np.ndarray[Any, Any], out: _Outgoing) -> msgpack.ExtType:
     if not a.dtype.isnative:
         a = a.astype(a.dtype.newbyteorder("="))
-    if a.dtype not in _FROM_NUMPY:
+    code = _NUMPY_CODES.get(a.dtype)
+    if code is None:
         raise _Refused(f"a numpy array of dtype {a.dtype}")
     flat = (a if a.flags.c_contiguous else a.copy(order="C")).reshape(-1).view(np.uint8)
-    return out.add(_FROM_NUMPY[a.dtype], a.shape, BufferKind.NDARRAY, flat.data, flat.size)
+    return out.add(code, a.shape, BufferKind.NDARRAY, flat.data, flat.size)
 
 
 def _key(k: object) -> object:
     if k is None or isinstance(k, (bool, float, str, bytes)):
         return k
-    if isinstance(k, int) and -(1 << 63) <= k < _U64:
+    if isinstance(k, int) and _INT_MIN <= k < _U64:
         return k
     raise _Refused(f"a dict key of type {type(k).__qualname__}")
+
+
+def _plain(obj: object) -> bool:
+    """Whether ``obj`` is only exact scalars, lists and dicts: then it *is* its own lowering.
+
+    Tuples, subclasses and buffers are not plain (nor ``ExtType``, which msgpack would pack);
+    ints are not range-checked here: msgpack refuses the same ones ``_lower`` does.
+    """
+    kind = type(obj)
+    if kind is list:
+        items: Any = obj
+    elif kind is dict:
+        if not _SCALARS.issuperset(map(type, obj)):  # type: ignore[call-overload]
+            return False
+        items = obj.values()  # type: ignore[attr-defined]
+    else:
+        return kind in _SCALARS
+    # Checking all types in one C-level pass first spares a call per scalar.
+    return _SCALARS.issuperset(map(type, items)) or all(map(_plain, items))
 
 
 def _lower(obj: object, out: _Outgoing) -> object:
@@ -184,19 +230,19 @@ def _lower(obj: object, out: _Outgoing) -> object:
     if obj is None or isinstance(obj, (bool, float, str)):
         return obj
     if isinstance(obj, int):
-        if -(1 << 63) <= obj < _U64:
+        if _INT_MIN <= obj < _U64:
             return obj
         raise _Refused("an int beyond 64 bits")
     if isinstance(obj, (bytes, bytearray, memoryview)):
         view = memoryview(obj)
         if view.nbytes <= INLINE_BYTES or not view.c_contiguous:
             return view.tobytes()
-        return out.add(torch.uint8, (view.nbytes,), BufferKind.BYTES, view.cast("B"), view.nbytes)
+        return out.add(_U8, (view.nbytes,), BufferKind.BYTES, view.cast("B"), view.nbytes)
     if isinstance(obj, torch.Tensor):
         return _tensor(obj, out)
     if type(obj) is np.ndarray:
         return _array(obj, out)
-    if isinstance(obj, (np.bool_, np.integer, np.floating)) and obj.dtype in _FROM_NUMPY:
+    if isinstance(obj, (np.bool_, np.integer, np.floating)) and obj.dtype in _NUMPY_CODES:
         return _lower(obj.item(), out)  # numpy scalars arrive as the Python scalar they hold
     if isinstance(obj, (list, tuple)):
         items = [_TUPLE_EXT] if isinstance(obj, tuple) else []
@@ -218,6 +264,47 @@ def _lower(obj: object, out: _Outgoing) -> object:
                 raise
         return lowered
     raise _Refused(type(obj).__qualname__)
+
+
+def _structure(obj: object, out: _Outgoing) -> bytes:
+    """Return the DEFAULT codec's structure of ``obj``, adding its buffers to ``out``."""
+    if _plain(obj):  # no buffers (the commonest small message): pack it as it is
+        try:
+            structure = _pack(obj)
+        except OverflowError:  # an int beyond 64 bits: _lower says where
+            pass
+        else:
+            if len(structure) <= INLINE_BYTES:  # then so is every bytes value in it: none goes out
+                return structure
+    try:
+        if type(obj) is torch.Tensor:  # a lone tensor, the commonest message with a buffer
+            _tensor(obj, out)
+            return _LONE_REF
+        lowered = _lower(obj, out)
+    except _Refused as e:
+        where = "data" + "".join(reversed(e.path))
+        raise TypeError(f"the default codec cannot carry {e.what} at {where}; "
+                        f'use comm.channel(tag, codec="pickle")') from None
+    # A lone tensor (or array, or large bytes) always has the same structure.
+    return _LONE_REF if lowered is _REFS[0] else _pack(lowered)
+
+
+class _Packers(threading.local):
+    """One reused ``Packer`` per thread: making one costs as much as packing a small message."""
+
+    def __init__(self) -> None:
+        self.packer = msgpack.Packer(use_bin_type=True)
+
+
+_packers = _Packers()
+
+
+def _pack(lowered: object) -> bytes:
+    """Return ``msgpack.packb(lowered, use_bin_type=True)``, packed by this thread's packer."""
+    structure: bytes = _packers.packer.pack(lowered)
+    if len(structure) > INLINE_BYTES:
+        _packers.packer = msgpack.Packer(use_bin_type=True)  # do not keep its grown buffer
+    return structure
 
 
 class _Pickler(pickle.Pickler):
@@ -248,31 +335,31 @@ def encode(kind: Kind, tag: int, seq: int, obj: object, codec: Codec = Codec.DEF
         TypeError: the DEFAULT codec cannot carry something in ``obj`` (names it and where).
         ValueError: bad tag/seq, or the frame exceeds ``limits`` (what the receiver would refuse).
     """
-    kind, codec, tag, seq = Kind(kind), Codec(codec), operator.index(tag), operator.index(seq)
+    try:  # dict lookups: Kind(kind) and Codec(codec) cost more than the rest of a small frame
+        kind, codec = _KINDS[kind], _CODECS[codec]
+    except (KeyError, TypeError):
+        kind, codec = Kind(kind), Codec(codec)
+    tag, seq = operator.index(tag), operator.index(seq)
     if not (0 <= tag < _U64 and 0 <= seq < _U64):
         raise ValueError(f"tag and seq must be in [0, 2**64), got tag={tag} seq={seq}")
     out = _Outgoing()
     if codec is Codec.PICKLE:
         def keep(buffer: pickle.PickleBuffer) -> None:
             view = buffer.raw()
-            out.add(torch.uint8, (view.nbytes,), BufferKind.BYTES, view, view.nbytes)
+            out.add(_U8, (view.nbytes,), BufferKind.BYTES, view, view.nbytes)
         sink = io.BytesIO()
         _Pickler(sink, protocol=5, buffer_callback=keep).dump(obj)
         structure = sink.getvalue()
     else:
-        try:
-            structure = msgpack.packb(_lower(obj, out), use_bin_type=True)
-        except _Refused as e:
-            where = "data" + "".join(reversed(e.path))
-            raise TypeError(f"the default codec cannot carry {e.what} at {where}; "
-                            f'use comm.channel(tag, codec="pickle")') from None
+        structure = _structure(obj, out)
     if len(structure) > INLINE_BYTES:
         n = len(structure)
-        out.add(torch.uint8, (n,), BufferKind.STRUCTURE, memoryview(structure), n)
+        out.add(_U8, (n,), BufferKind.STRUCTURE, memoryview(structure), n)
         structure = b""
-    head = _pack_head(kind, codec, tag, seq, out.descriptors, structure)
-    total = sum(d.nbytes for d in out.descriptors) + len(structure)
-    ndim = max((len(d.shape) for d in out.descriptors), default=0)
+    head = _head(kind, codec, tag, seq, out.descriptors, structure)
+    total, ndim = len(structure), 0
+    for _, _, shape, nbytes in out.descriptors:
+        total, ndim = total + nbytes, max(ndim, len(shape))
     if (total > limits.max_message_bytes or len(out.buffers) > limits.max_buffers
             or ndim > limits.max_ndim or len(head) > limits.max_head_bytes):
         raise ValueError(f"message too large to send: {total} bytes, {len(out.buffers)} buffers, "
@@ -280,15 +367,22 @@ def encode(kind: Kind, tag: int, seq: int, obj: object, codec: Codec = Codec.DEF
     return head, out.buffers
 
 
-def _pack_head(kind: int, codec: int, tag: int, seq: int, descriptors: list[Descriptor],
-               structure: bytes) -> bytes:
+def _head(kind: int, codec: int, tag: int, seq: int, descriptors: list[_Laid],
+          structure: bytes) -> bytes:
     """Lay out a head: the inverse of ``decode_head``."""
-    parts = [_DESC.pack(_CODES[d.dtype], d.kind, len(d.shape))
-             + struct.pack(f"<{len(d.shape) + 1}Q", *d.shape, d.nbytes) for d in descriptors]
-    size = PREFIX_BYTES + sum(map(len, parts)) + len(structure)
+    body = b"".join([_DESCS[len(shape)].pack(code, bkind, len(shape), *shape, nbytes)
+                     for code, bkind, shape, nbytes in descriptors])
+    size = PREFIX_BYTES + len(body) + len(structure)
     prefix = _PREFIX.pack(MAGIC, VERSION, kind, codec, 0, tag, seq, len(descriptors),
                           len(structure), size)
-    return b"".join([prefix, *parts, structure])
+    return b"".join((prefix, body, structure))
+
+
+def _pack_head(kind: int, codec: int, tag: int, seq: int, descriptors: list[Descriptor],
+               structure: bytes) -> bytes:
+    """Lay out a head from ``Descriptor``s, unchecked (to forge heads in tests)."""
+    return _head(kind, codec, tag, seq,
+                 [(_CODES[d.dtype], d.kind, d.shape, d.nbytes) for d in descriptors], structure)
 
 
 def head_size(prefix: bytes | memoryview, limits: Limits = Limits()) -> int:
@@ -300,7 +394,7 @@ def head_size(prefix: bytes | memoryview, limits: Limits = Limits()) -> int:
     return _prefix(memoryview(prefix), limits)[0]
 
 
-def _prefix(data: memoryview, limits: Limits) -> tuple[int, ...]:
+def _prefix(data: bytes | memoryview, limits: Limits) -> tuple[int, ...]:
     if len(data) < PREFIX_BYTES:
         raise ProtocolError(f"frame head truncated: {len(data)} of at least {PREFIX_BYTES} bytes")
     magic, version, kind, codec, flags, tag, seq, count, nstruct, size = _PREFIX.unpack_from(data)
@@ -321,53 +415,70 @@ def decode_head(data: bytes | memoryview, limits: Limits = Limits()) -> Head:
     Raises:
         ProtocolError: malformed, truncated, of another version, or beyond ``limits``.
     """
-    view = memoryview(data).cast("B")
+    # bytes (what transports hand over) is read as it is; anything else through a byte view.
+    view = data if type(data) is bytes else memoryview(data).cast("B")
     size, kind, codec, tag, seq, count, nstruct = _prefix(view, limits)
     if len(view) != size:
         raise ProtocolError(f"frame head declares {size} bytes, {len(view)} present")
     if count > limits.max_buffers:
         raise ProtocolError(f"frame declares {count} buffers (limit {limits.max_buffers})")
+    codec, max_ndim = _CODECS[codec], limits.max_ndim
     descriptors, at, total = [], PREFIX_BYTES, nstruct
     for i in range(count):
         if at + _DESC.size > size:
             raise ProtocolError(f"frame head truncated in descriptor {i}")
-        code, bkind, ndim = _DESC.unpack_from(view, at)
+        ndim = view[at + 2]
         end = at + _DESC.size + 8 * (ndim + 1)
-        if ndim > limits.max_ndim:
-            raise ProtocolError(f"descriptor {i}: {ndim} dims (limit {limits.max_ndim})")
+        if ndim > max_ndim:
+            raise ProtocolError(f"descriptor {i}: {ndim} dims (limit {max_ndim})")
         if end > size:
             raise ProtocolError(f"frame head truncated in descriptor {i}")
-        *shape, nbytes = struct.unpack_from(f"<{ndim + 1}Q", view, at + _DESC.size)
-        dtype, at, total = _DTYPES.get(code), end, total + nbytes
-        if dtype is None or bkind not in _BUFFER_KINDS:
+        fields = _DESCS[ndim].unpack_from(view, at)  # code, kind, ndim, *shape, nbytes
+        code, bkind, shape, nbytes = fields[0], fields[1], fields[3:-1], fields[-1]
+        dtype, bufkind = _DTYPES.get(code), _BUFFER_KINDS.get(bkind)
+        at, total = end, total + nbytes
+        if dtype is None or bufkind is None:
             raise ProtocolError(f"descriptor {i}: unknown dtype code {code} or buffer kind {bkind}")
-        d = Descriptor(dtype, tuple(shape), nbytes, BufferKind(bkind))
-        if problem := _misfit(d, Codec(codec), last=i == count - 1, inline=nstruct > 0):
-            raise ProtocolError(f"descriptor {i} ({d.kind.name}, {dtype}, {d.shape}): {problem}")
-        descriptors.append(d)
+        if problem := _misfit(dtype, shape, nbytes, bufkind, codec, i == count - 1, nstruct > 0):
+            raise ProtocolError(f"descriptor {i} ({bufkind.name}, {dtype}, {shape}): {problem}")
+        descriptors.append(_descriptor(code, bkind, shape, nbytes))
     if total > limits.max_message_bytes:
         raise ProtocolError(f"frame of {total} bytes (limit {limits.max_message_bytes})")
     if at + nstruct != size:
         raise ProtocolError(f"frame head lengths disagree: {at} + {nstruct} != {size}")
-    return Head(Kind(kind), Codec(codec), tag, seq, tuple(descriptors), bytes(view[at:]))
+    return Head(_KINDS[kind], codec, tag, seq, tuple(descriptors), bytes(view[at:]))
 
 
-def _misfit(d: Descriptor, codec: Codec, last: bool, inline: bool) -> str:
+@functools.lru_cache(maxsize=1024)
+def _descriptor(code: int, kind: int, shape: tuple[int, ...], nbytes: int) -> Descriptor:
+    """Return a validated descriptor; they are immutable, so frames of one shape share theirs."""
+    return Descriptor(_DTYPES[code], shape, nbytes, _BUFFER_KINDS[kind])
+
+
+def _misfit(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, kind: BufferKind,
+            codec: Codec, last: bool, inline: bool) -> str:
     """Return why a descriptor cannot be in this frame, or "" when it can."""
-    if math.prod(d.shape) * d.dtype.itemsize != d.nbytes:
-        return f"shape and dtype make {math.prod(d.shape) * d.dtype.itemsize} bytes, not {d.nbytes}"
-    if math.prod(max(n, 1) for n in d.shape) >> 63:  # torch's strides must fit int64, even if empty
+    count = math.prod(shape)
+    if count * dtype.itemsize != nbytes:
+        return f"shape and dtype make {count * dtype.itemsize} bytes, not {nbytes}"
+    # torch's strides must fit int64, even if empty (only then can they exceed count).
+    if (count or math.prod(max(n, 1) for n in shape)) >> 63:
         return "shape too large"
-    if d.kind in (BufferKind.BYTES, BufferKind.STRUCTURE) and (d.dtype, len(d.shape)) != (
+    if kind is BufferKind.TENSOR:  # the commonest kind, which only the codec can refuse
+        return _PICKLE_ONLY if codec is Codec.PICKLE else ""
+    if kind in (BufferKind.BYTES, BufferKind.STRUCTURE) and (dtype, len(shape)) != (
             torch.uint8, 1):
         return "must be flat uint8"
-    if d.kind is BufferKind.NDARRAY and d.dtype is torch.bfloat16:
+    if kind is BufferKind.NDARRAY and dtype is torch.bfloat16:
         return "numpy has no bfloat16"
-    if d.kind is BufferKind.STRUCTURE and (inline or not last):
+    if kind is BufferKind.STRUCTURE and (inline or not last):
         return "a structure buffer must be the last one, with no structure in the head"
-    if codec is Codec.PICKLE and d.kind in (BufferKind.TENSOR, BufferKind.NDARRAY):
-        return "pickle frames carry only BYTES buffers"
+    if codec is Codec.PICKLE and kind is BufferKind.NDARRAY:
+        return _PICKLE_ONLY
     return ""
+
+
+_PICKLE_ONLY: Final = "pickle frames carry only BYTES buffers"
 
 
 def allocate(head: Head) -> list[torch.Tensor]:
@@ -388,19 +499,39 @@ def decode(head: Head, buffers: list[torch.Tensor], expect: Codec) -> object:
     if head.codec != expect:
         raise ProtocolError(f"frame of codec {head.codec.name} on a channel of codec "
                             f"{Codec(expect).name}; refused without decoding")
-    if len(buffers) != len(head.descriptors) or any(
-            b.dtype != torch.uint8 or b.shape != (d.nbytes,) or b.device.type != "cpu"
-            for b, d in zip(buffers, head.descriptors, strict=False)):
+    descriptors = head.descriptors
+    if len(buffers) != len(descriptors):
         raise ValueError("buffers do not match the frame's descriptors; use allocate(head)")
+    for b, d in zip(buffers, descriptors, strict=True):  # cheaper than b.shape and b.device
+        if b.dtype is not torch.uint8 or b.dim() != 1 or b.numel() != d.nbytes or not b.is_cpu:
+            raise ValueError("buffers do not match the frame's descriptors; use allocate(head)")
     data, structure = list(buffers), memoryview(head.structure)
-    if head.descriptors and head.descriptors[-1].kind is BufferKind.STRUCTURE:
+    if descriptors and descriptors[-1].kind is BufferKind.STRUCTURE:
         structure = data.pop().numpy().data
     if head.codec is Codec.PICKLE:
         try:
             return pickle.loads(structure, buffers=[b.numpy() for b in data])
         except Exception as e:
             raise ProtocolError(f"could not unpickle a frame: {type(e).__name__}") from e
-    return _unpack(structure, head.descriptors, data)
+    if not data:  # nothing to rebuild: skip the per-frame hooks unless there is a tuple marker
+        try:
+            return msgpack.unpackb(structure, ext_hook=_no_ext, raw=False, strict_map_key=False,
+                                   timestamp=1)
+        except _HasExt:
+            pass
+        except Exception as e:
+            raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})") from e
+    elif len(data) == 1 and structure == _LONE_REF:  # a lone tensor: what msgpack would return
+        return _rebuild(descriptors[0], data[0])
+    return _unpack(structure, descriptors, data)
+
+
+class _HasExt(Exception):
+    """A structure without buffers has an extension (tuple marker, or invalid): unpack in full."""
+
+
+def _no_ext(code: int, payload: bytes) -> object:
+    raise _HasExt
 
 
 def _unpack(structure: memoryview, descriptors: tuple[Descriptor, ...],
@@ -441,5 +572,7 @@ def _rebuild(d: Descriptor, buffer: torch.Tensor) -> object:
         return buffer.numpy().tobytes()
     if d.dtype is torch.bool:
         buffer.clamp_(max=1)  # a bool byte other than 0/1 is undefined behaviour in torch
-    tensor = buffer.view(d.dtype).reshape(d.shape)
+    tensor = buffer if d.dtype is torch.uint8 else buffer.view(d.dtype)
+    if len(d.shape) != 1:  # a 1-D view already has its shape, the head being validated
+        tensor = tensor.reshape(d.shape)
     return tensor.numpy() if d.kind is BufferKind.NDARRAY else tensor

@@ -396,3 +396,49 @@ def test_decode_checks_buffers() -> None:
         with pytest.raises(ValueError, match="allocate"):
             decode(head, wrong, Codec.DEFAULT)
     assert head.descriptors == (Descriptor(torch.float32, (2,), 8, BufferKind.TENSOR),)
+
+
+# -- fast paths: the same bytes and values as the general path ---------------------------------
+
+
+plain_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**65), 2**65) | st.floats(allow_nan=False)
+    | st.text(max_size=5)
+    | st.binary(max_size=5),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner)
+    | st.dictionaries(st.integers(-5, 5) | st.text(max_size=3), inner, max_size=3),
+    max_leaves=12)
+
+
+@FUZZ
+@given(obj=plain_values)
+def test_messages_without_buffers_pack_as_when_lowered(obj: object) -> None:
+    try:
+        lowered = _wire._lower(obj, _wire._Outgoing())
+    except _wire._Refused:
+        with pytest.raises(TypeError, match="int beyond 64 bits"):
+            encode(Kind.DATA, 0, 0, obj)
+        return
+    head_bytes, buffers = encode(Kind.DATA, 0, 0, obj)
+    assert buffers == []
+    assert decode_head(head_bytes).structure == msgpack.packb(lowered, use_bin_type=True)
+    out, _ = transfer(obj)
+    assert same(out, obj)
+
+
+def test_fast_paths_keep_the_general_rules() -> None:
+    big = bytes(_wire.INLINE_BYTES + 1)
+    head = decode_head(encode(Kind.DATA, 0, 0, {"b": big, "n": 1})[0])
+    assert [d.kind for d in head.descriptors] == [BufferKind.BYTES]  # out of band, as before
+    assert transfer({"b": big, "n": 1})[0] == {"b": big, "n": 1}
+    forged_ref = msgpack.ExtType(2, bytes(4))  # a tuple like any other, never a buffer reference
+    assert transfer({"x": forged_ref})[0] == {"x": (2, bytes(4))}
+    with pytest.raises(TypeError, match="cannot carry Timestamp at data"):
+        encode(Kind.DATA, 0, 0, msgpack.Timestamp(1, 0))
+    with pytest.raises(TypeError, match=r"cannot carry a torch\.float8_e4m3fn tensor at data;"):
+        encode(Kind.DATA, 0, 0, torch.zeros(2, dtype=torch.float8_e4m3fn))
+    p = torch.nn.Parameter(torch.arange(4.0).reshape(2, 2))
+    out, _ = transfer(p)
+    assert type(out) is torch.Tensor and torch.equal(out, p.detach())
+    for lone in [torch.arange(5, dtype=torch.uint8), torch.tensor(2.5), np.arange(3), big]:
+        assert same(transfer(lone)[0], lone)
