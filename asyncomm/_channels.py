@@ -18,9 +18,10 @@ the frame bytes are the same on both.
 Note on flow control
 --------------------
 A sender may have at most ``window`` messages and ``window_bytes`` bytes of
-one channel unconsumed at one receiver (one message is always allowed, so
-large messages pass). The receiver returns credit (a CREDIT frame) as its
-user consumes messages. So a fast producer blocks in ``send`` instead of
+one channel unconsumed at one receiver. The receiver returns credit (a
+CREDIT frame) as its user consumes messages, in batches of a quarter window;
+a message too large for the room left passes once no more than a batch is
+out, so large messages pass. So a fast producer blocks in ``send`` instead of
 filling a slow consumer's memory, and messages for a channel nobody opened
 yet are kept, but never more than one window per sender.
 
@@ -58,6 +59,8 @@ _PREAMBLE = struct.Struct("<III")  # head bytes, inline payload bytes, data mess
 _ROOM = ENVELOPE_BYTES - _PREAMBLE.size
 MAX_CHANNEL_TAG = (1 << 62) - 1  # tags above are asyncomm's own (actors)
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
+_SEQ = struct.Struct("<Q")  # a head's seq: after magic, version, kind, codec, flags and tag
+_SEQ_AT = 16
 
 
 def _align(offset: int) -> int:
@@ -70,6 +73,12 @@ def _span(at: int, buffers: list[torch.Tensor]) -> int:
     for b in buffers:
         at = _align(at) + b.nbytes
     return at
+
+
+def _charge(head: Head) -> int:
+    """Return the bytes a frame holds of its window: its head and buffers, as its sender counts."""
+    described = sum(_wire._DESC.size + 8 * (len(d.shape) + 1) for d in head.descriptors)
+    return _wire.PREFIX_BYTES + described + len(head.structure) + head.payload_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,29 +184,39 @@ class Router:
         if self._closed:
             raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
         key = (dst, tag)
-        seq = self._send_seq[key]
-        head, buffers = _wire.encode(kind, tag, seq, obj, codec, self.limits)
-        self._send_seq[key] = seq + 1
+        head, buffers = _wire.encode(kind, tag, 0, obj, codec, self.limits)
         nbytes = sum(b.nbytes for b in buffers) + len(head)
         window = self._windows.get(key)
         if window is None:
             window = self._windows[key] = _Window()
         await self._acquire(window, nbytes, tag, dst, timeout)
+        # The seq is taken only now: a send that timed out or was cancelled waiting for
+        # credit leaves no gap, and nothing can run between here and the transmit.
+        seq = self._send_seq[key]
+        self._send_seq[key] = seq + 1
+        head = head[:_SEQ_AT] + _SEQ.pack(seq) + head[_SEQ_AT + _SEQ.size:]
         for handle in self.transmit(dst, head, [_as_tensor(b) for b in buffers]):
             await handle  # no task per handle: most are done already
 
     async def _acquire(self, window: _Window, nbytes: int, tag: int, dst: int,
                        timeout: float | None) -> None:
         def fits() -> bool:
-            return window.messages_out == 0 or (
-                window.messages_out < self.window
-                and window.bytes_out + nbytes <= self.window_bytes)
+            out, out_bytes = window.messages_out, window.bytes_out
+            # A message too large for the room left passes once all that is out may be
+            # credit the receiver holds back until a batch is full (see ``consumed``):
+            # else it would wait for credit that never comes.
+            return (out == 0
+                    or (out < max(1, self.window // 4) and out_bytes < self.window_bytes // 4)
+                    or (out < self.window and out_bytes + nbytes <= self.window_bytes))
 
         if window.waiters or not fits():
             waiter = asyncio.get_running_loop().create_future()
             window.waiters.append(waiter)
             try:
                 while True:
+                    if self._closed:
+                        raise CommClosedError(f"rank {self.rank}: channel {tag} send to peer "
+                                              f"{dst}: the communicator is closed")
                     if window.waiters[0] is waiter and fits():
                         break
                     await asyncio.wait_for(asyncio.shield(waiter), timeout)
@@ -424,7 +443,7 @@ class Router:
         if done is None:
             done = self._consumed[key] = [0, 0]
         done[0] += 1
-        done[1] += sum(b.nbytes for b in frame.buffers) + len(frame.head.structure)
+        done[1] += _charge(frame.head)
         if done[0] >= max(1, self.window // 4) or done[1] >= self.window_bytes // 4:
             messages, nbytes = done
             done[0] = done[1] = 0
