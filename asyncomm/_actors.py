@@ -210,8 +210,13 @@ class Host:
                     f"rank {self.rank}: rank {rank} closed its communicator with a call "
                     "to it in flight"))
 
-    async def close(self) -> None:
-        """Tell every rank this one is gone, and stop serving."""
+    async def close(self, timeout: float = 30.0) -> None:
+        """Send what is queued (tells too), tell every rank this one is gone, stop serving."""
+        senders = self._tasks[2:]
+        for outbox in self._outboxes.values():
+            outbox.put_nowait(None)
+        if senders:
+            await asyncio.wait(senders, timeout=timeout)
         await self._requests.close()
         await self._replies.close()
         for task in [*self._tasks, *self._workers]:

@@ -15,6 +15,19 @@ rounds of the time per iteration. Ping-pong reports the one-way latency (half a 
 trip), allreduce the time per call. ``asyncomm bench idle`` measures the CPU time a rank
 spends while it awaits a message that only comes after a while.
 
+``asyncomm bench channels`` measures channels (``comm.channel``) between ranks 0 and 1 the
+same way, each row against a baseline, with the ratio (and the target it should meet):
+
+- ``pingpong``: one-way latency of an 8 B and a 1 MiB tensor, vs the raw blocking
+  send/recv of the same bytes;
+- ``stream``: bandwidth of 1 MiB messages with 64 in flight (the sender gathers 64
+  ``send``s, the receiver consumes them, then acknowledges), vs 64 raw isend/irecv in
+  flight (into 64 buffers), wait all, ack (as osu_bw); target asyncomm/raw >= 0.8;
+- ``rate``: small dicts per second, sent one after the other, vs the backend's pickle path
+  (mpi4py ``comm.send``/``recv``; gloo: torch's ``send_object_list``); target >= 1.0;
+- ``channels``: ping-pong latency with each exchange on the next of 1000 open channels, vs
+  all on one channel; target 1000/1 <= 1.2.
+
 The workers also run under any launcher on their own, e.g.
 ``mpiexec -n 2 python -m asyncomm._bench all``: rank 0 then prints the table and writes
 the JSON itself.
@@ -25,6 +38,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import functools
+import itertools
 import json
 import platform
 import statistics
@@ -39,6 +54,7 @@ from typing import Any
 
 import torch
 
+from asyncomm import _wire
 from asyncomm._comm import Comm
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -125,6 +141,14 @@ def _step(op: str, calls: Calls, rank: int) -> Callable[[], Any] | None:
     return step_async
 
 
+@dataclass(frozen=True)
+class Timed:
+    """One variant of a measurement on this rank: ``step`` runs one timed iteration."""
+
+    step: Callable[[], Any] | None  # None: this rank sits the variant out
+    blocking: bool  # True: ``step()`` returns when done; False: it returns an awaitable
+
+
 async def _seconds_per_call(step: Callable[[], Any], blocking: bool, warmup: int,
                             iters: int) -> float:
     """Run ``step`` ``warmup`` times, then time ``iters`` calls; return seconds per call."""
@@ -141,6 +165,27 @@ async def _seconds_per_call(step: Callable[[], Any], blocking: bool, warmup: int
         for _ in range(iters):
             await step()
     return (time.perf_counter() - start) / iters
+
+
+async def _alternate(comm: Comm, variants: dict[str, Timed], rounds: int, warmup: int,
+                     iters: int, prime: int = 0) -> dict[str, list[float]]:
+    """Time every variant ``rounds`` times, alternating them; seconds per call, per round.
+
+    Each round runs every variant once, in an order that rotates from round to round, each
+    after a barrier and a warm-up (plus ``prime`` more calls in the first round). Ranks
+    that sit a variant out only join the barriers, so their lists stay empty.
+    """
+    names = list(variants)
+    samples: dict[str, list[float]] = {v: [] for v in names}
+    for r in range(rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:  # rotate: no fixed order
+            await comm.barrier()
+            timed = variants[name]
+            if timed.step is not None:
+                samples[name].append(await _seconds_per_call(
+                    timed.step, timed.blocking, warmup + (prime if r == 0 else 0), iters))
+    return samples
 
 
 def iterations(size: int, quick: bool = False) -> tuple[int, int]:
@@ -160,15 +205,11 @@ async def _core(comm: Comm, ops: Sequence[str], sizes: Sequence[int], rounds: in
         for size in sizes:
             calls = _variants(comm, torch.zeros(size // 4), peer)
             warmup, iters = iterations(size, quick)
-            samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
-            for r in range(rounds):
-                for variant in VARIANTS[r % 3:] + VARIANTS[: r % 3]:  # rotate: no fixed order
-                    await comm.barrier()
-                    step = _step(op, calls[variant], comm.rank)
-                    if step is not None:
-                        per_call = await _seconds_per_call(step, calls[variant].blocking,
-                                                           warmup, iters)
-                        samples[variant].append(per_call / (2 if op == "pingpong" else 1))
+            timed = {v: Timed(_step(op, calls[v], comm.rank), calls[v].blocking)
+                     for v in VARIANTS}
+            samples = await _alternate(comm, timed, rounds, warmup, iters)
+            if op == "pingpong":  # one-way latency: half a round trip
+                samples = {v: [s / 2 for s in samples[v]] for v in VARIANTS}
             if comm.rank == 0:
                 records.append(_record(op, size, iters, samples))
                 _progress(records[-1])
@@ -210,6 +251,253 @@ async def _idle(comm: Comm, wait_s: float) -> list[Record]:
              "wall_s": everyone[1][v][1]} for v in VARIANTS] if comm.rank == 0 else []
 
 
+# -- channels ---------------------------------------------------------------------------
+
+CHANNEL_SIZES = (8, MIB)  # ping-pong sizes of ``bench channels``
+STREAM_BYTES, IN_FLIGHT = MIB, 64
+OPEN_CHANNELS = 1000
+SMALL_MESSAGE = {"step": 0, "loss": 0.5, "ids": [1, 2, 3]}
+# test: (variant compared, baseline variant, unit, target on the ratio compared/baseline)
+CHANNEL_TESTS: dict[str, tuple[str, str, str, tuple[str, float] | None]] = {
+    "pingpong": ("asyncomm", "raw", "us", None),
+    "stream": ("asyncomm", "raw", "MiB/s", (">=", 0.8)),
+    "rate": ("asyncomm", "pickle", "msg/s", (">=", 1.0)),
+    "channels": (f"{OPEN_CHANNELS} channels", "1 channel", "us", ("<=", 1.2)),
+}
+_TAGS = {"pingpong": 1, "stream": 2, "rate": 3, "ack": 4, "one": 5, "many": 1 << 20}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of ``bench channels``: its variants on this rank and how to read the times."""
+
+    test: str  # a key of CHANNEL_TESTS
+    size: int  # bytes per message
+    variants: dict[str, Timed]
+    warmup: int
+    iters: int
+    per_call: float  # per timed call: MiB or messages moved, or 1/2 (one way of a round trip)
+    prime: int = 0  # untimed calls before the first round (beside its warm-up)
+
+
+def _exchange(rank: int, send: Callable[[], Any], recv: Callable[[], Any],
+              blocking: bool) -> Timed:
+    """A ping-pong between ranks 0 and 1 (the core bench's ``_step``)."""
+    return Timed(_step("pingpong", Calls(send, recv, _no_allreduce, blocking), rank), blocking)
+
+
+def _no_allreduce() -> None:
+    raise AssertionError("bench channels measures no all-reduce")
+
+
+def _burst(rank: int, send: Callable[[], Any], recv: Callable[[], Any],
+           ack_send: Callable[[], Any], ack_recv: Callable[[], Any], blocking: bool) -> Timed:
+    """One call: rank 0 runs ``send`` and rank 1 ``recv``, then rank 1 acknowledges."""
+    if rank > 1:
+        return Timed(None, blocking)
+    first, second = (send, ack_recv) if rank == 0 else (recv, ack_send)
+    if blocking:
+        def step() -> None:
+            first()
+            second()
+
+        return Timed(step, True)
+
+    async def step_async() -> None:
+        await first()
+        await second()
+
+    return Timed(step_async, False)
+
+
+def _raw_stream(comm: Comm, t: torch.Tensor, peer: int) -> Timed:
+    """``IN_FLIGHT`` sends (receives) of ``t`` on ``comm.raw`` in flight at once, then an ack.
+
+    Each receive of a window has a buffer of its own (as each message a channel delivers
+    does), allocated once: osu_bw's single buffer for all 64 is not a valid MPI program,
+    and would measure a cache-hot copy instead of the delivery of 64 messages.
+    """
+    raw, n = comm.raw, IN_FLIGHT
+    inbox = [torch.empty_like(t) for _ in range(n if comm.rank == 1 else 0)]
+    flag = torch.zeros(2)
+    if comm.backend == "mpi":
+        from mpi4py import MPI
+
+        out, ack = [t.numpy(), MPI.FLOAT], [flag.numpy(), MPI.FLOAT]
+        into = [[b.numpy(), MPI.FLOAT] for b in inbox]
+        return _burst(
+            comm.rank,
+            lambda: MPI.Request.Waitall([raw.Isend(out, peer, TAG) for _ in range(n)]),
+            lambda: MPI.Request.Waitall([raw.Irecv(b, peer, TAG) for b in into]),
+            lambda: raw.Send(ack, peer, TAG + 1), lambda: raw.Recv(ack, peer, TAG + 1),
+            blocking=True)
+
+    def wait_all(works: list[Any]) -> None:
+        for work in works:
+            work.wait()
+
+    return _burst(
+        comm.rank,
+        lambda: wait_all([raw.send([t], peer, TAG) for _ in range(n)]),
+        lambda: wait_all([raw.recv([b], peer, TAG) for b in inbox]),
+        lambda: raw.send([flag], peer, TAG + 1).wait(),
+        lambda: raw.recv([flag], peer, TAG + 1).wait(), blocking=True)
+
+
+def _pickled(comm: Comm, peer: int) -> Timed:
+    """``IN_FLIGHT`` small objects one after the other through pickle, then an ack.
+
+    MPI: mpi4py's ``comm.send``/``comm.recv``; gloo: torch's ``send_object_list``.
+    """
+    n, msg = IN_FLIGHT, SMALL_MESSAGE
+    if comm.backend == "mpi":
+        raw = comm.raw
+
+        def send_mpi() -> None:
+            for _ in range(n):
+                raw.send(msg, peer, TAG)
+
+        def recv_mpi() -> None:
+            for _ in range(n):
+                raw.recv(source=peer, tag=TAG)
+
+        return _burst(comm.rank, send_mpi, recv_mpi, lambda: raw.send(None, peer, TAG + 1),
+                      lambda: raw.recv(source=peer, tag=TAG + 1), blocking=True)
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+
+    def send_torch() -> None:
+        for _ in range(n):
+            dist.send_object_list([msg], peer)
+
+    def recv_torch() -> None:
+        for _ in range(n):
+            dist.recv_object_list(box, peer)
+
+    return _burst(comm.rank, send_torch, recv_torch, lambda: dist.send_object_list([0], peer),
+                  lambda: dist.recv_object_list(box, peer), blocking=True)
+
+
+def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
+    """Every row of ``bench channels``, as run by this rank (ranks above 1 sit out)."""
+    rank, peer = comm.rank, 1 - comm.rank if comm.rank < 2 else 0
+    ack = comm.channel(_TAGS["ack"])
+
+    def ack_send() -> Any:
+        return ack.send(0, peer)
+
+    def ack_recv() -> Any:
+        return ack.recv(peer)
+
+    cases = []
+    ch = comm.channel(_TAGS["pingpong"])
+    for size in sizes:  # ping-pong: channel vs blocking send/recv of the same bytes
+        t = torch.zeros(size // 4)
+        warmup, iters = iterations(size, quick)
+        iters = max(2, iters // 2)  # more rounds than the core bench, each shorter
+        raw = _variants(comm, t, peer)["raw"]
+        cases.append(Case("pingpong", size, {
+            "raw": Timed(_step("pingpong", raw, rank), True),
+            "asyncomm": _exchange(rank, functools.partial(ch.send, t, peer),
+                                  lambda: ch.recv(peer), blocking=False),
+        }, warmup, iters, 0.5))
+
+    big = torch.zeros(STREAM_BYTES // 4)  # stream: IN_FLIGHT sends in flight, then an ack
+    stream = comm.channel(_TAGS["stream"])
+
+    async def stream_send() -> None:
+        await asyncio.gather(*(stream.send(big, peer) for _ in range(IN_FLIGHT)))
+
+    async def stream_recv() -> None:
+        for _ in range(IN_FLIGHT):
+            await stream.recv(peer)
+
+    cases.append(Case("stream", STREAM_BYTES, {
+        "raw": _raw_stream(comm, big, peer),
+        "asyncomm": _burst(rank, stream_send, stream_recv, ack_send, ack_recv, blocking=False),
+    }, 1, 2 if quick else 8, STREAM_BYTES * IN_FLIGHT / MIB))
+
+    small = comm.channel(_TAGS["rate"])  # rate: small dicts one after the other, then an ack
+
+    async def small_send() -> None:
+        for _ in range(IN_FLIGHT):
+            await small.send(SMALL_MESSAGE, peer)
+
+    async def small_recv() -> None:
+        for _ in range(IN_FLIGHT):
+            await small.recv(peer)
+
+    frame = len(_wire.encode(_wire.Kind.DATA, _TAGS["rate"], 0, SMALL_MESSAGE)[0])
+    iters = 5 if quick else 40
+    cases.append(Case("rate", frame, {
+        "pickle": _pickled(comm, peer),
+        "asyncomm": _burst(rank, small_send, small_recv, ack_send, ack_recv, blocking=False),
+    }, max(1, iters // 10), iters, IN_FLIGHT))
+
+    one = comm.channel(_TAGS["one"])  # ping-pong over one channel vs rotating over many
+    many = [comm.channel(_TAGS["many"] + i) for i in range(OPEN_CHANNELS)]
+    turn = itertools.cycle(many)  # both ranks take the channels in the same order
+    now = [many[0]]
+    tiny = torch.zeros(2)
+
+    def rotate_send() -> Any:
+        if rank == 0:  # rank 0 starts an exchange on the next channel, rank 1 answers on it
+            now[0] = next(turn)
+        return now[0].send(tiny, peer)
+
+    def rotate_recv() -> Any:
+        if rank == 1:
+            now[0] = next(turn)
+        return now[0].recv(peer)
+
+    cases.append(Case("channels", tiny.nbytes, {
+        "1 channel": _exchange(rank, lambda: one.send(tiny, peer), lambda: one.recv(peer),
+                               blocking=False),
+        f"{OPEN_CHANNELS} channels": _exchange(rank, rotate_send, rotate_recv, blocking=False),
+    }, 50, OPEN_CHANNELS // 5 if quick else OPEN_CHANNELS, 0.5, prime=OPEN_CHANNELS))
+    return cases  # (priming has every channel carry a message each way before timing)
+
+
+async def _channels(comm: Comm, sizes: Sequence[int], rounds: int, quick: bool
+                    ) -> list[Record]:
+    """Measure channels beside their baselines; return rank 0's records (``[]`` elsewhere)."""
+    records: list[Record] = []
+    for case in _channel_cases(comm, sizes, quick):
+        samples = await _alternate(comm, case.variants, rounds, case.warmup, case.iters,
+                                   case.prime)
+        if comm.rank == 0:
+            records.append(_channel_record(case, samples))
+            _channel_progress(records[-1])
+    return records
+
+
+def _channel_record(case: Case, samples: dict[str, list[float]]) -> Record:
+    """Rank 0's record of one case, from its seconds per call, per variant and round."""
+    ours, base, unit, target = CHANNEL_TESTS[case.test]
+    if unit == "us":  # lower is better
+        values = {v: [s * case.per_call * 1e6 for s in samples[v]] for v in samples}
+    else:
+        values = {v: [case.per_call / s for s in samples[v]] for v in samples}
+    median = {v: statistics.median(values[v]) for v in values}
+    ratio = median[ours] / median[base]
+    met = None
+    if target is not None:
+        met = ratio >= target[1] if target[0] == ">=" else ratio <= target[1]
+    return {
+        "bench": "channels", "op": case.test, "size": case.size, "unit": unit,
+        "base": base, "compared": ours, "base_value": median[base], "value": median[ours],
+        "ratio": ratio, "target": None if target is None else f"{target[0]} {target[1]:g}",
+        "met": met, "iterations": case.iters, "samples": values,
+    }
+
+
+def _channel_progress(rec: Record) -> None:
+    print(f"bench: channels {rec['op']} {_size(rec['size'])}: {rec['base']} "
+          f"{_value(rec['base_value'])} {rec['unit']}, {rec['compared']} "
+          f"{_value(rec['value'])} {rec['unit']}", file=sys.stderr, flush=True)
+
+
 def _meta(comm: Comm, rounds: int, quick: bool) -> Record:
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
     meta: Record = {
@@ -247,6 +535,10 @@ def _us(x: float) -> str:
     return f"{x:.2f}" if x < 10 else f"{x:.1f}" if x < 1000 else f"{x:.0f}"
 
 
+def _value(x: float) -> str:
+    return _us(x) if x < 10_000 else f"{x:,.0f}"
+
+
 def _progress(rec: Record) -> None:
     print(f"bench: {rec['op']} {_size(rec['size'])}: "
           + ", ".join(f"{v} {_us(rec[f'{v}_us'])} us" for v in VARIANTS), file=sys.stderr,
@@ -261,6 +553,8 @@ def table(records: Sequence[Record]) -> str:
     lines = [f"backend {m['backend']}, {m['ranks']} ranks, loop {m['loop']}, "
              f"torch {m['torch']}, mpi4py {m['mpi4py'] or '-'}, python {m['python']}"
              + (f"\n{m['mpi_library']}" if m["mpi_library"] else "")]
+    if m.get("bench") == "channels":
+        return "\n".join([*lines, *_channel_table(records)])
     if m["op"] == "idle":
         lines.append(f"idle: rank 1 awaits a message rank 0 sends after {m['wait_s']:g} s")
         lines.append(f"{'variant':<10}{'wall s':>9}{'CPU s':>9}{'CPU/wall':>10}")
@@ -274,6 +568,21 @@ def table(records: Sequence[Record]) -> str:
               f"{_us(r['asyncomm_us']):>13}{_us(r['naive_us']):>10}"
               f"{r['ratio_asyncomm_raw']:>14.2f}{r['ratio_naive_raw']:>11.2f}" for r in records]
     return "\n".join(lines)
+
+
+def _channel_table(records: Sequence[Record]) -> list[str]:
+    m = records[0]
+    lines = [f"channels: median of {m['rounds']} rounds; ping-pong: one-way latency; "
+             f"stream: {IN_FLIGHT} x {_size(STREAM_BYTES)} in flight; "
+             f"rate: {IN_FLIGHT} dicts one after the other",
+             f"{'test':<10}{'size':>8}{'unit':>7}{'baseline':>11}{'value':>10}"
+             f"{'compared':>15}{'value':>10}{'ratio':>7}  target"]
+    for r in records:
+        target = "" if r["target"] is None else f"{r['target']}: {'met' if r['met'] else 'MISSED'}"
+        lines.append(f"{r['op']:<10}{_size(r['size']):>8}{r['unit']:>7}{r['base']:>11}"
+                     f"{_value(r['base_value']):>10}{r['compared']:>15}{_value(r['value']):>10}"
+                     f"{r['ratio']:>7.2f}  {target}".rstrip())
+    return lines
 
 
 # -- command line ----------------------------------------------------------------------
@@ -307,17 +616,20 @@ def _positive(text: str) -> int:
 
 def _options(p: argparse.ArgumentParser) -> None:
     """The options the command and its workers share."""
-    p.add_argument("what", nargs="?", default="all", choices=(*OPS, "all", "idle"),
-                   help="what to measure (default: all = pingpong and allreduce)")
+    p.add_argument("what", nargs="?", default="all", choices=(*OPS, "all", "idle", "channels"),
+                   help="what to measure (default: all = pingpong and allreduce; channels: "
+                   "asyncomm channels beside the raw backend)")
     p.add_argument("--sizes", type=_sizes, metavar="BYTES,...",
-                   help="message sizes (suffixes K, M allowed); default 8 B to 16 MiB")
+                   help="message sizes (suffixes K, M allowed); default 8 B to 16 MiB "
+                   "(channels: the ping-pong sizes, default 8 B and 1 MiB)")
     p.add_argument("--rounds", type=_positive, metavar="R",
-                   help="rounds per variant (default 5, 3 with --quick)")
+                   help="rounds per variant (default 5, channels 9; 3 with --quick)")
     p.add_argument("--quick", action="store_true",
                    help="sizes 8 B and 1 MiB, fewer iterations and rounds, idle waits 0.5 s "
                    "(a smoke test)")
     p.add_argument("--json", type=Path, metavar="PATH",
-                   help="write the records here (default bench-core.json, or bench-idle.json)")
+                   help="write the records here (default bench-core.json, bench-idle.json "
+                   "or bench-channels.json)")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -331,9 +643,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> tuple[tuple[int, ...], int, Path]:
-    sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
-    rounds = args.rounds or (3 if args.quick else 5)
-    path = args.json or Path("bench-idle.json" if args.what == "idle" else "bench-core.json")
+    sizes = args.sizes or (CHANNEL_SIZES if args.what == "channels"
+                           else QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    rounds = args.rounds or (3 if args.quick else 9 if args.what == "channels" else 5)
+    path = args.json or Path(f"bench-{args.what}.json" if args.what in ("idle", "channels")
+                             else "bench-core.json")
     return sizes, rounds, path
 
 
@@ -388,6 +702,8 @@ def _worker(argv: Sequence[str] | None = None) -> int:
             raise SystemExit("asyncomm bench: needs at least 2 ranks")
         meta = _meta(comm, rounds, args.quick)
         found = await (_idle(comm, wait_s) if args.what == "idle"
+                       else _channels(comm, sizes, rounds, args.quick)
+                       if args.what == "channels"
                        else _core(comm, ops, sizes, rounds, args.quick))
         return [{**meta, **r} for r in found]
 

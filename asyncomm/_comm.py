@@ -49,8 +49,11 @@ class Comm:
         self._chain: asyncio.Future[Any] | None = None  # last multi-step op on ``_own``
         self._checked_ops: dict[tuple[object, torch.dtype], ReduceOp] = {}
         self._deadlines = Deadlines(loop)
-        self._router: Router | None = None  # started by the first channel
-        self._host: Host | None = None  # started by the first actor served or called
+        # Every communicator routes channel frames, so that closing is symmetric: each
+        # router waits for every other's goodbye (see the note in _channels).
+        self._router = Router(self)
+        # Eager too: a call to an actor not served (yet) fails the same way on every rank.
+        self._host = Host(self._router, self.rank, timeout)
         self._channels: dict[int, Channel] = {}
 
     def __repr__(self) -> str:
@@ -396,7 +399,7 @@ class Comm:
                 raise ValueError(f"{self._what('channel')}: channel {tag} is open with codec "
                                  f"{existing.codec.name.lower()}, not {codec}")
             return existing
-        made = Channel(self._ensure_router(), tag, wanted,
+        made = Channel(self._router, tag, wanted,
                        self._timeout if timeout is None else self._deadline(timeout, "channel"))
         self._channels[tag] = made
         return made
@@ -404,7 +407,7 @@ class Comm:
     def serve(self, actor: Actor, name: str) -> None:
         """Serve ``actor`` on this rank under ``name``; other ranks call it via ``actor()``."""
         self._open("serve")
-        self._ensure_host().serve(actor, name)
+        self._host.serve(actor, name)
 
     def actor(self, rank: int, name: str) -> ActorRef:
         """Return a reference to the actor ``name`` served on ``rank``: ``await ref.method()``."""
@@ -412,17 +415,9 @@ class Comm:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self._what('actor')}: name must be a non-empty str")
         self._open("actor")
-        return ActorRef(self._ensure_host(), rank, name)
+        return ActorRef(self._host, rank, name)
 
-    def _ensure_host(self) -> Host:
-        if self._host is None:
-            self._host = Host(self._ensure_router(), self.rank, self._timeout)
-        return self._host
 
-    def _ensure_router(self) -> Router:
-        if self._router is None:
-            self._router = Router(self)
-        return self._router
 
     async def _own_op(self, op: str, start: Callable[..., None], *args: Any) -> None:
         handle: Handle[None] = Handle(self._loop, (self.rank, op, self._seq, None, None), None,
@@ -519,10 +514,8 @@ class Comm:
             await child.close()
         if self._chain is not None and not self._chain.done():
             self._chain.cancel()
-        if self._host is not None:
-            await self._host.close()
-        if self._router is not None:
-            await self._router.close(min(self._timeout, 30.0))
+        await self._host.close()
+        await self._router.close(30.0)
         self._own.close()
         self._backend.close()
 

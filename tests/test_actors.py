@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 import torch
 
 import asyncomm
 from asyncomm import Comm
-from asyncomm.testing import World
+from asyncomm.testing import World, run_script
 
 
 class Ledger(asyncomm.Actor):
@@ -129,3 +130,45 @@ async def check_closed_rank(comm: Comm) -> None:
 
 def test_call_to_a_closed_rank_raises(world: World) -> None:
     world.run(check_closed_rank)
+
+
+TELL_THEN_EXIT = """
+import asyncio, asyncomm
+
+class Box(asyncomm.Actor):
+    def __init__(self):
+        self.done = asyncio.Event()
+
+    @asyncomm.endpoint
+    async def release(self):
+        self.done.set()
+
+async def main(comm):
+    if comm.rank == 0:
+        box = Box()
+        comm.serve(box, name="box")
+        await asyncio.wait_for(box.done.wait(), 20)
+        print("released", flush=True)
+    else:
+        comm.actor(0, "box").release.tell()  # and return at once: close must send it
+
+asyncomm.run(main)
+"""
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_tell_just_before_closing_is_delivered(tmp_path: Path, backend: str) -> None:
+    proc = run_script(TELL_THEN_EXIT, tmp_path, 2, backend)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "released" in proc.stdout
+
+
+async def check_not_served_yet(comm: Comm) -> None:
+    # Every rank answers a call to an actor it does not serve (yet) in the same way.
+    with pytest.raises(asyncomm.RemoteError, match="no actor named 'later'"):
+        await comm.actor((comm.rank + 1) % comm.size, "later").ping(timeout=10)
+    await comm.barrier()
+
+
+def test_an_actor_not_served_yet_is_a_lookup_error(world: World) -> None:
+    world.run(check_not_served_yet)

@@ -53,6 +53,40 @@ def test_idle_quick_reports_cpu_per_variant(tmp_path: Path) -> None:
         assert r["op"] == "idle" and r["cpu_s"] >= 0 and r["wall_s"] >= r["wait_s"] * 0.5
 
 
+@pytest.mark.timeout(120)
+def test_channels_quick_writes_every_test(tmp_path: Path) -> None:
+    records = _bench_run(tmp_path, "channels")
+    assert [(r["backend"], r["op"], r["size"]) for r in records if r["op"] == "pingpong"] == [
+        (b, "pingpong", size) for b in EXPECTED for size in _bench.CHANNEL_SIZES]
+    assert {(r["backend"], r["op"]) for r in records} == {
+        (b, test) for b in EXPECTED for test in _bench.CHANNEL_TESTS}
+    for r in records:
+        compared, base, unit, target = _bench.CHANNEL_TESTS[r["op"]]
+        assert r["bench"] == "channels" and r["ranks"] == 2 and r["unit"] == unit
+        assert (r["compared"], r["base"]) == (compared, base)
+        assert r["value"] > 0 and r["base_value"] > 0, r
+        assert r["ratio"] == pytest.approx(r["value"] / r["base_value"])
+        assert {v: len(s) for v, s in r["samples"].items()} == {compared: r["rounds"],
+                                                                 base: r["rounds"]}
+        assert (r["met"] is None) == (target is None)
+
+
+def test_channel_table_shows_ratios_and_targets() -> None:
+    meta = {"backend": "mpi", "ranks": 2, "loop": "uvloop", "torch": "2", "mpi4py": "4",
+            "python": "3", "mpi_library": None, "rounds": 1}
+    samples = {"raw": [2e-3], "pickle": [1e-3], "asyncomm": [1e-3],
+               "1 channel": [1e-5], "1000 channels": [1.5e-5]}
+    cases = [_bench.Case(test, 8, {}, 1, 1, per) for test, per in
+             [("pingpong", 0.5), ("stream", 64.0), ("rate", 64.0), ("channels", 0.5)]]
+    records = [{**meta, **_bench._channel_record(c, samples)} for c in cases]
+    assert [r["ratio"] for r in records] == pytest.approx([0.5, 2.0, 1.0, 1.5])
+    assert [r["met"] for r in records] == [None, True, True, False]
+    lines = _bench.table(records).splitlines()
+    assert lines[0].startswith("backend mpi, 2 ranks")
+    assert lines[-4].split()[-1] == "0.50"  # no target for ping-pong
+    assert lines[-3].endswith(">= 0.8: met") and lines[-1].endswith("<= 1.2: MISSED")
+
+
 def test_sizes_parse_suffixes_and_reject_partial_floats() -> None:
     assert _bench._sizes("8, 1K,4kib,1M") == (8, 1024, 4096, 1 << 20)
     for bad in ("6", "0", "x", "1G"):
