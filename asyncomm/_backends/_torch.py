@@ -62,6 +62,12 @@ _MAX_TAG = 2**31 - 1 - 1024
 _EAGER_BYTES = int(os.environ.get("ASYNCOMM_EAGER_BYTES", 64 << 10))
 _EAGER_IN_FLIGHT = 64
 
+# gloo fails (and closes) a receive still waiting at its group's timeout. The twin's
+# standing channel receive may wait as long as the program runs, and the twin is made
+# only once every rank has joined, so its group never times out: asyncomm's own
+# deadlines bound what waits on it.
+_OWN_TIMEOUT = 365 * 24 * 3600.0
+
 _stores: dict[tuple[str, int, int, int], Any] = {}
 _generation = 0
 _store_lock = threading.Lock()
@@ -213,12 +219,13 @@ class TorchBackend(Backend):
             return None
         members = [self._global_ranks[r] for r in ranks]
         label = f"{self._label}.{self._splits}"
-        user = await self._new_group(members, self._user_backend, label)
-        own = await self._new_group(members, "gloo", label + ".own")
+        user = await self._new_group(members, self._user_backend, label, self._timeout)
+        own = await self._new_group(members, "gloo", label + ".own", _OWN_TIMEOUT)
         return user, own
 
-    async def _new_group(self, members: list[int], name: str, label: str) -> TorchBackend:
-        timeout = datetime.timedelta(seconds=self._timeout)
+    async def _new_group(self, members: list[int], name: str, label: str,
+                         seconds: float) -> TorchBackend:
+        timeout = datetime.timedelta(seconds=seconds)
         pg = await self._loop.run_in_executor(None, _make_group, members, name, label, timeout)
         return TorchBackend(name, pg, members, self._loop, self._timeout, _destroyer(pg),
                             label=label, user_backend=name)
@@ -280,7 +287,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
     # asyncomm's own traffic (objects) is CPU bytes: always gloo.
     label = f"asyncomm{_generation}"
     own_pg = await loop.run_in_executor(None, _make_group, ranks, "gloo", label + ".own",
-                                        datetime.timedelta(seconds=timeout))
+                                        datetime.timedelta(seconds=_OWN_TIMEOUT))
     release = dist.destroy_process_group if owns else None
     user = TorchBackend(name, world, ranks, loop, timeout, release, label, name)
     own = TorchBackend("gloo", own_pg, ranks, loop, timeout, _destroyer(own_pg), label, name)
