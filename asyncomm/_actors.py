@@ -215,7 +215,7 @@ class Host:
         senders = self._tasks[2:]
         for outbox in self._outboxes.values():
             outbox.put_nowait(None)
-        if senders:
+        if senders and timeout > 0:
             await asyncio.wait(senders, timeout=timeout)
         await self._requests.close()
         await self._replies.close()

@@ -472,9 +472,11 @@ class Router:
                 handles = self.transmit(dst, _BYE_HEAD, [])
                 self._inflight.update(handles)
         try:
-            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+            if timeout > 0:
+                await asyncio.wait_for(asyncio.shield(self._task), timeout)
         except asyncio.TimeoutError:
-            self._task.cancel()
+            pass
+        self._task.cancel()
         for box in self._mailboxes.values():
             box.wake()
         for window in self._windows.values():

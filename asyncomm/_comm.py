@@ -504,18 +504,23 @@ class Comm:
     async def close(self) -> None:
         """Close this communicator and the groups made from it; idempotent.
 
-        Operations still in flight fail with ``CommClosedError``; later calls
-        raise it at once.
+        Collective: waits (up to 30 s) for every other rank to close too (see
+        the note on closing in ``_channels``). Operations still in flight fail
+        with ``CommClosedError``; later calls raise it at once.
         """
+        await self._close(linger=30.0)
+
+    async def _close(self, linger: float) -> None:
+        """Close, waiting up to ``linger`` s for the other ranks (0 when leaving on an error)."""
         if self._closed:
             return
         self._closed = True
         for child in self._children:
-            await child.close()
+            await child._close(linger)
         if self._chain is not None and not self._chain.done():
             self._chain.cancel()
-        await self._host.close()
-        await self._router.close(30.0)
+        await self._host.close(linger)
+        await self._router.close(linger)
         self._own.close()
         self._backend.close()
 

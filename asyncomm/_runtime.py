@@ -61,7 +61,8 @@ class init:
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
                         tb: TracebackType | None) -> None:
         if self._comm is not None:
-            await self._comm.close()
+            # Leaving on an error: the other ranks may never close, so do not wait for them.
+            await self._comm._close(linger=30.0 if error is None else 0.0)
 
 
 def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
@@ -81,6 +82,10 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
                 return await main(comm)
             except BaseException as exc:
                 if comm.size > 1 and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    # Where the backend ends the job (MPI), say why first: aborting can
+                    # cut off output the launcher has not forwarded yet.
+                    print(f"asyncomm: rank {comm.rank} failed: {type(exc).__name__}: {exc}",
+                          file=sys.stderr, flush=True)
                     traceback.print_exc()
                     sys.stderr.flush()
                     comm._abort_job(1)

@@ -9,6 +9,7 @@ go through one flat buffer unless they already are consecutive views of one.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -327,6 +328,7 @@ class MpiBackend(Backend):
 
     def abort_job(self, code: int) -> None:
         if MPI.COMM_WORLD.Get_size() > 1:
+            time.sleep(0.5)  # let the launcher forward this rank's last output
             MPI.COMM_WORLD.Abort(code)
 
 
