@@ -362,11 +362,12 @@ class Comm:
         self._chain = self._loop.create_task(run())
         return handle
 
-    def _own_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Handle[None]:
+    def _own_send(self, tensor: torch.Tensor, dst: int, tag: int,
+                  eager: bool = True) -> Handle[None]:
         """Send on the private twin (channel frames): no deadline, no argument checks."""
         handle: Handle[None] = Handle(self._loop, (self.rank, "send", None, dst, tag), None,
                                       tensor)
-        self._own.send(handle, tensor, dst, tag)
+        self._own.send(handle, tensor, dst, tag, eager)
         return handle
 
     def _own_recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Handle[int]:

@@ -75,8 +75,9 @@ class Backend(ABC):
         """Issue an all-to-all: ``outputs[j]`` receives rank j's ``inputs[rank]``."""
 
     @abstractmethod
-    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int) -> None:
-        """Issue a send."""
+    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
+             eager: bool = True) -> None:
+        """Issue a send; ``eager=False`` forbids completing early by sending a copy."""
 
     @abstractmethod
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:

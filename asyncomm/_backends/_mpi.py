@@ -294,7 +294,8 @@ class MpiBackend(Backend):
 
     # -- point to point --------------------------------------------------------------
 
-    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
+             eager: bool = True) -> None:
         self._watch(sink, self._comm.Isend(_spec(tensor), dst, tag))
 
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:

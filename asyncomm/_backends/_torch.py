@@ -185,9 +185,10 @@ class TorchBackend(Backend):
 
     # -- point to point -----------------------------------------------------------
 
-    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int) -> None:
+    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
+             eager: bool = True) -> None:
         self._raise_if_failed()
-        if (not self.cuda and tensor.nbytes <= _EAGER_BYTES
+        if (eager and not self.cuda and tensor.nbytes <= _EAGER_BYTES
                 and self._eager.in_flight < _EAGER_IN_FLIGHT):
             # See the module note on eager sends.
             work = self._pg.send([tensor.clone()], dst, tag)
