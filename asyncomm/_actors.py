@@ -24,15 +24,11 @@ import itertools
 import math
 import traceback
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from asyncomm import _wire
-from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Message
+from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Encoded, Message, Router
 from asyncomm._errors import CommClosedError, CommError, CommTimeoutError, RemoteError
 from asyncomm._wire import Codec, Kind
-
-if TYPE_CHECKING:
-    from asyncomm._channels import Router
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -40,6 +36,7 @@ REQUEST_TAG = MAX_CHANNEL_TAG + 1
 REPLY_TAG = MAX_CHANNEL_TAG + 2
 _ENDPOINT = "__asyncomm_endpoint__"
 _POLL_S = 0.25  # how often a caller's wait looks for ranks that closed
+_Outgoing = tuple[int, int, Encoded]  # channel tag, call id, encoded message
 
 
 def endpoint(method: F) -> F:
@@ -61,6 +58,7 @@ class Host:
 
     def __init__(self, router: Router, rank: int, timeout: float) -> None:
         self.rank = rank
+        self._router = router
         self._timeout = timeout
         self._requests = Channel(router, REQUEST_TAG, Codec.DEFAULT, math.inf)
         self._replies = Channel(router, REPLY_TAG, Codec.DEFAULT, math.inf)
@@ -68,7 +66,7 @@ class Host:
         self._workers: list[asyncio.Task[None]] = []
         self._calls: dict[int, tuple[int, asyncio.Future[Any]]] = {}
         self._ids = itertools.count()
-        self._outboxes: dict[int, asyncio.Queue[list[Any] | None]] = {}
+        self._outboxes: dict[int, asyncio.Queue[_Outgoing | None]] = {}
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._serve_requests()),
                        loop.create_task(self._serve_replies())]
@@ -119,7 +117,11 @@ class Host:
     def _answer(self, request: Message, ok: bool, result: Any) -> None:
         call_id, wants_reply = request.data[0], request.data[5]
         if wants_reply:
-            self._post(request.src, self._replies, [call_id, ok, result])
+            try:
+                self._post(request.src, self._replies, [call_id, ok, result])
+            except TypeError as exc:  # a result the default codec cannot carry
+                self._post(request.src, self._replies, [call_id, False,
+                                                        ["TypeError", str(exc), ""]])
 
     # -- calling -------------------------------------------------------------------
 
@@ -160,28 +162,23 @@ class Host:
     def _post(self, rank: int, channel: Channel, message: list[Any]) -> None:
         """Queue ``message`` for ``rank``: one sender per destination keeps call order.
 
-        Raises ``TypeError`` at once if the default codec cannot carry it.
+        Raises ``TypeError`` at once if the default codec cannot carry it: the
+        message is encoded here, once, and sent as it is.
         """
-        _wire.encode(Kind.DATA, channel.tag, 0, message)  # check now, before anything is sent
+        frame = self._router.encode(Kind.DATA, channel.tag, message, Codec.DEFAULT)
         outbox = self._outboxes.get(rank)
         if outbox is None:
             outbox = self._outboxes[rank] = asyncio.Queue()
             self._tasks.append(asyncio.get_running_loop().create_task(self._send(rank, outbox)))
-        outbox.put_nowait([channel, message])
+        outbox.put_nowait((channel.tag, message[0], frame))
 
-    async def _send(self, rank: int, outbox: asyncio.Queue[list[Any] | None]) -> None:
+    async def _send(self, rank: int, outbox: asyncio.Queue[_Outgoing | None]) -> None:
         while (item := await outbox.get()) is not None:
-            channel, message = item
+            tag, call_id, frame = item
             try:
-                await channel.send(message, rank)
-            except TypeError as exc:  # arguments or a result the default codec cannot carry
-                call_id = message[0]
-                if channel is self._requests:
-                    self._settle(call_id, False, ["TypeError", str(exc), ""])
-                else:
-                    await channel.send([call_id, False, ["TypeError", str(exc), ""]], rank)
+                await self._router.send(frame, tag, rank)
             except CommError as exc:
-                self._settle(message[0], False, [type(exc).__name__, str(exc), ""])
+                self._settle(call_id, False, [type(exc).__name__, str(exc), ""])
 
     async def _serve_replies(self) -> None:
         while True:

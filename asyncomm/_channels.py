@@ -81,6 +81,9 @@ def _charge(head: Head) -> int:
     return _wire.PREFIX_BYTES + described + len(head.structure) + head.payload_bytes
 
 
+Encoded = tuple[bytes, list[torch.Tensor]]  # a message ready to send: head and buffers
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     """A received message: who sent it, on which channel, and what."""
@@ -178,13 +181,21 @@ class Router:
 
     # -- sending ----------------------------------------------------------------
 
-    async def send(self, kind: Kind, tag: int, obj: object, dst: int, codec: Codec,
+    def encode(self, kind: Kind, tag: int, obj: object, codec: Codec) -> Encoded:
+        """Encode ``obj`` as a frame of channel ``tag``; ``TypeError`` if the codec can't carry it.
+
+        Its sequence number is set by ``send``, when it goes.
+        """
+        head, buffers = _wire.encode(kind, tag, 0, obj, codec, self.limits)
+        return head, [_as_tensor(b) for b in buffers]
+
+    async def send(self, frame: Encoded, tag: int, dst: int,
                    timeout: float | None = None) -> None:
-        """Send ``obj`` as one frame; wait for credit first, then until its buffers are free."""
+        """Send an encoded frame; wait for credit first, then until its buffers are free."""
         if self._closed:
             raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
         key = (dst, tag)
-        head, buffers = _wire.encode(kind, tag, 0, obj, codec, self.limits)
+        head, buffers = frame
         nbytes = sum(b.nbytes for b in buffers) + len(head)
         window = self._windows.get(key)
         if window is None:
@@ -195,7 +206,7 @@ class Router:
         seq = self._send_seq[key]
         self._send_seq[key] = seq + 1
         head = head[:_SEQ_AT] + _SEQ.pack(seq) + head[_SEQ_AT + _SEQ.size:]
-        for handle in self.transmit(dst, head, [_as_tensor(b) for b in buffers]):
+        for handle in self.transmit(dst, head, buffers):
             await handle  # no task per handle: most are done already
 
     async def _acquire(self, window: _Window, nbytes: int, tag: int, dst: int,
@@ -524,8 +535,8 @@ class Channel:
         if self._closed:
             raise CommClosedError(f"rank {router.rank}: channel {self.tag} is closed")
         limit = self._timeout if timeout is None else timeout
-        await router.send(Kind.DATA, self.tag, obj, dst, self.codec,
-                          None if limit == math.inf else limit)
+        frame = router.encode(Kind.DATA, self.tag, obj, self.codec)
+        await router.send(frame, self.tag, dst, None if limit == math.inf else limit)
 
     async def recv(self, src: int | None = None, *, timeout: float | None = None) -> Message:
         """Receive the next message (from ``src``, or any source); a cancelled call loses nothing.

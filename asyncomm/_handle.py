@@ -169,14 +169,6 @@ class Handle(Generic[T]):
             self._events = None
 
 
-def completed(loop: asyncio.AbstractEventLoop, what: tuple[Any, ...], value: T) -> Handle[T]:
-    """Return a handle that is already done with ``value``."""
-    handle: Handle[T] = Handle(loop, what, value)
-    handle._settle(_DONE, None)
-    handle._value = value
-    return handle
-
-
 class Deadlines:
     """Expire pending handles at their deadlines, with one timer per distinct timeout.
 

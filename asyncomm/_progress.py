@@ -170,11 +170,6 @@ class Waiters:
                 thread.start()
         self._jobs.put((wait, sink, finish))
 
-    @property
-    def threads(self) -> int:
-        """Return how many waiter threads exist now."""
-        return len(self._threads)
-
     def _serve(self) -> None:
         me = threading.current_thread()
         while True:
@@ -321,9 +316,6 @@ class Poller:
         self._spinning = False
         self._delay = 0.0
         self._last_busy = 0.0
-
-    def __len__(self) -> int:
-        return len(self._requests)
 
     def watch(self, request: Any, sink: Sink, finish: Finish, active: bool = True) -> None:
         """Settle ``sink`` with ``finish(outcome)`` once ``request`` completes."""
