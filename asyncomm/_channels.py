@@ -5,15 +5,11 @@ twin communicator and routes every frame into the mailbox of its channel.
 
 Note on the transport
 ---------------------
-A frame (see ``_wire``) travels as an *envelope* of ``ENVELOPE_BYTES`` on tag
-``T_ENVELOPE`` -- a preamble (head length, inline bytes, data messages that
-follow), the head and, when they fit, the buffers inline -- then, if they did
-not fit, one message per buffer on tag ``T_DATA`` from the same source. The
-router always has one any-source envelope receive posted; when an envelope
-arrives it posts the data receives of that frame at once, in order, so
-frames from one source never mix. The envelope has a fixed size because
-gloo receives need the size up front; both backends use the same layout, and
-the frame bytes are the same on both.
+Frames travel over a ``Link`` of the backend's choosing (see
+``_backends._link``): on asyncomm's private twin communicator, in order per
+pair of ranks, the same frame bytes on every backend. The link hands each
+frame that arrives to the router (``frame``, ``later``, ``refuse``), which
+delivers them in order per source.
 
 Note on flow control
 --------------------
@@ -39,7 +35,7 @@ import collections
 import math
 import struct
 import warnings
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -52,27 +48,10 @@ from asyncomm._wire import Codec, Head, Kind
 if TYPE_CHECKING:
     from asyncomm._comm import Comm
 
-T_ENVELOPE = 1  # tags on the private twin communicator
-T_DATA = 2
-ENVELOPE_BYTES = 4096
-_PREAMBLE = struct.Struct("<III")  # head bytes, inline payload bytes, data messages following
-_ROOM = ENVELOPE_BYTES - _PREAMBLE.size
 MAX_CHANNEL_TAG = (1 << 62) - 1  # tags above are asyncomm's own (actors)
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
 _SEQ = struct.Struct("<Q")  # a head's seq: after magic, version, kind, codec, flags and tag
 _SEQ_AT = 16
-
-
-def _align(offset: int) -> int:
-    """Round up to 16 bytes: inline buffers are viewed as typed tensors in place."""
-    return (offset + 15) & ~15
-
-
-def _span(at: int, buffers: list[torch.Tensor]) -> int:
-    """Return where ``buffers`` laid out inline from offset ``at`` end, padding included."""
-    for b in buffers:
-        at = _align(at) + b.nbytes
-    return at
 
 
 def _charge(head: Head) -> int:
@@ -167,11 +146,15 @@ class Router:
         self._consumed: dict[tuple[int, int], list[int]] = {}
         self._in_order: dict[int, asyncio.Task[None]] = {}  # last delivery per source
         self._broken: dict[int, CommError] = {}  # sources whose stream cannot be followed
-        self._held: dict[int, collections.deque[torch.Tensor]] = {}
         self._byes: set[int] = set()  # ranks whose router said goodbye
+        self._all_byes: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inflight: set[Any] = set()
         self._closed = False
-        self._task = asyncio.get_running_loop().create_task(self._receive())
+        self._link = comm._own.link()
+        if self.size > 1:
+            self._link.open(self, self.limits)
+        else:
+            self._all_byes.set_result(None)
 
     def mailbox(self, tag: int) -> Mailbox:
         box = self._mailboxes.get(tag)
@@ -259,33 +242,7 @@ class Router:
                            [b.clone() for b in buffers])
             self._deliver(frame)
             return []
-        start = _PREAMBLE.size + len(head)
-        end = _span(start, buffers)
-        inline = end <= ENVELOPE_BYTES
-        big_head = len(head) > _ROOM
-        follow = (0 if inline else len(buffers)) + big_head
-        envelope = torch.zeros(ENVELOPE_BYTES, dtype=torch.uint8)
-        view = envelope.numpy()
-        _PREAMBLE.pack_into(view.data, 0, len(head), end - start if inline else 0, follow)
-        at = _PREAMBLE.size
-        if not big_head:
-            view[at:at + len(head)] = memoryview(head)
-            at += len(head)
-        if inline:
-            for b in buffers:
-                at = _align(at)
-                view[at:at + b.nbytes] = b.numpy()
-                at += b.nbytes
-        comm = self._comm
-        handles = [comm._own_send(envelope, dst, T_ENVELOPE)]
-        if big_head:
-            handles.append(comm._own_send(torch.frombuffer(bytearray(head), dtype=torch.uint8),
-                                          dst, T_DATA, eager=False))
-        if not inline:
-            # Not eager: on gloo an eager data message behind its envelope took ~7 ms
-            # to arrive (measured: 64 KiB channel round trip 8 ms eager, 1 ms not).
-            handles.extend(comm._own_send(b, dst, T_DATA, eager=False) for b in buffers)
-        return handles
+        return self._link.send(dst, head, buffers)
 
     def notify(self, kind: Kind, tag: int, dst: int, obj: object = None) -> None:
         """Send a small control frame without waiting (credit, end of stream)."""
@@ -296,87 +253,36 @@ class Router:
 
     # -- receiving -----------------------------------------------------------------
 
-    async def _receive(self) -> None:
-        comm = self._comm
-        while len(self._byes) < self.size - 1:  # see the note on closing
-            envelope = torch.empty(ENVELOPE_BYTES, dtype=torch.uint8)
-            try:
-                src = await comm._own_recv(envelope, None, T_ENVELOPE)
-            except CommError:
-                return  # closed under us
-            if envelope[_PREAMBLE.size:_PREAMBLE.size + len(_BYE_HEAD)].numpy().tobytes() \
-                    == _BYE_HEAD:
-                self._byes.add(src)
-            else:
-                self._arrive(src, envelope)
+    def pump(self) -> bool:
+        """Take what has arrived, without waiting; return whether anything had."""
+        return self._link.pump()
 
-    def _arrive(self, src: int, envelope: torch.Tensor) -> None:
-        if src in self._broken:
-            return
-        held = self._held.get(src)
-        if held is not None:  # a big head from src is still on its way: keep the order
-            held.append(envelope)
-            return
-        view = envelope.numpy()
-        head_bytes, inline, follow = _PREAMBLE.unpack_from(view.data, 0)
-        if head_bytes > self.limits.max_head_bytes or inline > _ROOM:
-            self._break(src, ProtocolError(f"envelope from rank {src} declares a head of "
-                                           f"{head_bytes} bytes, inline {inline}"))
-            return
-        if head_bytes > _ROOM:  # the head follows as a data message: hold src's later frames
-            raw_head = torch.empty(head_bytes, dtype=torch.uint8)
-            self._held[src] = collections.deque()
-            fetched = self._comm._own_recv(raw_head, src, T_DATA)
-            self._in_turn(src, arrival=self._big_head(src, raw_head, fetched, follow - 1))
-            return
-        at = _PREAMBLE.size + head_bytes
-        buffers: list[torch.Tensor] = []
-        try:
-            head = _wire.decode_head(view[_PREAMBLE.size:at].tobytes(), self.limits)
-            if follow == 0:
-                start = at
-                for d in head.descriptors:
-                    at = _align(at)
-                    buffers.append(envelope[at:at + d.nbytes])
-                    at += d.nbytes
-                if at - start != inline or at > ENVELOPE_BYTES:
-                    raise ProtocolError("inline payload does not match the head")
-            elif follow != len(head.descriptors) or inline:
-                raise ProtocolError("data message count does not match the head")
-        except ProtocolError as exc:
-            self._refuse(src, view, exc, follow)
-            return
-        if follow == 0:
+    def frame(self, src: int, head: Head, buffers: list[torch.Tensor]) -> None:
+        """A whole frame from ``src`` (the link calls this, in the order frames arrive)."""
+        if head.tag == _BYE_TAG and head.kind is Kind.EOS:  # see the note on closing
+            self._byes.add(src)
+            if len(self._byes) >= self.size - 1 and not self._all_byes.done():
+                self._link.stop()
+                self._all_byes.set_result(None)
+        elif src not in self._broken:
             self._in_turn(src, frame=_Frame(src, head, buffers))
-        else:
-            self._in_turn(src, arrival=self._data(src, head))
 
-    def _data(self, src: int, head: Head) -> Coroutine[Any, Any, _Frame]:
-        """Post a frame's data receives now, in order; return what completes the frame."""
-        buffers = _wire.allocate(head)
-        receives = [self._comm._own_recv(b, src, T_DATA) for b in buffers]
+    def later(self, src: int, arrival: Awaitable[tuple[Head, list[torch.Tensor]]]) -> None:
+        """A frame from ``src`` whose buffers are still on their way."""
+        if src not in self._broken:
+            self._in_turn(src, arrival=arrival)
 
-        async def complete() -> _Frame:
-            await asyncio.gather(*receives)
-            return _Frame(src, head, buffers)
-
-        return complete()
-
-    async def _big_head(self, src: int, raw_head: torch.Tensor, fetched: Any,
-                        follow: int) -> _Frame:
-        try:
-            await fetched
-            head = _wire.decode_head(raw_head.numpy().tobytes(), self.limits)
-            if follow != len(head.descriptors):
-                raise ProtocolError("data message count does not match the head")
-            frame = self._data(src, head)
-        finally:
-            for envelope in self._held.pop(src, ()):  # now the later frames, in order
-                self._arrive(src, envelope)
-        return await frame
+    def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
+        """Refuse a malformed frame: on its channel if its tag is legible, its source if not."""
+        if tag is None:
+            self._break(src, error)
+            return
+        wrapped = ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank {src} "
+                                f"refused: {error}")
+        self.mailbox(tag).put(_Frame(src, _EMPTY_HEAD, [], wrapped))
 
     def _in_turn(self, src: int, frame: _Frame | None = None,
-                 arrival: Coroutine[Any, Any, _Frame] | None = None) -> None:
+                 arrival: Awaitable[tuple[Head, list[torch.Tensor]]] | None = None) -> None:
         """Deliver frames of one source in the order their envelopes arrived."""
         previous = self._in_order.get(src)
         if frame is not None and previous is None:
@@ -385,7 +291,7 @@ class Router:
 
         async def in_turn() -> None:
             try:
-                got = frame if arrival is None else await arrival
+                got = frame if arrival is None else _Frame(src, *await arrival)
             except CommError as exc:
                 got = None
                 error = exc
@@ -405,20 +311,6 @@ class Router:
                 del self._in_order[src]
 
         task.add_done_callback(forget)
-
-    def _refuse(self, src: int, view: Any, error: ProtocolError, follow: int) -> None:
-        """Refuse a malformed frame: on its channel if its tag is legible, its source if not."""
-        if follow:  # its data messages cannot be skipped safely: the stream is lost
-            self._break(src, error)
-            return
-        try:
-            tag = struct.unpack_from("<Q", view, _PREAMBLE.size + 8)[0]
-        except struct.error:
-            self._break(src, error)
-            return
-        wrapped = ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank {src} "
-                                f"refused: {error}")
-        self.mailbox(tag).put(_Frame(src, _EMPTY_HEAD, [], wrapped))
 
     def _break(self, src: int, error: CommError) -> None:
         """Stop following ``src``'s stream: every channel waiting on it gets ``error``."""
@@ -482,14 +374,13 @@ class Router:
         self._closed = True
         for dst in range(self.size):
             if dst != self.rank:
-                handles = self.transmit(dst, _BYE_HEAD, [])
-                self._inflight.update(handles)
+                self._inflight.update(self.transmit(dst, _BYE_HEAD, []))
         try:
             if timeout > 0:
-                await asyncio.wait_for(asyncio.shield(self._task), timeout)
+                await asyncio.wait_for(asyncio.shield(self._all_byes), timeout)
         except asyncio.TimeoutError:
             pass
-        self._task.cancel()
+        self._link.stop()
         for box in self._mailboxes.values():
             box.wake()
         for window in self._windows.values():
@@ -499,7 +390,8 @@ class Router:
 
 
 _EMPTY_HEAD = Head(Kind.DATA, Codec.DEFAULT, 0, 0, (), b"")
-_BYE_HEAD = _wire.encode(Kind.EOS, MAX_CHANNEL_TAG + 3, 0, None)[0]  # the router's goodbye
+_BYE_TAG = MAX_CHANNEL_TAG + 3
+_BYE_HEAD = _wire.encode(Kind.EOS, _BYE_TAG, 0, None)[0]  # the router's goodbye
 
 
 class Channel:
@@ -556,6 +448,8 @@ class Channel:
         box = self._box
         while True:
             frame = box.take(src)
+            if frame is None and router.pump():
+                frame = box.take(src)
             if frame is not None:
                 return self._open(frame)
             if self._ended(src):
@@ -568,6 +462,7 @@ class Channel:
                 peer = "any" if src is None else src
                 raise CommTimeoutError(f"rank {router.rank}: channel {self.tag} recv from peer "
                                        f"{peer} timed out after {limit:g} s")
+            router._link.expect()
             waiter = loop.create_future()
             box.waiters.append(waiter)
             timer = None if deadline == math.inf else loop.call_at(deadline, _wake, waiter)

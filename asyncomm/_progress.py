@@ -312,8 +312,9 @@ class Poller:
         self._requests: list[Any] = []
         self._entries: list[tuple[Sink, Finish, bool]] = []
         self._active = 0  # pending requests that need polling to make progress
+        self._probes: list[Callable[[], bool]] = []
         self._timer: asyncio.Handle | None = None
-        self._spinning = False
+        self._spinning = False  # a poll runs or is due at the next loop iteration
         self._delay = 0.0
         self._last_busy = 0.0
 
@@ -330,6 +331,23 @@ class Poller:
         self._requests.append(request)
         self._entries.append((sink, finish, active))
         self._active += active
+        self.kick()
+
+    def probe(self, probe: Callable[[], bool]) -> None:
+        """Call ``probe()`` at every poll until ``unprobe``; it returns whether it found work.
+
+        A probe keeps the poller polling with nothing in flight (backing off when idle).
+        """
+        self._probes.append(probe)
+        self.kick()
+
+    def unprobe(self, probe: Callable[[], bool]) -> None:
+        """Stop calling ``probe``."""
+        if probe in self._probes:
+            self._probes.remove(probe)
+
+    def kick(self) -> None:
+        """Poll at once and spin a while: something is expected soon."""
         self._last_busy = time.monotonic()
         self._delay = 0.0
         if not self._spinning:
@@ -340,6 +358,7 @@ class Poller:
 
     def _poll(self) -> None:
         self._timer = None
+        self._spinning = True  # what is issued from here on is polled when this poll ends
         requests = self._requests
         if len(requests) == 1:  # the common case: one request, no index bookkeeping
             try:
@@ -363,7 +382,11 @@ class Poller:
                     sink._fail(self._classify(outcome), outcome)
                 else:
                     _deliver(sink, finish, outcome, self._classify)
-        if not self._requests:
+        for probe in tuple(self._probes):  # a probe may unregister itself
+            if probe():
+                self._last_busy = now
+                self._delay = 0.0
+        if not self._requests and not self._probes:
             self._spinning = False
             return
         window = self._active_spin_s if self._active else self._spin_s
@@ -386,6 +409,7 @@ class Poller:
             self._timer.cancel()
             self._timer = None
         self._spinning = False
+        self._probes.clear()
         pending = [(request, sink) for request, (sink, _, _) in zip(self._requests, self._entries,
                                                                     strict=True)]
         self._requests, self._entries, self._active = [], [], 0

@@ -576,3 +576,57 @@ def _rebuild(d: Descriptor, buffer: torch.Tensor) -> object:
     if len(d.shape) != 1:  # a 1-D view already has its shape, the head being validated
         tensor = tensor.reshape(d.shape)
     return tensor.numpy() if d.kind is BufferKind.NDARRAY else tensor
+
+
+# -- a frame in one piece ----------------------------------------------------------------
+
+ALIGN: Final = 16  # buffers of a frame in one piece start at multiples of this
+
+
+def _aligned(at: int) -> int:
+    return (at + ALIGN - 1) & -ALIGN
+
+
+def frame_size(head_bytes: int, sizes: list[int]) -> int:
+    """Return the bytes of a frame in one piece: the head, then each buffer aligned."""
+    at = head_bytes
+    for n in sizes:
+        at = _aligned(at) + n
+    return at
+
+
+def pack_frame(head: bytes, buffers: list[torch.Tensor], out: np.ndarray[Any, Any]) -> None:
+    """Lay out a frame in one piece into ``out`` (zeroed uint8, ``frame_size`` long).
+
+    ``buffers`` are flat uint8 tensors, as ``encode`` returns them.
+    """
+    at = len(head)
+    out[:at] = np.frombuffer(head, np.uint8)
+    for b in buffers:
+        at = _aligned(at)
+        n = b.numel()
+        out[at:at + n] = b.numpy()
+        at += n
+
+
+def unpack_frame(frame: torch.Tensor, head_bytes: int, head: Head) -> list[torch.Tensor]:
+    """Return views of the buffers of a frame in one piece (``frame``: flat uint8).
+
+    Raises:
+        ProtocolError: ``frame`` does not hold exactly the head and the buffers it describes.
+    """
+    at, buffers = head_bytes, []
+    for d in head.descriptors:
+        at = _aligned(at)
+        buffers.append(frame[at:at + d.nbytes])
+        at += d.nbytes
+    if at != frame.numel():
+        raise ProtocolError(f"frame of {frame.numel()} bytes where its head describes {at}")
+    return buffers
+
+
+def legible_tag(head: bytes | memoryview) -> int | None:
+    """Return the channel tag of a head that failed to decode, if its prefix holds one."""
+    if len(head) < 16:
+        return None
+    return int(struct.unpack_from("<Q", head, 8)[0])

@@ -110,7 +110,8 @@ def _kinds() -> list[Callable[[torch.Generator], object]]:
         lambda g: rand_bytes(MiB, g),
         lambda g: "",
         lambda g: "héllo ✓ 🚀",
-        lambda g: "ñ✓x" * 3_000,  # a head larger than the envelope
+        lambda g: "ñ✓x" * 3_000,  # a head larger than a gloo message
+        lambda g: "x" * 65_530,  # a head larger than an MPI message: it follows as data
         lambda g: "ñ✓x" * 70_000,  # a structure travelling as a buffer
         lambda g: None,
         lambda g: 42,
@@ -125,6 +126,7 @@ def _kinds() -> list[Callable[[torch.Generator], object]]:
         lambda g: (rand((2,), torch.bfloat16, g), rand((2,), torch.int64, g).numpy(), b"z"),
         lambda g: _deep(40),
         lambda g: rand((1 << 10,), torch.uint8, g),
+        lambda g: rand((60 << 10,), torch.uint8, g),  # the largest one-piece MPI message
         lambda g: rand((64 << 10,), torch.uint8, g),
         lambda g: rand((MiB // 4,), torch.float32, g),
         lambda g: rand((2 * MiB,), torch.uint8, g),
@@ -524,16 +526,6 @@ def test_message_before_the_receiver_opened_any_channel(world: World) -> None:
 # -- 6. corrupt and oversized frames --------------------------------------------------
 
 
-def forged_envelope(head: bytes) -> torch.Tensor:
-    """An envelope as ``Router.transmit`` lays it out, holding ``head`` and no data messages."""
-    envelope = torch.zeros(_channels.ENVELOPE_BYTES, dtype=torch.uint8)
-    view = envelope.numpy()
-    _channels._PREAMBLE.pack_into(view.data, 0, len(head), 0, 0)  # nothing inline, no data
-    at = _channels._PREAMBLE.size
-    view[at:at + len(head)] = np.frombuffer(head, np.uint8)
-    return envelope
-
-
 def forged_heads(tag: int) -> dict[str, bytes]:
     good, _ = _wire.encode(Kind.DATA, tag, 0, "fine")
     # One descriptor, of a flat uint8 buffer, right after the prefix: u8 dtype, u8 kind,
@@ -546,7 +538,7 @@ def forged_heads(tag: int) -> dict[str, bytes]:
         "garbage": b"JUNK\x07\x07\x07\x07" + struct.pack("<Q", tag) + bytes(range(40)),
         "oversized": oversized,
         "version": good[:4] + bytes([_wire.VERSION + 1]) + good[5:],
-        "inline mismatch": tensor,  # declares an 8-byte buffer, the envelope carries none
+        "inline mismatch": tensor,  # declares an 8-byte buffer, the message carries none
     }
 
 
@@ -557,8 +549,8 @@ async def check_corrupt_frames(comm: Comm) -> None:
         await ch.send("v0", 1)
         await other.send("o0", 1)
         for i, head in enumerate(heads.values()):
-            envelope = forged_envelope(head)
-            await comm._own_send(envelope, 1, _channels.T_ENVELOPE)
+            for handle in comm._router._link.send(1, head, []):  # as it is, no buffers
+                await handle
             await ch.send(f"v{i + 1}", 1)
             await other.send(f"o{i + 1}", 1)
     elif comm.rank == 1:
@@ -579,6 +571,41 @@ async def check_corrupt_frames(comm: Comm) -> None:
 
 def test_corrupt_frames_fail_their_channel_only(world: World) -> None:
     world.run(check_corrupt_frames)
+
+
+async def check_oversized_message(comm: Comm) -> None:
+    # A link message beyond the most an MPI message may hold: refused unread (nothing is
+    # allocated for it), and the stream from its source ends, since what follows it can't
+    # be trusted; other sources go on.
+    from asyncomm._backends._link import T_MESSAGE
+    from asyncomm._backends._mpi import MESSAGE_BYTES
+
+    sub = await comm.group(range(comm.size))
+    assert sub is not None
+    try:
+        ch = sub.channel(610)
+        if sub.rank == 0:
+            await ch.send("before", 1)
+            link = sub._router._link
+            handle = link._post(bytearray(MESSAGE_BYTES + 1), 1, T_MESSAGE)
+            if handle is not None:
+                await handle
+        elif sub.rank == 1:
+            assert (await ch.recv(src=0)).data == "before"
+            with pytest.raises(asyncomm.ProtocolError, match="stream from rank 0 broken"):
+                await ch.recv(src=0, timeout=10.0)
+            assert (await ch.recv(src=2, timeout=10.0)).data == "from 2"
+        else:
+            await ch.send("from 2", 1)
+        await sub.barrier()
+    finally:
+        await sub.close()
+
+
+def test_oversized_mpi_message_ends_its_source_stream(world: World) -> None:
+    if world.backend != "mpi":
+        pytest.skip("gloo receives have a fixed size: a larger message is never taken")
+    world.run(check_oversized_message)
 
 
 def test_forged_heads_are_what_they_claim() -> None:

@@ -12,12 +12,16 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from asyncomm._env import LaunchEnv
 from asyncomm._ops import ReduceOp
 from asyncomm._progress import Sink
+
+if TYPE_CHECKING:
+    from asyncomm._backends._link import Link
 
 Tensors = Sequence[torch.Tensor]
 
@@ -89,6 +93,12 @@ class Backend(ABC):
 
         Collective over this communicator; ``None`` on ranks not in ``ranks``.
         """
+
+    def link(self) -> Link:
+        """Return a link carrying channel frames over this communicator (see ``_link``)."""
+        from asyncomm._backends._link import EnvelopeLink
+
+        return EnvelopeLink(self, asyncio.get_running_loop())
 
     def abort_job(self, code: int) -> None:  # noqa: B027
         """End the whole job after an uncaught error, where the launcher would not."""

@@ -9,6 +9,7 @@ go through one flat buffer unless they already are consecutive views of one.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,9 @@ import torch
 from mpi4py import MPI
 
 from asyncomm._backends import Backend, Tensors
-from asyncomm._errors import CommError, MismatchError, PeerFailedError
+from asyncomm._backends._link import PREAMBLE, T_MESSAGE, Link
+from asyncomm._errors import CommError, MismatchError, PeerFailedError, ProtocolError
+from asyncomm._handle import Handle
 from asyncomm._ops import ReduceOp
 from asyncomm._progress import Poller, Sink
 
@@ -327,6 +330,9 @@ class MpiBackend(Backend):
         _orphans.extend(pending)  # their sinks hold the buffers MPI may still write
         self._comm.Free()
 
+    def link(self) -> Link:
+        return ProbeLink(self)
+
     def abort_job(self, code: int) -> None:
         if MPI.COMM_WORLD.Get_size() > 1:
             time.sleep(0.5)  # let the launcher forward this rank's last output
@@ -335,6 +341,115 @@ class MpiBackend(Backend):
 
 def _source(source: Any) -> object:
     return source
+
+
+MESSAGE_BYTES = 64 << 10  # the largest link message: frames up to about this travel in one
+
+
+class ProbeLink(Link):
+    """Link messages sized exactly, found by matched probe from any source.
+
+    The poller probes at every poll (``MPI_Improbe``), so a message is taken
+    as soon as it is there, with no receive standing. Each message is
+    received into a buffer of the size the probe reports (never more than
+    ``MESSAGE_BYTES``). A message that is not complete at once (rare: only
+    large ones) delays the later messages of its source until it is, so
+    data receives are always posted in the order the frames were sent.
+    """
+
+    def __init__(self, backend: MpiBackend) -> None:
+        super().__init__(backend, backend._loop, MESSAGE_BYTES - PREAMBLE.size)
+        self._mpi = backend
+        self._comm = backend._comm
+        self._status = MPI.Status()
+        self._behind: dict[int, asyncio.Task[None]] = {}  # last pending message per source
+        self._open = False
+
+    def open(self, arrivals: Any, limits: Any) -> None:
+        super().open(arrivals, limits)
+        self._open = True
+        self._mpi._poller.probe(self.pump)
+
+    def stop(self) -> None:
+        self._open = False
+        self._mpi._poller.unprobe(self.pump)
+
+    def expect(self) -> None:
+        self._mpi._poller.kick()
+
+    def _post(self, buffer: bytearray | torch.Tensor, dst: int, tag: int) -> Handle[None] | None:
+        spec = _spec(buffer) if isinstance(buffer, torch.Tensor) else [buffer, MPI.BYTE]
+        handle: Handle[None]
+        try:
+            request = self._comm.Isend(spec, dst, tag)
+            if request.Test():
+                return None  # the common case: small messages are sent at once
+        except MPI.Exception as exc:
+            handle = Handle(self._loop, (self._mpi.rank, "send", None, dst, tag), None)
+            handle._fail(classify(exc), exc)
+            return handle
+        handle = Handle(self._loop, (self._mpi.rank, "send", None, dst, tag), None, buffer)
+        self._mpi._watch(handle, request)
+        return handle
+
+    def pump(self) -> bool:
+        found = False
+        comm, status = self._comm, self._status
+        while self._open:
+            try:
+                message = comm.Improbe(MPI.ANY_SOURCE, T_MESSAGE, status)
+            except MPI.Exception:
+                return found  # freed under us
+            if message is None:
+                break
+            found = True
+            self._take(message, status.Get_source(), status.Get_count(MPI.BYTE))
+        return found
+
+    def _take(self, message: Any, src: int, nbytes: int) -> None:
+        arrivals = self._arrivals
+        assert arrivals is not None
+        if nbytes > MESSAGE_BYTES:  # no sender of ours sends it: consume it unread
+            try:
+                message.Recv([bytearray(0), MPI.BYTE])
+            except MPI.Exception:
+                pass  # truncated, as intended
+            arrivals.refuse(src, ProtocolError(f"message of {nbytes} bytes from rank {src} "
+                                               f"(the most is {MESSAGE_BYTES})"), None)
+            return
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        before = self._behind.get(src)
+        try:
+            request = message.Irecv(_spec(buffer))
+            if before is None and request.Test():
+                self._arrive(src, buffer)
+                return
+        except MPI.Exception as exc:
+            arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"), None)
+            return
+        handle: Handle[None] = Handle(self._loop, (self._mpi.rank, "recv", None, src, T_MESSAGE),
+                                      None, buffer)
+        self._mpi._watch(handle, request, active=False)
+        task = self._loop.create_task(self._in_order(src, before, handle, buffer))
+        self._behind[src] = task
+        task.add_done_callback(functools.partial(self._forget, src))
+
+    async def _in_order(self, src: int, before: asyncio.Task[None] | None, handle: Handle[None],
+                        buffer: torch.Tensor) -> None:
+        if before is not None:
+            await asyncio.wait([before])
+        try:
+            await handle
+        except CommError as exc:
+            assert self._arrivals is not None
+            self._arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"),
+                                  None)
+            return
+        self._arrive(src, buffer)
+
+    def _forget(self, src: int, task: asyncio.Task[None]) -> None:
+        if self._behind.get(src) is task:
+            del self._behind[src]
 
 
 async def open_mpi(loop: asyncio.AbstractEventLoop) -> tuple[Backend, Backend]:
