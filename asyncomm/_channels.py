@@ -35,13 +35,14 @@ import collections
 import math
 import struct
 import warnings
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncomm import _wire
+from asyncomm._backends._link import Pending
 from asyncomm._errors import CommClosedError, CommError, CommTimeoutError, ProtocolError
 from asyncomm._wire import Codec, Head, Kind
 
@@ -144,7 +145,8 @@ class Router:
         self._send_seq: dict[tuple[int, int], int] = collections.defaultdict(int)
         self._recv_seq: dict[tuple[int, int], int] = collections.defaultdict(int)
         self._consumed: dict[tuple[int, int], list[int]] = {}
-        self._in_order: dict[int, asyncio.Task[None]] = {}  # last delivery per source
+        # frames of a source queued behind one whose buffers are on their way
+        self._queued: dict[int, collections.deque[_Frame | Pending]] = {}
         self._broken: dict[int, CommError] = {}  # sources whose stream cannot be followed
         self._byes: set[int] = set()  # ranks whose router said goodbye
         self._all_byes: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -265,12 +267,45 @@ class Router:
                 self._link.stop()
                 self._all_byes.set_result(None)
         elif src not in self._broken:
-            self._in_turn(src, frame=_Frame(src, head, buffers))
+            frame = _Frame(src, head, buffers)
+            queue = self._queued.get(src)
+            if queue is None:
+                self._deliver(frame)  # the common case: nothing from src is on its way
+            else:
+                queue.append(frame)
 
-    def later(self, src: int, arrival: Awaitable[tuple[Head, list[torch.Tensor]]]) -> None:
+    def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are still on their way."""
-        if src not in self._broken:
-            self._in_turn(src, arrival=arrival)
+        if src in self._broken:
+            return
+        queue = self._queued.get(src)
+        if queue is None:
+            queue = self._queued[src] = collections.deque()
+        queue.append(pending)
+        pending.then(lambda: self._release(src))
+
+    def _release(self, src: int) -> None:
+        """Deliver ``src``'s queued frames up to the first still on its way."""
+        queue = self._queued.get(src)
+        while queue:
+            item = queue[0]
+            if isinstance(item, _Frame):
+                frame = item
+            elif not item.done():
+                return
+            elif item.error is not None:
+                error = item.error
+                self._queued.pop(src, None)
+                self._break(src, error if isinstance(error, ProtocolError)
+                            else ProtocolError(f"frame from rank {src} lost: {error}"))
+                return
+            else:
+                assert item.head is not None
+                frame = _Frame(src, item.head, item.buffers)
+            queue.popleft()
+            if src not in self._broken:
+                self._deliver(frame)
+        self._queued.pop(src, None)
 
     def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
         """Refuse a malformed frame: on its channel if its tag is legible, its source if not."""
@@ -280,37 +315,6 @@ class Router:
         wrapped = ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank {src} "
                                 f"refused: {error}")
         self.mailbox(tag).put(_Frame(src, _EMPTY_HEAD, [], wrapped))
-
-    def _in_turn(self, src: int, frame: _Frame | None = None,
-                 arrival: Awaitable[tuple[Head, list[torch.Tensor]]] | None = None) -> None:
-        """Deliver frames of one source in the order their envelopes arrived."""
-        previous = self._in_order.get(src)
-        if frame is not None and previous is None:
-            self._deliver(frame)  # the common case: inline, nothing before it
-            return
-
-        async def in_turn() -> None:
-            try:
-                got = frame if arrival is None else _Frame(src, *await arrival)
-            except CommError as exc:
-                got = None
-                error = exc
-            if previous is not None:
-                await previous
-            if got is None:
-                self._break(src, error if isinstance(error, ProtocolError)
-                            else ProtocolError(f"frame from rank {src} lost: {error}"))
-            else:
-                self._deliver(got)
-
-        task = asyncio.get_running_loop().create_task(in_turn())
-        self._in_order[src] = task
-
-        def forget(done: asyncio.Task[None]) -> None:
-            if self._in_order.get(src) is done:
-                del self._in_order[src]
-
-        task.add_done_callback(forget)
 
     def _break(self, src: int, error: CommError) -> None:
         """Stop following ``src``'s stream: every channel waiting on it gets ``error``."""

@@ -7,7 +7,7 @@ import collections
 import threading
 import time
 import weakref
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
 from asyncomm._errors import CommError, CommTimeoutError, describe
@@ -28,8 +28,8 @@ class Handle(Generic[T]):
     alive until the backend has finished with them.
     """
 
-    __slots__ = ("__weakref__", "_error", "_events", "_keep", "_loop", "_result", "_state",
-                 "_value", "_waiters", "_what")
+    __slots__ = ("__weakref__", "_callbacks", "_error", "_events", "_keep", "_loop", "_result",
+                 "_state", "_value", "_waiters", "_what")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, what: tuple[Any, ...],
                  result: Any = FROM_BACKEND, keep: object = None) -> None:
@@ -42,6 +42,7 @@ class Handle(Generic[T]):
         self._error: BaseException | None = None
         self._waiters: list[asyncio.Future[None]] | None = None
         self._events: list[threading.Event] | None = None
+        self._callbacks: list[Callable[[Handle[T]], None]] | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self._state]
@@ -72,6 +73,18 @@ class Handle(Generic[T]):
                 if not waiter.done() and self._waiters:  # cancelled: forget only this await
                     self._waiters.remove(waiter)
         return self.result()
+
+    def add_done_callback(self, callback: Callable[[Handle[T]], None]) -> None:
+        """Call ``callback(self)`` on the loop thread once the operation ends (now, if it has).
+
+        Unlike a future's, the callback runs at once, in the same loop iteration.
+        """
+        if self._state != _PENDING:
+            callback(self)
+        elif self._callbacks is None:
+            self._callbacks = [callback]
+        else:
+            self._callbacks.append(callback)
 
     def wait(self, timeout: float | None = None) -> T:
         """Block until the operation completes and return its result.
@@ -167,6 +180,10 @@ class Handle(Generic[T]):
             for event in self._events:
                 event.set()
             self._events = None
+        if self._callbacks:
+            callbacks, self._callbacks = self._callbacks, None
+            for callback in callbacks:
+                callback(self)
 
 
 class Deadlines:

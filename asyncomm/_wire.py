@@ -609,20 +609,21 @@ def pack_frame(head: bytes, buffers: list[torch.Tensor], out: np.ndarray[Any, An
         at += n
 
 
-def unpack_frame(frame: torch.Tensor, head_bytes: int, head: Head) -> list[torch.Tensor]:
-    """Return views of the buffers of a frame in one piece (``frame``: flat uint8).
+def unpack_frame(frame: memoryview, head_bytes: int, head: Head) -> list[torch.Tensor]:
+    """Return tensors over the buffers of a frame in one piece (flat uint8, no copies).
 
     Raises:
         ProtocolError: ``frame`` does not hold exactly the head and the buffers it describes.
     """
-    at, buffers = head_bytes, []
+    at, spans = head_bytes, []
     for d in head.descriptors:
         at = _aligned(at)
-        buffers.append(frame[at:at + d.nbytes])
+        spans.append((at, d.nbytes))
         at += d.nbytes
-    if at != frame.numel():
-        raise ProtocolError(f"frame of {frame.numel()} bytes where its head describes {at}")
-    return buffers
+    if at != len(frame):
+        raise ProtocolError(f"frame of {len(frame)} bytes where its head describes {at}")
+    return [torch.frombuffer(frame, dtype=torch.uint8, count=n, offset=start) if n
+            else torch.empty(0, dtype=torch.uint8) for start, n in spans]
 
 
 def legible_tag(head: bytes | memoryview) -> int | None:

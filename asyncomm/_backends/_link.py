@@ -27,8 +27,8 @@ import asyncio
 import collections
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -46,16 +46,13 @@ T_DATA = 2
 PREAMBLE = struct.Struct("<IIII")  # head bytes, frame bytes inline (0: none), data messages, 0
 ENVELOPE_BYTES = 4096
 
-Arrival = tuple[Head, list[torch.Tensor]]
-
-
 class Arrivals(Protocol):
     """Where a link hands what it receives (the channel router)."""
 
     def frame(self, src: int, head: Head, buffers: list[torch.Tensor]) -> None:
         """A whole frame from ``src``."""
 
-    def later(self, src: int, arrival: Awaitable[Arrival]) -> None:
+    def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are on their way (it comes before later ones)."""
 
     def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
@@ -71,7 +68,7 @@ class Link(ABC):
         self.room = room  # the most frame bytes a message carries inline
         self._arrivals: Arrivals | None = None
         self._limits = _wire.Limits()
-        self._held: dict[int, collections.deque[torch.Tensor]] = {}
+        self._held: dict[int, collections.deque[bytearray | torch.Tensor]] = {}
 
     def open(self, arrivals: Arrivals, limits: _wire.Limits) -> None:
         """Start receiving: every frame that arrives goes to ``arrivals``."""
@@ -134,8 +131,8 @@ class Link(ABC):
 
     # -- receiving ---------------------------------------------------------------------
 
-    def _arrive(self, src: int, message: torch.Tensor) -> None:
-        """Take one message from ``src`` (flat uint8, perhaps padded), in its order."""
+    def _arrive(self, src: int, message: bytearray | torch.Tensor) -> None:
+        """Take one message from ``src`` (perhaps padded), in its order."""
         arrivals = self._arrivals
         assert arrivals is not None
         held = self._held.get(src)
@@ -143,7 +140,7 @@ class Link(ABC):
             held.append(message)
             return
         at = PREAMBLE.size
-        view = memoryview(message.numpy().data)
+        view = memoryview(message.numpy().data if isinstance(message, torch.Tensor) else message)
         if len(view) < at:
             arrivals.refuse(src, ProtocolError(f"message of {len(view)} bytes from rank {src}"),
                             None)
@@ -158,10 +155,7 @@ class Link(ABC):
                 arrivals.refuse(src, ProtocolError(f"message from rank {src} declares a head "
                                                    f"of {head_bytes} bytes inline"), None)
                 return
-            raw_head = torch.empty(head_bytes, dtype=torch.uint8)
-            self._held[src] = collections.deque()
-            fetched = self._fetch(raw_head, src, T_DATA)
-            arrivals.later(src, self._big_head(src, raw_head, fetched, follow - 1))
+            self._big_head(src, head_bytes, follow - 1)
             return
         raw = view[at:at + head_bytes]
         try:
@@ -169,7 +163,7 @@ class Link(ABC):
             if inline:
                 if follow:
                     raise ProtocolError("a frame inline with data messages following")
-                buffers = _wire.unpack_frame(message[at:at + inline], head_bytes, head)
+                buffers = _wire.unpack_frame(view[at:at + inline], head_bytes, head)
             else:
                 self._check_follow(head, head_bytes, follow)
         except ProtocolError as exc:  # its data messages cannot be skipped safely
@@ -186,29 +180,90 @@ class Link(ABC):
         if _wire.frame_size(head_bytes, [d.nbytes for d in head.descriptors]) <= self.room:
             raise ProtocolError("a frame that fits its message came in pieces")
 
-    def _data(self, src: int, head: Head) -> Awaitable[Arrival]:
-        """Post a frame's data receives now, in order; return what completes the frame."""
-        buffers = _wire.allocate(head)
-        receives = [self._fetch(b, src, T_DATA) for b in buffers]
+    def _data(self, src: int, head: Head) -> Pending:
+        """Post a frame's data receives now, in order; return the frame they complete."""
+        pending = Pending(head, _wire.allocate(head))
+        for b in pending.buffers:
+            self._fetch(b, src, T_DATA).add_done_callback(pending.received)
+        return pending
 
-        async def complete() -> Arrival:
-            for receive in receives:
-                await receive
-            return head, buffers
+    def _big_head(self, src: int, head_bytes: int, follow: int) -> None:
+        """Fetch a head that came as a data message; meanwhile hold ``src``'s later messages."""
+        assert self._arrivals is not None
+        raw_head = torch.empty(head_bytes, dtype=torch.uint8)
+        self._held[src] = collections.deque()
+        pending = Pending(None, [])
+        self._arrivals.later(src, pending)
 
-        return complete()
-
-    async def _big_head(self, src: int, raw_head: torch.Tensor, fetched: Handle[int],
-                        follow: int) -> Arrival:
-        try:
-            await fetched
-            head = _wire.decode_head(raw_head.numpy().tobytes(), self._limits)
-            self._check_follow(head, len(raw_head), follow)
-            frame = self._data(src, head)
-        finally:
+        def fetched(handle: Handle[int]) -> None:
+            try:
+                handle.result()
+                head = _wire.decode_head(raw_head.numpy().tobytes(), self._limits)
+                self._check_follow(head, head_bytes, follow)
+            except CommError as exc:
+                pending.fail(exc)
+            else:
+                pending.follow(self._data(src, head))
             for message in self._held.pop(src, ()):  # now the later ones, in order
                 self._arrive(src, message)
-        return await frame
+
+        self._fetch(raw_head, src, T_DATA).add_done_callback(fetched)
+
+
+class Pending:
+    """A frame whose buffers are on their way; ``then`` runs once it is whole or failed.
+
+    Completion runs callbacks at once (no loop iteration between a buffer's
+    arrival and the frame's delivery).
+    """
+
+    __slots__ = ("_then", "buffers", "error", "head", "left")
+
+    def __init__(self, head: Head | None, buffers: list[torch.Tensor]) -> None:
+        self.head = head
+        self.buffers = buffers
+        self.left = len(buffers)
+        self.error: CommError | None = None
+        self._then: Callable[[], None] | None = None
+
+    def done(self) -> bool:
+        return self.error is not None or (self.head is not None and self.left == 0)
+
+    def then(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when done (at once, if it is)."""
+        if self.done():
+            callback()
+        else:
+            self._then = callback
+
+    def received(self, handle: Handle[Any]) -> None:
+        try:
+            handle.result()
+        except CommError as exc:
+            self.fail(exc)
+        else:
+            self.left -= 1
+            self._settle()
+
+    def fail(self, error: CommError) -> None:
+        if self.error is None:
+            self.error = error
+            self._settle()
+
+    def follow(self, other: Pending) -> None:
+        """Become ``other`` (the frame behind a head that came late) once it is done."""
+        def adopt() -> None:
+            self.head, self.buffers, self.left = other.head, other.buffers, 0
+            if other.error is not None:
+                self.error = other.error
+            self._settle()
+
+        other.then(adopt)
+
+    def _settle(self) -> None:
+        if self.done() and self._then is not None:
+            then, self._then = self._then, None
+            then()
 
 
 class EnvelopeLink(Link):
@@ -219,28 +274,29 @@ class EnvelopeLink(Link):
 
     def __init__(self, backend: Backend, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__(backend, loop, ENVELOPE_BYTES - PREAMBLE.size)
-        self._task: asyncio.Task[None] | None = None
         self._stopped = False
 
     def open(self, arrivals: Arrivals, limits: _wire.Limits) -> None:
         super().open(arrivals, limits)
-        self._task = self._loop.create_task(self._receive())
+        self._listen()
 
     def _message(self, nbytes: int) -> bytearray:
         return bytearray(ENVELOPE_BYTES)
 
-    async def _receive(self) -> None:
-        while not self._stopped:
-            envelope = torch.empty(ENVELOPE_BYTES, dtype=torch.uint8)
+    def _listen(self) -> None:
+        envelope = torch.empty(ENVELOPE_BYTES, dtype=torch.uint8)
+
+        def received(handle: Handle[int]) -> None:
             try:
-                src = await self._fetch(envelope, None, T_MESSAGE)
+                src = handle.result()
             except CommError:
                 return  # closed under us
             self._arrive(src, envelope)
+            if not self._stopped:
+                self._listen()
+
+        self._fetch(envelope, None, T_MESSAGE).add_done_callback(received)
 
     def stop(self) -> None:
         """Post no more receives; a receive still posted stays posted (gloo cannot cancel it)."""
         self._stopped = True
-        task = self._task
-        if task is not None and task is not asyncio.current_task(self._loop):
-            task.cancel()

@@ -417,10 +417,10 @@ class ProbeLink(Link):
             arrivals.refuse(src, ProtocolError(f"message of {nbytes} bytes from rank {src} "
                                                f"(the most is {MESSAGE_BYTES})"), None)
             return
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer = bytearray(nbytes)
         before = self._behind.get(src)
         try:
-            request = message.Irecv(_spec(buffer))
+            request = message.Irecv([buffer, MPI.BYTE])
             if before is None and request.Test():
                 self._arrive(src, buffer)
                 return
@@ -435,7 +435,7 @@ class ProbeLink(Link):
         task.add_done_callback(functools.partial(self._forget, src))
 
     async def _in_order(self, src: int, before: asyncio.Task[None] | None, handle: Handle[None],
-                        buffer: torch.Tensor) -> None:
+                        buffer: bytearray) -> None:
         if before is not None:
             await asyncio.wait([before])
         try:
