@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncomm import _wire
-from asyncomm._backends._link import Pending
+from asyncomm._backends._link import BYE_TAG, Pending
 from asyncomm._errors import CommClosedError, CommError, CommTimeoutError, ProtocolError
 from asyncomm._wire import Codec, Head, Kind
 
@@ -259,14 +259,16 @@ class Router:
         """Take what has arrived, without waiting; return whether anything had."""
         return self._link.pump()
 
+    def bye(self, src: int) -> None:
+        """``src``'s router said goodbye (see the note on closing in ``_backends._link``)."""
+        self._byes.add(src)
+        if len(self._byes) >= self.size - 1 and not self._all_byes.done():
+            self._link.stop()
+            self._all_byes.set_result(None)
+
     def frame(self, src: int, head: Head, buffers: list[torch.Tensor]) -> None:
         """A whole frame from ``src`` (the link calls this, in the order frames arrive)."""
-        if head.tag == _BYE_TAG and head.kind is Kind.EOS:  # see the note on closing
-            self._byes.add(src)
-            if len(self._byes) >= self.size - 1 and not self._all_byes.done():
-                self._link.stop()
-                self._all_byes.set_result(None)
-        elif src not in self._broken:
+        if src not in self._broken:
             frame = _Frame(src, head, buffers)
             queue = self._queued.get(src)
             if queue is None:
@@ -364,21 +366,15 @@ class Router:
     async def close(self, timeout: float) -> None:
         """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
 
-        Note on closing
-        ---------------
-        A receive posted on gloo can be neither cancelled nor aborted, and
-        tearing a process group down under one kills the process. So the
-        router's standing envelope receive is only re-posted until every
-        other rank has said goodbye: closing is collective, like MPI's
-        finalize. A rank that never closes (it died) leaves the receive
-        posted after ``timeout``.
+        Closing is collective, like MPI's finalize (see the note on closing
+        in ``_backends._link``). A rank that never closes (it died) leaves
+        the link's receive posted after ``timeout``.
         """
         if self._closed:
             return
         self._closed = True
-        for dst in range(self.size):
-            if dst != self.rank:
-                self._inflight.update(self.transmit(dst, _BYE_HEAD, []))
+        if self.size > 1:
+            self._inflight.update(self._link.goodbye())
         try:
             if timeout > 0:
                 await asyncio.wait_for(asyncio.shield(self._all_byes), timeout)
@@ -394,8 +390,7 @@ class Router:
 
 
 _EMPTY_HEAD = Head(Kind.DATA, Codec.DEFAULT, 0, 0, (), b"")
-_BYE_TAG = MAX_CHANNEL_TAG + 3
-_BYE_HEAD = _wire.encode(Kind.EOS, _BYE_TAG, 0, None)[0]  # the router's goodbye
+assert BYE_TAG > MAX_CHANNEL_TAG + 2  # above the actors' tags too
 
 
 class Channel:

@@ -506,7 +506,7 @@ class Comm:
         """Close this communicator and the groups made from it; idempotent.
 
         Collective: waits (up to 30 s) for every other rank to close too (see
-        the note on closing in ``_channels``). Operations still in flight fail
+        the note on closing in ``_backends._link``). Operations still in flight fail
         with ``CommClosedError``; later calls raise it at once.
         """
         await self._close(linger=30.0)

@@ -94,11 +94,9 @@ class Backend(ABC):
         Collective over this communicator; ``None`` on ranks not in ``ranks``.
         """
 
+    @abstractmethod
     def link(self) -> Link:
         """Return a link carrying channel frames over this communicator (see ``_link``)."""
-        from asyncomm._backends._link import EnvelopeLink
-
-        return EnvelopeLink(self, asyncio.get_running_loop())
 
     def abort_job(self, code: int) -> None:  # noqa: B027
         """End the whole job after an uncaught error, where the launcher would not."""

@@ -15,10 +15,17 @@ receiver posts their receives as soon as the message arrives, so frames from
 one source never mix. The frame bytes are the same on every link; only how a
 message is found differs:
 
-- ``EnvelopeLink`` (gloo): receives must know their size, so every message
-  is padded to ``ENVELOPE_BYTES`` and one any-source receive stands posted.
-- the MPI link finds messages by matched probe and sizes each receive from
-  it (see ``_mpi``).
+- gloo's receives must know their size: every message is padded to a fixed
+  size, and a thread keeps an any-source receive posted (see ``_gloo``);
+- MPI finds messages by matched probe and sizes each receive from it (see
+  ``_mpi``).
+
+Note on closing
+---------------
+A receive posted on gloo can be neither cancelled nor aborted, and tearing a
+process group down under one kills the process. So links close
+collectively: each sends ``BYE`` to every peer and stops receiving once
+every peer's ``BYE`` is in (``Arrivals.bye``).
 """
 
 from __future__ import annotations
@@ -44,7 +51,8 @@ if TYPE_CHECKING:
 T_MESSAGE = 1  # tags on asyncomm's own communicator
 T_DATA = 2
 PREAMBLE = struct.Struct("<IIII")  # head bytes, frame bytes inline (0: none), data messages, 0
-ENVELOPE_BYTES = 4096
+BYE_TAG = (1 << 62) + 2  # above every channel tag
+BYE: bytes = _wire.encode(_wire.Kind.EOS, BYE_TAG, 0, None)[0]  # a link's goodbye (see close)
 
 class Arrivals(Protocol):
     """Where a link hands what it receives (the channel router)."""
@@ -57,6 +65,9 @@ class Arrivals(Protocol):
 
     def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
         """A malformed frame: on channel ``tag``, or (``None``) the end of ``src``'s stream."""
+
+    def bye(self, src: int) -> None:
+        """``src`` closed its end of the link: nothing more comes from it."""
 
 
 class Link(ABC):
@@ -80,6 +91,14 @@ class Link(ABC):
 
     def expect(self) -> None:  # noqa: B027
         """A receiver waits: watch closely for a while (where the link polls)."""
+
+    def goodbye(self) -> list[Handle[None]]:
+        """Say goodbye to every peer (see the note on closing); return the sends in flight."""
+        handles: list[Handle[None]] = []
+        for dst in range(self._backend.size):
+            if dst != self._backend.rank:
+                handles.extend(self.send(dst, BYE, []))
+        return handles
 
     @abstractmethod
     def stop(self) -> None:
@@ -158,6 +177,9 @@ class Link(ABC):
             self._big_head(src, head_bytes, follow - 1)
             return
         raw = view[at:at + head_bytes]
+        if raw == BYE:
+            arrivals.bye(src)
+            return
         try:
             head = _wire.decode_head(raw, self._limits)
             if inline:
@@ -245,6 +267,11 @@ class Pending:
             self.left -= 1
             self._settle()
 
+    def whole(self) -> None:
+        """Every buffer has arrived (for links that wait for them all at once)."""
+        self.left = 0
+        self._settle()
+
     def fail(self, error: CommError) -> None:
         if self.error is None:
             self.error = error
@@ -264,39 +291,3 @@ class Pending:
         if self.done() and self._then is not None:
             then, self._then = self._then, None
             then()
-
-
-class EnvelopeLink(Link):
-    """Messages of a fixed size (``ENVELOPE_BYTES``), one any-source receive always posted.
-
-    For backends whose receives must know their size up front (gloo).
-    """
-
-    def __init__(self, backend: Backend, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(backend, loop, ENVELOPE_BYTES - PREAMBLE.size)
-        self._stopped = False
-
-    def open(self, arrivals: Arrivals, limits: _wire.Limits) -> None:
-        super().open(arrivals, limits)
-        self._listen()
-
-    def _message(self, nbytes: int) -> bytearray:
-        return bytearray(ENVELOPE_BYTES)
-
-    def _listen(self) -> None:
-        envelope = torch.empty(ENVELOPE_BYTES, dtype=torch.uint8)
-
-        def received(handle: Handle[int]) -> None:
-            try:
-                src = handle.result()
-            except CommError:
-                return  # closed under us
-            self._arrive(src, envelope)
-            if not self._stopped:
-                self._listen()
-
-        self._fetch(envelope, None, T_MESSAGE).add_done_callback(received)
-
-    def stop(self) -> None:
-        """Post no more receives; a receive still posted stays posted (gloo cannot cancel it)."""
-        self._stopped = True

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from asyncomm._backends import Backend, Tensors
+from asyncomm._backends._link import Link
 from asyncomm._env import LaunchEnv
 from asyncomm._errors import CommError, CommTimeoutError, PeerFailedError
 from asyncomm._ops import ReduceOp
@@ -211,6 +212,11 @@ class TorchBackend(Backend):
             self._bridge.watch(work.get_future(), sink, finish)
         else:  # gloo: no future, no polling: a waiter thread calls wait()
             self._waiters.watch(work.wait, sink, finish)
+
+    def link(self) -> Link:
+        from asyncomm._backends._gloo import GlooLink
+
+        return GlooLink(self)
 
     # -- groups and lifecycle ---------------------------------------------------------
 
