@@ -34,6 +34,7 @@ import asyncio
 import collections
 import math
 import struct
+import time
 import warnings
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -57,8 +58,7 @@ _SEQ_AT = 16
 
 def _charge(head: Head) -> int:
     """Return the bytes a frame holds of its window: its head and buffers, as its sender counts."""
-    described = sum(_wire._DESC.size + 8 * (len(d.shape) + 1) for d in head.descriptors)
-    return _wire.PREFIX_BYTES + described + len(head.structure) + head.payload_bytes
+    return head.size + head.payload_bytes
 
 
 Encoded = tuple[bytes, list[torch.Tensor]]  # a message ready to send: head and buffers
@@ -78,6 +78,7 @@ class _Frame:
     src: int
     head: Head
     buffers: list[torch.Tensor]
+    seq: int = 0  # its own (its head may be shared by frames alike)
     error: CommError | None = None  # a frame refused on arrival: raised by recv
 
 
@@ -240,8 +241,8 @@ class Router:
     def transmit(self, dst: int, head: bytes, buffers: list[torch.Tensor]) -> list[Any]:
         """Issue one frame to ``dst`` (itself included); return the handles of its sends."""
         if dst == self.rank:  # no transport: a private copy, delivered in order
-            frame = _Frame(self.rank, _wire.decode_head(head, self.limits),
-                           [b.clone() for b in buffers])
+            decoded = _wire.decode_head(head, self.limits)
+            frame = _Frame(self.rank, decoded, [b.clone() for b in buffers], decoded.seq)
             self._deliver(frame)
             return []
         return self._link.send(dst, head, buffers)
@@ -266,10 +267,10 @@ class Router:
             self._link.stop()
             self._all_byes.set_result(None)
 
-    def frame(self, src: int, head: Head, buffers: list[torch.Tensor]) -> None:
+    def frame(self, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> None:
         """A whole frame from ``src`` (the link calls this, in the order frames arrive)."""
         if src not in self._broken:
-            frame = _Frame(src, head, buffers)
+            frame = _Frame(src, head, buffers, seq)
             queue = self._queued.get(src)
             if queue is None:
                 self._deliver(frame)  # the common case: nothing from src is on its way
@@ -303,7 +304,7 @@ class Router:
                 return
             else:
                 assert item.head is not None
-                frame = _Frame(src, item.head, item.buffers)
+                frame = _Frame(src, item.head, item.buffers, item.seq)
             queue.popleft()
             if src not in self._broken:
                 self._deliver(frame)
@@ -316,13 +317,13 @@ class Router:
             return
         wrapped = ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank {src} "
                                 f"refused: {error}")
-        self.mailbox(tag).put(_Frame(src, _EMPTY_HEAD, [], wrapped))
+        self.mailbox(tag).put(_Frame(src, _EMPTY_HEAD, [], 0, wrapped))
 
     def _break(self, src: int, error: CommError) -> None:
         """Stop following ``src``'s stream: every channel waiting on it gets ``error``."""
         self._broken[src] = error
         for tag, box in self._mailboxes.items():
-            box.put(_Frame(src, _EMPTY_HEAD, [], ProtocolError(
+            box.put(_Frame(src, _EMPTY_HEAD, [], 0, ProtocolError(
                 f"rank {self.rank}: channel {tag}: stream from rank {src} broken: {error}")))
 
     def _deliver(self, frame: _Frame) -> None:
@@ -338,11 +339,11 @@ class Router:
             box.wake()
             return
         expected = self._recv_seq[key]
-        if head.seq != expected:
+        if frame.seq != expected:
             frame.error = ProtocolError(
-                f"rank {self.rank}: channel {head.tag}: frame {head.seq} from rank "
+                f"rank {self.rank}: channel {head.tag}: frame {frame.seq} from rank "
                 f"{frame.src} where {expected} was due")
-        self._recv_seq[key] = head.seq + 1
+        self._recv_seq[key] = frame.seq + 1
         box.put(frame)
 
     def consumed(self, frame: _Frame) -> None:
@@ -441,10 +442,19 @@ class Channel:
                                 or not 0 <= src < router.size):
             raise ValueError(f"rank {router.rank}: channel {self.tag} recv: src={src!r} is not "
                              f"a rank in 0..{router.size - 1}")
-        limit = self._timeout if timeout is None else timeout
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + limit if limit != math.inf else math.inf
         box = self._box
+        frame = box.take(src)
+        if frame is None and router.pump():
+            frame = box.take(src)
+        if frame is not None:
+            return self._open(frame)
+        return await self._wait(src, self._timeout if timeout is None else timeout)
+
+    async def _wait(self, src: int | None, limit: float) -> Message:
+        """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds."""
+        router, box = self._router, self._box
+        loop = asyncio.get_running_loop()
+        deadline = time.monotonic() + limit
         while True:
             frame = box.take(src)
             if frame is None and router.pump():
@@ -457,14 +467,15 @@ class Channel:
             if router._closed:
                 raise CommClosedError(f"rank {router.rank}: channel {self.tag}: the "
                                       "communicator is closed")
-            if loop.time() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 peer = "any" if src is None else src
                 raise CommTimeoutError(f"rank {router.rank}: channel {self.tag} recv from peer "
                                        f"{peer} timed out after {limit:g} s")
             router._link.expect()
             waiter = loop.create_future()
             box.waiters.append(waiter)
-            timer = None if deadline == math.inf else loop.call_at(deadline, _wake, waiter)
+            timer = None if limit == math.inf else loop.call_later(deadline - now, _wake, waiter)
             try:
                 await waiter  # woken by a frame, the end of a stream, or the deadline
             finally:

@@ -131,6 +131,7 @@ class Head:
     seq: int
     descriptors: tuple[Descriptor, ...]
     structure: bytes
+    size: int = 0  # the head's length in bytes
 
     @property
     def payload_bytes(self) -> int:
@@ -343,6 +344,13 @@ def encode(kind: Kind, tag: int, seq: int, obj: object, codec: Codec = Codec.DEF
     if not (0 <= tag < _U64 and 0 <= seq < _U64):
         raise ValueError(f"tag and seq must be in [0, 2**64), got tag={tag} seq={seq}")
     out = _Outgoing()
+    if (type(obj) is torch.Tensor and codec is Codec.DEFAULT and obj.dtype in _CODES
+            and obj.layout is torch.strided):
+        _tensor(obj, out)  # a lone tensor, the commonest message with a buffer: its head is
+        code, _, shape, nbytes = out.descriptors[0]  # the same for every tensor of its shape
+        if nbytes <= limits.max_message_bytes and len(shape) <= limits.max_ndim:
+            return _lone_head(kind, tag, seq, code, shape, nbytes), out.buffers
+        out = _Outgoing()
     if codec is Codec.PICKLE:
         def keep(buffer: pickle.PickleBuffer) -> None:
             view = buffer.raw()
@@ -365,6 +373,13 @@ def encode(kind: Kind, tag: int, seq: int, obj: object, codec: Codec = Codec.DEF
         raise ValueError(f"message too large to send: {total} bytes, {len(out.buffers)} buffers, "
                          f"{ndim} dims, head {len(head)} bytes; limits are {limits}")
     return head, out.buffers
+
+
+@functools.lru_cache(maxsize=256)
+def _lone_head(kind: int, tag: int, seq: int, code: int, shape: tuple[int, ...],
+               nbytes: int) -> bytes:
+    return _head(kind, Codec.DEFAULT, tag, seq, [(code, BufferKind.TENSOR, shape, nbytes)],
+                 _LONE_REF)
 
 
 def _head(kind: int, codec: int, tag: int, seq: int, descriptors: list[_Laid],
@@ -446,7 +461,7 @@ def decode_head(data: bytes | memoryview, limits: Limits = Limits()) -> Head:
         raise ProtocolError(f"frame of {total} bytes (limit {limits.max_message_bytes})")
     if at + nstruct != size:
         raise ProtocolError(f"frame head lengths disagree: {at} + {nstruct} != {size}")
-    return Head(_KINDS[kind], codec, tag, seq, tuple(descriptors), bytes(view[at:]))
+    return Head(_KINDS[kind], codec, tag, seq, tuple(descriptors), bytes(view[at:]), size)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -595,17 +610,18 @@ def frame_size(head_bytes: int, sizes: list[int]) -> int:
     return at
 
 
-def pack_frame(head: bytes, buffers: list[torch.Tensor], out: np.ndarray[Any, Any]) -> None:
-    """Lay out a frame in one piece into ``out`` (zeroed uint8, ``frame_size`` long).
+def pack_frame(head: bytes, buffers: list[torch.Tensor], out: memoryview) -> None:
+    """Lay out a frame in one piece into ``out`` (zeroed, ``frame_size`` bytes long).
 
     ``buffers`` are flat uint8 tensors, as ``encode`` returns them.
     """
     at = len(head)
-    out[:at] = np.frombuffer(head, np.uint8)
+    out[:at] = head
     for b in buffers:
         at = _aligned(at)
         n = b.numel()
-        out[at:at + n] = b.numpy()
+        if n:
+            out[at:at + n] = b.numpy().data
         at += n
 
 

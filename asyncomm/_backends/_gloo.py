@@ -169,7 +169,7 @@ class GlooLink(Link):
             self._refuse(src, exc if isinstance(exc, ProtocolError)
                          else ProtocolError(f"frame head from rank {src} lost: {exc}"))
             return
-        pending = Pending(head, _wire.allocate(head))
+        pending = Pending(head, _wire.allocate(head), head.seq)
         works = [self._pg.recv([b], src, T_DATA) for b in pending.buffers]
         assert self._arrivals is not None
         self._on_loop(self._arrivals.later, src, pending)

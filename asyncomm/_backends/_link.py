@@ -37,7 +37,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
 import torch
 
 from asyncomm import _wire
@@ -51,14 +50,16 @@ if TYPE_CHECKING:
 T_MESSAGE = 1  # tags on asyncomm's own communicator
 T_DATA = 2
 PREAMBLE = struct.Struct("<IIII")  # head bytes, frame bytes inline (0: none), data messages, 0
+_SEQ_AT = 16  # where a head's seq is (after magic, version, kind, codec, flags, tag)
+_HEADS = 1024  # heads a link keeps decoded
 BYE_TAG = (1 << 62) + 2  # above every channel tag
 BYE: bytes = _wire.encode(_wire.Kind.EOS, BYE_TAG, 0, None)[0]  # a link's goodbye (see close)
 
 class Arrivals(Protocol):
     """Where a link hands what it receives (the channel router)."""
 
-    def frame(self, src: int, head: Head, buffers: list[torch.Tensor]) -> None:
-        """A whole frame from ``src``."""
+    def frame(self, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> None:
+        """A whole frame from ``src`` (``seq`` is its own: ``head`` may be a shared one)."""
 
     def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are on their way (it comes before later ones)."""
@@ -80,6 +81,7 @@ class Link(ABC):
         self._arrivals: Arrivals | None = None
         self._limits = _wire.Limits()
         self._held: dict[int, collections.deque[bytearray | torch.Tensor]] = {}
+        self._heads: dict[bytes, Head] = {}
 
     def open(self, arrivals: Arrivals, limits: _wire.Limits) -> None:
         """Start receiving: every frame that arrives goes to ``arrivals``."""
@@ -137,7 +139,7 @@ class Link(ABC):
         message = self._message(at + body)
         PREAMBLE.pack_into(message, 0, len(head), size if inline else 0, follow, 0)
         if inline:
-            _wire.pack_frame(head, buffers, np.frombuffer(message, np.uint8, size, at))
+            _wire.pack_frame(head, buffers, memoryview(message)[at:at + size])
         elif follow == len(buffers):
             message[at:at + len(head)] = head
         posted = [self._post(message, dst, T_MESSAGE)]
@@ -181,7 +183,7 @@ class Link(ABC):
             arrivals.bye(src)
             return
         try:
-            head = _wire.decode_head(raw, self._limits)
+            head, seq = self._head(raw)
             if inline:
                 if follow:
                     raise ProtocolError("a frame inline with data messages following")
@@ -192,9 +194,27 @@ class Link(ABC):
             arrivals.refuse(src, exc, None if follow else _wire.legible_tag(raw))
             return
         if inline:
-            arrivals.frame(src, head, buffers)
+            arrivals.frame(src, head, buffers, seq)
         else:
-            arrivals.later(src, self._data(src, head))
+            arrivals.later(src, self._data(src, head, seq))
+
+    def _head(self, raw: memoryview) -> tuple[Head, int]:
+        """Decode a head; return it and its seq.
+
+        Heads with buffers that differ only in their seq (a stream of tensors
+        of one shape) are decoded once: the cache maps the head's bytes but
+        the seq to the ``Head`` decoded first.
+        """
+        data = raw.tobytes()
+        key = data[:_SEQ_AT] + data[_SEQ_AT + 8:]
+        head = self._heads.get(key)
+        if head is None:
+            head = _wire.decode_head(data, self._limits)
+            if head.descriptors:  # shapes repeat; structures of plain messages rarely do
+                if len(self._heads) >= _HEADS:
+                    self._heads.clear()
+                self._heads[key] = head
+        return head, int.from_bytes(data[_SEQ_AT:_SEQ_AT + 8], "little")
 
     def _check_follow(self, head: Head, head_bytes: int, follow: int) -> None:
         if follow != len(head.descriptors):
@@ -202,9 +222,9 @@ class Link(ABC):
         if _wire.frame_size(head_bytes, [d.nbytes for d in head.descriptors]) <= self.room:
             raise ProtocolError("a frame that fits its message came in pieces")
 
-    def _data(self, src: int, head: Head) -> Pending:
+    def _data(self, src: int, head: Head, seq: int) -> Pending:
         """Post a frame's data receives now, in order; return the frame they complete."""
-        pending = Pending(head, _wire.allocate(head))
+        pending = Pending(head, _wire.allocate(head), seq)
         for b in pending.buffers:
             self._fetch(b, src, T_DATA).add_done_callback(pending.received)
         return pending
@@ -214,7 +234,7 @@ class Link(ABC):
         assert self._arrivals is not None
         raw_head = torch.empty(head_bytes, dtype=torch.uint8)
         self._held[src] = collections.deque()
-        pending = Pending(None, [])
+        pending = Pending(None, [], 0)
         self._arrivals.later(src, pending)
 
         def fetched(handle: Handle[int]) -> None:
@@ -225,7 +245,7 @@ class Link(ABC):
             except CommError as exc:
                 pending.fail(exc)
             else:
-                pending.follow(self._data(src, head))
+                pending.follow(self._data(src, head, head.seq))
             for message in self._held.pop(src, ()):  # now the later ones, in order
                 self._arrive(src, message)
 
@@ -239,11 +259,12 @@ class Pending:
     arrival and the frame's delivery).
     """
 
-    __slots__ = ("_then", "buffers", "error", "head", "left")
+    __slots__ = ("_then", "buffers", "error", "head", "left", "seq")
 
-    def __init__(self, head: Head | None, buffers: list[torch.Tensor]) -> None:
-        self.head = head
+    def __init__(self, head: Head | None, buffers: list[torch.Tensor], seq: int) -> None:
+        self.head = head  # perhaps shared by frames alike: the frame's seq is ``seq``
         self.buffers = buffers
+        self.seq = seq
         self.left = len(buffers)
         self.error: CommError | None = None
         self._then: Callable[[], None] | None = None
@@ -280,7 +301,7 @@ class Pending:
     def follow(self, other: Pending) -> None:
         """Become ``other`` (the frame behind a head that came late) once it is done."""
         def adopt() -> None:
-            self.head, self.buffers, self.left = other.head, other.buffers, 0
+            self.head, self.buffers, self.seq, self.left = other.head, other.buffers, other.seq, 0
             if other.error is not None:
                 self.error = other.error
             self._settle()
