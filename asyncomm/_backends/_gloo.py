@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import queue
 import threading
 from typing import TYPE_CHECKING, Any
@@ -76,8 +77,16 @@ class _OnLoop:
 _ON_LOOP = _OnLoop()
 
 
+def _nothing(_: object) -> None:
+    return None
+
+
+def _reraise(exc: BaseException, _: object) -> None:
+    raise exc
+
+
 class GlooLink(Link):
-    """Link messages of ``ENVELOPE_BYTES``, listened for and completed on two threads."""
+    """Link messages of ``ENVELOPE_BYTES``; three threads listen, complete frames, see sends off."""
 
     def __init__(self, backend: TorchBackend) -> None:
         super().__init__(backend, backend._loop, ENVELOPE_BYTES - _AT)
@@ -85,13 +94,15 @@ class GlooLink(Link):
         self._size = backend.size
         self._inbox = backend._inbox
         self._frames: queue.SimpleQueue[tuple[Pending, list[Any]] | None] = queue.SimpleQueue()
+        self._sends: queue.SimpleQueue[tuple[Any, Handle[None]] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._stopped = False
 
     def open(self, arrivals: Arrivals, limits: _wire.Limits) -> None:
         super().open(arrivals, limits)
         for target, name in ((self._listen, "asyncomm-listener"),
-                             (self._complete, "asyncomm-completer")):
+                             (self._complete, "asyncomm-completer"),
+                             (self._see_off, "asyncomm-sender")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -113,8 +124,38 @@ class GlooLink(Link):
             return
         self._stopped = True
         self._frames.put(None)
+        self._sends.put(None)
         for thread in self._threads:
             thread.join(timeout=0.2)  # the listener is gone unless a peer never said goodbye
+
+    def _post(self, buffer: bytearray | torch.Tensor, dst: int, tag: int) -> Handle[None] | None:
+        if tag == T_MESSAGE or not isinstance(buffer, torch.Tensor):
+            return super()._post(buffer, dst, tag)  # messages are small: sent eagerly
+        handle: Handle[None] = Handle(self._loop, (self._backend.rank, "send", None, dst, tag),
+                                      None, buffer)
+        try:
+            work = self._pg.send([buffer], dst, tag)
+        except RuntimeError as exc:
+            handle._fail(CommError, exc)
+        else:
+            self._sends.put((work, handle))
+        return handle
+
+    # -- the sender thread ------------------------------------------------------------
+
+    def _see_off(self) -> None:
+        """Wait for data sends in the order they were issued; complete their handles."""
+        while True:
+            item = self._sends.get()
+            if item is None:
+                return
+            work, handle = item
+            try:
+                work.wait()
+            except RuntimeError as exc:
+                self._inbox.put(handle, functools.partial(_reraise, exc), None)
+            else:
+                self._inbox.put(handle, _nothing, None)
 
     # -- the listener thread --------------------------------------------------------------
 
