@@ -140,6 +140,8 @@ class Router:
         self._comm = comm
         self.rank, self.size = comm.rank, comm.size
         self.window, self.window_bytes = window, window_bytes
+        # credit comes back in batches of a quarter window (see ``consumed``)
+        self._batch, self._batch_bytes = max(1, window // 4), window_bytes // 4
         self.limits = limits or _wire.Limits()
         self._mailboxes: dict[int, Mailbox] = {}
         self._windows: dict[tuple[int, int], _Window] = {}
@@ -182,11 +184,16 @@ class Router:
             raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
         key = (dst, tag)
         head, buffers = frame
-        nbytes = sum(b.nbytes for b in buffers) + len(head)
+        nbytes = len(head)
+        for b in buffers:
+            nbytes += b.numel()  # flat uint8
         window = self._windows.get(key)
         if window is None:
             window = self._windows[key] = _Window()
-        await self._acquire(window, nbytes, tag, dst, timeout)
+        if window.waiters or not self._fits(window, nbytes):
+            await self._acquire(window, nbytes, tag, dst, timeout)
+        window.messages_out += 1
+        window.bytes_out += nbytes
         # The seq is taken only now: a send that timed out or was cancelled waiting for
         # credit leaves no gap, and nothing can run between here and the transmit.
         seq = self._send_seq[key]
@@ -195,39 +202,38 @@ class Router:
         for handle in self.transmit(dst, head, buffers):
             await handle  # no task per handle: most are done already
 
+    def _fits(self, window: _Window, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` may go now."""
+        out, out_bytes = window.messages_out, window.bytes_out
+        # A message too large for the room left passes once all that is out may be
+        # credit the receiver holds back until a batch is full (see ``consumed``):
+        # else it would wait for credit that never comes.
+        return (out == 0
+                or (out < self._batch and out_bytes < self._batch_bytes)
+                or (out < self.window and out_bytes + nbytes <= self.window_bytes))
+
     async def _acquire(self, window: _Window, nbytes: int, tag: int, dst: int,
                        timeout: float | None) -> None:
-        def fits() -> bool:
-            out, out_bytes = window.messages_out, window.bytes_out
-            # A message too large for the room left passes once all that is out may be
-            # credit the receiver holds back until a batch is full (see ``consumed``):
-            # else it would wait for credit that never comes.
-            return (out == 0
-                    or (out < max(1, self.window // 4) and out_bytes < self.window_bytes // 4)
-                    or (out < self.window and out_bytes + nbytes <= self.window_bytes))
-
-        if window.waiters or not fits():
-            waiter = asyncio.get_running_loop().create_future()
-            window.waiters.append(waiter)
-            try:
-                while True:
-                    if self._closed:
-                        raise CommClosedError(f"rank {self.rank}: channel {tag} send to peer "
-                                              f"{dst}: the communicator is closed")
-                    if window.waiters[0] is waiter and fits():
-                        break
-                    await asyncio.wait_for(asyncio.shield(waiter), timeout)
-                    waiter = asyncio.get_running_loop().create_future()
-                    window.waiters[0] = waiter
-            except asyncio.TimeoutError:
-                raise CommTimeoutError(f"rank {self.rank}: channel {tag} send to peer {dst}: "
-                                       f"no credit after {timeout:g} s") from None
-            finally:
-                window.waiters.remove(waiter)
-                if window.waiters and not window.waiters[0].done():
-                    window.waiters[0].set_result(None)
-        window.messages_out += 1
-        window.bytes_out += nbytes
+        """Wait for credit for a message of ``nbytes``, in turn with other senders."""
+        waiter = asyncio.get_running_loop().create_future()
+        window.waiters.append(waiter)
+        try:
+            while True:
+                if self._closed:
+                    raise CommClosedError(f"rank {self.rank}: channel {tag} send to peer "
+                                          f"{dst}: the communicator is closed")
+                if window.waiters[0] is waiter and self._fits(window, nbytes):
+                    break
+                await asyncio.wait_for(asyncio.shield(waiter), timeout)
+                waiter = asyncio.get_running_loop().create_future()
+                window.waiters[0] = waiter
+        except asyncio.TimeoutError:
+            raise CommTimeoutError(f"rank {self.rank}: channel {tag} send to peer {dst}: "
+                                   f"no credit after {timeout:g} s") from None
+        finally:
+            window.waiters.remove(waiter)
+            if window.waiters and not window.waiters[0].done():
+                window.waiters[0].set_result(None)
 
     def _credit(self, src: int, tag: int, messages: int, nbytes: int) -> None:
         window = self._windows.get((src, tag))
@@ -356,7 +362,7 @@ class Router:
             done = self._consumed[key] = [0, 0]
         done[0] += 1
         done[1] += _charge(frame.head)
-        if done[0] >= max(1, self.window // 4) or done[1] >= self.window_bytes // 4:
+        if done[0] >= self._batch or done[1] >= self._batch_bytes:
             messages, nbytes = done
             done[0] = done[1] = 0
             if frame.src == self.rank:
