@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import math
+import os
 import struct
 import time
 import warnings
@@ -59,6 +60,25 @@ _SEQ_AT = 16
 def _charge(head: Head) -> int:
     """Return the bytes a frame holds of its window: its head and buffers, as its sender counts."""
     return head.size + head.payload_bytes
+
+
+def limits_from_env() -> _wire.Limits:
+    """Return the frame limits: the defaults, with ``ASYNCOMM_MAX_MESSAGE_BYTES`` if set.
+
+    Every rank should set the same: a sender refuses (``ValueError``) what a
+    receiver with the same limits would refuse (``ProtocolError``).
+    """
+    value = os.environ.get("ASYNCOMM_MAX_MESSAGE_BYTES")
+    if not value:
+        return _wire.Limits()
+    try:
+        limit = int(value)
+    except ValueError:
+        limit = 0
+    if limit <= 0:
+        raise ValueError(f"ASYNCOMM_MAX_MESSAGE_BYTES must be a positive number of bytes, "
+                         f"not {value!r}")
+    return _wire.Limits(max_message_bytes=limit)
 
 
 Encoded = tuple[bytes, list[torch.Tensor]]  # a message ready to send: head and buffers
@@ -142,7 +162,7 @@ class Router:
         self.window, self.window_bytes = window, window_bytes
         # credit comes back in batches of a quarter window (see ``consumed``)
         self._batch, self._batch_bytes = max(1, window // 4), window_bytes // 4
-        self.limits = limits or _wire.Limits()
+        self.limits = limits or limits_from_env()
         self._mailboxes: dict[int, Mailbox] = {}
         self._windows: dict[tuple[int, int], _Window] = {}
         self._send_seq: dict[tuple[int, int], int] = collections.defaultdict(int)

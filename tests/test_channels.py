@@ -608,6 +608,42 @@ def test_oversized_mpi_message_ends_its_source_stream(world: World) -> None:
     world.run(check_oversized_message)
 
 
+async def check_size_limit(comm: Comm) -> None:
+    # ASYNCOMM_MAX_MESSAGE_BYTES, read when a communicator is made: a sender refuses what
+    # its receivers would, before anything is sent; smaller messages go on.
+    os.environ["ASYNCOMM_MAX_MESSAGE_BYTES"] = "4096"
+    try:
+        sub = await comm.group(range(comm.size))
+    finally:
+        del os.environ["ASYNCOMM_MAX_MESSAGE_BYTES"]
+    assert sub is not None
+    try:
+        ch = sub.channel(620)
+        if sub.rank == 0:
+            with pytest.raises(ValueError, match="too large"):
+                await ch.send(torch.zeros(4097, dtype=torch.uint8), 1)
+            await ch.send(torch.ones(4000, dtype=torch.uint8), 1)
+        elif sub.rank == 1:
+            msg = await ch.recv(src=0, timeout=10.0)
+            assert msg.data.sum().item() == 4000
+            await expect_nothing(ch)
+        await sub.barrier()
+    finally:
+        await sub.close()
+
+
+def test_message_size_limit_from_the_environment(world: World) -> None:
+    world.run(check_size_limit)
+
+
+def test_size_limit_must_be_positive(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCOMM_MAX_MESSAGE_BYTES", "0")
+    with pytest.raises(ValueError, match="ASYNCOMM_MAX_MESSAGE_BYTES"):
+        _channels.limits_from_env()
+    monkeypatch.setenv("ASYNCOMM_MAX_MESSAGE_BYTES", "1000")
+    assert _channels.limits_from_env().max_message_bytes == 1000
+
+
 def test_forged_heads_are_what_they_claim() -> None:
     heads = forged_heads(600)
     with pytest.raises(asyncomm.ProtocolError, match="magic"):
