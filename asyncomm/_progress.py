@@ -295,7 +295,10 @@ class Poller:
     MPI only advances inside MPI calls -- keep the loop spinning for
     ``active_spin_s`` so that large transfers are not slowed by back-off;
     a rank with only receives waiting backs off after ``spin_s`` and polls at
-    most every ``max_backoff_s``, so waiting costs little CPU.
+    most every ``max_backoff_s``, so waiting costs little CPU. *Probes*
+    (``probe``) are called at every poll, with or without requests in
+    flight: the MPI channel link finds its messages so. ``kick`` resets the
+    back-off when something is expected soon.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
