@@ -290,8 +290,12 @@ class Router:
         """``src``'s router said goodbye (see the note on closing in ``_backends._link``)."""
         self._byes.add(src)
         if len(self._byes) >= self.size - 1 and not self._all_byes.done():
-            self._link.stop()
             self._all_byes.set_result(None)
+
+    async def _drained(self) -> None:
+        await asyncio.shield(self._all_byes)
+        if self.size > 1:  # a world of one opens no link
+            await self._link.drained()
 
     def frame(self, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> None:
         """A whole frame from ``src`` (the link calls this, in the order frames arrive)."""
@@ -402,11 +406,11 @@ class Router:
         self._closed = True
         if self.size > 1:
             self._inflight.update(self._link.goodbye())
-        try:
-            if timeout > 0:
-                await asyncio.wait_for(asyncio.shield(self._all_byes), timeout)
-        except asyncio.TimeoutError:
-            pass
+        if timeout > 0:
+            try:
+                await asyncio.wait_for(self._drained(), timeout)
+            except asyncio.TimeoutError:
+                pass
         self._link.stop()
         for box in self._mailboxes.values():
             box.wake()

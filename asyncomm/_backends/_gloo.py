@@ -81,6 +81,11 @@ def _nothing(_: object) -> None:
     return None
 
 
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
 def _reraise(exc: BaseException, _: object) -> None:
     raise exc
 
@@ -97,6 +102,7 @@ class GlooLink(Link):
         self._sends: queue.SimpleQueue[tuple[Any, Handle[None]] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._stopped = False
+        self._drained = backend._loop.create_future()  # the listener has nothing posted
 
     def open(self, arrivals: Arrivals, limits: _wire.Limits) -> None:
         super().open(arrivals, limits)
@@ -118,15 +124,23 @@ class GlooLink(Link):
             handles.extend(self.send(drained, DRAIN, []))
         return handles
 
+    async def drained(self) -> None:
+        await asyncio.shield(self._drained)
+
     def stop(self) -> None:
-        """Post no more receives; one still posted stays posted (gloo cannot cancel it)."""
+        """Stop the threads; a receive still posted stays posted (gloo cannot cancel it).
+
+        Waits (briefly) only for threads that have nothing left to wait for: a
+        listener that did not drain waits for a peer that never said goodbye.
+        """
         if self._stopped:
             return
         self._stopped = True
         self._frames.put(None)
         self._sends.put(None)
         for thread in self._threads:
-            thread.join(timeout=0.2)  # the listener is gone unless a peer never said goodbye
+            if thread.name != "asyncomm-listener" or self._drained.done():
+                thread.join(timeout=1.0)
 
     def _post(self, buffer: bytearray | torch.Tensor, dst: int, tag: int) -> Handle[None] | None:
         if tag == T_MESSAGE or not isinstance(buffer, torch.Tensor):
@@ -194,6 +208,7 @@ class GlooLink(Link):
             else:
                 self._refuse(src, ProtocolError(f"message from rank {src} declares a head "
                                                 f"of {head_bytes} bytes, inline {inline}"))
+        self._on_loop(_settle, self._drained)
 
     def _follow(self, src: int, view: memoryview, head_bytes: int, follow: int) -> None:
         """Post the data receives of a frame in pieces; queue it for the completer."""

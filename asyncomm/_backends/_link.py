@@ -102,6 +102,9 @@ class Link(ABC):
                 handles.extend(self.send(dst, BYE, []))
         return handles
 
+    async def drained(self) -> None:  # noqa: B027
+        """Return once no receive of the link is posted (after every peer's goodbye)."""
+
     @abstractmethod
     def stop(self) -> None:
         """Receive nothing more (every peer said goodbye, or the communicator closes)."""
