@@ -16,6 +16,7 @@ import torch
 from asyncomm._actors import Actor, ActorRef, Host
 from asyncomm._backends import Backend
 from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Router, codec_of
+from asyncomm._checks import Checker, checked, debug_enabled
 from asyncomm._errors import CommClosedError, CommError
 from asyncomm._handle import FROM_BACKEND, Deadlines, Handle
 from asyncomm._ops import ReduceOp, check_reduce
@@ -49,6 +50,7 @@ class Comm:
         self._chain: asyncio.Future[Any] | None = None  # last multi-step op on ``_own``
         self._checked_ops: dict[tuple[object, torch.dtype], ReduceOp] = {}
         self._deadlines = Deadlines(loop)
+        self._checker = Checker(backend, loop) if debug_enabled() else None
         # Every communicator routes channel frames, so that closing is symmetric: each
         # router waits for every other's goodbye (see the note in _channels).
         self._router = Router(self)
@@ -211,20 +213,32 @@ class Comm:
         self._seq += 1
         handle: Handle[Any] = Handle(self._loop, (self.rank, op, self._seq, peer, tag),
                                      result, keep)
+        if self._checker is not None and checked(op):  # debug mode: see _checks
+            self._checker.submit(handle, op, args,
+                                 lambda: self._start(handle, start, args, deferred=True))
+        else:
+            self._start(handle, start, args)
+        if not handle.done():  # many operations (eager sends) are done at once
+            limit = self._timeout if timeout is None else timeout
+            if limit != math.inf:
+                self._deadlines.add(handle, limit)
+        return handle
+
+    def _start(self, handle: Handle[Any], start: Callable[..., None], args: tuple[Any, ...],
+               deferred: bool = False) -> None:
+        """Start an operation on the backend; a bad argument raises unless it was deferred."""
         try:
             start(handle, *args)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError) as exc:
+            if deferred:
+                handle._fail(CommError, exc)
+                return
             handle._settle(2, None)  # never started
             raise
         except CommError as exc:
             handle._fail(type(exc), exc)
         except Exception as exc:
             handle._fail(CommError, exc)
-        if not handle.done():  # many operations (eager sends) are done at once
-            limit = self._timeout if timeout is None else timeout
-            if limit != math.inf:
-                self._deadlines.add(handle, limit)
-        return handle
 
     # -- collectives -----------------------------------------------------------------
 

@@ -1,0 +1,110 @@
+"""Debug mode (ASYNCOMM_DEBUG=1): collectives that differ between ranks fail loudly.
+
+Each check makes a sub-communicator with debug mode on (the flag is read when
+a communicator is made), so the shared worlds stay as they were.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import AsyncIterator
+
+import pytest
+import torch
+
+import asyncomm
+from asyncomm import Comm, _checks
+from asyncomm.testing import World
+
+
+@contextlib.asynccontextmanager
+async def debug_group(comm: Comm) -> AsyncIterator[Comm]:
+    os.environ["ASYNCOMM_DEBUG"] = "1"
+    try:
+        sub = await comm.group(range(comm.size))
+    finally:
+        del os.environ["ASYNCOMM_DEBUG"]
+    assert sub is not None
+    try:
+        yield sub
+    finally:
+        await sub.close()
+
+
+async def check_agreeing_collectives(comm: Comm) -> None:
+    async with debug_group(comm) as sub:
+        me, n = sub.rank, sub.size
+        t = torch.full((4,), float(me))
+        await sub.all_reduce(t)
+        assert t.tolist() == [float(sum(range(n)))] * 4
+        b = torch.full((3,), float(me))
+        await sub.broadcast(b, src=1)
+        assert b.tolist() == [1.0] * 3
+        parts = await sub.all_gather(torch.tensor([me]))
+        assert [int(p) for p in parts] == list(range(n))
+        got = await sub.gather(torch.tensor([me * 10]), dst=0)
+        assert (got is None) == (me != 0)
+        s = torch.zeros(2)
+        await sub.scatter(s, [torch.full((2,), float(r)) for r in range(n)] if me == 2 else None,
+                          src=2)
+        assert s.tolist() == [float(me)] * 2
+        outs = [torch.zeros(2) for _ in range(n)]
+        await sub.all_to_all(outs, [torch.full((2,), float(me * 10 + r)) for r in range(n)])
+        assert [o.tolist() for o in outs] == [[float(r * 10 + me)] * 2 for r in range(n)]
+        await sub.barrier()
+
+
+def test_agreeing_collectives_run_as_usual(world: World) -> None:
+    world.run(check_agreeing_collectives)
+
+
+async def check_op_mismatch(comm: Comm) -> str:
+    async with debug_group(comm) as sub:
+        t = torch.ones(4)
+        with pytest.raises(asyncomm.MismatchError) as info:
+            if sub.rank == 1:
+                await sub.broadcast(t, src=0, timeout=20.0)
+            else:
+                await sub.all_reduce(t, timeout=20.0)
+        assert t.tolist() == [1.0] * 4  # nothing was issued
+        with pytest.raises(asyncomm.MismatchError, match="differ"):  # out of step from now on
+            await sub.barrier(timeout=20.0)
+        return str(info.value)
+
+
+def test_a_different_op_fails_on_every_rank_naming_both(world: World) -> None:
+    for rank, text in enumerate(world.run(check_op_mismatch)):
+        assert f"rank {rank}" in text
+        assert "ranks 0, 2: #1 all_reduce float32[4] sum" in text, text
+        assert "rank 1: #1 broadcast float32[4] src=0" in text, text
+
+
+async def check_shape_and_dtype_mismatch(comm: Comm) -> list[str]:
+    texts = []
+    async with debug_group(comm) as sub:
+        shape = 5 if sub.rank == 2 else 4
+        with pytest.raises(asyncomm.MismatchError) as info:
+            await sub.all_reduce(torch.ones(shape), timeout=20.0)
+        texts.append(str(info.value))
+    async with debug_group(comm) as sub:
+        dtype = torch.float64 if sub.rank == 0 else torch.float32
+        with pytest.raises(asyncomm.MismatchError) as info:
+            await sub.all_gather(torch.ones(2, dtype=dtype), timeout=20.0)
+        texts.append(str(info.value))
+    return texts
+
+
+def test_shape_and_dtype_mismatches_fail_instead_of_crashing(world: World) -> None:
+    shape, dtype = world.run(check_shape_and_dtype_mismatch)[0]
+    assert "float32[4]" in shape and "float32[5]" in shape and "rank 2" in shape
+    assert "float64[2]" in dtype and "float32[2]" in dtype and "rank 0" in dtype
+
+
+def test_debug_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNCOMM_DEBUG", raising=False)
+    assert not _checks.debug_enabled()
+    monkeypatch.setenv("ASYNCOMM_DEBUG", "0")
+    assert not _checks.debug_enabled()
+    monkeypatch.setenv("ASYNCOMM_DEBUG", "1")
+    assert _checks.debug_enabled()
