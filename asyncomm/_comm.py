@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from asyncomm import _watchdog
 from asyncomm._actors import Actor, ActorRef, Host
 from asyncomm._backends import Backend
 from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Router, codec_of
@@ -50,7 +51,10 @@ class Comm:
         self._chain: asyncio.Future[Any] | None = None  # last multi-step op on ``_own``
         self._checked_ops: dict[tuple[object, torch.dtype], ReduceOp] = {}
         self._deadlines = Deadlines(loop)
-        self._checker = Checker(backend, loop) if debug_enabled() else None
+        self._checker: Checker | None = None
+        if debug_enabled():
+            self._checker = Checker(backend, loop)
+            _watchdog.watch(loop, f"rank {backend.rank}")
         # Every communicator routes channel frames, so that closing is symmetric: each
         # router waits for every other's goodbye (see the note in _channels).
         self._router = Router(self)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import torch
 
 import asyncomm
 from asyncomm import Comm, _checks
-from asyncomm.testing import World
+from asyncomm.testing import World, run_script
 
 
 @contextlib.asynccontextmanager
@@ -99,6 +100,35 @@ def test_shape_and_dtype_mismatches_fail_instead_of_crashing(world: World) -> No
     shape, dtype = world.run(check_shape_and_dtype_mismatch)[0]
     assert "float32[4]" in shape and "float32[5]" in shape and "rank 2" in shape
     assert "float64[2]" in dtype and "float32[2]" in dtype and "rank 0" in dtype
+
+
+STALL = """
+import time, asyncomm
+
+def stall_here():
+    time.sleep(0.8)  # holds the event loop
+
+async def main(comm):
+    if comm.rank == 1:
+        stall_here()
+    await comm.barrier()
+
+asyncomm.run(main)
+"""
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_blocked_loop_is_reported_with_its_stack(backend: str, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCOMM_DEBUG", "1")
+    proc = run_script(STALL, tmp_path, 2, backend)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 1: the event loop has been blocked for" in proc.stderr, proc.stderr
+    assert "in stall_here" in proc.stderr and "time.sleep(0.8)" in proc.stderr
+    assert "rank 0: the event loop" not in proc.stderr
+    monkeypatch.delenv("ASYNCOMM_DEBUG")
+    quiet = run_script(STALL, tmp_path, 2, backend)
+    assert quiet.returncode == 0 and "event loop has been blocked" not in quiet.stderr
 
 
 def test_debug_flag(monkeypatch: pytest.MonkeyPatch) -> None:
