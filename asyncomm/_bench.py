@@ -616,9 +616,13 @@ def _positive(text: str) -> int:
 
 def _options(p: argparse.ArgumentParser) -> None:
     """The options the command and its workers share."""
-    p.add_argument("what", nargs="?", default="all", choices=(*OPS, "all", "idle", "channels"),
+    p.add_argument("what", nargs="?", default="all",
+                   choices=(*OPS, "all", "idle", "channels", "soak"),
                    help="what to measure (default: all = pingpong and allreduce; channels: "
-                   "asyncomm channels beside the raw backend)")
+                   "asyncomm channels beside the raw backend; soak: a random mix of traffic "
+                   "for --seconds, every result checked)")
+    p.add_argument("--seconds", type=float, default=10.0, metavar="S",
+                   help="how long soak runs (default 10)")
     p.add_argument("--sizes", type=_sizes, metavar="BYTES,...",
                    help="message sizes (suffixes K, M allowed); default 8 B to 16 MiB "
                    "(channels: the ping-pong sizes, default 8 B and 1 MiB)")
@@ -668,6 +672,13 @@ def command(args: argparse.Namespace) -> int:
                 print("asyncomm bench: mpiexec not found; pip install 'asyncomm[mpi]'",
                       file=sys.stderr)
                 code = code or 2
+                continue
+            if args.what == "soak":
+                print(f"asyncomm bench soak: {backend}, {args.nproc} ranks", flush=True)
+                code = launch(["-m", "asyncomm._soak", "--seconds", str(args.seconds)],
+                              args.nproc, backend=backend)
+                if code != 0:
+                    break
                 continue
             part = Path(tmp) / f"{backend}.json"
             argv = ["-m", "asyncomm._bench", args.what, "--rounds", str(rounds),

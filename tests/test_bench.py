@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from asyncomm import _bench, _launch
+from asyncomm import _bench, _launch, _soak
 
 BACKEND = "both" if _launch.find_mpiexec() is not None else "gloo"
 EXPECTED = ("gloo", "mpi") if BACKEND == "both" else ("gloo",)
@@ -69,6 +69,25 @@ def test_channels_quick_writes_every_test(tmp_path: Path) -> None:
         assert {v: len(s) for v, s in r["samples"].items()} == {compared: r["rounds"],
                                                                  base: r["rounds"]}
         assert (r["met"] is None) == (target is None)
+
+
+@pytest.mark.timeout(120)
+def test_soak_checks_a_mix_of_traffic_on_three_ranks(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncomm", "bench", "soak", "--seconds", "2", "-n", "3",
+         "--backend", BACKEND], capture_output=True, text=True, timeout=110, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    reports = [line for line in done.stdout.splitlines() if "soak:" in line]
+    assert len(reports) == len(EXPECTED), done.stdout
+    for line in reports:
+        assert "every result checked, no errors" in line
+        for kind in _soak.KINDS:
+            assert f"{kind} " in line, line
+
+
+def test_soak_checks_can_fail() -> None:
+    with pytest.raises(AssertionError, match="wrong result: x"):
+        _soak._expect(False, "x")
 
 
 def test_channel_table_shows_ratios_and_targets() -> None:
