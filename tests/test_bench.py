@@ -77,7 +77,7 @@ def test_soak_checks_a_mix_of_traffic_on_three_ranks(tmp_path: Path) -> None:
         [sys.executable, "-m", "asyncomm", "bench", "soak", "--seconds", "2", "-n", "3",
          "--backend", BACKEND], capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    reports = [line for line in done.stdout.splitlines() if "soak:" in line]
+    reports = [line for line in done.stdout.splitlines() if "] soak:" in line]
     assert len(reports) == len(EXPECTED), done.stdout
     for line in reports:
         assert "every result checked, no errors" in line
