@@ -6,6 +6,7 @@ import asyncio
 import gc
 import math
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -226,6 +227,30 @@ def test_init_close_init_in_one_process(tmp_path: Path, backend: str) -> None:
         expected = f"round {round_} sum {sum(range(3)) + 3 * round_}"
         assert proc.stdout.count(expected) == 3, proc.stdout
     assert proc.stdout.count("reinit ok") == 3
+
+
+def test_a_rank_that_never_joins_is_named_after_the_init_timeout(tmp_path: Path) -> None:
+    script = tmp_path / "alone.py"
+    script.write_text(textwrap.dedent("""
+        import asyncomm
+
+        async def main(comm):
+            print("joined")
+
+        asyncomm.run(main, backend="gloo", timeout=2)
+    """))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")}
+    env.update(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=60, env=env)  # a hang fails here
+    assert proc.returncode != 0 and "joined" not in proc.stdout
+    assert "CommTimeoutError: rank 0: init: ranks 1, 2 of 3 did not join within 2 s" in (
+        proc.stderr), proc.stderr
 
 
 def test_bare_python_is_a_world_of_one(tmp_path: Path) -> None:

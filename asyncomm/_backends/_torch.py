@@ -284,8 +284,19 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
         prefixed = dist.PrefixStore(f"asyncomm/{_generation}", store)  # type: ignore[attr-defined]
 
         def init() -> None:
-            dist.init_process_group(name, store=prefixed, rank=env.rank, world_size=env.size,
-                                    timeout=datetime.timedelta(seconds=timeout))
+            prefixed.set(f"joined/{env.rank}", "1")
+            try:
+                dist.init_process_group(name, store=prefixed, rank=env.rank,
+                                        world_size=env.size,
+                                        timeout=datetime.timedelta(seconds=timeout))
+            except RuntimeError as exc:  # a store timeout: say who is missing
+                missing = [r for r in range(env.size) if not prefixed.check([f"joined/{r}"])]
+                if not missing:
+                    raise
+                raise CommTimeoutError(
+                    f"rank {env.rank}: init: rank{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(map(str, missing))} of {env.size} did not join within "
+                    f"{timeout:g} s (the init timeout; ASYNCOMM_TIMEOUT)") from exc
 
         await loop.run_in_executor(None, init)
     world = dist.group.WORLD
