@@ -99,6 +99,35 @@ def test_cancelled_await_keeps_the_operation_and_its_buffer(world: World) -> Non
     world.run(check_cancelled_recv_keeps_its_buffer)
 
 
+async def check_cancelled_collective_completes(comm: Comm) -> None:
+    # The policy for collectives: cancelling an await un-issues nothing; the collective
+    # completes in the background with its buffer kept, and the communicator stays in step.
+    if comm.rank == 0:
+        t = torch.ones(500)
+        alive = weakref.ref(t)
+        handle = comm.all_reduce(t)
+        task = asyncio.ensure_future(handle)
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        del t
+        gc.collect()
+        kept = alive()
+        assert kept is not None
+        assert await handle is kept and kept[0].item() == comm.size
+    else:
+        await asyncio.sleep(0.3)  # join late
+        await comm.all_reduce(torch.ones(500))
+    after = torch.full((2,), float(comm.rank))
+    await comm.all_reduce(after)
+    assert after.tolist() == [float(sum(range(comm.size)))] * 2
+
+
+def test_cancelled_collective_completes_in_the_background(world: World) -> None:
+    world.run(check_cancelled_collective_completes)
+
+
 async def check_handle_api(comm: Comm) -> None:
     t = torch.ones(3)
     handle = comm.all_reduce(t)
