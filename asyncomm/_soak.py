@@ -94,14 +94,18 @@ def _issue(comm: Comm, kind: str, rng: random.Random, step: int, index: int,
         got: list[Any] = []
 
         async def receive() -> None:
-            for _ in range(n - 1):
-                got.append(await ch.recv(timeout=DEADLINE_S))
+            # From each source in turn: a peer that finished this round may already have
+            # sent on this channel for the next, and only per-source order tells them apart.
+            for src in order:
+                got.append(await ch.recv(src, timeout=DEADLINE_S))
 
+        order = [r for r in range(n) if r != me]
+        rng.shuffle(order)
         waits.append(receive())
         checks.append(lambda: _expect(
-            sorted(m.src for m in got) == [r for r in range(n) if r != me]
-            and all(m.data["src"] == m.src and bool((m.data["t"] == m.src).all())
-                    for m in got), "channel messages"))
+            all(m.data["src"] == m.src and m.data["step"] == step
+                and bool((m.data["t"] == m.src).all()) for m in got)
+            and sorted(m.src for m in got) == sorted(order), "channel messages"))
     else:  # actor
         ref = comm.actor((me + 1) % n, "soak-adder")
         answer: list[int] = []
