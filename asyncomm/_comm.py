@@ -380,21 +380,6 @@ class Comm:
         self._chain = self._loop.create_task(run())
         return handle
 
-    def _own_send(self, tensor: torch.Tensor, dst: int, tag: int,
-                  eager: bool = True) -> Handle[None]:
-        """Send on the private twin (channel frames): no deadline, no argument checks."""
-        handle: Handle[None] = Handle(self._loop, (self.rank, "send", None, dst, tag), None,
-                                      tensor)
-        self._own.send(handle, tensor, dst, tag, eager)
-        return handle
-
-    def _own_recv(self, tensor: torch.Tensor, src: int | None, tag: int) -> Handle[int]:
-        """Receive on the private twin (channel frames): no deadline, no argument checks."""
-        handle: Handle[int] = Handle(self._loop, (self.rank, "recv", None, src, tag),
-                                     FROM_BACKEND, tensor)
-        self._own.recv(handle, tensor, src, tag)
-        return handle
-
     def channel(self, tag: int, codec: str = "default", *,
                 timeout: float | None = None) -> Channel:
         """Return the channel ``tag`` of this communicator (any int >= 0; one object per tag).
