@@ -143,12 +143,17 @@ class GlooLink(Link):
                 thread.join(timeout=1.0)
 
     def _post(self, buffer: bytearray | torch.Tensor, dst: int, tag: int) -> Handle[None] | None:
-        if tag == T_MESSAGE or not isinstance(buffer, torch.Tensor):
-            return super()._post(buffer, dst, tag)  # messages are small: sent eagerly
+        tensor = buffer if isinstance(buffer, torch.Tensor) else torch.frombuffer(
+            buffer, dtype=torch.uint8)
         handle: Handle[None] = Handle(self._loop, (self._backend.rank, "send", None, dst, tag),
-                                      None, buffer)
+                                      None, tensor)
+        if tag == T_MESSAGE:  # small: sent eagerly (a copy) by the backend
+            self._backend.send(handle, tensor, dst, tag, eager=True)
+            return handle
+        # Data messages are never eager: an eager data message behind its envelope
+        # took ~7 ms to arrive (a 64 KiB channel round trip: 8 ms eager, 1 ms not).
         try:
-            work = self._pg.send([buffer], dst, tag)
+            work = self._pg.send([tensor], dst, tag)
         except RuntimeError as exc:
             handle._fail(CommError, exc)
         else:
