@@ -18,7 +18,7 @@ from asyncomm._actors import Actor, ActorRef, Host
 from asyncomm._backends import Backend
 from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Router, codec_of
 from asyncomm._checks import Checker, checked, debug_enabled
-from asyncomm._errors import CommClosedError, CommError
+from asyncomm._errors import CommClosedError, CommError, PeerFailedError
 from asyncomm._handle import FROM_BACKEND, Deadlines, Handle
 from asyncomm._ops import ReduceOp, check_reduce
 
@@ -231,6 +231,10 @@ class Comm:
     def _start(self, handle: Handle[Any], start: Callable[..., None], args: tuple[Any, ...],
                deferred: bool = False) -> None:
         """Start an operation on the backend; a bad argument raises unless it was deferred."""
+        lost = self._backend.lost
+        if lost is not None:  # a peer is gone: fail now rather than wait for it
+            handle._fail(PeerFailedError, CommError(f"a peer failed earlier: {lost}"))
+            return
         try:
             start(handle, *args)
         except (TypeError, ValueError) as exc:

@@ -282,6 +282,52 @@ def test_a_rank_that_never_joins_is_named_after_the_init_timeout(tmp_path: Path)
         proc.stderr), proc.stderr
 
 
+DYING = """
+import math, os, sys, torch, asyncomm
+
+async def main():
+    comm = await asyncomm.init(backend="gloo", timeout=20)
+    await comm.barrier()
+    if comm.rank == 2:
+        os._exit(3)  # dies without a word
+    try:
+        await comm.all_reduce(torch.ones(4))
+    except (asyncomm.PeerFailedError, asyncomm.CommTimeoutError) as exc:
+        print("first:", type(exc).__name__, flush=True)
+    try:
+        await comm.barrier(timeout=math.inf)  # must not wait for the dead rank
+    except asyncomm.PeerFailedError as exc:
+        print("then:", exc, flush=True)
+    os._exit(0)  # closing would wait for the dead rank's goodbye
+
+asyncomm._runtime.run_loop(main())
+"""
+
+
+def test_a_dead_peer_fails_the_operations_that_need_it(tmp_path: Path) -> None:
+    # Started by hand, not by asyncomm run, which would stop the survivors at once.
+    script = tmp_path / "dying.py"
+    script.write_text(DYING)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")}
+    base.update(WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(3)]
+    outs = [p.communicate(timeout=90) for p in procs]  # a hang fails here
+    assert procs[2].returncode == 3
+    for rank in (0, 1):
+        out, err = outs[rank]
+        assert procs[rank].returncode == 0, err
+        assert "first: PeerFailedError" in out or "first: CommTimeoutError" in out, out + err
+        assert "then: rank" in out and "a peer failed earlier" in out, out + err
+
+
 def test_bare_python_is_a_world_of_one(tmp_path: Path) -> None:
     script = tmp_path / "solo.py"
     script.write_text(textwrap.dedent("""

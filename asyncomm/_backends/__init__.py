@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from asyncomm._env import LaunchEnv
+from asyncomm._errors import CommError, PeerFailedError
 from asyncomm._ops import ReduceOp
-from asyncomm._progress import Sink
+from asyncomm._progress import Classify, Sink
 
 if TYPE_CHECKING:
     from asyncomm._backends._link import Link
@@ -35,6 +36,7 @@ class Backend(ABC):
     max_tag: int  # the largest tag users may pass; tags above it are asyncomm's own
     raw: object
     cuda: bool = False  # whether it moves CUDA tensors (else CPU ones)
+    lost: BaseException | None = None  # the first error that said a peer is gone
     dtypes: frozenset[torch.dtype] | None = None  # the dtypes it moves; None: every one
 
     def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027
@@ -104,6 +106,17 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Fail what is in flight, release the communicator and join threads. Idempotent."""
+
+
+def remembering(backend: Backend, classify: Classify) -> Classify:
+    """Wrap a backend's ``classify`` so that the first peer failure stays in ``backend.lost``."""
+    def remember(exc: BaseException) -> type[CommError]:
+        kind = classify(exc)
+        if issubclass(kind, PeerFailedError) and backend.lost is None:
+            backend.lost = exc
+        return kind
+
+    return remember
 
 
 async def open_backend(name: str, env: LaunchEnv, timeout: float,

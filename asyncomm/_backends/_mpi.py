@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from asyncomm._backends import Backend, Tensors
+from asyncomm._backends import Backend, Tensors, remembering
 from asyncomm._backends._link import PREAMBLE, T_MESSAGE, Link
 from asyncomm._errors import CommError, MismatchError, PeerFailedError, ProtocolError
 from asyncomm._handle import Handle
@@ -163,7 +163,7 @@ class MpiBackend(Backend):
         self.max_tag = int(tag_ub) - 1024  # type: ignore[arg-type]  # the top 1024 tags are asyncomm's own
         self._comm = comm
         self._loop = loop
-        self._poller = Poller(loop, self._test, self._testsome, classify)
+        self._poller = Poller(loop, self._test, self._testsome, remembering(self, classify))
         self._status = MPI.Status()
         self._statuses: list[Any] = []
         self._closed = False

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from asyncomm._backends import Backend, Tensors
+from asyncomm._backends import Backend, Tensors, remembering
 from asyncomm._backends._link import Link
 from asyncomm._env import LaunchEnv
 from asyncomm._errors import CommError, CommTimeoutError, PeerFailedError
@@ -115,7 +115,7 @@ class TorchBackend(Backend):
         self._splits = 0
         self._eager = Reaper()
         self.cuda = name == "nccl"
-        self._inbox = Inbox(loop, classify)
+        self._inbox = Inbox(loop, remembering(self, classify))
         self._bridge = FutureBridge(self._inbox)
         self._waiters = Waiters(self._inbox)
         self._closed = False
