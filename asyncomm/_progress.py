@@ -401,7 +401,7 @@ class Poller:
             self._delay = min(max(2 * self._delay, 1e-5), self._max_backoff_s)
             self._timer = self._loop.call_later(self._delay, self._poll)
 
-    def drain(self) -> list[tuple[Any, Sink]]:
+    def drain(self) -> list[tuple[Any, Sink, bool]]:
         """Stop polling and fail every pending sink as closed.
 
         Return the pending requests with their sinks: the backend cancels
@@ -413,10 +413,10 @@ class Poller:
             self._timer = None
         self._spinning = False
         self._probes.clear()
-        pending = [(request, sink) for request, (sink, _, _) in zip(self._requests, self._entries,
-                                                                    strict=True)]
+        pending = [(request, sink, active) for request, (sink, _, active)
+                   in zip(self._requests, self._entries, strict=True)]
         self._requests, self._entries, self._active = [], [], 0
         closed = CommClosedError("the communicator was closed with this operation in flight")
-        for _, sink in pending:
+        for _, sink, _ in pending:
             sink._abandon(CommClosedError, closed)
         return pending

@@ -328,6 +328,29 @@ def test_a_dead_peer_fails_the_operations_that_need_it(tmp_path: Path) -> None:
         assert "then: rank" in out and "a peer failed earlier" in out, out + err
 
 
+IN_FLIGHT = """
+import asyncio, threading, torch, asyncomm
+
+async def main(comm):
+    if comm.rank == 0:  # three operations nobody will ever match
+        comm.recv(torch.zeros(4), 1, tag=5)
+        comm.send(torch.zeros(1 << 20), 1, tag=6)  # 4 MiB: not sent eagerly
+        comm.all_reduce(torch.ones(3))
+        await asyncio.sleep(0.2)
+
+asyncomm.run(main)
+print("threads:", sorted(t.name for t in threading.enumerate()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_closing_with_operations_in_flight_is_clean(tmp_path: Path, backend: str) -> None:
+    proc = run_script(IN_FLIGHT, tmp_path, 2, backend, timeout=60)  # a hang fails here
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("threads: ['MainThread']") == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "terminate" not in proc.stderr, proc.stderr
+
+
 def test_bare_python_is_a_world_of_one(tmp_path: Path) -> None:
     script = tmp_path / "solo.py"
     script.write_text(textwrap.dedent("""

@@ -322,9 +322,12 @@ class MpiBackend(Backend):
             return
         self._closed = True
         pending = self._poller.drain()
-        for request, _ in pending:
+        for request, _, active in pending:
+            if active:
+                continue  # sends and collectives cannot be cancelled (erroneous in MPI)
             try:
-                request.Cancel()  # receives can be cancelled; other requests just finish
+                request.Cancel()
+                request.Wait()  # a cancelled receive completes at once
             except MPI.Exception:
                 pass
         _orphans.extend(pending)  # their sinks hold the buffers MPI may still write
@@ -429,7 +432,7 @@ class ProbeLink(Link):
             return
         handle: Handle[None] = Handle(self._loop, (self._mpi.rank, "recv", None, src, T_MESSAGE),
                                       None, buffer)
-        self._mpi._watch(handle, request, active=False)
+        self._mpi._watch(handle, request)  # matched: not cancellable; data is on its way
         task = self._loop.create_task(self._in_order(src, before, handle, buffer))
         self._behind[src] = task
         task.add_done_callback(functools.partial(self._forget, src))
