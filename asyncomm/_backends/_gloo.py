@@ -1,4 +1,4 @@
-"""The link of torch backends: channel frames over gloo, received by two threads.
+"""The link of torch backends: channel frames over gloo, served by three threads.
 
 Note on threads
 ---------------
@@ -7,10 +7,12 @@ gloo's receives must know their size and complete only inside a blocking
 rendezvous). Posting a frame's data receives from the event loop puts a loop
 iteration and two thread hand-offs on the path of every large frame
 (measured: 64 x 1 MiB streamed at 0.29x raw gloo). So a *listener* thread
-keeps one any-source receive of an ``ENVELOPE_BYTES`` message posted, and
+keeps ``DEPTH`` any-source receives of ``ENVELOPE_BYTES`` messages posted, and
 when one arrives posts that frame's data receives at once, in order. A
 *completer* thread waits for the data receives, frame after frame, and hands
-each whole frame to the loop through the backend's inbox. The loop parses
+each whole frame to the loop through the backend's inbox. A *sender* thread
+waits for the data sends in the order they were issued (one thread, where
+the backend's own sends take a waiter thread each). The loop parses
 frames that came in one piece itself. The listener posts no receive after
 the last peer's goodbye (see the note on closing in ``_link``).
 
