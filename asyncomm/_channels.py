@@ -485,12 +485,7 @@ class Channel:
         router, box = self._router, self._box
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + limit
-        while True:
-            frame = box.take(src)
-            if frame is None and router.pump():
-                frame = box.take(src)
-            if frame is not None:
-                return self._open(frame)
+        while True:  # ``recv`` found nothing just now: check, wait, then look again
             if self._ended(src):
                 who = "every other rank" if src is None else f"rank {src}"
                 raise CommClosedError(f"rank {router.rank}: channel {self.tag}: {who} closed it")
@@ -513,6 +508,11 @@ class Channel:
                     timer.cancel()
                 if waiter in box.waiters:
                     box.waiters.remove(waiter)
+            frame = box.take(src)
+            if frame is None and router.pump():
+                frame = box.take(src)
+            if frame is not None:
+                return self._open(frame)
 
     def _ended(self, src: int | None) -> bool:
         ended = self._box.ended

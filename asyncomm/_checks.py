@@ -74,6 +74,8 @@ class Checker:
             collections.deque())
         self._busy = False
         self._broken: MismatchError | None = None
+        self._device = (torch.device("cuda", torch.cuda.current_device()) if backend.cuda
+                        else None)
 
     def submit(self, handle: Handle[Any], op: str, args: Sequence[Any],
                start: Callable[[], None]) -> None:
@@ -91,8 +93,7 @@ class Checker:
             return
         self._busy = True
         _, mine, _ = self._queue[0]
-        backend = self._backend
-        device = torch.device("cuda", torch.cuda.current_device()) if backend.cuda else None
+        backend, device = self._backend, self._device
         data = mine.encode()[:FINGERPRINT_BYTES].ljust(FINGERPRINT_BYTES, b"\0")
         sent = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
         gathered = list(torch.empty((backend.size, FINGERPRINT_BYTES), dtype=torch.uint8,

@@ -24,6 +24,7 @@ The ``asyncomm.testing`` pytest plugin (see ``tests/conftest.py``) gives the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import secrets
@@ -32,7 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from multiprocessing.connection import Client, Connection, Listener, wait
 from pathlib import Path
 from types import ModuleType
@@ -212,6 +213,31 @@ class WorldPool:
         for world in self._worlds.values():
             world.stop()
         self._worlds.clear()
+
+
+@contextlib.asynccontextmanager
+async def fresh(comm: asyncomm.Comm,
+                env: Mapping[str, str] | None = None) -> AsyncIterator[asyncomm.Comm]:
+    """A new communicator over every rank of ``comm`` (a clean slate), closed on leaving.
+
+    ``env`` is set while it is made, for settings read then (``ASYNCOMM_DEBUG``,
+    ``ASYNCOMM_MAX_MESSAGE_BYTES``), and restored after.
+    """
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        sub = await comm.group(range(comm.size))
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+    assert sub is not None
+    try:
+        yield sub
+    finally:
+        await sub.close()
 
 
 def run_script(source: str, directory: Path, n: int, backend: str = "gloo",

@@ -25,7 +25,7 @@ import asyncomm
 from asyncomm import Comm, _channels, _wire
 from asyncomm._channels import Channel
 from asyncomm._wire import Kind
-from asyncomm.testing import World
+from asyncomm.testing import World, fresh
 
 MiB = 1 << 20
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
@@ -503,9 +503,7 @@ def test_messages_for_an_unopened_channel_wait_for_it(world: World) -> None:
 
 async def check_unopened_fresh(comm: Comm) -> None:
     # A fresh communicator: the receiver has no router yet when the message comes.
-    sub = await comm.group(range(comm.size))
-    assert sub is not None
-    try:
+    async with fresh(comm) as sub:
         if sub.rank == 1:
             sub.channel(505)  # closing waits for a goodbye from every rank's router
         if sub.rank == 0:
@@ -515,8 +513,6 @@ async def check_unopened_fresh(comm: Comm) -> None:
             msg = await sub.channel(504).recv(timeout=5.0)
             assert (msg.src, msg.data) == (0, "early")
         await sub.barrier()
-    finally:
-        await sub.close()
 
 
 def test_message_before_the_receiver_opened_any_channel(world: World) -> None:
@@ -580,9 +576,7 @@ async def check_oversized_message(comm: Comm) -> None:
     from asyncomm._backends._link import T_MESSAGE
     from asyncomm._backends._mpi import MESSAGE_BYTES
 
-    sub = await comm.group(range(comm.size))
-    assert sub is not None
-    try:
+    async with fresh(comm) as sub:
         ch = sub.channel(610)
         if sub.rank == 0:
             await ch.send("before", 1)
@@ -598,8 +592,6 @@ async def check_oversized_message(comm: Comm) -> None:
         else:
             await ch.send("from 2", 1)
         await sub.barrier()
-    finally:
-        await sub.close()
 
 
 def test_oversized_mpi_message_ends_its_source_stream(world: World) -> None:
@@ -611,13 +603,7 @@ def test_oversized_mpi_message_ends_its_source_stream(world: World) -> None:
 async def check_size_limit(comm: Comm) -> None:
     # ASYNCOMM_MAX_MESSAGE_BYTES, read when a communicator is made: a sender refuses what
     # its receivers would, before anything is sent; smaller messages go on.
-    os.environ["ASYNCOMM_MAX_MESSAGE_BYTES"] = "4096"
-    try:
-        sub = await comm.group(range(comm.size))
-    finally:
-        del os.environ["ASYNCOMM_MAX_MESSAGE_BYTES"]
-    assert sub is not None
-    try:
+    async with fresh(comm, {"ASYNCOMM_MAX_MESSAGE_BYTES": "4096"}) as sub:
         ch = sub.channel(620)
         if sub.rank == 0:
             with pytest.raises(ValueError, match="too large"):
@@ -628,8 +614,6 @@ async def check_size_limit(comm: Comm) -> None:
             assert msg.data.sum().item() == 4000
             await expect_nothing(ch)
         await sub.barrier()
-    finally:
-        await sub.close()
 
 
 def test_message_size_limit_from_the_environment(world: World) -> None:
@@ -647,9 +631,7 @@ def test_size_limit_must_be_positive(monkeypatch: pytest.MonkeyPatch) -> None:
 async def check_pending_messages_keep_order(comm: Comm) -> None:
     # A link message not received at once (a large one, on some MPI libraries) holds back
     # the later messages of its source until it is in: stand one in for 0.3 s.
-    sub = await comm.group(range(comm.size))
-    assert sub is not None
-    try:
+    async with fresh(comm) as sub:
         ch = sub.channel(630)
         if sub.rank == 1:
             link = sub._router._link
@@ -664,8 +646,6 @@ async def check_pending_messages_keep_order(comm: Comm) -> None:
                 assert n == i and t.numel() == i * 1000 and bool((t == i).all())
             assert not link._behind
         await sub.barrier()
-    finally:
-        await sub.close()
 
 
 def test_pending_mpi_messages_keep_their_order(world: World) -> None:

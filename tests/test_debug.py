@@ -7,8 +7,6 @@ a communicator is made), so the shared worlds stay as they were.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,21 +14,11 @@ import torch
 
 import asyncomm
 from asyncomm import Comm, _checks
-from asyncomm.testing import World, run_script
+from asyncomm.testing import World, fresh, run_script
 
 
-@contextlib.asynccontextmanager
-async def debug_group(comm: Comm) -> AsyncIterator[Comm]:
-    os.environ["ASYNCOMM_DEBUG"] = "1"
-    try:
-        sub = await comm.group(range(comm.size))
-    finally:
-        del os.environ["ASYNCOMM_DEBUG"]
-    assert sub is not None
-    try:
-        yield sub
-    finally:
-        await sub.close()
+def debug_group(comm: Comm) -> contextlib.AbstractAsyncContextManager[Comm]:
+    return fresh(comm, {"ASYNCOMM_DEBUG": "1"})
 
 
 async def check_agreeing_collectives(comm: Comm) -> None:

@@ -13,6 +13,7 @@ import textwrap
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -72,16 +73,21 @@ def test_communicator_default_timeout(world: World) -> None:
     world.run(check_communicator_default_timeout)
 
 
+async def cancel_an_await(handle: asyncomm.Handle[Any]) -> None:
+    """Await ``handle`` in a task, then cancel that task (not the operation)."""
+    task = asyncio.ensure_future(handle)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
 async def check_cancelled_recv_keeps_its_buffer(comm: Comm) -> None:
     if comm.rank == 0:
         buf = torch.zeros(1000)
         alive = weakref.ref(buf)
         handle = comm.recv(buf, 1, tag=11)
-        task = asyncio.ensure_future(handle)
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_an_await(handle)
         del buf
         gc.collect()
         got = alive()  # the backend may still write into it: the handle keeps it
@@ -106,11 +112,7 @@ async def check_cancelled_collective_completes(comm: Comm) -> None:
         t = torch.ones(500)
         alive = weakref.ref(t)
         handle = comm.all_reduce(t)
-        task = asyncio.ensure_future(handle)
-        await asyncio.sleep(0.05)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await cancel_an_await(handle)
         del t
         gc.collect()
         kept = alive()

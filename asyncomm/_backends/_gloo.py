@@ -83,6 +83,22 @@ def _nothing(_: object) -> None:
     return None
 
 
+def _serve(items: queue.SimpleQueue[Any], each: Any) -> None:
+    """On a thread: ``each(*item)`` for every queued item, until ``None``."""
+    while (item := items.get()) is not None:
+        each(*item)
+
+
+def _wait_all(works: list[Any]) -> RuntimeError | None:
+    """Wait for gloo works in turn; return the first failure (the rest are not waited for)."""
+    for work in works:
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            return exc
+    return None
+
+
 def _settle(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
@@ -109,8 +125,10 @@ class GlooLink(Link):
     def open(self, arrivals: Arrivals, limits: _wire.Limits) -> None:
         super().open(arrivals, limits)
         for target, name in ((self._listen, "asyncomm-listener"),
-                             (self._complete, "asyncomm-completer"),
-                             (self._see_off, "asyncomm-sender")):
+                             (functools.partial(_serve, self._frames, self._complete),
+                              "asyncomm-completer"),
+                             (functools.partial(_serve, self._sends, self._see_off),
+                              "asyncomm-sender")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -164,19 +182,11 @@ class GlooLink(Link):
 
     # -- the sender thread ------------------------------------------------------------
 
-    def _see_off(self) -> None:
-        """Wait for data sends in the order they were issued; complete their handles."""
-        while True:
-            item = self._sends.get()
-            if item is None:
-                return
-            work, handle = item
-            try:
-                work.wait()
-            except RuntimeError as exc:
-                self._inbox.put(handle, functools.partial(_reraise, exc), None)
-            else:
-                self._inbox.put(handle, _nothing, None)
+    def _see_off(self, work: Any, handle: Handle[None]) -> None:
+        """Complete a data send's handle once gloo is done with it (sends in issue order)."""
+        error = _wait_all([work])
+        self._inbox.put(handle, _nothing if error is None else functools.partial(_reraise, error),
+                        None)
 
     # -- the listener thread --------------------------------------------------------------
 
@@ -244,21 +254,13 @@ class GlooLink(Link):
 
     # -- the completer thread ---------------------------------------------------------
 
-    def _complete(self) -> None:
-        while True:
-            item = self._frames.get()
-            if item is None:
-                return
-            pending, works = item
-            error: CommError | None = None
-            for work in works:
-                try:
-                    work.wait()
-                except RuntimeError as exc:
-                    error = CommError(f"data receive failed: {exc}")
-                    break
-            self._on_loop(pending.whole if error is None else pending.fail,
-                          *(() if error is None else (error,)))
+    def _complete(self, pending: Pending, works: list[Any]) -> None:
+        """Hand a frame to the loop once its data receives are done (frames in order)."""
+        error = _wait_all(works)
+        if error is None:
+            self._on_loop(pending.whole)
+        else:
+            self._on_loop(pending.fail, CommError(f"data receive failed: {error}"))
 
     def _on_loop(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` on the loop, after what was handed over before."""
