@@ -7,6 +7,7 @@ torch.distributed (gloo, nccl) or MPI; every rank runs one asyncio event loop.
 from asyncomm._actors import Actor, ActorRef, endpoint
 from asyncomm._channels import Channel, Message
 from asyncomm._comm import Comm
+from asyncomm._compute import compute
 from asyncomm._errors import (
     CommClosedError,
     CommError,
@@ -38,6 +39,7 @@ __all__ = [
     "ReduceOp",
     "RemoteError",
     "__version__",
+    "compute",
     "endpoint",
     "init",
     "run",

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator
 from types import TracebackType
 from typing import Any, TypeVar
 
+from asyncomm import _compute
 from asyncomm._backends import open_backend
 from asyncomm._comm import Comm
 from asyncomm._env import BACKENDS, detect
@@ -63,6 +64,7 @@ class init:
         if self._comm is not None:
             # Leaving on an error: the other ranks may never close, so do not wait for them.
             await self._comm._close(linger=30.0 if error is None else 0.0)
+        _compute.shutdown(asyncio.get_running_loop())
 
 
 def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,

@@ -1,0 +1,121 @@
+"""``asyncomm.compute``: work off the event loop while communication progresses."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+import asyncomm
+from asyncomm import Comm, _compute
+from asyncomm.testing import World
+
+
+async def check_communication_progresses_during_compute(comm: Comm) -> None:
+    peer = 1 - comm.rank
+    finished: dict[str, float] = {}
+
+    async def hold() -> None:  # a compute that holds its thread, not the loop
+        await asyncomm.compute(time.sleep, 1.0)
+        finished["compute"] = time.perf_counter()
+
+    async def ping_pong() -> None:
+        t = torch.zeros(4)
+        for _ in range(20):
+            if comm.rank == 0:
+                await comm.send(t, peer)
+                await comm.recv(t, peer)
+            else:
+                await comm.recv(t, peer)
+                await comm.send(t, peer)
+            await comm.all_reduce(t)
+        finished["comm"] = time.perf_counter()
+
+    await asyncio.gather(hold(), ping_pong())
+    # 60 round trips finished while the compute still held its thread.
+    assert finished["comm"] < finished["compute"], finished
+
+
+def test_communication_progresses_during_compute(world2: World) -> None:
+    world2.run(check_communication_progresses_during_compute)
+
+
+async def test_computes_run_one_at_a_time_in_call_order() -> None:
+    order: list[int] = []
+    running = {"now": 0, "most": 0}
+    lock = threading.Lock()
+
+    def work(i: int) -> int:
+        with lock:
+            running["now"] += 1
+            running["most"] = max(running["most"], running["now"])
+        time.sleep(0.01)
+        order.append(i)
+        with lock:
+            running["now"] -= 1
+        return i * i
+
+    try:
+        results = await asyncio.gather(*(asyncomm.compute(work, i) for i in range(8)))
+    finally:
+        _compute.shutdown(asyncio.get_running_loop())
+    assert results == [i * i for i in range(8)]
+    assert order == list(range(8))
+    assert running["most"] == 1
+
+
+async def test_compute_runs_off_the_loop_thread_and_leaves_none_behind() -> None:
+    loop_thread = threading.get_ident()
+    names: list[str] = []
+
+    def where() -> int:
+        names.append(threading.current_thread().name)
+        return threading.get_ident()
+
+    assert await asyncomm.compute(where) != loop_thread
+    _compute.shutdown(asyncio.get_running_loop())
+    assert not [t for t in threading.enumerate() if t.name in names]
+
+
+async def test_errors_and_keywords_reach_the_caller() -> None:
+    def fail(x: int, *, why: str) -> None:
+        raise KeyError(f"{x} {why}")
+
+    try:
+        with pytest.raises(KeyError, match="3 because"):
+            await asyncomm.compute(fail, 3, why="because")
+        out = await asyncomm.compute(torch.add, torch.ones(2), torch.ones(2), alpha=2)
+        assert torch.equal(out, torch.full((2,), 3.0))
+    finally:
+        _compute.shutdown(asyncio.get_running_loop())
+
+
+async def test_bad_arguments_raise_type_error() -> None:
+    with pytest.raises(TypeError, match="callable"):
+        await asyncomm.compute(3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="name"):
+        await asyncomm.compute(print, name=5)  # type: ignore[arg-type]
+
+
+async def test_spans_are_reported_with_their_names() -> None:
+    spans: list[_compute.Span] = []
+    _compute.on_span = spans.append
+    try:
+        await asyncomm.compute(sum, [1, 2], name="forward")
+        await asyncomm.compute(sorted, [2, 1])
+    finally:
+        _compute.on_span = None
+        _compute.shutdown(asyncio.get_running_loop())
+    assert [s.name for s in spans] == ["forward", "sorted"]
+    assert all(s.end >= s.start for s in spans)
+
+
+def test_thread_count_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ASYNCOMM_COMPUTE_THREADS", "0")
+    with pytest.raises(ValueError, match=">= 1"):
+        _compute._threads_from_env()
+    monkeypatch.setenv("ASYNCOMM_COMPUTE_THREADS", "3")
+    assert _compute._threads_from_env() == 3
