@@ -18,16 +18,22 @@ from asyncomm.pipeline._schedule import (
     one_f_one_b,
     parse,
 )
+from asyncomm.pipeline._simulate import Interval, ScheduleError, Simulation, simulate, validate
 
 __all__ = [
     "SCHEDULES",
     "Action",
+    "Interval",
     "Op",
     "Schedule",
+    "ScheduleError",
+    "Simulation",
     "from_compute",
     "get",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
     "parse",
+    "simulate",
+    "validate",
 ]
