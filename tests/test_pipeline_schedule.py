@@ -149,6 +149,14 @@ def test_messages_cost_time_on_the_critical_path() -> None:
         pipeline.simulate(pipeline.gpipe(2, 1), comm_cost=-1)
 
 
+def test_a_longer_warm_up_hides_message_latency_at_a_cost_in_memory() -> None:
+    plain = pipeline.simulate(pipeline.one_f_one_b(4, 16), comm_cost=1.0)
+    longer = pipeline.simulate(pipeline.interleaved_1f1b(4, 16, 1), comm_cost=1.0)
+    assert longer.bubble < plain.bubble
+    assert plain.peak_activations == (4, 3, 2, 1)
+    assert longer.peak_activations == (7, 5, 3, 1)
+
+
 def test_the_grid_has_one_row_per_time_step_and_blanks_for_idle_ranks() -> None:
     simulation = pipeline.simulate(pipeline.one_f_one_b(2, 2))
     assert simulation.grid() == [
@@ -156,6 +164,8 @@ def test_the_grid_has_one_row_per_time_step_and_blanks_for_idle_ranks() -> None:
         ["", "B1"], ["B1", ""], ["B1", ""],
     ]
     assert simulation.bubble == pytest.approx(1 / 3)
+    # Costs with no common step of reasonable size: one row per forward's time.
+    assert len(pipeline.simulate(pipeline.gpipe(2, 2), b_cost=1.001).grid()) == 7
     interleaved = pipeline.simulate(pipeline.interleaved_1f1b(2, 2, 2))
     assert interleaved.grid()[:3] == [["F0@s0", ""], ["F1@s0", "F0@s1"], ["F0@s2", "F1@s1"]]
 
