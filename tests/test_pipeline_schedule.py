@@ -31,6 +31,12 @@ def _words(schedule: Schedule, rank: int) -> list[str]:
 # -- the data model and the builders ----------------------------------------------------------
 
 
+def test_the_export_list_is_sorted_and_complete() -> None:
+    assert sorted(pipeline.__all__) == list(pipeline.__all__)
+    assert all(hasattr(pipeline, name) for name in pipeline.__all__)
+    assert issubclass(ScheduleError, ValueError)
+
+
 def test_actions_print_and_parse_in_the_compact_form() -> None:
     action = Action(Op.RECV_B, 0, 2)
     assert str(action) == "RECV_B2@s0"

@@ -22,10 +22,10 @@ from asyncomm.pipeline._show import plot, render
 from asyncomm.pipeline._simulate import Interval, ScheduleError, Simulation, simulate, validate
 
 __all__ = [
-    "SCHEDULES",
     "Action",
     "Interval",
     "Op",
+    "SCHEDULES",
     "Schedule",
     "ScheduleError",
     "Simulation",
