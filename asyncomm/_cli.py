@@ -1,4 +1,4 @@
-"""The ``asyncomm`` command line: ``run`` launches a world, ``bench`` measures it."""
+"""The ``asyncomm`` command line: ``run`` launches, ``bench`` measures, ``trace`` merges."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ def _parser() -> argparse.ArgumentParser:
 
     _bench.add_arguments(
         commands.add_parser("bench", help="compare asyncomm with the raw backend")
+    )
+
+    from asyncomm import _timeline
+
+    _timeline.add_arguments(
+        commands.add_parser("trace", help="merge a traced run: trace JSON, overlap, PNG")
     )
     return parser
 
