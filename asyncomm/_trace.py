@@ -84,7 +84,7 @@ class Recorder:
 
     def attach(self, comm: Comm) -> int:
         """Start recording ``comm``; return its id in this process's trace."""
-        if self.rank is None:
+        if self.rank is None or comm.size > self.size:  # the widest names the file: the world
             self.rank, self.size = comm.rank, comm.size
         self.comms.append({"rank": comm.rank, "size": comm.size, "backend": comm.backend})
         self._open += 1
