@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 import weakref
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -103,7 +104,7 @@ class Recorder:
         _, kind, seq, peer, tag = handle._what
         record = ["op", kind, _nbytes(keep), peer, tag, seq, comm, _perf(), None, None, None]
         self.events.append(record)
-        handle.add_done_callback(lambda h: _ended(record, h))
+        handle.add_done_callback(partial(_ended, record))
 
     def message(self, kind: str, nbytes: int, peer: int | None, tag: int | None, comm: int,
                 start: float, error: BaseException | None, name: str | None = None) -> None:
@@ -194,10 +195,10 @@ def start(directory: str | os.PathLike[str]) -> Recorder:
     global _recorder
     with _lock:
         if _recorder is not None:
-            if _recorder.directory != Path(directory):
+            if _recorder.directory != Path(directory).resolve():
                 raise ValueError(f"tracing is already on, into {_recorder.directory}")
             return _recorder
-        recorder = _recorder = Recorder(Path(directory))
+        recorder = _recorder = Recorder(Path(directory).resolve())
         _compute.on_span = recorder.span
         atexit.register(recorder.flush_at_exit)
     for comm in list(_comms):
