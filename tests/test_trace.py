@@ -101,6 +101,8 @@ def test_merge_aligns_hosts_by_wall_clock_and_keeps_lanes_free_of_overlaps(
 
 async def check_start_records_until_stop(comm: Comm, directory: str) -> None:
     peer = 1 - comm.rank
+    # Without ASYNCOMM_TRACE (the test worlds have none) nothing records.
+    assert comm._trace is None and not asyncomm.trace.enabled() and _compute.on_span is None
     asyncomm.trace.start(directory)
     try:
         assert asyncomm.trace.enabled() and comm._trace is not None
