@@ -490,7 +490,10 @@ class Channel:
                              f"a rank in 0..{router.size - 1}")
         trace = router._comm._trace if self._traced else None
         if trace is None:
-            return await self._recv(src, timeout)
+            frame = self._take(src)
+            if frame is not None:
+                return self._open(frame)
+            return await self._wait(src, self._timeout if timeout is None else timeout)
         start, error, message = time.perf_counter(), None, None
         try:
             message = await self._recv(src, timeout)
@@ -505,13 +508,17 @@ class Channel:
         return message
 
     async def _recv(self, src: int | None, timeout: float | None) -> Message:
-        router, box = self._router, self._box
-        frame = box.take(src)
-        if frame is None and router.pump():
-            frame = box.take(src)
+        frame = self._take(src)
         if frame is not None:
             return self._open(frame)
         return await self._wait(src, self._timeout if timeout is None else timeout)
+
+    def _take(self, src: int | None) -> _Frame | None:
+        """Return the next frame from ``src`` (any if ``None``) already here, else None."""
+        frame = self._box.take(src)
+        if frame is None and self._router.pump():
+            frame = self._box.take(src)
+        return frame
 
     async def _wait(self, src: int | None, limit: float) -> Message:
         """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds."""
@@ -541,9 +548,7 @@ class Channel:
                     timer.cancel()
                 if waiter in box.waiters:
                     box.waiters.remove(waiter)
-            frame = box.take(src)
-            if frame is None and router.pump():
-                frame = box.take(src)
+            frame = self._take(src)
             if frame is not None:
                 return self._open(frame)
 
