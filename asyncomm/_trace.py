@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 import weakref
 from functools import partial
 from pathlib import Path
@@ -76,7 +77,7 @@ class Recorder:
         self.anchor = (_perf(), time.time_ns())
         self.events: list[Any] = []  # op lists (see FIELDS) and compute tuples
         self.comms: list[dict[str, Any]] = []  # id -> rank, size, backend
-        self.rank: int | None = None  # the first communicator's rank names the file
+        self.rank: int | None = None  # the widest communicator's rank names the file
         self.size = 1
         self.written = 0  # how many events the last write saw
         self._open = 0
@@ -95,7 +96,11 @@ class Recorder:
         """Note that a traced communicator closed; write the file once none is open."""
         self._open -= 1
         if self._open <= 0:
-            self.write()
+            try:
+                self.write()
+            except OSError as exc:  # a trace that cannot be written must not fail the close
+                warnings.warn(f"asyncomm: rank {self.rank}: cannot write the trace: {exc}",
+                              RuntimeWarning, stacklevel=2)
 
     # -- recording (on the loop thread, except ``span``) -------------------------------
 
