@@ -4,6 +4,7 @@ Collectives and point-to-point operations return awaitable ``Handle``s over
 torch.distributed (gloo, nccl) or MPI; every rank runs one asyncio event loop.
 """
 
+from asyncomm import trace
 from asyncomm._actors import Actor, ActorRef, endpoint
 from asyncomm._channels import Channel, Message
 from asyncomm._comm import Comm
@@ -43,4 +44,5 @@ __all__ = [
     "endpoint",
     "init",
     "run",
+    "trace",
 ]

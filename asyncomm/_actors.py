@@ -22,6 +22,7 @@ import asyncio
 import inspect
 import itertools
 import math
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -128,6 +129,21 @@ class Host:
     async def call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
                    kwargs: dict[str, Any], timeout: float | None) -> Any:
         """Call ``name.method(*args, **kwargs)`` on ``rank`` and return its result."""
+        trace = self._router._comm._trace
+        if trace is None:
+            return await self._call(rank, name, method, args, kwargs, timeout)
+        start, error = time.perf_counter(), None
+        try:
+            return await self._call(rank, name, method, args, kwargs, timeout)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            trace.message("actor_call", 0, rank, None, self._router._comm._trace_id, start,
+                          error, f"{name}.{method}")
+
+    async def _call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], timeout: float | None) -> Any:
         self._check_open(rank, name, method)
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()

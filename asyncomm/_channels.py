@@ -432,13 +432,16 @@ class Channel:
     Per (sender, channel) messages arrive exactly once and in order.
     """
 
-    def __init__(self, router: Router, tag: int, codec: Codec, timeout: float) -> None:
+    def __init__(self, router: Router, tag: int, codec: Codec, timeout: float,
+                 traced: bool = False) -> None:
         self._router = router
         self.tag = tag
         self.codec = codec
         self._timeout = timeout
         self._box = router.mailbox(tag)
         self._closed = False
+        self._traced = traced  # the user's channels are traced; the actors' own are not
+        self._received = 0  # bytes of the last message opened, for the trace
 
     def __repr__(self) -> str:
         return f"<Channel {self.tag} rank {self._router.rank} {self.codec.name.lower()}>"
@@ -458,7 +461,20 @@ class Channel:
             raise CommClosedError(f"rank {router.rank}: channel {self.tag} is closed")
         limit = self._timeout if timeout is None else timeout
         frame = router.encode(Kind.DATA, self.tag, obj, self.codec)
-        await router.send(frame, self.tag, dst, None if limit == math.inf else limit)
+        trace = router._comm._trace if self._traced else None
+        if trace is None:
+            await router.send(frame, self.tag, dst, None if limit == math.inf else limit)
+            return
+        start, error = time.perf_counter(), None
+        try:
+            await router.send(frame, self.tag, dst, None if limit == math.inf else limit)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            nbytes = len(frame[0]) + sum(b.numel() for b in frame[1])
+            trace.message("channel_send", nbytes, dst, self.tag, router._comm._trace_id, start,
+                          error)
 
     async def recv(self, src: int | None = None, *, timeout: float | None = None) -> Message:
         """Receive the next message (from ``src``, or any source); a cancelled call loses nothing.
@@ -472,13 +488,37 @@ class Channel:
                                 or not 0 <= src < router.size):
             raise ValueError(f"rank {router.rank}: channel {self.tag} recv: src={src!r} is not "
                              f"a rank in 0..{router.size - 1}")
-        box = self._box
-        frame = box.take(src)
-        if frame is None and router.pump():
-            frame = box.take(src)
+        trace = router._comm._trace if self._traced else None
+        if trace is None:
+            frame = self._take(src)
+            if frame is not None:
+                return self._open(frame)
+            return await self._wait(src, self._timeout if timeout is None else timeout)
+        start, error, message = time.perf_counter(), None, None
+        try:
+            message = await self._recv(src, timeout)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            nbytes = 0 if message is None else self._received
+            peer = src if message is None else message.src
+            trace.message("channel_recv", nbytes, peer, self.tag, router._comm._trace_id, start,
+                          error)
+        return message
+
+    async def _recv(self, src: int | None, timeout: float | None) -> Message:
+        frame = self._take(src)
         if frame is not None:
             return self._open(frame)
         return await self._wait(src, self._timeout if timeout is None else timeout)
+
+    def _take(self, src: int | None) -> _Frame | None:
+        """Return the next frame from ``src`` (any if ``None``) already here, else None."""
+        frame = self._box.take(src)
+        if frame is None and self._router.pump():
+            frame = self._box.take(src)
+        return frame
 
     async def _wait(self, src: int | None, limit: float) -> Message:
         """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds."""
@@ -508,9 +548,7 @@ class Channel:
                     timer.cancel()
                 if waiter in box.waiters:
                     box.waiters.remove(waiter)
-            frame = box.take(src)
-            if frame is None and router.pump():
-                frame = box.take(src)
+            frame = self._take(src)
             if frame is not None:
                 return self._open(frame)
 
@@ -522,6 +560,8 @@ class Channel:
 
     def _open(self, frame: _Frame) -> Message:
         self._router.consumed(frame)
+        if self._traced:
+            self._received = _charge(frame.head)
         if frame.error is not None:
             raise frame.error
         try:

@@ -1,5 +1,5 @@
-"""The ``asyncomm`` command line: ``run`` launches a world, ``bench`` measures it,
-``pipeline show`` draws a pipeline schedule."""
+"""The ``asyncomm`` command line: ``run`` launches, ``bench`` measures, ``trace`` merges a
+traced run, ``pipeline show`` draws a pipeline schedule."""
 
 from __future__ import annotations
 
@@ -28,6 +28,12 @@ def _parser() -> argparse.ArgumentParser:
 
     _show.add_arguments(
         commands.add_parser("pipeline", help="check and draw pipeline-parallel schedules")
+    )
+
+    from asyncomm import _timeline
+
+    _timeline.add_arguments(
+        commands.add_parser("trace", help="merge a traced run: trace JSON, overlap, PNG")
     )
     return parser
 

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from asyncomm import _watchdog
+from asyncomm import _trace, _watchdog
 from asyncomm._actors import Actor, ActorRef, Host
 from asyncomm._backends import Backend
 from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Router, codec_of
@@ -61,6 +61,11 @@ class Comm:
         # Eager too: a call to an actor not served (yet) fails the same way on every rank.
         self._host = Host(self._router, self.rank, timeout)
         self._channels: dict[int, Channel] = {}
+        self._trace: _trace.Recorder | None = None  # set while this process traces
+        self._trace_id = 0
+        traced = _trace.register(self)
+        if traced is not None:
+            self._trace, self._trace_id = traced
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
@@ -217,6 +222,8 @@ class Comm:
         self._seq += 1
         handle: Handle[Any] = Handle(self._loop, (self.rank, op, self._seq, peer, tag),
                                      result, keep)
+        if self._trace is not None:  # before starting: an eager send may finish inside
+            self._trace.issued(handle, self._trace_id, keep)
         if self._checker is not None and checked(op):  # debug mode: see _checks
             self._checker.submit(handle, op, args,
                                  lambda: self._start(handle, start, args, deferred=True))
@@ -408,7 +415,8 @@ class Comm:
                                  f"{existing.codec.name.lower()}, not {codec}")
             return existing
         made = Channel(self._router, tag, wanted,
-                       self._timeout if timeout is None else self._deadline(timeout, "channel"))
+                       self._timeout if timeout is None else self._deadline(timeout, "channel"),
+                       traced=True)
         self._channels[tag] = made
         return made
 
@@ -424,8 +432,6 @@ class Comm:
             raise ValueError(f"{self._what('actor')}: name must be a non-empty str")
         self._open("actor")
         return ActorRef(self._host, rank, name)
-
-
 
     async def _own_op(self, op: str, start: Callable[..., None], *args: Any) -> None:
         handle: Handle[None] = Handle(self._loop, (self.rank, op, self._seq, None, None), None,
@@ -531,6 +537,8 @@ class Comm:
         await self._router.close(linger)
         self._own.close()
         self._backend.close()
+        if self._trace is not None:
+            self._trace.detached()
 
     def _abort_job(self, code: int) -> None:
         self._backend.abort_job(code)

@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--timeout", type=float, metavar="SECONDS", help="set ASYNCOMM_TIMEOUT for every rank"
     )
     parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="trace every rank into DIR (ASYNCOMM_TRACE), then merge: DIR/trace.json, "
+        "DIR/timeline.png and the overlap metrics",
+    )
+    parser.add_argument(
         "-m", dest="module", action="store_true", help="SCRIPT names a module, as in python -m"
     )
     parser.add_argument("script", metavar="SCRIPT", help="the Python script every rank runs")
@@ -76,10 +82,19 @@ def run_command(args: argparse.Namespace) -> int:
         return 2
     argv = ["-m", args.script] if args.module else [args.script]
     try:
-        return launch([*argv, *args.script_args], args.nproc, args.backend, timeout=args.timeout)
+        code = launch([*argv, *args.script_args], args.nproc, args.backend,
+                      timeout=args.timeout, trace=args.trace)
     except (ValueError, FileNotFoundError) as err:
         print(f"asyncomm run: {err}", file=sys.stderr)
         return 2
+    if args.trace is not None:
+        from asyncomm import _timeline
+
+        try:  # also after a failure: the ranks that got far enough wrote their files
+            _timeline.summarise(args.trace)
+        except (FileNotFoundError, ValueError) as err:  # the program's own code still counts
+            print(f"asyncomm run: trace: {err}", file=sys.stderr)
+    return code
 
 
 def find_mpiexec() -> str | None:
@@ -97,12 +112,15 @@ def launch(
     backend: str | None = None,
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> int:
     """Run ``python *script_argv`` (a script or ``-m module``, then its arguments) on n ranks.
 
     Blocks until every rank has exited and returns the world's exit code. ``backend`` is
     exported as ``ASYNCOMM_BACKEND`` when given (``"mpi"`` starts the ranks with mpiexec),
     ``env`` is added to every rank's environment and ``timeout`` becomes ``ASYNCOMM_TIMEOUT``.
+    ``trace`` becomes ``ASYNCOMM_TRACE`` (the directory is made, and emptied of an earlier
+    run's rank files so that they cannot be merged with this run's).
     """
     if n < 1:
         raise ValueError(f"-n must be at least 1, not {n}")
@@ -113,6 +131,12 @@ def launch(
         base["ASYNCOMM_BACKEND"] = backend
     if timeout is not None:
         base["ASYNCOMM_TIMEOUT"] = f"{timeout:g}"
+    if trace is not None:
+        directory = Path(trace).resolve()  # the ranks may run elsewhere (mpiexec's cwd)
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("rank*.json"):
+            stale.unlink()
+        base["ASYNCOMM_TRACE"] = str(directory)
     if backend == "mpi":
         return _launch_mpi(script_argv, n, {**base, **(env or {})})
     base["GLOO_SOCKET_IFNAME"] = loopback_interface()

@@ -8,6 +8,7 @@ PUBLIC = {
     "Actor", "ActorRef", "Channel", "Comm", "CommClosedError", "CommError", "CommTimeoutError",
     "Handle", "Message", "MismatchError", "PeerFailedError", "ProtocolError", "ReduceOp",
     "RemoteError", "__version__", "compute", "endpoint", "init", "run",
+    "trace",
 }
 
 

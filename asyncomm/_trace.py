@@ -1,0 +1,233 @@
+"""The per-process trace recorder: every operation, channel message, actor call and compute.
+
+Note on cost
+------------
+Off, a communicator pays one attribute check per operation (``Comm._trace is
+None``). On, an operation costs two ``perf_counter`` reads, one small list and
+one completion callback; nothing is formatted or written until the file is
+written, when the last traced communicator closes (and again at exit if more
+was recorded since). Compute spans arrive on the worker thread through
+``_compute.on_span``; ``list.append`` is atomic under the GIL, so the worker
+appends without a lock.
+
+Note on clocks
+--------------
+Times are ``time.perf_counter()`` seconds, the clock compute spans use too.
+On Linux it is CLOCK_MONOTONIC, shared by every process of a host, so ranks
+of one host line up exactly. The file also keeps an anchor, a
+``(perf_counter, time.time_ns())`` pair read back to back at start, so ranks
+of different hosts can be put on one wall-clock timeline (as good as the
+hosts' clock synchronisation, typically well under a millisecond with NTP).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import threading
+import time
+import warnings
+import weakref
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncomm import _compute
+from asyncomm._handle import _DONE
+
+if TYPE_CHECKING:
+    from asyncomm._comm import Comm
+    from asyncomm._handle import Handle
+
+ENV = "ASYNCOMM_TRACE"
+FORMAT = "asyncomm-trace"
+VERSION = 1
+
+# The fields of a recorded communication, in the order of its list.
+FIELDS = ("cat", "kind", "bytes", "peer", "tag", "seq", "comm", "start", "end", "error",
+          "name")
+_PEER, _END, _ERROR = 3, 8, 9
+
+_perf = time.perf_counter
+_comms: weakref.WeakSet[Comm] = weakref.WeakSet()  # every live communicator of this process
+_recorder: Recorder | None = None
+_lock = threading.Lock()  # starting and stopping only: recording takes no lock
+
+
+def _nbytes(keep: object) -> int:
+    """Return this rank's payload of an operation from the buffers it keeps alive."""
+    if isinstance(keep, tuple):  # (tensor, outputs) or (outputs, inputs)
+        keep = keep[0]
+    if isinstance(keep, torch.Tensor):
+        return keep.nbytes
+    if isinstance(keep, list):
+        return sum(t.nbytes for t in keep)
+    return 0
+
+
+class Recorder:
+    """Everything one process records while tracing is on, and the file it goes to."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.anchor = (_perf(), time.time_ns())
+        self.events: list[Any] = []  # op lists (see FIELDS) and compute tuples
+        self.comms: list[dict[str, Any]] = []  # id -> rank, size, backend
+        self.rank: int | None = None  # the widest communicator's rank names the file
+        self.size = 1
+        self.written = 0  # how many events the last write saw
+        self._open = 0
+
+    # -- attaching ---------------------------------------------------------------
+
+    def attach(self, comm: Comm) -> int:
+        """Start recording ``comm``; return its id in this process's trace."""
+        if self.rank is None or comm.size > self.size:  # the widest names the file: the world
+            self.rank, self.size = comm.rank, comm.size
+        self.comms.append({"rank": comm.rank, "size": comm.size, "backend": comm.backend})
+        self._open += 1
+        return len(self.comms) - 1
+
+    def detached(self) -> None:
+        """Note that a traced communicator closed; write the file once none is open."""
+        self._open -= 1
+        if self._open <= 0:
+            try:
+                self.write()
+            except OSError as exc:  # a trace that cannot be written must not fail the close
+                warnings.warn(f"asyncomm: rank {self.rank}: cannot write the trace: {exc}",
+                              RuntimeWarning, stacklevel=2)
+
+    # -- recording (on the loop thread, except ``span``) -------------------------------
+
+    def issued(self, handle: Handle[Any], comm: int, keep: object) -> None:
+        """Record an operation just issued; its completion fills in the end."""
+        _, kind, seq, peer, tag = handle._what
+        record = ["op", kind, _nbytes(keep), peer, tag, seq, comm, _perf(), None, None, None]
+        self.events.append(record)
+        handle.add_done_callback(partial(_ended, record))
+
+    def message(self, kind: str, nbytes: int, peer: int | None, tag: int | None, comm: int,
+                start: float, error: BaseException | None, name: str | None = None) -> None:
+        """Record a channel message or actor call that ran from ``start`` until now."""
+        self.events.append(["channel" if kind.startswith("channel") else "actor", kind, nbytes,
+                            peer, tag, None, comm, start, _perf(),
+                            None if error is None else type(error).__name__, name])
+
+    def span(self, span: _compute.Span) -> None:
+        """Record a finished compute span (called on the worker thread)."""
+        self.events.append(("compute", span.name, span.start, span.end,
+                            threading.get_ident()))
+
+    # -- writing ---------------------------------------------------------------
+
+    def path(self) -> Path:
+        """Return the file this process writes: ``DIR/rank{R}.json``."""
+        rank = self.rank if self.rank is not None else f"-pid{os.getpid()}"
+        return self.directory / f"rank{rank}.json"
+
+    def document(self) -> dict[str, Any]:
+        """Return what was recorded so far as the file's JSON object."""
+        events: list[dict[str, Any]] = []
+        threads: dict[int, int] = {}
+        for event in list(self.events):  # a copy: the worker may append meanwhile
+            if isinstance(event, tuple):
+                name, start, end, ident = event[1:]
+                thread = threads.setdefault(ident, len(threads))
+                events.append({"cat": "compute", "kind": "compute", "name": name,
+                               "start": start, "end": end, "thread": thread})
+            else:
+                events.append(dict(zip(FIELDS, event, strict=True)))
+        return {"format": FORMAT, "version": VERSION, "rank": self.rank, "size": self.size,
+                "host": socket.gethostname(), "pid": os.getpid(),
+                "anchor": {"perf_counter": self.anchor[0], "wall_ns": self.anchor[1]},
+                "comms": self.comms, "events": events}
+
+    def write(self) -> Path:
+        """Write the file (replacing an earlier write of this process); return its path."""
+        self.written = len(self.events)
+        path = self.path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".json.part")
+        partial.write_text(json.dumps(self.document(), separators=(",", ":")))
+        partial.replace(path)  # a reader never sees half a file
+        return path
+
+    def flush_at_exit(self) -> None:
+        """Write at exit what was recorded since the last write, if anything."""
+        if len(self.events) > self.written or not self.path().exists():
+            try:
+                self.write()
+            except OSError:  # exiting: nobody left to tell
+                pass
+
+
+def _ended(record: list[Any], handle: Handle[Any]) -> None:
+    record[_END] = _perf()
+    error = handle._error
+    if error is not None:
+        record[_ERROR] = type(error).__name__
+    elif handle._state != _DONE:  # a bad argument: raised before anything was sent
+        record[_ERROR] = "not started"
+    elif record[_PEER] is None and record[1] == "recv":  # from any source: note which
+        record[_PEER] = handle._value
+
+
+# -- turning it on and off ------------------------------------------------------
+
+
+def register(comm: Comm) -> tuple[Recorder, int] | None:
+    """Note a new communicator; return its recorder and id when tracing is on.
+
+    ``ASYNCOMM_TRACE=DIR`` turns tracing on for the process here, when its
+    first communicator is made.
+    """
+    recorder = _recorder
+    if recorder is None:
+        directory = os.environ.get(ENV)
+        if directory:
+            recorder = start(directory)  # before adding ``comm``: it is attached below
+    _comms.add(comm)
+    return None if recorder is None else (recorder, recorder.attach(comm))
+
+
+def start(directory: str | os.PathLike[str]) -> Recorder:
+    """Trace every open and future communicator of this process into ``directory``."""
+    global _recorder
+    with _lock:
+        if _recorder is not None:
+            if _recorder.directory != Path(directory).resolve():
+                raise ValueError(f"tracing is already on, into {_recorder.directory}")
+            return _recorder
+        recorder = _recorder = Recorder(Path(directory).resolve())
+        _compute.on_span = recorder.span
+        atexit.register(recorder.flush_at_exit)
+    for comm in list(_comms):
+        if not comm.closed and comm._trace is None:
+            comm._trace, comm._trace_id = recorder, recorder.attach(comm)
+    return recorder
+
+
+def stop() -> Path | None:
+    """Stop tracing; write this process's file and return its path (None if it was off)."""
+    global _recorder
+    with _lock:
+        recorder, _recorder = _recorder, None
+        if recorder is None:
+            return None
+        if _compute.on_span == recorder.span:
+            _compute.on_span = None
+        atexit.unregister(recorder.flush_at_exit)
+    for comm in list(_comms):
+        if comm._trace is recorder:
+            comm._trace = None
+    return recorder.write()
+
+
+def recorder() -> Recorder | None:
+    """Return the recorder when tracing is on."""
+    return _recorder
