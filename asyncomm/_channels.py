@@ -378,9 +378,11 @@ class Router:
         """Take what has arrived, without waiting; return whether anything had."""
         return self._link.pump()
 
-    def bye(self, src: int) -> None:
-        """``src``'s router said goodbye (see the note on closing in ``_backends._link``)."""
-        self._byes.add(src)
+    def bye(self, src: int, dead: int | None = None) -> None:
+        """``src``'s router said goodbye, or said it for ``dead`` (see ``_backends._link``)."""
+        if dead is not None:  # so this rank says it too, to the rank it drains
+            self.failed(dead, PeerFailedError(f"rank {src} found rank {dead} gone"))
+        self._byes.add(src if dead is None else dead)
         self._count_byes()
 
     def _count_byes(self) -> None:

@@ -86,8 +86,11 @@ class Arrivals(Protocol):
     def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
         """A malformed frame: on channel ``tag``, or (``None``) the end of ``src``'s stream."""
 
-    def bye(self, src: int) -> None:
-        """``src`` closed its end of the link: nothing more comes from it."""
+    def bye(self, src: int, dead: int | None = None) -> None:
+        """``src`` closed its end of the link: nothing more comes from it.
+
+        With ``dead``: ``src`` says that goodbye for ``dead``, which it found gone.
+        """
 
 
 class Link(ABC):
@@ -210,7 +213,7 @@ class Link(ABC):
         raw = view[at:at + head_bytes]
         who = bye_from(raw, src) if not follow else None
         if who is not None:
-            arrivals.bye(who)
+            arrivals.bye(src, None if who == src else who)
             return
         try:
             head, seq = self._head(raw)
