@@ -67,7 +67,7 @@ from asyncomm._backends._link import (
     proxy_bye,
 )
 from asyncomm._backends._torch import classify
-from asyncomm._errors import CommError, ProtocolError
+from asyncomm._errors import CommError, PeerFailedError, ProtocolError
 from asyncomm._handle import Handle
 
 if TYPE_CHECKING:
@@ -102,6 +102,23 @@ class _OnLoop:
 
 
 _ON_LOOP = _OnLoop()
+
+
+class _Pinged:
+    """The sink of a PING: a failure says the peer is gone."""
+
+    def __init__(self, link: GlooLink, dst: int) -> None:
+        self._link, self._dst = link, dst
+
+    def _succeed(self, value: object) -> None:
+        self._link._pinging.discard(self._dst)
+
+    def _fail(self, kind: type[CommError], cause: BaseException) -> None:
+        self._link._pinging.discard(self._dst)
+        if issubclass(kind, PeerFailedError) and self._link._arrivals is not None:
+            self._link._arrivals.failed(self._dst, cause)
+
+    _abandon = _fail
 
 
 def _nothing(_: object) -> None:
@@ -141,6 +158,7 @@ class GlooLink(Link):
         self._pg = backend._pg
         self._size = backend.size
         self._inbox = backend._inbox
+        self._waiters = backend._waiters
         self._frames: queue.SimpleQueue[tuple[Pending, list[Any]] | None] = queue.SimpleQueue()
         self._sends: queue.SimpleQueue[tuple[Any, Handle[None]] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -148,6 +166,7 @@ class GlooLink(Link):
         self._drained = backend._loop.create_future()  # the listener has nothing posted
         self._ping = _ping_message()  # only read: every probe sends the same bytes
         self._can_drain = True  # False once no live peer is left to drain this rank
+        self._pinging: set[int] = set()  # peers with a PING in flight
 
     def open(self, arrivals: Arrivals, limits: _wire.Limits) -> None:
         super().open(arrivals, limits)
@@ -164,14 +183,20 @@ class GlooLink(Link):
         return bytearray(ENVELOPE_BYTES)
 
     def probe(self, dst: int) -> BaseException | None:
-        """Send ``dst`` a PING; a send to a dead peer fails at once (see the note)."""
+        """Send ``dst`` a PING; a send to a dead peer fails at once (see the note).
+
+        At most one PING per peer is in flight: one to a stalled peer waits
+        (on a waiter thread, not the sender's, so other peers' sends go on)
+        and reports a death if the peer dies meanwhile.
+        """
+        if dst in self._pinging:
+            return None
         try:
             work = self._pg.send([self._ping], dst, T_MESSAGE)
         except RuntimeError as exc:
             return exc
-        handle: Handle[None] = Handle(self._loop, (self._backend.rank, "probe", None, dst, None),
-                                      None, self._ping)
-        self._sends.put((work, handle))
+        self._pinging.add(dst)
+        self._waiters.watch(work.wait, _Pinged(self, dst), _nothing)
         return None
 
     def goodbye(self, gone: frozenset[int] = frozenset()) -> list[Handle[None]]:

@@ -92,6 +92,9 @@ class Arrivals(Protocol):
         With ``dead``: ``src`` says that goodbye for ``dead``, which it found gone.
         """
 
+    def failed(self, peer: int, cause: BaseException) -> None:
+        """``peer`` is gone (a probe of it failed)."""
+
 
 class Link(ABC):
     """Frames between the ranks of one communicator; see the note on the layout."""
