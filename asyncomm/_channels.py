@@ -256,7 +256,8 @@ class Router:
         """Return whether ``peer`` may be alive; probe it unless it was probed just now."""
         if peer in self.dead:
             return False
-        if peer == self.rank or self._closed:  # no probe after goodbye: it is a message
+        if peer == self.rank or self._closed or peer in self._byes:
+            # no probe after our goodbye (a probe is a message), nor of a rank that closed
             return True
         now = time.monotonic()
         if now - self._probed.get(peer, -math.inf) < PROBE_S:
