@@ -49,7 +49,7 @@ import os
 import struct
 import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -196,7 +196,7 @@ class Router:
         self._closed = False
         self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
         self._probed: dict[int, float] = {}  # when each peer was last probed
-        self._on_dead: list[Any] = []  # callbacks(rank) once a peer is known gone
+        self._on_dead: list[Callable[[int], None]] = []  # called with a rank once it is gone
         self._link = comm._own.link()
         if self.size > 1:
             self._link.open(self, self.limits)
@@ -247,7 +247,10 @@ class Router:
             for handle in self.transmit(dst, head, buffers):
                 await handle  # no task per handle: most are done already
         except PeerFailedError as exc:
-            self.failed(dst, exc.__cause__ or exc)
+            cause = exc.__cause__
+            if cause is None or isinstance(cause, CommError):  # not dst's connection's own
+                raise
+            self.failed(dst, cause)
             raise self._gone(f"channel {tag} send to peer {dst}", dst) from exc
 
     # -- dead peers (see the note) ---------------------------------------------------
@@ -297,7 +300,7 @@ class Router:
         error.__cause__ = self.dead.get(peers[0])
         return error
 
-    def check_peers(self, peers: Any) -> None:
+    def check_peers(self, peers: Iterable[int]) -> None:
         """Probe ``peers`` (rate-limited): a waiter has waited ``PROBE_S`` for them."""
         for peer in peers:
             self.alive(peer)

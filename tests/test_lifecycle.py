@@ -285,7 +285,7 @@ def test_a_rank_that_never_joins_is_named_after_the_init_timeout(tmp_path: Path)
 
 
 DYING = """
-import math, os, sys, torch, asyncomm
+import math, os, sys, threading, torch, asyncomm
 
 async def main():
     comm = await asyncomm.init(backend="gloo", timeout=20)
@@ -300,7 +300,8 @@ async def main():
         await comm.barrier(timeout=math.inf)  # must not wait for the dead rank
     except asyncomm.PeerFailedError as exc:
         print("then:", exc, flush=True)
-    os._exit(0)  # closing would wait for the dead rank's goodbye
+    await comm.close()  # waits for the live rank only, and drains without the dead one
+    print("threads:", [t.name for t in threading.enumerate() if t.name.startswith("asyncomm")])
 
 asyncomm._runtime.run_loop(main())
 """
@@ -335,6 +336,7 @@ def test_a_dead_peer_fails_the_operations_that_need_it(tmp_path: Path) -> None:
         assert code == 0, err
         assert "first: PeerFailedError" in out or "first: CommTimeoutError" in out, out + err
         assert "then: rank" in out and "a peer failed earlier" in out, out + err
+        assert "threads: []" in out, out + err
 
 
 DEAD_ON_CHANNELS = """
