@@ -195,10 +195,12 @@ class Host:
             tag, call_id, frame = item
             try:
                 await self._router.send(frame, tag, rank)
-            except CommError as exc:  # a local failure, not the endpoint's: raised as it is
+            except CommError as exc:  # a local failure, not the endpoint's
                 pending = self._calls.get(call_id)
                 if pending is not None and not pending[1].done():
-                    pending[1].set_exception(exc)
+                    error = (self._router._gone(f"call {pending[2]} on rank {rank}", rank)
+                             if rank in self._router.dead else exc)  # worded like a call's
+                    pending[1].set_exception(error)
 
     async def _serve_replies(self) -> None:
         waited = 0.0
