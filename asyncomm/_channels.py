@@ -501,8 +501,9 @@ class Router:
         """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
 
         Closing is collective, like MPI's finalize (see the note on closing
-        in ``_backends._link``). A rank that never closes (it died) leaves
-        the link's receive posted after ``timeout``.
+        in ``_backends._link``). Every peer not heard from is probed first: a
+        dead one is not waited for (its goodbye is said for it). A live rank
+        that never closes leaves the link's receive posted after ``timeout``.
         """
         if self._closed:
             return
