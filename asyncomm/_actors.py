@@ -11,9 +11,11 @@ to one destination in call order (calls and tells alike), and each actor
 handles one request at a time, in arrival order.
 
 A call to a rank that closed its communicator fails with ``CommClosedError``
-as soon as its end-of-stream arrives; a call to a rank that died fails with
-``CommTimeoutError`` at the call's deadline (``timeout=``, default the
-communicator's).
+as soon as its end-of-stream arrives. A call to a rank that died fails with
+``PeerFailedError`` once the router knows (the caller's reply loop probes
+the ranks it has calls in flight to, see the note on dead peers in
+``_channels``); where the link cannot tell, with ``CommTimeoutError`` at the
+call's deadline (``timeout=``, default the communicator's).
 """
 
 from __future__ import annotations
@@ -27,8 +29,14 @@ import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Encoded, Message, Router
-from asyncomm._errors import CommClosedError, CommError, CommTimeoutError, RemoteError
+from asyncomm._channels import MAX_CHANNEL_TAG, PROBE_S, Channel, Encoded, Message, Router
+from asyncomm._errors import (
+    CommClosedError,
+    CommError,
+    CommTimeoutError,
+    PeerFailedError,
+    RemoteError,
+)
 from asyncomm._wire import Codec, Kind
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -61,16 +69,18 @@ class Host:
         self.rank = rank
         self._router = router
         self._timeout = timeout
-        self._requests = Channel(router, REQUEST_TAG, Codec.DEFAULT, math.inf)
-        self._replies = Channel(router, REPLY_TAG, Codec.DEFAULT, math.inf)
+        # They do not probe: every rank serves, and most wait for nothing in particular.
+        self._requests = Channel(router, REQUEST_TAG, Codec.DEFAULT, math.inf, probe=False)
+        self._replies = Channel(router, REPLY_TAG, Codec.DEFAULT, math.inf, probe=False)
         self._actors: dict[str, asyncio.Queue[Message]] = {}
         self._workers: list[asyncio.Task[None]] = []
-        self._calls: dict[int, tuple[int, asyncio.Future[Any]]] = {}
+        self._calls: dict[int, tuple[int, asyncio.Future[Any], str]] = {}
         self._ids = itertools.count()
         self._outboxes: dict[int, asyncio.Queue[_Outgoing | None]] = {}
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._serve_requests()),
                        loop.create_task(self._serve_replies())]
+        router._on_dead.append(self._fail_dead)
 
     # -- hosting -----------------------------------------------------------------
 
@@ -89,6 +99,12 @@ class Host:
                                                                              inbox)))
 
     async def _serve_requests(self) -> None:
+        try:
+            await self._route_requests()
+        except PeerFailedError:  # every other rank is gone or closed: nothing more comes
+            pass
+
+    async def _route_requests(self) -> None:
         async for message in self._requests:
             name = message.data[1]
             inbox = self._actors.get(name)
@@ -147,7 +163,7 @@ class Host:
         self._check_open(rank, name, method)
         call_id = next(self._ids)
         future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = (rank, future)
+        self._calls[call_id] = (rank, future, f"{name}.{method}")
         self._post(rank, self._requests, [call_id, name, method, list(args), kwargs, True])
         limit = self._timeout if timeout is None else timeout
         try:
@@ -171,6 +187,8 @@ class Host:
                                           False])
 
     def _check_open(self, rank: int, name: str, method: str) -> None:
+        if rank in self._router.dead:
+            raise self._router._gone(f"call {name}.{method} on rank {rank}", rank)
         if rank in self._requests._box.ended or rank in self._replies._box.ended:
             raise CommClosedError(f"rank {self.rank}: call {name}.{method}: rank {rank} "
                                   "closed its communicator")
@@ -193,22 +211,40 @@ class Host:
             tag, call_id, frame = item
             try:
                 await self._router.send(frame, tag, rank)
-            except CommError as exc:
-                self._settle(call_id, False, [type(exc).__name__, str(exc), ""])
+            except CommError as exc:  # a local failure, not the endpoint's
+                pending = self._calls.get(call_id)
+                if pending is not None and not pending[1].done():
+                    error = (self._router._gone(f"call {pending[2]} on rank {rank}", rank)
+                             if rank in self._router.dead else exc)  # worded like a call's
+                    pending[1].set_exception(error)
 
     async def _serve_replies(self) -> None:
+        waited = 0.0
         while True:
             try:
                 message = await self._replies.recv(timeout=_POLL_S)
             except CommTimeoutError:
                 self._fail_closed()
+                waited += _POLL_S
+                if waited >= PROBE_S:  # no reply for a while: are the callees there?
+                    waited = 0.0
+                    self._router.check_peers({rank for rank, _, _ in self._calls.values()})
                 continue
-            except CommClosedError:
+            except (CommClosedError, PeerFailedError):  # nobody left to reply
                 self._fail_closed()
+                for rank in self._router.dead:
+                    self._fail_dead(rank)
                 return
+            waited = 0.0
             call_id, ok, result = message.data
             self._settle(call_id, ok, result)
             self._fail_closed()
+
+    def _fail_dead(self, rank: int) -> None:
+        """``rank`` is gone: fail the calls in flight to it."""
+        for callee, future, what in self._calls.values():
+            if callee == rank and not future.done():
+                future.set_exception(self._router._gone(f"call {what} on rank {rank}", rank))
 
     def _settle(self, call_id: int, ok: bool, result: Any) -> None:
         pending = self._calls.get(call_id)
@@ -217,7 +253,7 @@ class Host:
 
     def _fail_closed(self) -> None:
         ended = self._replies._box.ended | self._requests._box.ended
-        for rank, future in self._calls.values():
+        for rank, future, _ in self._calls.values():
             if rank in ended and not future.done():
                 future.set_exception(CommClosedError(
                     f"rank {self.rank}: rank {rank} closed its communicator with a call "
@@ -234,7 +270,7 @@ class Host:
         await self._replies.close()
         for task in [*self._tasks, *self._workers]:
             task.cancel()
-        for _, future in self._calls.values():
+        for _, future, _ in self._calls.values():
             if not future.done():
                 future.set_exception(CommClosedError(f"rank {self.rank}: the communicator "
                                                      "was closed with this call in flight"))

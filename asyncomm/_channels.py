@@ -26,6 +26,18 @@ Note on end of stream
 ``close()`` sends an EOS frame to every other rank. A receiver's iteration
 ends when every other rank has closed its end and the mailbox is empty;
 ``recv`` then raises ``CommClosedError``.
+
+Note on dead peers
+------------------
+A rank that dies says no goodbye. Whoever waits on a peer -- a ``recv``
+from it, a ``send`` waiting for its credit, an actor call to it -- checks
+after ``PROBE_S`` of waiting, and every ``PROBE_S`` after, that the peer is
+still there (``Link.probe``, rate-limited per peer); a send to it that fails
+says the same. Once a peer is known dead, the router fails what depends on
+it with ``PeerFailedError``: a ``recv`` from it (after the messages it sent
+before dying), an any-source ``recv`` once every other rank has died or
+closed the channel (while a live rank may still send, it waits), a send to
+it, and the communicator's later collectives (``Backend.lost``).
 """
 
 from __future__ import annotations
@@ -37,7 +49,7 @@ import os
 import struct
 import time
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +57,13 @@ import torch
 
 from asyncomm import _wire
 from asyncomm._backends._link import BYE_TAG, Pending
-from asyncomm._errors import CommClosedError, CommError, CommTimeoutError, ProtocolError
+from asyncomm._errors import (
+    CommClosedError,
+    CommError,
+    CommTimeoutError,
+    PeerFailedError,
+    ProtocolError,
+)
 from asyncomm._wire import Codec, Head, Kind
 
 if TYPE_CHECKING:
@@ -55,6 +73,7 @@ MAX_CHANNEL_TAG = (1 << 62) - 1  # tags above are asyncomm's own (actors)
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
 _SEQ = struct.Struct("<Q")  # a head's seq: after magic, version, kind, codec, flags and tag
 _SEQ_AT = 16
+PROBE_S = float(os.environ.get("ASYNCOMM_PROBE_S", 0.5))  # see the note on dead peers
 
 
 def _charge(head: Head) -> int:
@@ -175,6 +194,9 @@ class Router:
         self._all_byes: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inflight: set[Any] = set()
         self._closed = False
+        self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
+        self._probed: dict[int, float] = {}  # when each peer was last probed
+        self._on_dead: list[Callable[[int], None]] = []  # called with a rank once it is gone
         self._link = comm._own.link()
         if self.size > 1:
             self._link.open(self, self.limits)
@@ -202,6 +224,8 @@ class Router:
         """Send an encoded frame; wait for credit first, then until its buffers are free."""
         if self._closed:
             raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
+        if dst in self.dead:
+            raise self._gone(f"channel {tag} send to peer {dst}", dst)
         key = (dst, tag)
         head, buffers = frame
         nbytes = len(head)
@@ -219,8 +243,67 @@ class Router:
         seq = self._send_seq[key]
         self._send_seq[key] = seq + 1
         head = head[:_SEQ_AT] + _SEQ.pack(seq) + head[_SEQ_AT + _SEQ.size:]
-        for handle in self.transmit(dst, head, buffers):
-            await handle  # no task per handle: most are done already
+        try:
+            for handle in self.transmit(dst, head, buffers):
+                await handle  # no task per handle: most are done already
+        except PeerFailedError as exc:
+            cause = exc.__cause__
+            if cause is None or isinstance(cause, CommError):  # not dst's connection's own
+                raise
+            self.failed(dst, cause)
+            raise self._gone(f"channel {tag} send to peer {dst}", dst) from exc
+
+    # -- dead peers (see the note) ---------------------------------------------------
+
+    def alive(self, peer: int) -> bool:
+        """Return whether ``peer`` may be alive; probe it unless it was probed just now."""
+        if peer in self.dead:
+            return False
+        if peer == self.rank or self._closed or peer in self._byes:
+            # no probe after our goodbye (a probe is a message), nor of a rank that closed
+            return True
+        now = time.monotonic()
+        if now - self._probed.get(peer, -math.inf) < PROBE_S:
+            return True
+        self._probed[peer] = now
+        gone = self._link.probe(peer)
+        if gone is None:
+            return True
+        self.failed(peer, gone)
+        return False
+
+    def failed(self, peer: int, cause: BaseException) -> None:
+        """``peer`` is gone: fail what waits on it, and the communicator's later operations."""
+        if peer in self.dead or peer == self.rank:
+            return
+        self.dead[peer] = cause
+        lost = PeerFailedError(f"rank {peer} is gone: {cause}")
+        for backend in (self._comm._backend, self._comm._own):
+            if backend.lost is None:
+                backend.lost = lost
+        for box in self._mailboxes.values():
+            box.wake()
+        for (dst, _), window in self._windows.items():
+            if dst == peer:
+                for waiter in window.waiters:
+                    _wake(waiter)
+        self._count_byes()
+        for callback in self._on_dead:
+            callback(peer)
+
+    def _gone(self, what: str, *peers: int) -> PeerFailedError:
+        """The error of an operation that needed ``peers``, which are gone."""
+        ranks = ", ".join(str(p) for p in peers)
+        causes = "; ".join(_reason(self.dead[p]) for p in peers if p in self.dead)
+        error = PeerFailedError(f"rank {self.rank}: {what}: rank{'s' if len(peers) > 1 else ''} "
+                                f"{ranks} failed ({causes})")
+        error.__cause__ = self.dead.get(peers[0])
+        return error
+
+    def check_peers(self, peers: Iterable[int]) -> None:
+        """Probe ``peers`` (rate-limited): a waiter has waited ``PROBE_S`` for them."""
+        for peer in peers:
+            self.alive(peer)
 
     def _fits(self, window: _Window, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` may go now."""
@@ -235,21 +318,32 @@ class Router:
     async def _acquire(self, window: _Window, nbytes: int, tag: int, dst: int,
                        timeout: float | None) -> None:
         """Wait for credit for a message of ``nbytes``, in turn with other senders."""
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         window.waiters.append(waiter)
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
         try:
             while True:
                 if self._closed:
                     raise CommClosedError(f"rank {self.rank}: channel {tag} send to peer "
                                           f"{dst}: the communicator is closed")
+                if dst in self.dead:
+                    raise self._gone(f"channel {tag} send to peer {dst} (waiting for credit)",
+                                     dst)
                 if window.waiters[0] is waiter and self._fits(window, nbytes):
                     break
-                await asyncio.wait_for(asyncio.shield(waiter), timeout)
-                waiter = asyncio.get_running_loop().create_future()
-                window.waiters[0] = waiter
-        except asyncio.TimeoutError:
-            raise CommTimeoutError(f"rank {self.rank}: channel {tag} send to peer {dst}: "
-                                   f"no credit after {timeout:g} s") from None
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    assert timeout is not None
+                    raise CommTimeoutError(f"rank {self.rank}: channel {tag} send to peer "
+                                           f"{dst}: no credit after {timeout:g} s")
+                await asyncio.wait((waiter,), timeout=min(left, PROBE_S))
+                if waiter.done():
+                    fresh = loop.create_future()
+                    window.waiters[window.waiters.index(waiter)] = fresh
+                    waiter = fresh
+                else:  # no credit for a while: is dst still there?
+                    self.alive(dst)
         finally:
             window.waiters.remove(waiter)
             if window.waiters and not window.waiters[0].done():
@@ -275,6 +369,8 @@ class Router:
 
     def notify(self, kind: Kind, tag: int, dst: int, obj: object = None) -> None:
         """Send a small control frame without waiting (credit, end of stream)."""
+        if dst in self.dead:
+            return
         head, buffers = _wire.encode(kind, tag, 0, obj)
         handles = self.transmit(dst, head, [_as_tensor(b) for b in buffers])
         self._inflight.update(handles)
@@ -286,10 +382,17 @@ class Router:
         """Take what has arrived, without waiting; return whether anything had."""
         return self._link.pump()
 
-    def bye(self, src: int) -> None:
-        """``src``'s router said goodbye (see the note on closing in ``_backends._link``)."""
-        self._byes.add(src)
-        if len(self._byes) >= self.size - 1 and not self._all_byes.done():
+    def bye(self, src: int, dead: int | None = None) -> None:
+        """``src``'s router said goodbye, or said it for ``dead`` (see ``_backends._link``)."""
+        if dead is not None:  # so this rank says it too, to the rank it drains
+            self.failed(dead, PeerFailedError(f"rank {src} found rank {dead} gone"))
+        self._byes.add(src if dead is None else dead)
+        self._count_byes()
+
+    def _count_byes(self) -> None:
+        """Resolve ``_all_byes`` once every other rank said goodbye or is known gone."""
+        if (len((self._byes | self.dead.keys()) - {self.rank}) >= self.size - 1
+                and not self._all_byes.done()):
             self._all_byes.set_result(None)
 
     async def _drained(self) -> None:
@@ -398,20 +501,28 @@ class Router:
         """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
 
         Closing is collective, like MPI's finalize (see the note on closing
-        in ``_backends._link``). A rank that never closes (it died) leaves
-        the link's receive posted after ``timeout``.
+        in ``_backends._link``). Every peer not heard from is probed first: a
+        dead one is not waited for (its goodbye is said for it). A live rank
+        that never closes leaves the link's receive posted after ``timeout``.
         """
         if self._closed:
             return
+        if self.size > 1:  # who is gone says no goodbye: ask everyone still expected
+            for peer in range(self.size):
+                if peer != self.rank and peer not in self._byes:
+                    self._probed.pop(peer, None)
+                    self.alive(peer)
         self._closed = True
         if self.size > 1:
-            self._inflight.update(self._link.goodbye())
+            self._inflight.update(self._link.goodbye(frozenset(self.dead)))
+            self._count_byes()
         if timeout > 0:
             try:
                 await asyncio.wait_for(self._drained(), timeout)
             except asyncio.TimeoutError:
                 pass
         self._link.stop()
+        await self._link.join(1.0)
         for box in self._mailboxes.values():
             box.wake()
         for window in self._windows.values():
@@ -433,11 +544,12 @@ class Channel:
     """
 
     def __init__(self, router: Router, tag: int, codec: Codec, timeout: float,
-                 traced: bool = False) -> None:
+                 traced: bool = False, probe: bool = True) -> None:
         self._router = router
         self.tag = tag
         self.codec = codec
         self._timeout = timeout
+        self._probe = probe  # whether a waiting recv checks its peers (see the note)
         self._box = router.mailbox(tag)
         self._closed = False
         self._traced = traced  # the user's channels are traced; the actors' own are not
@@ -532,6 +644,10 @@ class Channel:
             if router._closed:
                 raise CommClosedError(f"rank {router.rank}: channel {self.tag}: the "
                                       "communicator is closed")
+            gone = self._gone(src)
+            if gone:
+                peer = "any" if src is None else src
+                raise router._gone(f"channel {self.tag} recv from peer {peer}", *gone)
             now = time.monotonic()
             if now >= deadline:
                 peer = "any" if src is None else src
@@ -540,9 +656,10 @@ class Channel:
             router._link.expect()
             waiter = loop.create_future()
             box.waiters.append(waiter)
-            timer = None if limit == math.inf else loop.call_later(deadline - now, _wake, waiter)
+            wake = min(deadline - now, PROBE_S) if self._probe else deadline - now
+            timer = None if wake == math.inf else loop.call_later(wake, _wake, waiter)
             try:
-                await waiter  # woken by a frame, the end of a stream, or the deadline
+                await waiter  # woken by a frame, the end of a stream, a death, or a timer
             finally:
                 if timer is not None:
                     timer.cancel()
@@ -551,6 +668,24 @@ class Channel:
             frame = self._take(src)
             if frame is not None:
                 return self._open(frame)
+            if self._probe and time.monotonic() < deadline:  # nothing yet: are they there?
+                router.check_peers(self._expected(src))
+
+    def _expected(self, src: int | None) -> list[int]:
+        """The peers a recv from ``src`` may still get a message from."""
+        router, ended = self._router, self._box.ended
+        peers = range(router.size) if src is None else (src,)
+        return [p for p in peers if p != router.rank and p not in ended]
+
+    def _gone(self, src: int | None) -> list[int]:
+        """The dead peers that leave a recv from ``src`` nobody to wait for (see the note)."""
+        dead = self._router.dead
+        if not dead:
+            return []
+        expected = self._expected(src)
+        if expected and all(p in dead for p in expected):
+            return expected
+        return []
 
     def _ended(self, src: int | None) -> bool:
         ended = self._box.ended
@@ -592,6 +727,14 @@ class Channel:
         for dst in range(router.size):
             if dst != router.rank:
                 router.notify(Kind.EOS, self.tag, dst)
+
+
+def _reason(exc: BaseException) -> str:
+    """The gist of a backend's error: gloo's without its source location and advice."""
+    text = str(exc).split("\n")[0]
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text.split(". This is typically")[0]
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

@@ -30,6 +30,9 @@ TAIL_LINES = 200  # stderr lines kept per rank for the failure summary
 _TRACEBACK = "Traceback (most recent call last):"
 # "[3] text" from MPICH's -prepend-rank, "[1,3]<stderr>: text" from Open MPI's --tag-output.
 _LABEL = re.compile(rb"\[(?:\d+,)?(\d+)\](?:<std\w+>)?:? ?")
+# Hydra's -print-all-exitcodes: "[mpiexec@host] Exit codes: [host] 0,1280,0", wait statuses
+# in rank order (host after host).
+_EXIT_CODES = re.compile(rb"^\[mpiexec@[^\]]*\] Exit codes: (.*)$")
 # mpiexec labels each chunk a rank writes rather than each line, so make every rank write
 # whole lines: line-buffer both streams (even under PYTHONUNBUFFERED), then run as python does.
 _LINE_BUFFERED_MAIN = """\
@@ -187,9 +190,24 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str]) -> int:
     if world.tracebacks:  # the first rank to raise is the likeliest culprit
         rank = world.tracebacks[0]
         _say(f"mpiexec {_how(code)}; rank {rank} raised first", world.tails[rank])
+    elif (dead := _dead_ranks(world.statuses)):  # died without a word: Hydra says who
+        _say(f"mpiexec {_how(code)}; {dead}", world.tails[-1])
     else:
         _say(f"mpiexec {_how(code)}", world.tails[-1])
     return code if code > 0 else 1
+
+
+def _dead_ranks(statuses: list[int]) -> str:
+    """Name the ranks whose wait status says they failed: an exit code first, else a signal.
+
+    Hydra kills the other ranks once one dies, so ranks killed by a signal
+    are named only when no rank exited with a code of its own.
+    """
+    exited = [(r, s >> 8) for r, s in enumerate(statuses) if s & 0x7F == 0 and s >> 8]
+    if exited:
+        return "; ".join(f"rank {r} exited with code {c}" for r, c in exited)
+    killed = [(r, s & 0x7F) for r, s in enumerate(statuses) if s & 0x7F]
+    return "; ".join(f"rank {r} {_how(-sig)}" for r, sig in killed)
 
 
 def loopback_interface() -> str:
@@ -240,7 +258,9 @@ def _label_flag(mpiexec: str) -> list[str]:
     version = (probe.stdout + probe.stderr).lower()
     if "open mpi" in version or "openrte" in version or "prte" in version:
         return ["--tag-output"]
-    if "hydra" in version or "intel" in version:
+    if "hydra" in version and "intel" not in version:  # each rank's exit status, at the end
+        return ["-prepend-rank", "-print-all-exitcodes"]
+    if "intel" in version:
         return ["-prepend-rank"]
     return []
 
@@ -253,6 +273,7 @@ class _World:
     first_failed: int | None = None  # index of the first process to exit non-zero
     signal: int | None = None  # SIGINT or SIGTERM received by the launcher
     tracebacks: list[int] = field(default_factory=list)  # ranks, in order of first traceback
+    statuses: list[int] = field(default_factory=list)  # each rank's wait status (Hydra)
     tails: defaultdict[int, deque[str]] = field(
         default_factory=lambda: defaultdict(lambda: deque(maxlen=TAIL_LINES))
     )
@@ -326,6 +347,11 @@ async def _pump(
     prefix = b"" if rank is None else f"[{rank}] ".encode()
 
     def emit(line: bytes) -> None:
+        statuses = _EXIT_CODES.match(line) if rank is None else None
+        if statuses is not None:  # mpiexec's own report: read, not shown
+            world.statuses = [int(s) for s in re.findall(rb"\d+", re.sub(
+                rb"\[[^\]]*\]", b" ", statuses[1]))]
+            return
         _write(sys.stderr if is_err else sys.stdout, prefix + line + b"\n")
         if is_err:
             _keep(world, line, rank)

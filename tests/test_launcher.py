@@ -173,7 +173,7 @@ def test_launch_returns_the_failed_rank_exit_code(
 
 
 MPI_SCRIPT = """
-import sys, time
+import os, sys, time
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD
@@ -189,6 +189,10 @@ if "fail" in sys.argv:
             traceback.print_exc()
         comm.Abort(3)  # what asyncomm.run does when a rank raises
     time.sleep(60)
+if "die" in sys.argv:
+    if rank == 1:
+        os._exit(5)  # dies without a word: no traceback, no Abort
+    comm.Barrier()  # waits for rank 1 forever, unless the job ends
 """
 
 
@@ -210,3 +214,12 @@ def test_mpi_failure_names_the_rank(tmp_path: Path) -> None:
     report = summary(done.stderr)
     assert report.startswith("asyncomm run: mpiexec exited with code 3; rank 1 raised first")
     assert "RuntimeError: mpi rank one broke" in report
+
+
+@needs_mpi
+def test_a_dead_mpi_rank_ends_the_job_and_is_named(tmp_path: Path) -> None:
+    script = write(tmp_path, MPI_SCRIPT)
+    done, _ = asyncomm_run(tmp_path, "-n", "3", "--backend", "mpi", script.name, "die")
+    assert done.returncode != 0  # a hang fails in asyncomm_run
+    assert "rank 1 exited with code 5" in summary(done.stderr), done.stderr
+    assert "Exit codes" not in done.stdout  # mpiexec's report is read, not shown

@@ -284,50 +284,115 @@ def test_a_rank_that_never_joins_is_named_after_the_init_timeout(tmp_path: Path)
         proc.stderr), proc.stderr
 
 
+def by_hand(source: str, directory: Path, n: int) -> list[tuple[int, str, str]]:
+    """Run ``source`` on ``n`` gloo ranks started by hand; return (code, out, err) per rank.
+
+    Not by ``asyncomm run``, which stops the survivors as soon as a rank dies.
+    """
+    script = directory / "by_hand.py"
+    script.write_text(source)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")}
+    base.update(WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(n)]
+    outs = [p.communicate(timeout=90) for p in procs]  # a hang fails here
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
+
+
 DYING = """
-import math, os, sys, torch, asyncomm
+import asyncio, os, threading, torch, asyncomm
+from asyncomm import PeerFailedError, CommTimeoutError
+
+class Sleeper(asyncomm.Actor):
+    @asyncomm.endpoint
+    async def nap(self) -> None:
+        await asyncio.sleep(3600)
+
+def say(*words):
+    print(*words, flush=True)
+
+async def failed(what, awaitable):
+    try:
+        await awaitable
+    except PeerFailedError as exc:
+        say(what, "PeerFailedError", exc)
+    except CommTimeoutError as exc:  # the communicator's deadline: 60 s
+        say(what, "CommTimeoutError", exc)
+    else:
+        say(what, "no error")
 
 async def main():
-    comm = await asyncomm.init(backend="gloo", timeout=20)
+    comm = await asyncomm.init(backend="gloo", timeout=60)
+    comm.serve(Sleeper(), "sleeper")
+    ch = comm.channel(10)
+    if comm.rank == 1:
+        await comm.channel(12).close()  # any-source on 12: rank 2 is the only sender left
+    if comm.rank == 2:
+        await ch.send("a", 0)
+        await ch.send("b", 0)
     await comm.barrier()
     if comm.rank == 2:
-        os._exit(3)  # dies without a word
-    try:
-        await comm.all_reduce(torch.ones(4))
-    except (asyncomm.PeerFailedError, asyncomm.CommTimeoutError) as exc:
-        print("first:", type(exc).__name__, flush=True)
-    try:
-        await comm.barrier(timeout=math.inf)  # must not wait for the dead rank
-    except asyncomm.PeerFailedError as exc:
-        print("then:", exc, flush=True)
-    os._exit(0)  # closing would wait for the dead rank's goodbye
+        await asyncio.sleep(0.5)  # the others are waiting on it by now
+        os._exit(3)
+    in_flight = comm.all_reduce(torch.ones(4))  # rank 2 never joins it
+    if comm.rank == 0:
+        got = [(await ch.recv(src=2)).data for _ in range(2)]
+        say("before dying:", got)  # what it sent is not lost
+        await failed("recv from 2:", ch.recv(src=2))
+        await failed("any-source recv:", comm.channel(12).recv())
+        try:  # rank 1 is alive and may still send: the any-source recv waits
+            await comm.channel(13).recv(timeout=1.0)
+        except CommTimeoutError:
+            say("waits for the living")
+        await comm.channel(14).send("go", 1)
+        say("survivors:", (await comm.channel(13).recv()).data)
+        await failed("call to 2:", comm.actor(2, "sleeper").nap())
+        await failed("in flight:", in_flight)
+        await failed("all_reduce:", comm.all_reduce(torch.ones(1), timeout=float("inf")))
+    if comm.rank == 1:
+        flood = comm.channel(11)
+        async def fill() -> None:  # rank 2 consumes nothing: waits for credit after 64
+            for i in range(100):
+                await flood.send(i, 2)
+        await asyncio.gather(failed("call to 2:", comm.actor(2, "sleeper").nap()),
+                             failed("credit from 2:", fill()))
+        await failed("in flight:", in_flight)
+        await comm.channel(14).recv(src=0)
+        await comm.channel(13).send("still talking", 0)
+    await comm.close()
+    say("threads:", sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncomm")))
 
 asyncomm._runtime.run_loop(main())
 """
 
 
 def test_a_dead_peer_fails_the_operations_that_need_it(tmp_path: Path) -> None:
-    # Started by hand, not by asyncomm run, which would stop the survivors at once.
-    script = tmp_path / "dying.py"
-    script.write_text(DYING)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = {k: v for k, v in os.environ.items()
-            if k not in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")}
-    base.update(WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                PYTHONPATH=str(ROOT))
-    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True,
-                              env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(3)]
-    outs = [p.communicate(timeout=90) for p in procs]  # a hang fails here
-    assert procs[2].returncode == 3
-    for rank in (0, 1):
-        out, err = outs[rank]
-        assert procs[rank].returncode == 0, err
-        assert "first: PeerFailedError" in out or "first: CommTimeoutError" in out, out + err
-        assert "then: rank" in out and "a peer failed earlier" in out, out + err
+    ranks = by_hand(DYING, tmp_path, 3)
+    assert ranks[2][0] == 3, ranks[2][2]
+    (code0, out0, err0), (code1, out1, err1) = ranks[0], ranks[1]
+    assert code0 == 0 and code1 == 0, err0 + err1
+    assert "before dying: ['a', 'b']" in out0, out0 + err0
+    for line in ("recv from 2: PeerFailedError rank 0: channel 10 recv from peer 2: rank 2 "
+                 "failed", "any-source recv: PeerFailedError rank 0: channel 12 recv from peer "
+                 "any: rank 2 failed", "waits for the living", "survivors: still talking",
+                 "call to 2: PeerFailedError rank 0: call sleeper.nap on rank 2: rank 2 failed",
+                 "all_reduce: PeerFailedError rank 0: all_reduce #3: a peer failed earlier"):
+        assert line in out0, out0 + err0
+    for out in (out0, out1):  # gloo sees the connection close; CommTimeoutError if it can't
+        assert "in flight: PeerFailedError" in out or "in flight: CommTimeoutError" in out, out
+    for line in ("call to 2: PeerFailedError rank 1: call sleeper.nap on rank 2: rank 2 failed",
+                 "credit from 2: PeerFailedError rank 1: channel 11 send to peer 2"):
+        assert line in out1, out1 + err1
+    # closing drained the link without rank 2: no thread is left blocked in a receive
+    assert "threads: []" in out0 and "threads: []" in out1, out0 + out1
+    assert "Traceback" not in err0 + err1, err0 + err1
 
 
 IN_FLIGHT = """

@@ -26,6 +26,20 @@ one. So the listener re-posts after every message until the last peer's
 goodbye, except after a DRAIN message, and each rank sends ``DEPTH - 1``
 DRAINs to rank ``rank - 1`` after its goodbyes: the receives still posted
 once every goodbye is in are exactly the ones the DRAINs fill.
+
+Note on dead peers
+------------------
+gloo fails an operation on a connection that closed (its peer died), but
+not an any-source receive, which belongs to no connection: the listener
+never learns of a death. ``probe`` sends the peer a PING message, which the
+listener drops; if the peer is gone, the send fails at once (gloo closed its
+connection when the socket did). A dead rank drains no one and says no
+goodbye, so each rank drains the nearest *live* rank below it and first
+says the dead ranks' goodbyes to it (proxy ``BYE``s, see ``_link``): the
+count above holds as long as the live ranks agree on who is dead (they
+probe everyone just before saying goodbye). A rank left with no live peer
+cannot be drained: its listener stays blocked in its receive (a daemon
+thread) until the process exits.
 """
 
 from __future__ import annotations
@@ -35,13 +49,13 @@ import collections
 import functools
 import queue
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from asyncomm import _wire
 from asyncomm._backends._link import (
-    BYE,
     BYE_TAG,
     PREAMBLE,
     T_DATA,
@@ -49,8 +63,11 @@ from asyncomm._backends._link import (
     Arrivals,
     Link,
     Pending,
+    bye_from,
+    proxy_bye,
 )
-from asyncomm._errors import CommError, ProtocolError
+from asyncomm._backends._torch import classify
+from asyncomm._errors import CommError, PeerFailedError, ProtocolError
 from asyncomm._handle import Handle
 
 if TYPE_CHECKING:
@@ -59,7 +76,15 @@ if TYPE_CHECKING:
 ENVELOPE_BYTES = 4096  # the size of every link message on gloo
 DEPTH = 8  # any-source receives the listener keeps posted
 DRAIN: bytes = _wire.encode(_wire.Kind.EOS, BYE_TAG + 1, 0, None)[0]  # see the note on draining
+PING: bytes = _wire.encode(_wire.Kind.EOS, BYE_TAG + 3, 0, None)[0]  # see the note on dead peers
 _AT = PREAMBLE.size
+
+
+def _ping_message() -> torch.Tensor:
+    message = bytearray(ENVELOPE_BYTES)
+    PREAMBLE.pack_into(message, 0, len(PING), len(PING), 0, 0)
+    message[_AT:_AT + len(PING)] = PING
+    return torch.frombuffer(message, dtype=torch.uint8)
 
 
 class _OnLoop:
@@ -77,6 +102,23 @@ class _OnLoop:
 
 
 _ON_LOOP = _OnLoop()
+
+
+class _Pinged:
+    """The sink of a PING: a failure says the peer is gone."""
+
+    def __init__(self, link: GlooLink, dst: int) -> None:
+        self._link, self._dst = link, dst
+
+    def _succeed(self, value: object) -> None:
+        self._link._pinging.discard(self._dst)
+
+    def _fail(self, kind: type[CommError], cause: BaseException) -> None:
+        self._link._pinging.discard(self._dst)
+        if issubclass(kind, PeerFailedError) and self._link._arrivals is not None:
+            self._link._arrivals.failed(self._dst, cause)
+
+    _abandon = _fail
 
 
 def _nothing(_: object) -> None:
@@ -116,11 +158,15 @@ class GlooLink(Link):
         self._pg = backend._pg
         self._size = backend.size
         self._inbox = backend._inbox
+        self._waiters = backend._waiters
         self._frames: queue.SimpleQueue[tuple[Pending, list[Any]] | None] = queue.SimpleQueue()
         self._sends: queue.SimpleQueue[tuple[Any, Handle[None]] | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._stopped = False
         self._drained = backend._loop.create_future()  # the listener has nothing posted
+        self._ping = _ping_message()  # only read: every probe sends the same bytes
+        self._can_drain = True  # False once no live peer is left to drain this rank
+        self._pinging: set[int] = set()  # peers with a PING in flight
 
     def open(self, arrivals: Arrivals, limits: _wire.Limits) -> None:
         super().open(arrivals, limits)
@@ -136,31 +182,68 @@ class GlooLink(Link):
     def _message(self, nbytes: int) -> bytearray:
         return bytearray(ENVELOPE_BYTES)
 
-    def goodbye(self) -> list[Handle[None]]:
-        """Say goodbye to every peer; drain the receives of rank ``rank - 1`` (see the note)."""
-        handles = super().goodbye()
-        drained = (self._backend.rank - 1) % self._size
-        for _ in range(DEPTH - 1):
-            handles.extend(self.send(drained, DRAIN, []))
+    def probe(self, dst: int) -> BaseException | None:
+        """Send ``dst`` a PING; a send to a dead peer fails at once (see the note).
+
+        At most one PING per peer is in flight: one to a stalled peer waits
+        (on a waiter thread, not the sender's, so other peers' sends go on)
+        and reports a death if the peer dies meanwhile.
+        """
+        if dst in self._pinging:
+            return None
+        try:
+            work = self._pg.send([self._ping], dst, T_MESSAGE)
+        except RuntimeError as exc:
+            return exc
+        self._pinging.add(dst)
+        self._waiters.watch(work.wait, _Pinged(self, dst), _nothing)
+        return None
+
+    def goodbye(self, gone: frozenset[int] = frozenset()) -> list[Handle[None]]:
+        """Say goodbye to every live peer; drain the nearest live rank below (see the notes)."""
+        rank = self._backend.rank
+        below = [(rank - k) % self._size for k in range(1, self._size)]
+        live = [r for r in below if r not in gone]
+        self._can_drain = bool(live)
+        handles: list[Handle[None]] = []
+        if live:  # the dead ranks' goodbyes come before this rank's own
+            for dead in sorted(gone):
+                handles.extend(self.send(live[0], proxy_bye(dead), []))
+        handles.extend(super().goodbye(gone))
+        if live:
+            for _ in range(DEPTH - 1):
+                handles.extend(self.send(live[0], DRAIN, []))
         return handles
 
     async def drained(self) -> None:
-        await asyncio.shield(self._drained)
+        if self._can_drain:  # else nobody is left to fill the receives still posted
+            await asyncio.shield(self._drained)
 
     def stop(self) -> None:
-        """Stop the threads; a receive still posted stays posted (gloo cannot cancel it).
-
-        Waits (briefly) only for threads that have nothing left to wait for: a
-        listener that did not drain waits for a peer that never said goodbye.
-        """
+        """Stop the threads; a receive still posted stays posted (gloo cannot cancel it)."""
         if self._stopped:
             return
         self._stopped = True
         self._frames.put(None)
         self._sends.put(None)
-        for thread in self._threads:
-            if thread.name != "asyncomm-listener" or self._drained.done():
-                thread.join(timeout=1.0)
+
+    async def join(self, timeout: float) -> None:
+        """Join the threads off the loop, up to ``timeout`` in all.
+
+        A listener that did not drain waits for a peer that never said
+        goodbye (it died, or never closed): it is left, a daemon thread.
+        """
+        threads = [t for t in self._threads
+                   if t.name != "asyncomm-listener" or self._drained.done()]
+        if not any(t.is_alive() for t in threads):
+            return
+        deadline = time.monotonic() + timeout
+
+        def join_all() -> None:
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+
+        await self._loop.run_in_executor(None, join_all)
 
     def _post(self, buffer: bytearray | torch.Tensor, dst: int, tag: int) -> Handle[None] | None:
         tensor = buffer if isinstance(buffer, torch.Tensor) else torch.frombuffer(
@@ -168,14 +251,19 @@ class GlooLink(Link):
         handle: Handle[None] = Handle(self._loop, (self._backend.rank, "send", None, dst, tag),
                                       None, tensor)
         if tag == T_MESSAGE:  # small: sent eagerly (a copy) by the backend
-            self._backend.send(handle, tensor, dst, tag, eager=True)
+            try:
+                self._backend.send(handle, tensor, dst, tag, eager=True)
+            except RuntimeError as exc:  # gloo closed dst's connection: it died
+                handle._fail(classify(exc), exc)
+            except CommError as exc:
+                handle._fail(type(exc), exc)
             return handle
         # Data messages are never eager: an eager data message behind its envelope
         # took ~7 ms to arrive (a 64 KiB channel round trip: 8 ms eager, 1 ms not).
         try:
             work = self._pg.send([tensor], dst, tag)
         except RuntimeError as exc:
-            handle._fail(CommError, exc)
+            handle._fail(classify(exc), exc)
         else:
             self._sends.put((work, handle))
         return handle
@@ -199,7 +287,8 @@ class GlooLink(Link):
 
         for _ in range(DEPTH):
             post()
-        byes = 0
+        said: set[int] = set()  # who said goodbye (a live rank says it for a dead one)
+        others = self._size - 1
         while posted:  # see the note on draining
             envelope, work = posted.popleft()
             try:
@@ -212,12 +301,14 @@ class GlooLink(Link):
             head = view[_AT:_AT + head_bytes]
             if not follow and head == DRAIN:
                 continue
-            if not follow and head == BYE:
-                byes += 1
-                if byes < self._size - 1:
+            if len(said) < others:
+                who = None if follow else bye_from(head, src)
+                if who is not None:
+                    said.add(who)
+                if len(said) < others:
                     post()
-            elif byes < self._size - 1:
-                post()
+            if not follow and head == PING:
+                continue
             if not follow:  # in one piece: parsed on the loop
                 self._on_loop(self._arrive, src, envelope)
             elif head_bytes <= self._limits.max_head_bytes and not inline:

@@ -25,7 +25,11 @@ Note on closing
 A receive posted on gloo can be neither cancelled nor aborted, and tearing a
 process group down under one kills the process. So links close
 collectively: each sends ``BYE`` to every peer and stops receiving once
-every peer's ``BYE`` is in (``Arrivals.bye``).
+every peer's ``BYE`` is in (``Arrivals.bye``). A peer known to be gone
+(``probe``) never says goodbye, so a live rank says it for it: a *proxy*
+``BYE`` naming the dead rank, sent before its own goodbye to the one rank it
+drains (see ``_gloo``), so that every receiver counts a goodbye from every
+peer, live or dead.
 """
 
 from __future__ import annotations
@@ -55,6 +59,21 @@ _HEADS = 1024  # heads a link keeps decoded
 BYE_TAG = (1 << 62) + 2  # above every channel tag
 BYE: bytes = _wire.encode(_wire.Kind.EOS, BYE_TAG, 0, None)[0]  # a link's goodbye (see close)
 
+
+def proxy_bye(rank: int) -> bytes:
+    """Return the goodbye a live rank says for the dead ``rank`` (see the note on closing)."""
+    return _wire.encode(_wire.Kind.EOS, BYE_TAG, rank + 1, None)[0]
+
+
+def bye_from(raw: bytes | memoryview, src: int) -> int | None:
+    """Return who said goodbye if ``raw`` is a goodbye from ``src`` (or for a dead rank)."""
+    if len(raw) != len(BYE) or raw[:_SEQ_AT] != BYE[:_SEQ_AT] or (
+            raw[_SEQ_AT + 8:] != BYE[_SEQ_AT + 8:]):
+        return None
+    proxy = int.from_bytes(raw[_SEQ_AT:_SEQ_AT + 8], "little")
+    return src if proxy == 0 else proxy - 1
+
+
 class Arrivals(Protocol):
     """Where a link hands what it receives (the channel router)."""
 
@@ -67,8 +86,14 @@ class Arrivals(Protocol):
     def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
         """A malformed frame: on channel ``tag``, or (``None``) the end of ``src``'s stream."""
 
-    def bye(self, src: int) -> None:
-        """``src`` closed its end of the link: nothing more comes from it."""
+    def bye(self, src: int, dead: int | None = None) -> None:
+        """``src`` closed its end of the link: nothing more comes from it.
+
+        With ``dead``: ``src`` says that goodbye for ``dead``, which it found gone.
+        """
+
+    def failed(self, peer: int, cause: BaseException) -> None:
+        """``peer`` is gone (a probe of it failed)."""
 
 
 class Link(ABC):
@@ -94,11 +119,22 @@ class Link(ABC):
     def expect(self) -> None:  # noqa: B027
         """A receiver waits: watch closely for a while (where the link polls)."""
 
-    def goodbye(self) -> list[Handle[None]]:
-        """Say goodbye to every peer (see the note on closing); return the sends in flight."""
+    def probe(self, dst: int) -> BaseException | None:
+        """Check that ``dst`` is still there; return why not, or ``None`` if it may be.
+
+        Links that cannot tell return ``None`` (MPI: a dead rank ends the job).
+        Only before this rank's goodbye (a probe is a message).
+        """
+        return None
+
+    def goodbye(self, gone: frozenset[int] = frozenset()) -> list[Handle[None]]:
+        """Say goodbye to every live peer (see the note on closing); return the sends in flight.
+
+        ``gone`` are the peers known dead: they get nothing.
+        """
         handles: list[Handle[None]] = []
         for dst in range(self._backend.size):
-            if dst != self._backend.rank:
+            if dst != self._backend.rank and dst not in gone:
                 handles.extend(self.send(dst, BYE, []))
         return handles
 
@@ -108,6 +144,9 @@ class Link(ABC):
     @abstractmethod
     def stop(self) -> None:
         """Receive nothing more (every peer said goodbye, or the communicator closes)."""
+
+    async def join(self, timeout: float) -> None:  # noqa: B027
+        """Wait (up to ``timeout`` in all, off the loop) for the link's threads to end."""
 
     def _message(self, nbytes: int) -> bytearray:
         """Return a zeroed message buffer of at least ``nbytes``."""
@@ -175,8 +214,9 @@ class Link(ABC):
             self._big_head(src, head_bytes, follow - 1)
             return
         raw = view[at:at + head_bytes]
-        if raw == BYE:
-            arrivals.bye(src)
+        who = bye_from(raw, src) if not follow else None
+        if who is not None:
+            arrivals.bye(src, None if who == src else who)
             return
         try:
             head, seq = self._head(raw)
