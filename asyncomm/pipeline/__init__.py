@@ -1,0 +1,39 @@
+"""Pipeline parallelism: schedules as data, a simulator that checks them, and their chart.
+
+A schedule is a list of actions per rank (forward, backward, send, receive of a microbatch
+on a stage). Build one (:func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_1f1b`,
+:func:`get`), write your own (:func:`from_compute`, :func:`parse`, or :class:`Schedule`
+from action lists), and check it before anything runs.
+"""
+
+from asyncomm.pipeline._schedule import (
+    SCHEDULES,
+    Action,
+    Op,
+    Schedule,
+    from_compute,
+    get,
+    gpipe,
+    interleaved_1f1b,
+    one_f_one_b,
+    parse,
+)
+from asyncomm.pipeline._simulate import Interval, ScheduleError, Simulation, simulate, validate
+
+__all__ = [
+    "SCHEDULES",
+    "Action",
+    "Interval",
+    "Op",
+    "Schedule",
+    "ScheduleError",
+    "Simulation",
+    "from_compute",
+    "get",
+    "gpipe",
+    "interleaved_1f1b",
+    "one_f_one_b",
+    "parse",
+    "simulate",
+    "validate",
+]
