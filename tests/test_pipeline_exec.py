@@ -106,6 +106,10 @@ async def check_bad_arguments(comm: Comm) -> None:
     with pytest.raises(ValueError, match=rf"stages \[{other}\] given, schedule 'gpipe' puts "
                        rf"stages \[{comm.rank}\] here"):
         pipeline.Pipeline(comm, schedule, {other: stages[other]}, nn.functional.mse_loss)
+    broken = pipeline.Schedule("broken", comm.size, comm.size, MICROBATCHES,
+                               (schedule.actions[0][1:], *schedule.actions[1:]))
+    with pytest.raises(pipeline.ScheduleError, match="rank 0"):
+        pipeline.Pipeline(comm, broken, stages, nn.functional.mse_loss)
     pipe = pipeline.Pipeline(comm, schedule, stages, nn.functional.mse_loss)
     if pipe.first:
         with pytest.raises(ValueError, match="inputs are needed"):

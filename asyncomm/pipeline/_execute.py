@@ -44,6 +44,7 @@ from torch import nn
 
 from asyncomm._compute import compute
 from asyncomm.pipeline._schedule import Action, Op, Schedule
+from asyncomm.pipeline._simulate import validate
 
 if TYPE_CHECKING:
     from asyncomm._comm import Comm
@@ -156,6 +157,11 @@ class Pipeline:
         tag_base: first channel tag used; pipelines sharing ``comm`` need
             ranges that do not overlap (each uses ``3 * n_stages *
             n_microbatches`` tags).
+
+    Raises:
+        ScheduleError: ``schedule`` is broken (``validate``), before anything is sent.
+        ValueError, TypeError: the schedule does not fit ``comm``, or the stages do
+            not fit the schedule.
     """
 
     def __init__(self, comm: Comm, schedule: Schedule,
@@ -174,6 +180,7 @@ class Pipeline:
         if isinstance(tag_base, bool) or not isinstance(tag_base, int) or tag_base < 0:
             raise ValueError(f"rank {comm.rank}: Pipeline: tag_base must be an int >= 0, "
                              f"not {tag_base!r}")
+        validate(schedule)  # a broken schedule fails here, on every rank, not mid-step
         mine = schedule.stages_of(comm.rank)
         if isinstance(stages, Mapping):
             if sorted(stages) != sorted(mine):
