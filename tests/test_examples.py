@@ -3,11 +3,11 @@
 Each example is started the way its docstring says, as a real 4-rank world. Lines
 arrive in any order across ranks, so the labelled stdout lines are compared as a
 multiset. Lines that carry timings or counts that vary from run to run (channels and
-actors) are matched by regular expressions instead, and their numbers checked against
-each other. Every example runs on gloo; on MPI only quickstart (all_reduce, all_gather,
-any-source point-to-point, objects, groups), send_recv and gfn_layout (groups, channels
-and actors together) run: each world costs seconds of interpreter start-up, and the
-collectives on MPI are covered by test_collectives.
+actors, the pipeline's training) are matched by regular expressions instead, and their
+numbers checked against each other. Every example runs on gloo; on MPI only quickstart
+(all_reduce, all_gather, any-source point-to-point, objects, groups), send_recv and
+gfn_layout (groups, channels and actors together) run: each world costs seconds of
+interpreter start-up, and the collectives on MPI are covered by test_collectives.
 """
 
 from __future__ import annotations
@@ -97,6 +97,11 @@ def check_gfn_layout(found: dict[str, str]) -> None:
     assert int(found["stored"]) == int(found["total"]) == sum(steps) >= 64, found
 
 
+def check_pipeline_digits(found: dict[str, str]) -> None:
+    assert float(found["accuracy"]) >= 0.95, found
+    assert float(found["rate"]) > 0 and 0 <= float(found["bubble"]) < 1, found
+
+
 # name: (one pattern per expected line, matched in any order; a check of their groups)
 PATTERNS: dict[str, tuple[list[str], Callable[[dict[str, str]], None]]] = {
     "channel_pingpong": (
@@ -121,7 +126,18 @@ PATTERNS: dict[str, tuple[list[str], Callable[[dict[str, str]], None]]] = {
         ],
         check_gfn_layout,
     ),
+    "pipeline_digits": (
+        [
+            r"\[3\] 1f1b: 4 stages on 4 ranks, 4 microbatches of 16, 6 epochs, last loss [\d.]+",
+            r"\[3\] test accuracy: (?P<accuracy>[\d.]+)",
+            r"\[3\] throughput: (?P<rate>\d+) samples/s",
+            r"\[3\] bubble: (?P<bubble>[\d.]+) measured \(per rank( [\d.]+){4}\), 0\.43 in theory",
+        ],
+        check_pipeline_digits,
+    ),
 }
+ARGS = {"pipeline_digits": ["--epochs", "6"]}  # fewer epochs than its default: still >= 95%
+TIMEOUTS = {"pipeline_digits": 110.0}  # it trains: a loaded machine needs the margin
 ON_MPI = ["quickstart", "send_recv", "gfn_layout"]
 
 needs_mpi = pytest.mark.skipif(not HAS_MPI, reason="needs mpiexec and mpi4py")
@@ -181,7 +197,8 @@ def test_example(backend: str, name: str) -> None:
     args = ["-m", "asyncomm", "run", "-n", str(N)]
     if backend != "gloo":
         args += ["--backend", backend]
-    done = run_python(*args, f"examples/{name}.py")
+    done = run_python(*args, f"examples/{name}.py", *ARGS.get(name, []),
+                      timeout=TIMEOUTS.get(name, 60))
     assert done.returncode == 0, done.stdout + done.stderr
     if name in PATTERNS:
         patterns, check = PATTERNS[name]
