@@ -1,4 +1,5 @@
-"""The ``asyncomm`` command line: ``run`` launches a world, ``bench`` measures it."""
+"""The ``asyncomm`` command line: ``run`` launches a world, ``bench`` measures it,
+``pipeline show`` draws a pipeline schedule."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ def _parser() -> argparse.ArgumentParser:
 
     _bench.add_arguments(
         commands.add_parser("bench", help="compare asyncomm with the raw backend")
+    )
+
+    from asyncomm.pipeline import _show
+
+    _show.add_arguments(
+        commands.add_parser("pipeline", help="check and draw pipeline-parallel schedules")
     )
     return parser
 

@@ -20,15 +20,16 @@ from asyncomm.pipeline._schedule import (
     one_f_one_b,
     parse,
 )
+from asyncomm.pipeline._show import plot, render
 from asyncomm.pipeline._simulate import Interval, ScheduleError, Simulation, simulate, validate
 
 __all__ = [
-    "SCHEDULES",
     "Action",
     "GradSyncLike",
     "Interval",
     "Op",
     "Pipeline",
+    "SCHEDULES",
     "Schedule",
     "ScheduleError",
     "Simulation",
@@ -39,6 +40,8 @@ __all__ = [
     "interleaved_1f1b",
     "one_f_one_b",
     "parse",
+    "plot",
+    "render",
     "simulate",
     "split",
     "validate",

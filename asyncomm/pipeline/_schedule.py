@@ -318,6 +318,10 @@ def interleaved_1f1b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 2
     and so on; backwards in the same groups from the last stage back. As in Megatron-LM,
     rank ``r`` first runs ``(n_ranks - r - 1) * 2 + (stages_per_rank - 1) * n_ranks``
     warm-up forwards (all of them when ``n_microbatches == n_ranks``), then alternates.
+    Those extra warm-up forwards (about twice 1F1B's) cost activation memory but hide
+    message latency: with ``stages_per_rank=1`` this is 1F1B with the longer warm-up, whose
+    bubble stays near the no-latency theory when messages take time (``simulate`` with a
+    ``comm_cost`` shows it) where plain 1F1B's grows.
 
     Raises:
         ValueError: ``n_microbatches`` is not a multiple of ``n_ranks`` (the grouping above
@@ -384,6 +388,8 @@ def get(name: str, n_ranks: int, n_microbatches: int, **kw: Any) -> Schedule:
         ValueError: unknown name, or the builder rejects its arguments.
         TypeError: a keyword the builder does not take.
     """
+    if not isinstance(name, str):
+        raise TypeError(f"schedule name must be a str, got {name!r}")
     builder = _BUILDERS.get(name.lower())
     if builder is None:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")

@@ -22,6 +22,8 @@ from fractions import Fraction
 
 from asyncomm.pipeline._schedule import Action, Op, Schedule
 
+_MAX_ROWS = 1000  # rows of the default grid before its step coarsens
+
 _PEER = {Op.SEND_F: Op.RECV_F, Op.RECV_F: Op.SEND_F, Op.SEND_B: Op.RECV_B, Op.RECV_B: Op.SEND_B}
 
 
@@ -107,14 +109,9 @@ def _check_pairs(schedule: Schedule, position: dict[Action, tuple[int, int]]) ->
                 continue
             peer = _matching(action)
             if peer not in position:
+                receive = action.op in (Op.RECV_F, Op.RECV_B)
                 kind = (
-                    "receive with no matching send"
-                    if action.op
-                    in (
-                        Op.RECV_F,
-                        Op.RECV_B,
-                    )
-                    else "send with no matching receive"
+                    "receive with no matching send" if receive else "send with no matching receive"
                 )
                 raise _fail(
                     schedule,
@@ -215,16 +212,22 @@ class Simulation:
     peak_activations: tuple[int, ...]
 
     def step_size(self) -> float:
-        """Return the grid's default step: the largest time all costs are multiples of."""
-        costs = [Fraction(c).limit_denominator(1000) for c in (self.f_cost, self.b_cost)]
-        costs += [Fraction(self.comm_cost).limit_denominator(1000)]
+        """Return the grid's default step: the largest time all costs are multiples of.
+
+        Where that step would need more than 1000 rows (costs such as 1 and 1.001), it is
+        the smaller of the forward and backward costs instead, and each row then shows
+        what runs at its middle.
+        """
+        costs = (self.f_cost, self.b_cost, self.comm_cost)
         step = Fraction(0)
-        for cost in costs:
+        for cost in (Fraction(c).limit_denominator(1000) for c in costs):
             step = Fraction(
                 math.gcd(step.numerator * cost.denominator, cost.numerator * step.denominator),
                 step.denominator * cost.denominator,
             )
-        return float(step) if step > 0 else 1.0
+        if step > 0 and self.makespan / float(step) <= _MAX_ROWS:
+            return float(step)
+        return min(c for c in (self.f_cost, self.b_cost) if c > 0)
 
     def grid(self, step: float | None = None) -> list[list[str]]:
         """Return the step x rank table: row k is time ``[k * step, (k + 1) * step)``.
