@@ -13,9 +13,10 @@ under the launcher; rank 0 prints the table and writes the JSON):
   median over rounds and the ratio asyncomm / torch (target <= 1.0).
 - ``bubble``: stages whose forward takes a fixed ``t`` and whose backward takes ``2t``
   (they sleep: fixed cost, no CPU contention), run by every schedule. The measured bubble
-  of a step is ``1 - sum(busy) / sum(wall)`` over the ranks (``Pipeline.last``), compared
-  with the simulator's ``simulate(schedule, 1, 2).bubble`` (target: measured / theory <=
-  1.15).
+  of a step is the simulator's definition, ``1 - sum(busy) / (ranks x makespan)``, from
+  every rank's compute time and the first start and last end of the step (``Pipeline.last``;
+  the ranks share a host, so their ``perf_counter`` readings compare), against
+  ``simulate(schedule, 1, 2).bubble`` (target: measured / theory <= 1.15).
 """
 
 from __future__ import annotations
@@ -174,10 +175,14 @@ async def bubble(comm: Comm, t: float, n_microbatches: int, steps: int) -> list[
             await comm.barrier()
             await pipe.step(x if pipe.first else None, x if pipe.last_stage else None)
             assert pipe.last is not None
-            both = torch.tensor([pipe.last.busy_s, pipe.last.wall_s], dtype=torch.float64)
-            await comm.all_reduce(both)
+            # the simulator's definition: idle time over the common makespan, tails included
+            busy = torch.tensor([pipe.last.busy_s], dtype=torch.float64)
+            ends = torch.tensor([-pipe.last.start, pipe.last.end], dtype=torch.float64)
+            await comm.all_reduce(busy)
+            await comm.all_reduce(ends, "max")
             if step:  # the first is a warm-up
-                measured.append(1.0 - both[0].item() / both[1].item())
+                makespan = ends[0].item() + ends[1].item()
+                measured.append(1.0 - busy.item() / (comm.size * makespan))
         theory = pipeline.simulate(schedule, 1.0, 2.0).bubble
         value = statistics.median(measured)
         records.append({

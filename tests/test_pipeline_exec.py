@@ -9,6 +9,9 @@ microbatches. One world run per backend and size checks every schedule.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -125,6 +128,40 @@ async def check_bad_arguments(comm: Comm) -> None:
         pipeline.split(build(2), 2, sizes=[1, 2])
 
 
+class RecordingSync:
+    """A stand-in for ``GradSync`` that records how the executor uses it."""
+
+    def __init__(self) -> None:
+        self.quiet = 0  # backward passes run inside no_sync()
+        self.waits = 0
+        self.inside = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        assert not self.inside
+        self.inside, self.quiet = True, self.quiet + 1
+        try:
+            yield
+        finally:
+            self.inside = False
+
+    async def wait(self) -> None:
+        assert not self.inside
+        self.waits += 1
+
+
+async def check_grad_sync_protocol(comm: Comm) -> None:
+    """Every backward but each stage's last runs inside no_sync(); wait() ends every step."""
+    schedule = pipeline.get("interleaved", comm.size, MICROBATCHES, stages_per_rank=2)
+    sync = RecordingSync()
+    pipe = pipeline.Pipeline(comm, schedule, pipeline.split(build(schedule.n_stages),
+                                                            schedule.n_stages),
+                             nn.functional.mse_loss, grad_sync=sync)
+    for x, y in batches(2):
+        await pipe.step(x, y)
+    assert (sync.quiet, sync.waits) == (2 * 2 * (MICROBATCHES - 1), 2)
+
+
 async def check_local_stages(comm: Comm) -> None:
     """A pipeline of one rank hands tensors over locally (here each rank alone)."""
     alone = [await comm.group([r]) for r in range(comm.size)][comm.rank]
@@ -172,6 +209,7 @@ def test_every_schedule_matches_one_process_2_ranks(world2: World) -> None:
     world2.run(check_schedules)
     world2.run(check_bad_arguments)
     world2.run(check_local_stages)
+    world2.run(check_grad_sync_protocol)
 
 
 def test_every_schedule_matches_one_process_4_ranks(world4: World) -> None:

@@ -67,17 +67,22 @@ class GradSyncLike(Protocol):
 
 @dataclass(frozen=True)
 class StepStats:
-    """Times of one step on this rank (``time.perf_counter`` seconds).
+    """Times of one step on this rank.
 
     ``busy_s`` is the time spent in this rank's forward and backward computes,
-    ``wall_s`` the step from start to its last send; ``bubble`` is
-    ``1 - busy_s / wall_s``, the fraction of the step this rank waited.
+    ``wall_s`` the step from its start to its last send's completion;
+    ``bubble`` is ``1 - busy_s / wall_s``, the fraction of the step this rank
+    waited. ``start`` and ``end`` are ``time.perf_counter()`` readings: on one
+    host they are comparable between ranks, so ``1 - sum(busy_s) / (n_ranks *
+    (max(end) - min(start)))`` is the simulator's bubble, idle tails included.
     """
 
     wall_s: float
     busy_s: float
     forward_s: float
     backward_s: float
+    start: float = 0.0
+    end: float = 0.0
 
     @property
     def bubble(self) -> float:
@@ -285,8 +290,8 @@ class Pipeline:
             for task in sends:
                 if not task.done():
                     task.cancel()
-        wall = time.perf_counter() - start
-        self.last = StepStats(wall, times[0] + times[1], times[0], times[1])
+        end = time.perf_counter()
+        self.last = StepStats(end - start, times[0] + times[1], times[0], times[1], start, end)
         if not losses:
             return None
         return float(torch.stack(losses).sum().item()) / n
