@@ -135,9 +135,14 @@ class _Slot:
     """What one (stage, microbatch) keeps from its F until its B."""
 
     inputs: torch.Tensor | None = None
-    output: torch.Tensor | None = None
+    output: torch.Tensor | None = None  # in the autograd graph, until the B
     loss: torch.Tensor | None = None
-    grad_input: torch.Tensor | None = None
+    to_send: torch.Tensor | None = None  # the output, detached, until its SEND_F
+    grad_input: torch.Tensor | None = None  # from the B until its SEND_B
+    backward_done: bool = False
+
+    def finished(self) -> bool:
+        return self.backward_done and self.to_send is None and self.grad_input is None
 
 
 class Pipeline:
@@ -253,7 +258,7 @@ class Pipeline:
             ValueError: inputs or targets missing where needed, or a batch that
                 does not split into equal microbatches.
             RuntimeError: the schedule asks for a tensor that is not there
-                (a broken schedule: check it with ``simulate``).
+                (cannot happen to a schedule that passed ``validate``).
         """
         n = self.schedule.n_microbatches
         xs = self._microbatches(inputs, "inputs") if self.first else None
@@ -274,12 +279,13 @@ class Pipeline:
                 elif op is Op.B:
                     await self._backward(index, action, slot, inbox, times, n)
                 elif op is Op.SEND_F:
-                    self._send(index, action, _FORWARD, slot.output, inbox, sends)
+                    self._send(index, action, _FORWARD, slot.to_send, inbox, sends)
+                    slot.to_send = None
                 elif op is Op.SEND_B:
                     self._send(index, action, _BACKWARD, slot.grad_input, inbox, sends)
                     slot.grad_input = None
-                if (op is Op.B and slot.grad_input is None) or op is Op.SEND_B:
-                    del slots[action.stage, action.microbatch]  # done with it: free it
+                if slot.finished():
+                    del slots[action.stage, action.microbatch]  # nothing left to do: free it
             if sends:
                 await asyncio.gather(*sends)
             if self.grad_sync is not None:
@@ -464,6 +470,8 @@ class Pipeline:
         out, loss, took = await compute(run, name=f"F{mb}@s{stage}")
         times[0] += took
         slot.inputs, slot.output = x, out
+        if not last:
+            slot.to_send = out.detach()
         if loss is not None:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"{self._what(index, action)}: loss_fn must return a scalar "
@@ -502,6 +510,7 @@ class Pipeline:
         times[1] += took
         slot.inputs = slot.output = slot.loss = None
         slot.grad_input = grad_input
+        slot.backward_done = True
 
     def _check_output(self, out: Any, stage: int) -> torch.Tensor:
         if not isinstance(out, torch.Tensor):
