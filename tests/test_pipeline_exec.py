@@ -218,3 +218,27 @@ def test_every_schedule_matches_one_process_4_ranks(world4: World) -> None:
 
 def test_pipeline_times_data_parallel(world4: World) -> None:
     world4.run(check_with_data_parallel)
+
+
+async def check_bench(comm: Comm) -> None:
+    """``asyncomm bench pipeline``'s measurements run and give sane records (no timing limits)."""
+    from asyncomm import _bench_pipeline as bench
+
+    records = await bench.bubble(comm, 0.001, 2 * comm.size, steps=1)
+    if comm.backend == "gloo":
+        records += await bench.versus_torch(comm, width=8, batch=8, n_microbatches=2,
+                                            rounds=1, steps=1)
+    assert [(r["test"], r["schedule"]) for r in records] == [
+        *(("bubble", s) for s in bench.BUBBLE_SCHEDULES),
+        *((("vs_torch", s) for s in bench.TORCH_SCHEDULES) if comm.backend == "gloo" else ())]
+    for r in records:
+        assert r["ratio"] > 0, r
+        if r["test"] == "bubble":
+            assert 0 < r["theory"] < 1 and r["measured"] < 1, r
+    text = bench.table([{"backend": comm.backend, "ranks": comm.size, "torch": "x", "rounds": 1,
+                         **r} for r in records])
+    assert "interleaved" in text and ("1f1b" in text)
+
+
+def test_bench_measurements_run(world2: World) -> None:
+    world2.run(check_bench)
