@@ -617,10 +617,11 @@ def _positive(text: str) -> int:
 def _options(p: argparse.ArgumentParser) -> None:
     """The options the command and its workers share."""
     p.add_argument("what", nargs="?", default="all",
-                   choices=(*OPS, "all", "idle", "channels", "soak"),
+                   choices=(*OPS, "all", "idle", "channels", "soak", "pipeline"),
                    help="what to measure (default: all = pingpong and allreduce; channels: "
                    "asyncomm channels beside the raw backend; soak: a random mix of traffic "
-                   "for --seconds, every result checked)")
+                   "for --seconds, every result checked; pipeline: the pipeline executor against "
+                   "torch.distributed.pipelining and against the simulator's bubble)")
     p.add_argument("--seconds", type=float, default=10.0, metavar="S",
                    help="how long soak runs (default 10)")
     p.add_argument("--sizes", type=_sizes, metavar="BYTES,...",
@@ -650,7 +651,8 @@ def _settings(args: argparse.Namespace) -> tuple[tuple[int, ...], int, Path]:
     sizes = args.sizes or (CHANNEL_SIZES if args.what == "channels"
                            else QUICK_SIZES if args.quick else DEFAULT_SIZES)
     rounds = args.rounds or (3 if args.quick else 9 if args.what == "channels" else 5)
-    path = args.json or Path(f"bench-{args.what}.json" if args.what in ("idle", "channels")
+    path = args.json or Path(f"bench-{args.what}.json"
+                             if args.what in ("idle", "channels", "pipeline")
                              else "bench-core.json")
     return sizes, rounds, path
 
@@ -681,6 +683,14 @@ def command(args: argparse.Namespace) -> int:
                     break
                 continue
             part = Path(tmp) / f"{backend}.json"
+            if args.what == "pipeline":
+                code = launch(["-m", "asyncomm._bench_pipeline", "--rounds", str(rounds),
+                               "--json", str(part), *(["--quick"] if args.quick else [])],
+                              args.nproc, backend=backend)
+                if code != 0:
+                    break
+                records += json.loads(part.read_text())
+                continue
             argv = ["-m", "asyncomm._bench", args.what, "--rounds", str(rounds),
                     "--sizes", ",".join(map(str, sizes)), "--json", str(part), "--no-table",
                     *(["--quick"] if args.quick else [])]

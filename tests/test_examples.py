@@ -103,6 +103,11 @@ def check_gfn_layout(found: dict[str, str]) -> None:
     assert int(found["stored"]) == int(found["total"]) == sum(steps) >= 64, found
 
 
+def check_pipeline_digits(found: dict[str, str]) -> None:
+    assert float(found["accuracy"]) >= 0.95, found
+    assert float(found["rate"]) > 0 and 0 <= float(found["bubble"]) < 1, found
+
+
 # name: (one pattern per expected line, matched in any order; a check of their groups)
 PATTERNS: dict[str, tuple[list[str], Callable[[dict[str, str]], None]]] = {
     "channel_pingpong": (
@@ -127,7 +132,19 @@ PATTERNS: dict[str, tuple[list[str], Callable[[dict[str, str]], None]]] = {
         ],
         check_gfn_layout,
     ),
+    "pipeline_digits": (
+        [
+            r"\[3\] 1f1b: 4 stages on 4 ranks, 4 microbatches of 16, 6 epochs, last loss [\d.]+",
+            r"\[3\] test accuracy: (?P<accuracy>[\d.]+)",
+            r"\[3\] throughput: (?P<rate>\d+) samples/s",
+            r"\[3\] bubble: (?P<bubble>[\d.]+) measured \(per rank( [\d.]+){4}\), 0\.43 in theory",
+        ],
+        check_pipeline_digits,
+    ),
 }
+# Arguments for examples that take them (``options(argv)``): fewer epochs than the
+# digits example's default still reach 95%.
+ARGS = {"pipeline_digits": ["--epochs", "6"]}
 LAUNCHED = [pytest.param("gloo", id="gloo"),
             pytest.param("mpi", id="mpi", marks=pytest.mark.skipif(
                 not HAS_MPI, reason="needs mpiexec and mpi4py"))]
@@ -188,7 +205,7 @@ def check_output(backend: str, name: str, lines: list[str]) -> None:
     assert Counter(lines) == Counter(EXPECTED[name](backend)), "\n".join(lines)
 
 
-async def check_example(comm: Comm, name: str) -> list[str]:
+async def check_example(comm: Comm, name: str, argv: list[str]) -> list[str]:
     """Run ``examples/NAME.py``'s ``main`` on a fresh communicator; return its printed lines."""
     spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
     assert spec is not None and spec.loader is not None
@@ -197,13 +214,14 @@ async def check_example(comm: Comm, name: str) -> list[str]:
     printed = io.StringIO()
     async with fresh(comm) as sub:
         with contextlib.redirect_stdout(printed):
-            await module.main(sub)
+            await (module.main(sub, module.options(argv)) if argv else module.main(sub))
     return [f"[{comm.rank}] {line}" for line in printed.getvalue().splitlines()]
 
 
 @pytest.mark.parametrize("name", [*EXPECTED, *PATTERNS])
 def test_example(world4: World, name: str) -> None:
-    lines = [line for rank_lines in world4.run(check_example, name) for line in rank_lines]
+    results = world4.run(check_example, name, ARGS.get(name, []), timeout=120.0)
+    lines = [line for rank_lines in results for line in rank_lines]
     check_output(world4.backend, name, lines)
 
 

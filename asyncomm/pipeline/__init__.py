@@ -3,9 +3,11 @@
 A schedule is a list of actions per rank (forward, backward, send, receive of a microbatch
 on a stage). Build one (:func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_1f1b`,
 :func:`get`), write your own (:func:`from_compute`, :func:`parse`, or :class:`Schedule`
-from action lists), and check it before anything runs.
+from action lists), and check it before anything runs. :class:`Pipeline` runs one on
+real ranks (:func:`split` cuts an ``nn.Sequential`` into stages).
 """
 
+from asyncomm.pipeline._execute import GradSyncLike, Pipeline, StepStats, split
 from asyncomm.pipeline._schedule import (
     SCHEDULES,
     Action,
@@ -23,12 +25,15 @@ from asyncomm.pipeline._simulate import Interval, ScheduleError, Simulation, sim
 
 __all__ = [
     "Action",
+    "GradSyncLike",
     "Interval",
     "Op",
+    "Pipeline",
     "SCHEDULES",
     "Schedule",
     "ScheduleError",
     "Simulation",
+    "StepStats",
     "from_compute",
     "get",
     "gpipe",
@@ -38,5 +43,6 @@ __all__ = [
     "plot",
     "render",
     "simulate",
+    "split",
     "validate",
 ]

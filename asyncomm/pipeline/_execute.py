@@ -1,0 +1,519 @@
+"""Run a pipeline schedule on real ranks: ``loss = await Pipeline(...).step(x, y)``.
+
+Note on how a step runs
+-----------------------
+Each rank executes its own action list of the ``Schedule`` in order. Every
+receive of the step is posted when the step starts (a channel receive costs a
+task, and the router buffers what arrives anyway), and awaited only by the F or
+B that needs its tensor. Sends are issued as tasks and not awaited until the
+end of the step: their tensors (a stage's output, the gradient of its input)
+are never written again. Forward and backward passes run through
+``asyncomm.compute``, on the loop's compute thread, so messages keep moving
+while a stage computes.
+
+Note on messages
+----------------
+Activations and gradients travel on channels of ``comm`` (any shape and dtype
+of tensor), one channel per (direction, stage boundary, microbatch), from
+``tag_base`` up: ``3 * n_stages * n_microbatches`` virtual tags (the third
+direction is ``forward``'s, for evaluation). A channel
+delivers in order per sender, so step k+1's message on a tag never passes step
+k's. A boundary inside one rank (a world of one) hands the tensor over locally.
+
+Note on scaling
+---------------
+The loss of a step is the mean of the microbatches' losses; each microbatch's
+backward starts from ``loss_fn(output, target) / n_microbatches``, so the
+gradients that accumulate in the stage modules' parameters are those of that
+mean. With microbatches of equal size and a mean-reducing ``loss_fn``, that is
+single-process training on the whole batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+
+from asyncomm._compute import compute
+from asyncomm.pipeline._schedule import Action, Op, Schedule
+from asyncomm.pipeline._simulate import validate
+
+if TYPE_CHECKING:
+    from asyncomm._comm import Comm
+
+#: First channel tag of a pipeline's messages (far above the tags people pick by hand).
+DEFAULT_TAG_BASE = 1 << 48
+
+_FORWARD, _BACKWARD, _EVAL = 0, 1, 2  # message directions
+
+
+class GradSyncLike(Protocol):
+    """What the executor needs of a data-parallel gradient synchroniser (``GradSync``)."""
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        """Return a context in which backward passes do not start gradient reduction."""
+
+    def wait(self) -> Awaitable[Any]:
+        """Return an awaitable that is done once every gradient is reduced."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Times of one step on this rank.
+
+    ``busy_s`` is the time spent in this rank's forward and backward computes,
+    ``wall_s`` the step from its start to its last send's completion;
+    ``bubble`` is ``1 - busy_s / wall_s``, the fraction of the step this rank
+    waited. ``start`` and ``end`` are ``time.perf_counter()`` readings: on one
+    host they are comparable between ranks, so ``1 - sum(busy_s) / (n_ranks *
+    (max(end) - min(start)))`` is the simulator's bubble, idle tails included.
+    """
+
+    wall_s: float
+    busy_s: float
+    forward_s: float
+    backward_s: float
+    start: float = 0.0
+    end: float = 0.0
+
+    @property
+    def bubble(self) -> float:
+        """Return the fraction of the step this rank spent not computing."""
+        return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def split(model: nn.Sequential, n_stages: int,
+          sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
+    """Cut ``model`` into ``n_stages`` consecutive ``nn.Sequential`` stages.
+
+    Args:
+        model: the layers, in order; the stages share its modules (no copy).
+        n_stages: how many stages.
+        sizes: layers per stage (sum ``len(model)``); default: as even as
+            possible, earlier stages taking the extra layers.
+
+    Returns:
+        All ``n_stages`` stages; give them all to ``Pipeline``, which keeps
+        the ones this rank hosts.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Sequential``.
+        ValueError: fewer layers than stages, or ``sizes`` that do not fit.
+    """
+    if not isinstance(model, nn.Sequential):
+        raise TypeError(f"split: model must be an nn.Sequential, not {type(model).__name__}")
+    if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
+        raise ValueError(f"split: n_stages must be an int >= 1, not {n_stages!r}")
+    layers = list(model)
+    if sizes is None:
+        if len(layers) < n_stages:
+            raise ValueError(f"split: {len(layers)} layers cannot make {n_stages} stages")
+        base, extra = divmod(len(layers), n_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(n_stages)]
+    sizes = list(sizes)
+    if (len(sizes) != n_stages or any(isinstance(k, bool) or not isinstance(k, int) or k < 1
+                                      for k in sizes) or sum(sizes) != len(layers)):
+        raise ValueError(f"split: sizes={sizes} must be {n_stages} ints >= 1 summing to "
+                         f"{len(layers)} (the model's layers)")
+    stages, at = [], 0
+    for k in sizes:
+        stages.append(nn.Sequential(*layers[at:at + k]))
+        at += k
+    return stages
+
+
+@dataclass
+class _Slot:
+    """What one (stage, microbatch) keeps from its F until its B."""
+
+    inputs: torch.Tensor | None = None
+    output: torch.Tensor | None = None  # in the autograd graph, until the B
+    loss: torch.Tensor | None = None
+    to_send: torch.Tensor | None = None  # the output, detached, until its SEND_F
+    grad_input: torch.Tensor | None = None  # from the B until its SEND_B
+    backward_done: bool = False
+
+    def finished(self) -> bool:
+        return self.backward_done and self.to_send is None and self.grad_input is None
+
+
+class Pipeline:
+    """Run ``schedule`` on this rank's stages of a model, one ``step`` per batch.
+
+    Every rank of ``comm`` makes one with the same schedule and calls
+    ``step`` the same number of times.
+
+    Args:
+        comm: the ranks of the pipeline (``schedule.n_ranks`` of them); with
+            data parallelism, this replica's pipeline group.
+        schedule: the actions of every rank (``asyncomm.pipeline.get(...)``).
+        stages: the stage modules: either every stage in order (``split``'s
+            list; this rank keeps its own) or a mapping from global stage
+            index to module holding exactly ``schedule.stages_of(comm.rank)``.
+            A stage takes one tensor and returns one tensor.
+        loss_fn: ``loss_fn(output, target)`` on the last stage's output, a
+            scalar tensor (a mean over the microbatch for batch-exact gradients).
+        grad_sync: optional data-parallel gradient synchroniser (``GradSync``):
+            every backward but the last of each stage on this rank runs inside
+            its ``no_sync()``, and ``step`` awaits its ``wait()`` at the end.
+        tag_base: first channel tag used; pipelines sharing ``comm`` need
+            ranges that do not overlap (each uses ``3 * n_stages *
+            n_microbatches`` tags).
+
+    Raises:
+        ScheduleError: ``schedule`` is broken (``validate``), before anything is sent.
+        ValueError, TypeError: the schedule does not fit ``comm``, or the stages do
+            not fit the schedule.
+    """
+
+    def __init__(self, comm: Comm, schedule: Schedule,
+                 stages: Sequence[nn.Module] | Mapping[int, nn.Module],
+                 loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], *,
+                 grad_sync: GradSyncLike | None = None,
+                 tag_base: int = DEFAULT_TAG_BASE) -> None:
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"rank {comm.rank}: Pipeline: schedule must be a Schedule, "
+                            f"not {type(schedule).__name__}")
+        if schedule.n_ranks != comm.size:
+            raise ValueError(f"rank {comm.rank}: Pipeline: schedule {schedule.name!r} is for "
+                             f"{schedule.n_ranks} ranks, the communicator has {comm.size}")
+        if not callable(loss_fn):
+            raise TypeError(f"rank {comm.rank}: Pipeline: loss_fn must be callable")
+        if isinstance(tag_base, bool) or not isinstance(tag_base, int) or tag_base < 0:
+            raise ValueError(f"rank {comm.rank}: Pipeline: tag_base must be an int >= 0, "
+                             f"not {tag_base!r}")
+        validate(schedule)  # a broken schedule fails here, on every rank, not mid-step
+        mine = schedule.stages_of(comm.rank)
+        if isinstance(stages, Mapping):
+            if sorted(stages) != sorted(mine):
+                raise ValueError(f"rank {comm.rank}: Pipeline: stages {sorted(stages)} given, "
+                                 f"schedule {schedule.name!r} puts stages {list(mine)} here")
+            modules = {s: stages[s] for s in mine}
+        else:
+            if isinstance(stages, nn.Module) or len(stages) != schedule.n_stages:
+                raise ValueError(f"rank {comm.rank}: Pipeline: give all {schedule.n_stages} "
+                                 "stages in order (or a mapping stage -> module)")
+            modules = {s: stages[s] for s in mine}
+        for s, module in modules.items():
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"rank {comm.rank}: Pipeline: stage {s} is a "
+                                f"{type(module).__name__}, not an nn.Module")
+        self.comm = comm
+        self.schedule = schedule
+        self.stages: dict[int, nn.Module] = modules
+        self.loss_fn = loss_fn
+        self.grad_sync = grad_sync
+        self.tag_base = tag_base
+        self.rank = comm.rank
+        self.actions: tuple[Action, ...] = schedule.actions[comm.rank]
+        self.last: StepStats | None = None  # the latest step's times
+        last_b: dict[int, int] = {}
+        for i, action in enumerate(self.actions):
+            if action.op is Op.B:
+                last_b[action.stage] = i
+        self._last_backward = frozenset(last_b.values())  # indices outside no_sync
+
+    # -- public --------------------------------------------------------------------
+
+    @property
+    def first(self) -> bool:
+        """Whether this rank hosts stage 0 (it needs the inputs)."""
+        return 0 in self.stages
+
+    @property
+    def last_stage(self) -> bool:
+        """Whether this rank hosts the last stage (it needs the targets, returns the loss)."""
+        return self.schedule.n_stages - 1 in self.stages
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Return the parameters of this rank's stages (for its optimizer)."""
+        return [p for s in sorted(self.stages) for p in self.stages[s].parameters()]
+
+    async def step(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None = None,
+                   targets: Any = None) -> float | None:
+        """Run one forward and backward of a batch through the pipeline.
+
+        Gradients accumulate in the stage parameters (zero them between steps).
+
+        Args:
+            inputs: on the rank of stage 0: the batch (split along dim 0 into
+                ``n_microbatches`` equal parts) or a list of microbatches;
+                ignored elsewhere.
+            targets: on the rank of the last stage: the batch's targets
+                (split the same way) or a list; ignored elsewhere.
+
+        Returns:
+            On the last stage's rank the loss, the mean of the microbatch
+            losses; ``None`` on the other ranks.
+
+        Raises:
+            ValueError: inputs or targets missing where needed, or a batch that
+                does not split into equal microbatches.
+            RuntimeError: the schedule asks for a tensor that is not there
+                (cannot happen to a schedule that passed ``validate``).
+        """
+        n = self.schedule.n_microbatches
+        xs = self._microbatches(inputs, "inputs") if self.first else None
+        ys = self._microbatches(targets, "targets") if self.last_stage else None
+        slots: dict[tuple[int, int], _Slot] = {}
+        inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]] = {}
+        sends: list[asyncio.Task[None]] = []
+        times = [0.0, 0.0]  # forward, backward compute seconds
+        losses: list[torch.Tensor] = []
+        start = time.perf_counter()
+        try:
+            self._post_receives(inbox)
+            for index, action in enumerate(self.actions):
+                slot = slots.setdefault((action.stage, action.microbatch), _Slot())
+                op = action.op
+                if op is Op.F:
+                    await self._forward(index, action, slot, xs, ys, inbox, times, losses)
+                elif op is Op.B:
+                    await self._backward(index, action, slot, inbox, times, n)
+                elif op is Op.SEND_F:
+                    self._send(index, action, _FORWARD, slot.to_send, inbox, sends)
+                    slot.to_send = None
+                elif op is Op.SEND_B:
+                    self._send(index, action, _BACKWARD, slot.grad_input, inbox, sends)
+                    slot.grad_input = None
+                if slot.finished():
+                    del slots[action.stage, action.microbatch]  # nothing left to do: free it
+            if sends:
+                await asyncio.gather(*sends)
+            if self.grad_sync is not None:
+                await self.grad_sync.wait()
+        finally:
+            for fut in inbox.values():
+                fut.cancel()  # a cancelled channel receive loses nothing
+            for task in sends:
+                if not task.done():
+                    task.cancel()
+        end = time.perf_counter()
+        self.last = StepStats(end - start, times[0] + times[1], times[0], times[1], start, end)
+        if not losses:
+            return None
+        return float(torch.stack(losses).sum().item()) / n
+
+    async def forward(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None = None
+                      ) -> torch.Tensor | None:
+        """Run the batch forward only, without gradients (evaluation).
+
+        Every rank calls it. Microbatches go stage by stage in microbatch
+        order, whatever the schedule.
+
+        Args:
+            inputs: on the rank of stage 0, the batch (split along dim 0 into
+                ``n_microbatches`` parts, equal or not) or a list of parts.
+
+        Returns:
+            On the last stage's rank, the outputs concatenated along dim 0;
+            ``None`` elsewhere.
+        """
+        n = self.schedule.n_microbatches
+        xs = self._microbatches(inputs, "inputs", exact=False) if self.first else None
+        last = self.schedule.n_stages - 1
+        sends: list[asyncio.Task[None]] = []
+        outputs: list[torch.Tensor] = []
+        local: dict[tuple[int, int], torch.Tensor] = {}  # boundaries inside this rank
+        for stage in sorted(self.stages):
+            module = self.stages[stage]
+            for mb in range(n):
+                if stage == 0:
+                    assert xs is not None
+                    x = xs[mb]
+                elif (stage - 1, mb) in local:
+                    x = local.pop((stage - 1, mb))
+                else:
+                    ch = self.comm.channel(self._tag(_EVAL, stage - 1, mb))
+                    x = (await ch.recv(self.schedule.rank_of(stage - 1))).data
+
+                def run(module: nn.Module = module, x: torch.Tensor = x,
+                        stage: int = stage) -> torch.Tensor:
+                    with torch.no_grad():
+                        return self._check_output(module(x), stage)
+
+                y = await compute(run, name=f"eval s{stage}")
+                peer = self.schedule.rank_of(stage + 1) if stage < last else -1
+                if stage == last:
+                    outputs.append(y)
+                elif peer == self.rank:
+                    local[stage, mb] = y
+                else:
+                    ch = self.comm.channel(self._tag(_EVAL, stage, mb))
+                    sends.append(asyncio.ensure_future(ch.send(y.contiguous(), peer)))
+        if sends:
+            await asyncio.gather(*sends)
+        return torch.cat(outputs) if outputs else None
+
+    # -- one action ----------------------------------------------------------------
+
+    def _what(self, index: int, action: Action) -> str:
+        return f"rank {self.rank}: pipeline {self.schedule.name!r} action #{index} ({action})"
+
+    def _tag(self, direction: int, boundary: int, microbatch: int) -> int:
+        """The channel of ``direction`` across the boundary after stage ``boundary``."""
+        sched = self.schedule
+        return (self.tag_base + (direction * sched.n_stages + boundary) * sched.n_microbatches
+                + microbatch)
+
+    def _microbatches(self, given: Any, what: str, exact: bool = True) -> list[Any]:
+        n = self.schedule.n_microbatches
+        if given is None:
+            raise ValueError(f"rank {self.rank}: Pipeline: {what} are needed on this rank "
+                             "(it hosts the " + ("first" if what == "inputs" else "last")
+                             + " stage)")
+        if isinstance(given, torch.Tensor):
+            if given.dim() == 0 or (exact and given.shape[0] % n):
+                raise ValueError(f"rank {self.rank}: Pipeline: {what} of shape "
+                                 f"{tuple(given.shape)} do not split into {n} equal "
+                                 "microbatches along dim 0")
+            return list(torch.tensor_split(given, n))
+        if isinstance(given, (list, tuple)):
+            if len(given) != n:
+                raise ValueError(f"rank {self.rank}: Pipeline: {len(given)} {what} given, the "
+                                 f"schedule has {n} microbatches")
+            return list(given)
+        raise TypeError(f"rank {self.rank}: Pipeline: {what} must be a tensor or a list of "
+                        f"{n} microbatches, not {type(given).__name__}")
+
+    def _post_receives(self, inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]]
+                       ) -> None:
+        """Post every receive of this rank's list; a local hand-over waits for its send."""
+        loop = asyncio.get_running_loop()
+        for action in self.actions:
+            if action.op is Op.RECV_F:
+                key = (_FORWARD, action.stage - 1, action.microbatch)
+                peer = self.schedule.rank_of(action.stage - 1)
+            elif action.op is Op.RECV_B:
+                key = (_BACKWARD, action.stage + 1, action.microbatch)
+                peer = self.schedule.rank_of(action.stage + 1)
+            else:
+                continue
+            if peer == self.rank:
+                inbox[key] = loop.create_future()
+            else:
+                inbox[key] = asyncio.ensure_future(self._receive(key, peer))
+
+    async def _receive(self, key: tuple[int, int, int], peer: int) -> torch.Tensor:
+        msg = await self.comm.channel(self._tag(*key)).recv(peer)
+        data = msg.data
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"rank {self.rank}: pipeline {self.schedule.name!r}: message "
+                            f"{key} from rank {peer} is a {type(data).__name__}, not a tensor")
+        return data
+
+    async def _take(self, index: int, action: Action, key: tuple[int, int, int],
+                    inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]]
+                    ) -> torch.Tensor:
+        fut = inbox.get(key)
+        if fut is None:
+            raise RuntimeError(f"{self._what(index, action)}: no receive posted for it (a "
+                               "RECV is missing from the schedule)")
+        if not fut.done() and not isinstance(fut, asyncio.Task):  # a local hand-over
+            raise RuntimeError(f"{self._what(index, action)}: the local hand-over it needs "
+                               "has not been sent yet (SEND after its use)")
+        return await fut
+
+    def _send(self, index: int, action: Action, direction: int, tensor: torch.Tensor | None,
+              inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
+              sends: list[asyncio.Task[None]]) -> None:
+        if tensor is None:
+            op = "F" if direction == _FORWARD else "B"
+            raise RuntimeError(f"{self._what(index, action)}: nothing to send (its {op} has "
+                               "not run, or was sent already)")
+        dst_stage = action.stage + 1 if direction == _FORWARD else action.stage - 1
+        peer = self.schedule.rank_of(dst_stage)
+        key = (direction, action.stage, action.microbatch)
+        if peer == self.rank:
+            fut = inbox.get(key)
+            if fut is None:
+                raise RuntimeError(f"{self._what(index, action)}: no matching RECV on this rank")
+            fut.set_result(tensor)
+            return
+        channel = self.comm.channel(self._tag(*key))
+        sends.append(asyncio.ensure_future(channel.send(tensor.contiguous(), peer)))
+
+    async def _forward(self, index: int, action: Action, slot: _Slot, xs: list[Any] | None,
+                       ys: list[Any] | None,
+                       inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
+                       times: list[float], losses: list[torch.Tensor]) -> None:
+        stage, mb = action.stage, action.microbatch
+        module = self.stages.get(stage)
+        if module is None:
+            raise RuntimeError(f"{self._what(index, action)}: stage {stage} is not on this rank")
+        if slot.output is not None:
+            raise RuntimeError(f"{self._what(index, action)}: forward ran twice")
+        if stage == 0:
+            assert xs is not None
+            x = xs[mb]
+        else:
+            x = (await self._take(index, action, (_FORWARD, stage - 1, mb), inbox)).detach()
+            if x.is_floating_point() or x.is_complex():
+                x.requires_grad_(True)
+        target = ys[mb] if ys is not None and stage == self.schedule.n_stages - 1 else None
+        last = stage == self.schedule.n_stages - 1
+
+        def run() -> tuple[torch.Tensor, torch.Tensor | None, float]:
+            begin = time.perf_counter()
+            out = self._check_output(module(x), stage)
+            loss = self.loss_fn(out, target) if last else None
+            return out, loss, time.perf_counter() - begin
+
+        out, loss, took = await compute(run, name=f"F{mb}@s{stage}")
+        times[0] += took
+        slot.inputs, slot.output = x, out
+        if not last:
+            slot.to_send = out.detach()
+        if loss is not None:
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"{self._what(index, action)}: loss_fn must return a scalar "
+                                "tensor")
+            slot.loss = loss
+            losses.append(loss.detach())
+
+    async def _backward(self, index: int, action: Action, slot: _Slot,
+                        inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
+                        times: list[float], n: int) -> None:
+        stage, mb = action.stage, action.microbatch
+        if slot.output is None:
+            raise RuntimeError(f"{self._what(index, action)}: backward before its forward")
+        out, x, loss = slot.output, slot.inputs, slot.loss
+        grad = None
+        if loss is None:
+            grad = await self._take(index, action, (_BACKWARD, stage + 1, mb), inbox)
+
+        def run() -> tuple[torch.Tensor | None, float]:
+            begin = time.perf_counter()
+            if loss is not None:
+                (loss / n).backward()  # type: ignore[no-untyped-call]
+            else:
+                torch.autograd.backward(out, grad)
+            needs = stage != 0 and x is not None and x.requires_grad
+            grad_input = None
+            if stage != 0 and x is not None:
+                grad_input = x.grad if needs and x.grad is not None else torch.zeros_like(x)
+            return grad_input, time.perf_counter() - begin
+
+        sync = self.grad_sync
+        quiet = sync.no_sync() if sync is not None and index not in self._last_backward \
+            else contextlib.nullcontext()
+        with quiet:
+            grad_input, took = await compute(run, name=f"B{mb}@s{stage}")
+        times[1] += took
+        slot.inputs = slot.output = slot.loss = None
+        slot.grad_input = grad_input
+        slot.backward_done = True
+
+    def _check_output(self, out: Any, stage: int) -> torch.Tensor:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"rank {self.rank}: pipeline stage {stage} returned a "
+                            f"{type(out).__name__}; a stage must return one tensor")
+        return out

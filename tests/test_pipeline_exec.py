@@ -1,0 +1,244 @@
+"""The pipeline executor: loss and gradients equal single-process training, every schedule.
+
+Each check builds the same seeded model on every rank, runs the pipeline over real ranks
+(two steps of different batches, so gradients accumulate and step 2's messages must not mix
+with step 1's), and compares the loss on the last stage's rank and every parameter's
+gradient on every rank with the whole model trained in one process on the same
+microbatches. One world run per backend and size checks every schedule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+from asyncomm import Comm, pipeline
+from asyncomm.testing import World
+
+WIDTH, MICROBATCHES, BATCH = 6, 4, 8
+
+
+def build(n_stages: int) -> nn.Sequential:
+    """The model: ``n_stages`` blocks (Linear, Tanh), the last a Linear alone; float64."""
+    torch.manual_seed(1234)
+    blocks: list[nn.Module] = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh())
+                               for _ in range(n_stages - 1)]
+    blocks.append(nn.Linear(WIDTH, 3))
+    return nn.Sequential(*blocks).double()
+
+
+def batches(steps: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, WIDTH, generator=gen, dtype=torch.float64),
+             torch.randn(BATCH, 3, generator=gen, dtype=torch.float64)) for _ in range(steps)]
+
+
+def reference(n_stages: int, data: list[tuple[torch.Tensor, torch.Tensor]]
+              ) -> tuple[nn.Sequential, list[float]]:
+    """Train the whole model in one process on the same microbatches (mean loss)."""
+    model = build(n_stages)
+    losses = []
+    for x, y in data:
+        parts = [nn.functional.mse_loss(model(xm), ym)
+                 for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), strict=True)]
+        loss = torch.stack(parts).mean()
+        loss.backward()
+        losses.append(loss.item())
+    return model, losses
+
+
+async def run_pipeline(comm: Comm, schedule: pipeline.Schedule,
+                       data: list[tuple[torch.Tensor, torch.Tensor]]
+                       ) -> tuple[pipeline.Pipeline, list[float | None]]:
+    model = build(schedule.n_stages)
+    pipe = pipeline.Pipeline(comm, schedule, pipeline.split(model, schedule.n_stages),
+                             nn.functional.mse_loss)
+    losses = []
+    for x, y in data:
+        losses.append(await pipe.step(x if pipe.first else None, y if pipe.last_stage else None))
+    return pipe, losses
+
+
+def assert_matches(pipe: pipeline.Pipeline, losses: list[float | None], ref: nn.Sequential,
+                   ref_losses: list[float]) -> None:
+    what = f"rank {pipe.rank} {pipe.schedule.name}"
+    if pipe.last_stage:
+        assert losses == pytest.approx(ref_losses, rel=1e-10), what
+    else:
+        assert losses == [None] * len(ref_losses), what
+    ref_stages = pipeline.split(ref, pipe.schedule.n_stages)
+    for s, module in pipe.stages.items():
+        mine, theirs = list(module.named_parameters()), list(ref_stages[s].named_parameters())
+        assert [n for n, _ in mine] == [n for n, _ in theirs]
+        for (name, p), (_, q) in zip(mine, theirs, strict=True):
+            assert p.grad is not None, f"{what} stage {s} {name}: no gradient"
+            torch.testing.assert_close(p.grad, q.grad, msg=f"{what} stage {s} {name}")
+    stats = pipe.last
+    assert stats is not None and stats.wall_s > 0 and 0 <= stats.busy_s <= stats.wall_s
+    assert 0.0 <= stats.bubble < 1.0
+
+
+async def check_schedules(comm: Comm) -> None:
+    data = batches(2)
+    cases = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"stages_per_rank": 2})]
+    for name, kw in cases:
+        schedule = pipeline.get(name, comm.size, MICROBATCHES, **kw)
+        pipe, losses = await run_pipeline(comm, schedule, data)
+        ref, ref_losses = reference(schedule.n_stages, data)
+        assert_matches(pipe, losses, ref, ref_losses)
+        # evaluation: the forward alone gives the model's output on the last stage's rank
+        out = await pipe.forward(data[0][0] if pipe.first else None)
+        if pipe.last_stage:
+            assert out is not None
+            with torch.no_grad():
+                torch.testing.assert_close(out, ref(data[0][0]))
+        else:
+            assert out is None
+
+
+async def check_bad_arguments(comm: Comm) -> None:
+    schedule = pipeline.get("gpipe", comm.size, MICROBATCHES)
+    stages = pipeline.split(build(comm.size), comm.size)
+    with pytest.raises(ValueError, match="is for 3 ranks"):
+        pipeline.Pipeline(comm, pipeline.get("gpipe", 3, 2), stages, nn.functional.mse_loss)
+    other = (comm.rank + 1) % comm.size
+    with pytest.raises(ValueError, match=rf"stages \[{other}\] given, schedule 'gpipe' puts "
+                       rf"stages \[{comm.rank}\] here"):
+        pipeline.Pipeline(comm, schedule, {other: stages[other]}, nn.functional.mse_loss)
+    broken = pipeline.Schedule("broken", comm.size, comm.size, MICROBATCHES,
+                               (schedule.actions[0][1:], *schedule.actions[1:]))
+    with pytest.raises(pipeline.ScheduleError, match="rank 0"):
+        pipeline.Pipeline(comm, broken, stages, nn.functional.mse_loss)
+    pipe = pipeline.Pipeline(comm, schedule, stages, nn.functional.mse_loss)
+    if pipe.first:
+        with pytest.raises(ValueError, match="inputs are needed"):
+            await pipe.step(None, torch.zeros(BATCH, 3))
+        with pytest.raises(ValueError, match="equal microbatches"):
+            await pipe.step(torch.zeros(BATCH + 1, WIDTH, dtype=torch.float64), None)
+    else:
+        with pytest.raises(ValueError, match="targets are needed"):
+            await pipe.step(None, None)
+    with pytest.raises(TypeError, match=r"nn\.Sequential"):
+        pipeline.split(nn.Linear(2, 2), 2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="sizes"):
+        pipeline.split(build(2), 2, sizes=[1, 2])
+
+
+class RecordingSync:
+    """A stand-in for ``GradSync`` that records how the executor uses it."""
+
+    def __init__(self) -> None:
+        self.quiet = 0  # backward passes run inside no_sync()
+        self.waits = 0
+        self.inside = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        assert not self.inside
+        self.inside, self.quiet = True, self.quiet + 1
+        try:
+            yield
+        finally:
+            self.inside = False
+
+    async def wait(self) -> None:
+        assert not self.inside
+        self.waits += 1
+
+
+async def check_grad_sync_protocol(comm: Comm) -> None:
+    """Every backward but each stage's last runs inside no_sync(); wait() ends every step."""
+    schedule = pipeline.get("interleaved", comm.size, MICROBATCHES, stages_per_rank=2)
+    sync = RecordingSync()
+    pipe = pipeline.Pipeline(comm, schedule, pipeline.split(build(schedule.n_stages),
+                                                            schedule.n_stages),
+                             nn.functional.mse_loss, grad_sync=sync)
+    for x, y in batches(2):
+        await pipe.step(x, y)
+    assert (sync.quiet, sync.waits) == (2 * 2 * (MICROBATCHES - 1), 2)
+
+
+async def check_local_stages(comm: Comm) -> None:
+    """A pipeline of one rank hands tensors over locally (here each rank alone)."""
+    alone = [await comm.group([r]) for r in range(comm.size)][comm.rank]
+    assert alone is not None
+    data = batches(2, seed=comm.rank)
+    schedule = pipeline.get("interleaved", 1, MICROBATCHES, stages_per_rank=3)
+    pipe, losses = await run_pipeline(alone, schedule, data)
+    ref, ref_losses = reference(schedule.n_stages, data)
+    assert_matches(pipe, losses, ref, ref_losses)
+
+
+async def check_with_data_parallel(comm: Comm) -> None:
+    """2 stages x 2 replicas: pipelines [0, 1] and [2, 3], data-parallel groups [0, 2], [1, 3]."""
+    pipes = [await comm.group(ranks) for ranks in ([0, 1], [2, 3])]
+    replicas = [await comm.group(ranks) for ranks in ([0, 2], [1, 3])]
+    pp = pipes[comm.rank // 2]
+    dp = replicas[comm.rank % 2]
+    assert pp is not None and dp is not None
+    data = batches(4)  # replica r trains on batches r and r + 2
+    mine = data[comm.rank // 2::2]
+    for name in ("1f1b", "interleaved"):
+        schedule = pipeline.get(name, 2, MICROBATCHES)
+        pipe, losses = await run_pipeline(pp, schedule, mine)
+        for p in pipe.parameters():
+            assert p.grad is not None
+            await dp.all_reduce(p.grad, "avg")
+        # one process on the union: each step's batch is both replicas' batches, the
+        # loss their mean
+        ref = build(schedule.n_stages)
+        for step in range(2):
+            both = [data[step], data[step + 2]]
+            parts = [nn.functional.mse_loss(ref(xm), ym) for x, y in both
+                     for xm, ym in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES),
+                                       strict=True)]
+            torch.stack(parts).mean().backward()
+        ref_stages = pipeline.split(ref, schedule.n_stages)
+        for s, module in pipe.stages.items():
+            for p, q in zip(module.parameters(), ref_stages[s].parameters(), strict=True):
+                torch.testing.assert_close(p.grad, q.grad, msg=f"rank {comm.rank} {name} s{s}")
+        if pipe.last_stage:
+            assert all(loss is not None for loss in losses)
+
+
+def test_every_schedule_matches_one_process_2_ranks(world2: World) -> None:
+    world2.run(check_schedules)
+    world2.run(check_bad_arguments)
+    world2.run(check_local_stages)
+    world2.run(check_grad_sync_protocol)
+
+
+def test_every_schedule_matches_one_process_4_ranks(world4: World) -> None:
+    world4.run(check_schedules)
+
+
+def test_pipeline_times_data_parallel(world4: World) -> None:
+    world4.run(check_with_data_parallel)
+
+
+async def check_bench(comm: Comm) -> None:
+    """``asyncomm bench pipeline``'s measurements run and give sane records (no timing limits)."""
+    from asyncomm import _bench_pipeline as bench
+
+    records = await bench.bubble(comm, 0.001, 2 * comm.size, steps=1)
+    if comm.backend == "gloo":
+        records += await bench.versus_torch(comm, width=8, batch=8, n_microbatches=2,
+                                            rounds=1, steps=1)
+    assert [(r["test"], r["schedule"]) for r in records] == [
+        *(("bubble", s) for s in bench.BUBBLE_SCHEDULES),
+        *((("vs_torch", s) for s in bench.TORCH_SCHEDULES) if comm.backend == "gloo" else ())]
+    for r in records:
+        assert r["ratio"] > 0, r
+        if r["test"] == "bubble":
+            assert 0 < r["theory"] < 1 and r["measured"] < 1, r
+    text = bench.table([{"backend": comm.backend, "ranks": comm.size, "torch": "x", "rounds": 1,
+                         **r} for r in records])
+    assert "interleaved" in text and ("1f1b" in text)
+
+
+def test_bench_measurements_run(world2: World) -> None:
+    world2.run(check_bench)
