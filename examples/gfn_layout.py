@@ -112,10 +112,8 @@ async def trainer(comm: asyncomm.Comm, layout: Layout, train: asyncomm.Comm) -> 
           f"sent {steps} trajectories to buffer {buffer}")
 
 
-async def replay_buffer(comm: asyncomm.Comm, layout: Layout) -> None:
+async def replay_buffer(comm: asyncomm.Comm, layout: Layout, store: ReplayBuffer) -> None:
     trajectories, control = comm.channel(TRAJECTORIES), comm.channel(CONTROL)
-    store = ReplayBuffer()
-    comm.serve(store, name="buffer")
     await trajectories.close()  # this rank only receives on it
     async for msg in trajectories:  # ends once every trainer has closed its end
         store.add(msg.data)
@@ -158,10 +156,14 @@ async def main(comm: asyncomm.Comm) -> None:
         print(f"layout: trainers {layout.trainers}, buffers {layout.buffers}, "
               f"coordinator {layout.coordinator}")
     train = await comm.group(layout.trainers)  # every rank takes part in making it
+    store = ReplayBuffer()
+    if comm.rank in layout.buffers:
+        comm.serve(store, name="buffer")
+    await comm.barrier()  # served before the coordinator calls: a call to no actor fails
     if train is not None:
         await trainer(comm, layout, train)
     elif comm.rank in layout.buffers:
-        await replay_buffer(comm, layout)
+        await replay_buffer(comm, layout, store)
     else:
         await coordinator(comm, layout)
 

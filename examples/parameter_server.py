@@ -67,7 +67,8 @@ async def main(comm: asyncomm.Comm) -> None:
         x_test, y_test = synthetic_data(seed=0, n=256)
         before = server.loss(x_test, y_test)
         comm.serve(server, name="ps")  # answers requests while this rank awaits below
-    else:
+    await comm.barrier()  # served before anyone calls: a call to no actor fails at once
+    if comm.rank != 0:
         ps = comm.actor(0, "ps")
         model = torch.nn.Linear(FEATURES, 1)
         params = dict(model.named_parameters())
