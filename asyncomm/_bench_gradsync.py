@@ -4,8 +4,8 @@ Two sections, each alternating its variants round by round (``_bench._alternate`
 same ranks, model and data:
 
 - ``step``: one data-parallel training step (forward, backward, gradients averaged) of an
-  MLP of about 32 MB of float32 parameters (``MLP``): ``local`` (forward and backward
-  only, no communication: the compute floor), ``ddp``
+  MLP of eight 1024x1024 layers (32 MiB of float32 parameters: two 25 MiB buckets):
+  ``local`` (forward and backward only, no communication: the compute floor), ``ddp``
   (``torch.nn.parallel.DistributedDataParallel``, gloo only), ``gradsync`` (backward on the
   loop thread, then ``await sync.wait()``) and ``gradsync+compute`` (``await
   asyncomm.compute(loss.backward)``, then ``await sync.wait()``). Reported: the step time,
@@ -31,8 +31,8 @@ import asyncomm
 from asyncomm._bench import MIB, Record, Timed, _alternate
 from asyncomm._comm import Comm
 
-WIDTHS = (1024, 2048, 2048, 1024)  # three Linear layers: 32 MB of float32 parameters
-QUICK_WIDTHS = (512, 1024, 1024, 512)  # 8 MB
+WIDTHS = (1024,) * 9  # eight 1024x1024 Linear layers: 32 MiB of float32
+QUICK_WIDTHS = (512,) * 9  # 8 MiB
 BATCH = 64
 ALLREDUCE_BYTES = 16 * MIB
 STEP_TARGET = 1.0  # GradSync step time / DDP's
@@ -176,7 +176,7 @@ def table(records: Sequence[Record]) -> list[str]:
     m = records[0]
     steps = [r for r in records if r["op"] == "step"]
     lines = [f"gradsync: median of {m['rounds']} rounds x {m['iterations']} steps; MLP of "
-             f"{m['size'] / 1e6:.0f} MB, batch {BATCH}; exposed = step - local step; "
+             f"{m['size'] / MIB:.0f} MiB, batch {BATCH}; exposed = step - local step; "
              "wait = end of backward to grads averaged",
              f"{'variant':<18}{'step ms':>9}{'exposed ms':>12}{'wait ms':>9}{'vs ddp':>8}"
              "  target"]

@@ -91,6 +91,11 @@ def check_parameter_server(found: dict[str, str]) -> None:
     assert float(found["after"]) < float(found["before"]) / 10, found
 
 
+def check_overlap(found: dict[str, str]) -> None:
+    counts = [int(found[f"b{mb}"]) for mb in (1, 5, 25)]
+    assert counts == sorted(counts, reverse=True) and counts[-1] >= 1, found
+
+
 def check_gfn_layout(found: dict[str, str]) -> None:
     steps = [int(found[f"steps{t}"]) for t in (0, 1)]
     assert steps[0] == steps[1], "trainers leave their all-reduce loop on the same step"
@@ -121,7 +126,17 @@ PATTERNS: dict[str, tuple[list[str], Callable[[dict[str, str]], None]]] = {
         ],
         check_gfn_layout,
     ),
+    "overlap": (
+        [
+            *(rf"\[0\] bucket {mb} MB: (?P<b{mb}>\d+) bucket\(s\), step [\d.]+ ms, "
+              r"exposed communication [\d.]+ ms" for mb in (1, 5, 25)),
+            r"\[0\] flat: 1 all-reduce, step [\d.]+ ms, exposed communication [\d.]+ ms",
+            rf"\[0\] overlap: 4 settings, weights identical on all {N} ranks",
+        ],
+        check_overlap,
+    ),
 }
+ARGS = {"overlap": ["--quick"]}  # a tiny model: the example's full size takes a minute
 ON_MPI = ["quickstart", "send_recv", "gfn_layout"]
 
 needs_mpi = pytest.mark.skipif(not HAS_MPI, reason="needs mpiexec and mpi4py")
@@ -181,7 +196,7 @@ def test_example(backend: str, name: str) -> None:
     args = ["-m", "asyncomm", "run", "-n", str(N)]
     if backend != "gloo":
         args += ["--backend", backend]
-    done = run_python(*args, f"examples/{name}.py")
+    done = run_python(*args, f"examples/{name}.py", *ARGS.get(name, []))
     assert done.returncode == 0, done.stdout + done.stderr
     if name in PATTERNS:
         patterns, check = PATTERNS[name]
