@@ -77,7 +77,7 @@ def _fence(tensor: torch.Tensor) -> Any:
     """
     if not tensor.is_cuda:
         return None
-    event = torch.cuda.Event()  # pragma: no cover - needs a GPU
+    event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # pragma: no cover
     event.record(torch.cuda.current_stream(tensor.device))  # pragma: no cover
     return event  # pragma: no cover
 
@@ -142,7 +142,8 @@ class GradSync:
         self._buckets = self._assign(int(bucket_mb * _MB))
         self._where: list[tuple[int, int]] = [(0, 0)] * len(self._params)  # (bucket, position)
         for b, bucket in enumerate(self._buckets):
-            comm._tensor(bucket.flat, "GradSync", f"the gradients of {self._names[bucket.indices[0]]}")
+            name = self._names[bucket.indices[0]]
+            comm._tensor(bucket.flat, "GradSync", f"the gradient of {name}")
             for position, i in enumerate(bucket.indices):
                 self._where[i] = (b, position)
         self._lock = threading.Lock()  # hooks may fire on several autograd threads at once
@@ -151,8 +152,8 @@ class GradSync:
         self._used = [False] * len(self._params)  # since the last synchronised step
         self._next = 0  # the next bucket to issue
         self._issued: asyncio.Future[None] | None = None  # wait() waits for the last turns
-        self._hooks = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                       for i, p in enumerate(self._params)]
+        self._hooks = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+            self._make_hook(i)) for i, p in enumerate(self._params)]
 
     def __repr__(self) -> str:
         return (f"<GradSync {len(self._params)} parameters in {len(self._buckets)} buckets "

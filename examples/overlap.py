@@ -1,8 +1,8 @@
 """Hide gradient averaging under backward: GradSync bucket sizes beside one flat all-reduce.
 
 Every rank trains the same MLP (eight 1024x1024 layers: 32 MiB of float32 parameters)
-on batches of its own, data-parallel: after each backward, gradients are averaged over the ranks, then
-every rank takes the same SGD step. The averaging is done four ways, each for
+on batches of its own, data-parallel: after each backward, gradients are averaged over
+the ranks, then every rank takes the same SGD step. The averaging is done four ways, each for
 ``STEPS`` steps from the same starting weights:
 
 - ``bucket 1 MB``, ``bucket 5 MB``, ``bucket 25 MB``: ``asyncomm.GradSync`` all-reduces
@@ -30,6 +30,7 @@ a tiny model and a few steps (a smoke test).
 """
 
 import argparse
+import itertools
 import os
 import statistics
 import time
@@ -47,7 +48,7 @@ SETTINGS = (1.0, 5.0, 25.0, "flat")
 def mlp(widths: tuple[int, ...]) -> nn.Module:
     torch.manual_seed(0)  # the same starting weights on every rank
     layers: list[nn.Module] = []
-    for a, b in zip(widths, widths[1:]):
+    for a, b in itertools.pairwise(widths):
         layers += [nn.Linear(a, b), nn.ReLU()]
     return nn.Sequential(*layers[:-1])
 

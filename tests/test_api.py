@@ -6,8 +6,8 @@ import asyncomm
 
 PUBLIC = {
     "Actor", "ActorRef", "Channel", "Comm", "CommClosedError", "CommError", "CommTimeoutError",
-    "GradSync", "Handle", "Message", "MismatchError", "PeerFailedError", "ProtocolError", "ReduceOp",
-    "RemoteError", "__version__", "compute", "endpoint", "init", "run",
+    "GradSync", "Handle", "Message", "MismatchError", "PeerFailedError", "ProtocolError",
+    "ReduceOp", "RemoteError", "__version__", "compute", "endpoint", "init", "run",
 }
 
 

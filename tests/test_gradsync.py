@@ -1,4 +1,4 @@
-"""``GradSync``: gradients averaged during backward equal DDP's (gloo) or the local average (MPI)."""
+"""``GradSync``: gradients averaged in backward equal DDP's (gloo) or the local average (MPI)."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ async def check_unused_parameter_is_named(comm: Comm) -> None:
     model = Net(branches=True)
     with pytest.raises(TypeError, match="Comm"):
         GradSync(model, "comm")  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="nn.Module"):
+    with pytest.raises(TypeError, match=r"nn\.Module"):
         GradSync(object(), comm)  # type: ignore[arg-type]
     for bad in (0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="bucket_mb"):
