@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 import asyncomm
-from asyncomm._bench import MIB, Record, Timed, _alternate
+from asyncomm._bench import MIB, Record, Timed, _alternate, _size
 from asyncomm._comm import Comm
 
 WIDTHS = (1024,) * 9  # eight 1024x1024 Linear layers: 32 MiB of float32
@@ -127,13 +127,13 @@ async def _steps(comm: Comm, widths: Sequence[int], rounds: int, warmup: int,
     return records
 
 
-async def _compute(comm: Comm, widths: Sequence[int], rounds: int, warmup: int,
+async def _compute(comm: Comm, widths: Sequence[int], nbytes: int, rounds: int, warmup: int,
                    iters: int) -> list[Record]:
-    """Time a 16 MiB all-reduce issued before a forward pass on the loop or via compute."""
+    """Time an all-reduce issued before a forward pass on the loop or through compute."""
     torch.manual_seed(0)
     model = MLP(widths).requires_grad_(False)
     x = torch.randn(4 * BATCH, widths[0])
-    t = torch.zeros(ALLREDUCE_BYTES // 4)
+    t = torch.zeros(nbytes // 4)
 
     async def allreduce() -> None:
         await comm.all_reduce(t)
@@ -159,18 +159,22 @@ async def _compute(comm: Comm, widths: Sequence[int], rounds: int, warmup: int,
         return []
     ms = {name: _median_ms(s) for name, s in samples.items()}
     apart = ms["allreduce alone"] + ms["forward alone"]
-    return [{"bench": "gradsync", "op": "compute", "variant": name, "size": ALLREDUCE_BYTES,
+    return [{"bench": "gradsync", "op": "compute", "variant": name, "size": nbytes,
              "ms": ms[name], "ratio_apart": ms[name] / apart, "iterations": iters,
              "samples_ms": [s * 1e3 for s in samples[name]]} for name in variants]
 
 
-async def measure(comm: Comm, rounds: int, quick: bool) -> list[Record]:
-    """Run both sections; return rank 0's records (``[]`` elsewhere)."""
-    widths = QUICK_WIDTHS if quick else WIDTHS
+async def measure(comm: Comm, rounds: int, quick: bool, widths: Sequence[int] | None = None,
+                  nbytes: int = ALLREDUCE_BYTES) -> list[Record]:
+    """Run both sections; return rank 0's records (``[]`` elsewhere).
+
+    ``widths`` and ``nbytes`` (the all-reduce of the compute section) shrink it for tests.
+    """
+    widths = widths or (QUICK_WIDTHS if quick else WIDTHS)
     warmup, iters = (1, 2) if quick else (2, 8)
     torch.set_num_threads(1)  # two ranks share the cores: one intra-op thread each
     records = await _steps(comm, widths, rounds, warmup, iters)
-    return records + await _compute(comm, widths, rounds, warmup, iters)
+    return records + await _compute(comm, widths, nbytes, rounds, warmup, iters)
 
 
 def table(records: Sequence[Record]) -> list[str]:
@@ -192,7 +196,7 @@ def table(records: Sequence[Record]) -> list[str]:
                      f"{ratio:>8}  {target}".rstrip())
     computes = [r for r in records if r["op"] == "compute"]
     if computes:
-        lines += [f"compute: a {ALLREDUCE_BYTES // MIB} MiB all-reduce issued before a forward "
+        lines += [f"compute: a {_size(computes[0]['size'])} all-reduce issued before a forward "
                   f"pass (batch {4 * BATCH}); vs apart = time / (all-reduce alone + forward "
                   "alone)",
                   f"{'variant':<18}{'ms':>9}{'vs apart':>10}"]

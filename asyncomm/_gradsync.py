@@ -152,6 +152,7 @@ class GradSync:
         self._used = [False] * len(self._params)  # since the last synchronised step
         self._next = 0  # the next bucket to issue
         self._issued: asyncio.Future[None] | None = None  # wait() waits for the last turns
+        self._error: Exception | None = None  # an all-reduce that could not be issued
         self._hooks = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
             self._make_hook(i)) for i, p in enumerate(self._params)]
 
@@ -230,12 +231,19 @@ class GradSync:
         if fence is not None:
             bucket.fences.append(fence)
         bucket.pending -= 1
-        while self._next < len(self._buckets) and self._buckets[self._next].pending == 0:
-            self._issue(self._buckets[self._next])
-            self._next += 1
         issued = self._issued
-        if self._next == len(self._buckets) and issued is not None and not issued.done():
-            issued.set_result(None)
+        try:
+            while (self._error is None and self._next < len(self._buckets)
+                   and self._buckets[self._next].pending == 0):
+                self._issue(self._buckets[self._next])
+                self._next += 1
+        except Exception as exc:  # e.g. the communicator closed: wait() raises it
+            self._error = exc
+        if issued is not None and not issued.done():
+            if self._error is not None:
+                issued.set_exception(self._error)
+            elif self._next == len(self._buckets):
+                issued.set_result(None)
 
     def _issue(self, bucket: _Bucket) -> None:
         for fence in bucket.fences:  # pragma: no cover - needs a GPU
@@ -276,6 +284,8 @@ class GradSync:
                 self._fail(missing)
             for i in missing:  # counted as DDP counts them: their .grad, or zeros
                 self._take(i, self._params[i].grad, hooked=False)
+            if self._error is not None:
+                raise self._error
             if self._next < len(self._buckets):
                 # Hooks that fired on another thread handed their buckets' turns to the
                 # loop; those calls may still be queued behind this one.
@@ -330,6 +340,7 @@ class GradSync:
             self._used = [False] * len(self._params)
             self._next = 0
             self._issued = None
+            self._error = None
 
     def close(self) -> None:
         """Remove the hooks from the model's parameters; the model trains alone again."""

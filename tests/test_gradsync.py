@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import asyncomm
-from asyncomm import Comm, GradSync
+from asyncomm import Comm, GradSync, _bench, _bench_gradsync
 from asyncomm.testing import World
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -191,6 +191,38 @@ async def check_unused_parameter_is_named(comm: Comm) -> None:
 
 def test_bad_arguments_and_unused_parameters_raise(world: World) -> None:
     world.run(check_unused_parameter_is_named)
+
+
+async def check_bench_runs(comm: Comm) -> list[dict[str, object]]:
+    threads = torch.get_num_threads()
+    try:  # a tiny model and all-reduce, one round: the code runs, the records are whole
+        return await _bench_gradsync.measure(comm, 1, True, widths=(16,) * 4, nbytes=4096)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bench_records_and_table(world: World) -> None:
+    records = world.run(check_bench_runs)[0]
+    steps = {r["variant"]: r for r in records if r["op"] == "step"}
+    expected = ["local", "gradsync", "gradsync+compute"]
+    if world.backend == "gloo":
+        expected.insert(1, "ddp")
+    assert list(steps) == expected
+    assert [r["variant"] for r in records if r["op"] == "compute"] == [
+        "allreduce alone", "forward alone", "loop", "compute"]
+    for r in records:
+        assert r["ms"] > 0 and len(r["samples_ms"]) == 1, r
+    meta = {"backend": world.backend, "ranks": 3, "loop": "asyncio", "torch": "2",
+            "mpi4py": None, "python": "3", "mpi_library": None, "rounds": 1}
+    lines = _bench.table([{**meta, **r} for r in records]).splitlines()
+    gradsync = next(line for line in lines if line.startswith("gradsync "))
+    if world.backend == "gloo":
+        assert steps["gradsync"]["ratio_ddp"] == pytest.approx(
+            steps["gradsync"]["ms"] / steps["ddp"]["ms"])
+        assert gradsync.endswith(("<= 1: met", "<= 1: MISSED")), gradsync
+    else:
+        assert steps["gradsync"]["ratio_ddp"] is None and "<=" not in gradsync
+    assert lines[-1].startswith("compute ")
 
 
 NCCL_SCRIPT = """
