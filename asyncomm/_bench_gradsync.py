@@ -132,7 +132,7 @@ async def _compute(comm: Comm, widths: Sequence[int], nbytes: int, rounds: int, 
     """Time an all-reduce issued before a forward pass on the loop or through compute."""
     torch.manual_seed(0)
     model = MLP(widths).requires_grad_(False)
-    x = torch.randn(4 * BATCH, widths[0])
+    x = torch.randn(BATCH, widths[0])
     t = torch.zeros(nbytes // 4)
 
     async def allreduce() -> None:
@@ -172,7 +172,10 @@ async def measure(comm: Comm, rounds: int, quick: bool, widths: Sequence[int] | 
     """
     widths = widths or (QUICK_WIDTHS if quick else WIDTHS)
     warmup, iters = (1, 2) if quick else (2, 8)
-    torch.set_num_threads(1)  # two ranks share the cores: one intra-op thread each
+    # Two ranks share the cores: one intra-op thread each, on the loop thread and on the
+    # compute thread alike (OpenMP's thread count is per calling thread).
+    torch.set_num_threads(1)
+    await asyncomm.compute(torch.set_num_threads, 1)
     records = await _steps(comm, widths, rounds, warmup, iters)
     return records + await _compute(comm, widths, nbytes, rounds, warmup, iters)
 
@@ -197,7 +200,7 @@ def table(records: Sequence[Record]) -> list[str]:
     computes = [r for r in records if r["op"] == "compute"]
     if computes:
         lines += [f"compute: a {_size(computes[0]['size'])} all-reduce issued before a forward "
-                  f"pass (batch {4 * BATCH}); vs apart = time / (all-reduce alone + forward "
+                  f"pass (batch {BATCH}); vs apart = time / (all-reduce alone + forward "
                   "alone)",
                   f"{'variant':<18}{'ms':>9}{'vs apart':>10}"]
         lines += [f"{r['variant']:<18}{r['ms']:>9.1f}{r['ratio_apart']:>10.2f}"

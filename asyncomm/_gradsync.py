@@ -42,6 +42,7 @@ from asyncomm._comm import Comm
 from asyncomm._handle import Handle
 
 _MB = 1024 * 1024  # DDP's ``bucket_cap_mb`` counts mebibytes too
+_FIRST_BUCKET_BYTES = _MB  # as DDP: a small first bucket starts communicating sooner
 
 
 class _Bucket:
@@ -100,9 +101,9 @@ class GradSync:
     Args:
         model: the module whose parameters (those that require grad) are averaged.
         comm: the communicator to average over; called on its event loop only.
-        bucket_mb: bucket size in MiB (``25`` like DDP); a bucket is all-reduced as
-            soon as every gradient in it is ready. A tiny value gives one bucket
-            per parameter.
+        bucket_mb: bucket size in MiB (``25`` like DDP; the first bucket holds 1 MiB,
+            as DDP's); a bucket is all-reduced as soon as every gradient in it is
+            ready. A tiny value gives one bucket per parameter.
         find_unused_parameters: let parameters get no gradient in a step (handled
             as DDP does). Without it, such a parameter makes ``wait()`` raise.
 
@@ -166,17 +167,23 @@ class GradSync:
         return [[self._names[i] for i in bucket.indices] for bucket in self._buckets]
 
     def _assign(self, cap: int) -> list[_Bucket]:
-        """Split the parameters into buckets of about ``cap`` bytes, last parameters first."""
+        """Split the parameters into buckets of about ``cap`` bytes, last parameters first.
+
+        A bucket closes once it holds ``cap`` bytes or more; the first of each dtype and
+        device closes at 1 MiB already (if ``cap`` is larger), as DDP's does.
+        """
         closed: list[list[int]] = []
         open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
+        started: set[tuple[torch.dtype, torch.device]] = set()  # closed a bucket already
         for i in reversed(range(len(self._params))):
             p = self._params[i]
             key = (p.dtype, p.device)
             indices, size = open_.get(key, ([], 0))
             indices.append(i)
             size += p.numel() * p.element_size()
-            if size >= cap:
+            if size >= (cap if key in started else min(cap, _FIRST_BUCKET_BYTES)):
                 closed.append(indices)
+                started.add(key)
                 open_.pop(key, None)
             else:
                 open_[key] = (indices, size)

@@ -170,6 +170,13 @@ async def check_unused_parameter_is_named(comm: Comm) -> None:
     with pytest.raises(ValueError, match="no parameter"):
         GradSync(nn.Linear(2, 2).requires_grad_(False), comm)
 
+    # Buckets: last parameters first; the first closes at 1 MiB, the others at bucket_mb.
+    layers = nn.Sequential(*(nn.Linear(512, 512) for _ in range(4)))  # 1 MiB weights
+    sync = GradSync(layers, comm, bucket_mb=2.5)
+    assert sync.buckets == [["3.bias", "3.weight"],
+                            [f"{i}.{w}" for i in (2, 1, 0) for w in ("bias", "weight")]]
+    sync.close()
+
     torch.manual_seed(0)
     sync = GradSync(model, comm, bucket_mb=1e-9)  # extra and dead are unused
     loss_of(model, comm.rank, 0, 0, extra=False).backward()
@@ -194,11 +201,12 @@ def test_bad_arguments_and_unused_parameters_raise(world: World) -> None:
 
 
 async def check_bench_runs(comm: Comm) -> list[dict[str, object]]:
-    threads = torch.get_num_threads()
+    threads = torch.get_num_threads(), await asyncomm.compute(torch.get_num_threads)
     try:  # a tiny model and all-reduce, one round: the code runs, the records are whole
         return await _bench_gradsync.measure(comm, 1, True, widths=(16,) * 4, nbytes=4096)
-    finally:
-        torch.set_num_threads(threads)
+    finally:  # the bench sets them for its ranks; this world serves other tests
+        torch.set_num_threads(threads[0])
+        await asyncomm.compute(torch.set_num_threads, threads[1])
 
 
 def test_bench_records_and_table(world: World) -> None:
