@@ -2,8 +2,8 @@
 
 Every rank trains the same MLP (eight 1024x1024 layers: 32 MiB of float32 parameters)
 on batches of its own, data-parallel: after each backward, gradients are averaged over
-the ranks, then every rank takes the same SGD step. The averaging is done four ways, each for
-``STEPS`` steps from the same starting weights:
+the ranks, then every rank takes the same SGD step. The averaging is done four ways,
+each for ``STEPS`` steps from the same starting weights:
 
 - ``bucket 1 MB``, ``bucket 5 MB``, ``bucket 25 MB``: ``asyncomm.GradSync`` all-reduces
   each bucket of gradients as soon as backward has filled it, so communication runs
@@ -12,18 +12,22 @@ the ranks, then every rank takes the same SGD step. The averaging is done four w
   (nothing overlaps).
 
 Rank 0 prints, for each, the median step time and the exposed communication: the time
-from the end of backward until the averaged gradients are in ``.grad``::
+from the end of backward until the averaged gradients are in ``.grad`` (2 ranks on a
+shared, loaded 2-core machine)::
 
-    bucket 1 MB: 33 buckets, step 151.2 ms, exposed communication 3.1 ms
-    ...
-    flat: 1 all-reduce, step 180.4 ms, exposed communication 39.0 ms
+    bucket 1 MB: 8 bucket(s), step 240.6 ms, exposed communication 24.9 ms
+    bucket 5 MB: 5 bucket(s), step 418.0 ms, exposed communication 70.4 ms
+    bucket 25 MB: 2 bucket(s), step 481.3 ms, exposed communication 121.7 ms
+    flat: 1 all-reduce, step 429.1 ms, exposed communication 197.0 ms
     overlap: 4 settings, weights identical on all 2 ranks
 
-Smaller buckets start communicating sooner but pay more per-operation overhead; 25 MB
-is DDP's default. ``--compute`` runs backward through ``asyncomm.compute`` (off the
-event loop, so the loop keeps completing and issuing operations during backward:
-useful on MPI, whose operations progress when the loop polls them); ``--quick`` uses
-a tiny model and a few steps (a smoke test).
+Smaller buckets start communicating sooner (and leave less to wait for after
+backward) but pay more per-operation overhead; 25 MB is DDP's default, and the
+first bucket holds 1 MB in every setting, as DDP's does. ``--compute`` runs
+backward through ``asyncomm.compute`` (off the event loop, so the loop keeps
+completing and issuing operations during backward: useful on MPI, whose
+operations progress when the loop polls them); ``--quick`` uses a tiny model and
+a few steps (a smoke test).
 
     asyncomm run -n 2 examples/overlap.py
     asyncomm run -n 2 --backend mpi examples/overlap.py --compute
