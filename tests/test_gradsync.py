@@ -133,6 +133,9 @@ async def check_gradients_match(comm: Comm, unused: bool) -> None:
                         loss_of(ddp, comm.rank, step, 0, comm.rank in uses[0]).backward()
             micro = 1 if unused else 0
             await backward(loss_of(model, comm.rank, step, micro, comm.rank in uses[1]), where)
+            if not unused:  # every bucket went during backward, in bucket order
+                seqs = [b.handle._what[2] for b in sync._buckets if b.handle is not None]
+                assert len(seqs) == len(sync.buckets) and seqs == sorted(seqs), what
             await sync.wait()
             if ddp is not None:
                 loss_of(ddp, comm.rank, step, micro, comm.rank in uses[1]).backward()
