@@ -172,10 +172,7 @@ async def measure(comm: Comm, rounds: int, quick: bool, widths: Sequence[int] | 
     """
     widths = widths or (QUICK_WIDTHS if quick else WIDTHS)
     warmup, iters = (1, 2) if quick else (2, 8)
-    # Two ranks share the cores: one intra-op thread each, on the loop thread and on the
-    # compute thread alike (OpenMP's thread count is per calling thread).
-    torch.set_num_threads(1)
-    await asyncomm.compute(torch.set_num_threads, 1)
+    torch.set_num_threads(1)  # two ranks share the cores: one intra-op thread each
     records = await _steps(comm, widths, rounds, warmup, iters)
     return records + await _compute(comm, widths, nbytes, rounds, warmup, iters)
 

@@ -204,12 +204,11 @@ def test_bad_arguments_and_unused_parameters_raise(world: World) -> None:
 
 
 async def check_bench_runs(comm: Comm) -> list[dict[str, object]]:
-    threads = torch.get_num_threads(), await asyncomm.compute(torch.get_num_threads)
+    threads = torch.get_num_threads()
     try:  # a tiny model and all-reduce, one round: the code runs, the records are whole
         return await _bench_gradsync.measure(comm, 1, True, widths=(16,) * 4, nbytes=4096)
-    finally:  # the bench sets them for its ranks; this world serves other tests
-        torch.set_num_threads(threads[0])
-        await asyncomm.compute(torch.set_num_threads, threads[1])
+    finally:  # the bench sets it for its ranks; this world serves other tests
+        torch.set_num_threads(threads)
 
 
 def test_bench_records_and_table(world: World) -> None:
