@@ -56,7 +56,7 @@ def loss_of(model: nn.Module, rank: int, step: int, micro: int, extra: bool) -> 
     return nn.functional.mse_loss(model(x, extra=extra), y)
 
 
-def local_average(model: nn.Module, size: int, step: int, unused: bool
+def local_average(model: nn.Module, size: int, step: int, unused: bool, accumulate: bool
                   ) -> dict[str, torch.Tensor | None]:
     """DDP's result computed alone: every rank's accumulated gradients, averaged.
 
@@ -66,7 +66,7 @@ def local_average(model: nn.Module, size: int, step: int, unused: bool
     per_rank = []
     for rank in range(size):
         mine = copy.deepcopy(model)
-        for micro in range(2 if unused else 1):
+        for micro in range(2 if accumulate else 1):
             uses = EXTRA[step][micro] if unused else ()
             loss_of(mine, rank, step, micro, rank in uses).backward()
         per_rank.append(dict(mine.named_parameters()))
@@ -123,7 +123,8 @@ async def check_gradients_match(comm: Comm, unused: bool) -> None:
         for step in range(3):
             what = f"rank {comm.rank}, bucket_mb={bucket_mb}, backward on {where}, step {step}"
             uses = EXTRA[step] if unused else ((), ())
-            if unused:  # accumulate a micro-batch first
+            accumulate = unused or step == 1
+            if accumulate:  # a micro-batch first, without communication
                 with sync.no_sync():
                     await backward(loss_of(model, comm.rank, step, 0, comm.rank in uses[0]),
                                    where)
@@ -131,7 +132,7 @@ async def check_gradients_match(comm: Comm, unused: bool) -> None:
                 if ddp is not None:
                     with ddp.no_sync():
                         loss_of(ddp, comm.rank, step, 0, comm.rank in uses[0]).backward()
-            micro = 1 if unused else 0
+            micro = 1 if accumulate else 0
             await backward(loss_of(model, comm.rank, step, micro, comm.rank in uses[1]), where)
             if not unused:  # every bucket went during backward, in bucket order
                 seqs = [b.handle._what[2] for b in sync._buckets if b.handle is not None]
@@ -141,7 +142,7 @@ async def check_gradients_match(comm: Comm, unused: bool) -> None:
                 loss_of(ddp, comm.rank, step, micro, comm.rank in uses[1]).backward()
                 expected = {n: p.grad for n, p in reference.named_parameters()}
             else:
-                expected = local_average(reference, comm.size, step, unused)
+                expected = local_average(reference, comm.size, step, unused, accumulate)
                 for name, p in reference.named_parameters():
                     p.grad = expected[name]
             assert_same_grads(model, expected, what)
