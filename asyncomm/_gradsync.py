@@ -16,14 +16,18 @@ issues the same collectives in the same order whatever order its gradients
 come in: a bucket that fills early waits for the ones before it. ``wait()``
 awaits each bucket and copies the averages back into ``.grad``.
 
-Parameters that got no gradient in a step (the hook never fired) are found by
-``wait()``. With ``find_unused_parameters=True`` they count as DDP counts them:
-each contributes its current ``.grad`` (zeros when it has none) to its bucket;
-whether any rank used a parameter since the last synchronised step is summed
-over ranks in one more small all-reduce, and a parameter no rank used keeps its
-``.grad`` untouched (``None`` stays ``None``). Without the option an unused
-parameter leaves its bucket incomplete, and ``wait()`` raises instead of
-waiting for it forever.
+Parameters that get no gradient in a step count, with
+``find_unused_parameters=True``, as DDP counts them: each contributes its
+current ``.grad`` (zeros when it has none) to its bucket; whether any rank used
+a parameter since the last synchronised step is summed over ranks in one more
+small all-reduce, and a parameter no rank used keeps its ``.grad`` untouched
+(``None`` stays ``None``). As DDP does, a forward hook on the model walks the
+autograd graph of its output to find the parameters it does not reach; the
+first gradient hook of the step puts those in their buckets, so that buckets
+holding them go during backward too. Parameters the hook could not foresee
+(the model was not called as a whole) are put in by ``wait()``. Without the
+option an unused parameter leaves its bucket incomplete, and ``wait()`` raises
+instead of waiting for it forever.
 """
 
 from __future__ import annotations
@@ -81,6 +85,18 @@ def _fence(tensor: torch.Tensor) -> Any:
     event = torch.cuda.Event()  # type: ignore[no-untyped-call]  # pragma: no cover
     event.record(torch.cuda.current_stream(tensor.device))  # pragma: no cover
     return event  # pragma: no cover
+
+
+def _tensors(output: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a forward's output (nested in tuples, lists and dicts)."""
+    if isinstance(output, torch.Tensor):
+        yield output
+    elif isinstance(output, (list, tuple)):
+        for item in output:
+            yield from _tensors(item)
+    elif isinstance(output, dict):
+        for item in output.values():
+            yield from _tensors(item)
 
 
 class GradSync:
@@ -154,8 +170,12 @@ class GradSync:
         self._next = 0  # the next bucket to issue
         self._issued: asyncio.Future[None] | None = None  # wait() waits for the last turns
         self._error: Exception | None = None  # an all-reduce that could not be issued
-        self._hooks = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+        self._reached: set[int] | None = None  # ids of the parameters forward reached
+        self._foreseen: list[int] = []  # unused parameters the first hook puts in
+        self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
             self._make_hook(i)) for i, p in enumerate(self._params)]
+        if find_unused_parameters:
+            self._hooks.append(model.register_forward_hook(self._after_forward))
 
     def __repr__(self) -> str:
         return (f"<GradSync {len(self._params)} parameters in {len(self._buckets)} buckets "
@@ -191,11 +211,38 @@ class GradSync:
         closed.sort(key=lambda indices: -indices[0])  # in the order backward fills them
         return [_Bucket(indices, self._params) for indices in closed]
 
-    # -- during backward ---------------------------------------------------------------
+    # -- during forward and backward ---------------------------------------------------
+
+    def _after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Find the parameters the autograd graph of ``output`` does not reach."""
+        if not self._syncing or not torch.is_grad_enabled():
+            return
+        reached = self._reached if self._reached is not None else set()
+        stack = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        reached.update(id(t) for t in _tensors(output) if t.grad_fn is None)
+        seen: set[Any] = set()
+        while stack:
+            fn = stack.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            variable = getattr(fn, "variable", None)  # an AccumulateGrad node: a leaf
+            if variable is not None:
+                reached.add(id(variable))
+            stack.extend(nxt for nxt, _ in fn.next_functions if nxt is not None)
+        with self._lock:  # several forwards in a step: a parameter any of them used is used
+            self._reached = reached
+            self._foreseen = [i for i, p in enumerate(self._params) if id(p) not in reached]
 
     def _make_hook(self, i: int) -> Any:
         def hook(param: torch.Tensor) -> None:
             self._take(i, param.grad, hooked=True)
+            if self._foreseen:
+                with self._lock:
+                    foreseen, self._foreseen = self._foreseen, []
+                for j in foreseen:  # as DDP, at the first hook: their .grad, or zeros
+                    if not self._ready[j]:
+                        self._take(j, self._params[j].grad, hooked=False)
 
         return hook
 
@@ -213,7 +260,9 @@ class GradSync:
             if self._ready[i]:
                 raise RuntimeError(
                     f"{self._what}: parameter {self._names[i]} got a second gradient in one "
-                    "step: call wait() after each backward, or accumulate inside no_sync()")
+                    "step, or one after the model's forward did not reach it: call wait() "
+                    "after each backward, accumulate inside no_sync(), and use parameters "
+                    "only inside the model's forward")
             self._ready[i] = True
         b, position = self._where[i]
         bucket = self._buckets[b]
@@ -348,6 +397,8 @@ class GradSync:
             self._next = 0
             self._issued = None
             self._error = None
+            self._reached = None
+            self._foreseen = []
 
     def close(self) -> None:
         """Remove the hooks from the model's parameters; the model trains alone again."""

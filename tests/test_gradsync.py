@@ -134,9 +134,10 @@ async def check_gradients_match(comm: Comm, unused: bool) -> None:
                         loss_of(ddp, comm.rank, step, 0, comm.rank in uses[0]).backward()
             micro = 1 if accumulate else 0
             await backward(loss_of(model, comm.rank, step, micro, comm.rank in uses[1]), where)
-            if not unused:  # every bucket went during backward, in bucket order
-                seqs = [b.handle._what[2] for b in sync._buckets if b.handle is not None]
-                assert len(seqs) == len(sync.buckets) and seqs == sorted(seqs), what
+            # Every bucket went during backward, in bucket order (unused parameters too: the
+            # forward hook found them).
+            seqs = [b.handle._what[2] for b in sync._buckets if b.handle is not None]
+            assert len(seqs) == len(sync.buckets) and seqs == sorted(seqs), what
             await sync.wait()
             if ddp is not None:
                 loss_of(ddp, comm.rank, step, micro, comm.rank in uses[1]).backward()
@@ -190,6 +191,21 @@ async def check_unused_parameter_is_named(comm: Comm) -> None:
     # The step is over: the next one, with every parameter used, works.
     model.zero_grad(set_to_none=True)
     sync.close()
+    # find_unused_parameters without the forward hook (forward called directly): wait()
+    # puts the unused parameters in. The same data on every rank: the average is local.
+    torch.manual_seed(0)
+    model = Net(branches=True)
+    alone = copy.deepcopy(model)
+    sync = GradSync(model, comm, bucket_mb=1e-9, find_unused_parameters=True)
+    x, y = batch(0, 0, 0)
+    nn.functional.mse_loss(model.forward(x), y).backward()
+    assert not all(b.handle is not None for b in sync._buckets)  # some wait for wait()
+    await sync.wait()
+    nn.functional.mse_loss(alone(x), y).backward()
+    assert_same_grads(model, {n: p.grad for n, p in alone.named_parameters()}, "direct")
+    assert model.extra is not None and model.extra.weight.grad is None
+    sync.close()
+
     plain = Net(branches=False)
     sync = GradSync(plain, comm)
     loss = loss_of(plain, comm.rank, 0, 0, extra=False)
