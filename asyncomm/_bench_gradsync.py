@@ -1,10 +1,11 @@
 """``asyncomm bench gradsync``: GradSync beside DDP, and when ``asyncomm.compute`` helps.
 
-Two sections, each alternating its variants round by round (``_bench._alternate``) on the
-same ranks, model and data:
+Two sections, each alternating its variants step by step (``_bench._alternate`` with one
+timed call per round, the order rotating from round to round) on the same ranks, model and
+data:
 
 - ``step``: one data-parallel training step (forward, backward, gradients averaged) of an
-  MLP of eight 1024x1024 layers (32 MiB of float32 parameters: two 25 MiB buckets):
+  MLP of eight 1024x1024 layers (32 MiB of float32 parameters; buckets of 4 and 28 MiB):
   ``local`` (forward and backward only, no communication: the compute floor), ``ddp``
   (``torch.nn.parallel.DistributedDataParallel``, gloo only), ``gradsync`` (backward on the
   loop thread, then ``await sync.wait()``) and ``gradsync+compute`` (``await
@@ -59,8 +60,7 @@ def _median_ms(seconds: Sequence[float]) -> float:
     return statistics.median(seconds) * 1e3 if seconds else float("nan")
 
 
-async def _steps(comm: Comm, widths: Sequence[int], rounds: int, warmup: int,
-                 iters: int) -> list[Record]:
+async def _steps(comm: Comm, widths: Sequence[int], steps: int, prime: int) -> list[Record]:
     """Time one training step of each variant; return rank 0's records (``[]`` elsewhere)."""
     torch.manual_seed(0)
     base = MLP(widths)
@@ -109,7 +109,7 @@ async def _steps(comm: Comm, widths: Sequence[int], rounds: int, warmup: int,
         variants["ddp"] = Timed(ddp_step, False)
     variants["gradsync"] = Timed(gradsync_step("gradsync", False), False)
     variants["gradsync+compute"] = Timed(gradsync_step("gradsync+compute", True), False)
-    samples = await _alternate(comm, variants, rounds, warmup, iters)
+    samples = await _alternate(comm, variants, steps, 0, 1, prime)
     sync.close()
     if comm.rank != 0:
         return []
@@ -122,13 +122,13 @@ async def _steps(comm: Comm, widths: Sequence[int], rounds: int, warmup: int,
             "wait_ms": _median_ms(waits[name]) if name in waits else None,
             "ratio_ddp": ms[name] / ms["ddp"] if "ddp" in ms else None,
             "target": f"<= {STEP_TARGET:g}" if name == "gradsync" and "ddp" in ms else None,
-            "iterations": iters, "samples_ms": [s * 1e3 for s in samples[name]],
+            "steps": steps, "samples_ms": [s * 1e3 for s in samples[name]],
         })
     return records
 
 
-async def _compute(comm: Comm, widths: Sequence[int], nbytes: int, rounds: int, warmup: int,
-                   iters: int) -> list[Record]:
+async def _compute(comm: Comm, widths: Sequence[int], nbytes: int, steps: int,
+                   prime: int) -> list[Record]:
     """Time an all-reduce issued before a forward pass on the loop or through compute."""
     torch.manual_seed(0)
     model = MLP(widths).requires_grad_(False)
@@ -154,13 +154,13 @@ async def _compute(comm: Comm, widths: Sequence[int], nbytes: int, rounds: int, 
     variants = {name: Timed(fn, False) for name, fn in (
         ("allreduce alone", allreduce), ("forward alone", forward),
         ("loop", on_loop), ("compute", offloaded))}
-    samples = await _alternate(comm, variants, rounds, warmup, iters)
+    samples = await _alternate(comm, variants, steps, 0, 1, prime)
     if comm.rank != 0:
         return []
     ms = {name: _median_ms(s) for name, s in samples.items()}
     apart = ms["allreduce alone"] + ms["forward alone"]
     return [{"bench": "gradsync", "op": "compute", "variant": name, "size": nbytes,
-             "ms": ms[name], "ratio_apart": ms[name] / apart, "iterations": iters,
+             "ms": ms[name], "ratio_apart": ms[name] / apart, "steps": steps,
              "samples_ms": [s * 1e3 for s in samples[name]]} for name in variants]
 
 
@@ -171,17 +171,19 @@ async def measure(comm: Comm, rounds: int, quick: bool, widths: Sequence[int] | 
     ``widths`` and ``nbytes`` (the all-reduce of the compute section) shrink it for tests.
     """
     widths = widths or (QUICK_WIDTHS if quick else WIDTHS)
-    warmup, iters = (1, 2) if quick else (2, 8)
+    # Variants alternate step by step, in an order that rotates: ``rounds`` x 8 steps of
+    # each (x 2 with --quick), after ``prime`` untimed ones.
+    steps, prime = rounds * (2 if quick else 8), 1 if quick else 3
     torch.set_num_threads(1)  # two ranks share the cores: one intra-op thread each
-    records = await _steps(comm, widths, rounds, warmup, iters)
-    return records + await _compute(comm, widths, nbytes, rounds, warmup, iters)
+    records = await _steps(comm, widths, steps, prime)
+    return records + await _compute(comm, widths, nbytes, steps, prime)
 
 
 def table(records: Sequence[Record]) -> list[str]:
     """The lines of both sections (after ``_bench.table``'s header line)."""
     m = records[0]
     steps = [r for r in records if r["op"] == "step"]
-    lines = [f"gradsync: median of {m['rounds']} rounds x {m['iterations']} steps; MLP of "
+    lines = [f"gradsync: median of {m['steps']} steps, alternated step by step; MLP of "
              f"{m['size'] / MIB:.0f} MiB, batch {BATCH}; exposed = step - local step; "
              "wait = end of backward to grads averaged",
              f"{'variant':<18}{'step ms':>9}{'exposed ms':>12}{'wait ms':>9}{'vs ddp':>8}"
