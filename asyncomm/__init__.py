@@ -18,6 +18,7 @@ from asyncomm._errors import (
     ProtocolError,
     RemoteError,
 )
+from asyncomm._gradsync import GradSync
 from asyncomm._handle import Handle
 from asyncomm._ops import ReduceOp
 from asyncomm._runtime import init, run
@@ -32,6 +33,7 @@ __all__ = [
     "CommClosedError",
     "CommError",
     "CommTimeoutError",
+    "GradSync",
     "Handle",
     "Message",
     "MismatchError",

@@ -555,6 +555,10 @@ def table(records: Sequence[Record]) -> str:
              + (f"\n{m['mpi_library']}" if m["mpi_library"] else "")]
     if m.get("bench") == "channels":
         return "\n".join([*lines, *_channel_table(records)])
+    if m.get("bench") == "gradsync":
+        from asyncomm import _bench_gradsync
+
+        return "\n".join([*lines, *_bench_gradsync.table(records)])
     if m["op"] == "idle":
         lines.append(f"idle: rank 1 awaits a message rank 0 sends after {m['wait_s']:g} s")
         lines.append(f"{'variant':<10}{'wall s':>9}{'CPU s':>9}{'CPU/wall':>10}")
@@ -617,11 +621,12 @@ def _positive(text: str) -> int:
 def _options(p: argparse.ArgumentParser) -> None:
     """The options the command and its workers share."""
     p.add_argument("what", nargs="?", default="all",
-                   choices=(*OPS, "all", "idle", "channels", "soak", "pipeline"),
+                   choices=(*OPS, "all", "idle", "channels", "gradsync", "pipeline", "soak"),
                    help="what to measure (default: all = pingpong and allreduce; channels: "
                    "asyncomm channels beside the raw backend; soak: a random mix of traffic "
-                   "for --seconds, every result checked; pipeline: the pipeline executor against "
-                   "torch.distributed.pipelining and against the simulator's bubble)")
+                   "for --seconds, every result checked; gradsync: GradSync beside DDP, and "
+                   "asyncomm.compute under an all-reduce; pipeline: the pipeline executor "
+                   "against torch.distributed.pipelining and against the simulator's bubble)")
     p.add_argument("--seconds", type=float, default=10.0, metavar="S",
                    help="how long soak runs (default 10)")
     p.add_argument("--sizes", type=_sizes, metavar="BYTES,...",
@@ -652,7 +657,7 @@ def _settings(args: argparse.Namespace) -> tuple[tuple[int, ...], int, Path]:
                            else QUICK_SIZES if args.quick else DEFAULT_SIZES)
     rounds = args.rounds or (3 if args.quick else 9 if args.what == "channels" else 5)
     path = args.json or Path(f"bench-{args.what}.json"
-                             if args.what in ("idle", "channels", "pipeline")
+                             if args.what in ("idle", "channels", "gradsync", "pipeline")
                              else "bench-core.json")
     return sizes, rounds, path
 
@@ -722,6 +727,11 @@ def _worker(argv: Sequence[str] | None = None) -> int:
         if comm.size < 2:
             raise SystemExit("asyncomm bench: needs at least 2 ranks")
         meta = _meta(comm, rounds, args.quick)
+        if args.what == "gradsync":
+            from asyncomm import _bench_gradsync
+
+            return [{**meta, **r} for r in await _bench_gradsync.measure(comm, rounds,
+                                                                          args.quick)]
         found = await (_idle(comm, wait_s) if args.what == "idle"
                        else _channels(comm, sizes, rounds, args.quick)
                        if args.what == "channels"

@@ -6,9 +6,8 @@ import asyncomm
 
 PUBLIC = {
     "Actor", "ActorRef", "Channel", "Comm", "CommClosedError", "CommError", "CommTimeoutError",
-    "Handle", "Message", "MismatchError", "PeerFailedError", "ProtocolError", "ReduceOp",
-    "RemoteError", "__version__", "compute", "endpoint", "init", "run",
-    "trace",
+    "GradSync", "Handle", "Message", "MismatchError", "PeerFailedError", "ProtocolError",
+    "ReduceOp", "RemoteError", "__version__", "compute", "endpoint", "init", "run", "trace",
 }
 
 

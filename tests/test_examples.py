@@ -22,6 +22,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -97,6 +98,12 @@ def check_parameter_server(found: dict[str, str]) -> None:
     assert float(found["after"]) < float(found["before"]) / 10, found
 
 
+def check_overlap(found: dict[str, str]) -> None:
+    counts = [int(found[f"b{mb}"]) for mb in (1, 5, 25)]
+    assert counts == sorted(counts, reverse=True) and counts[-1] >= 1, found
+    assert Path(found["png"]).read_bytes().startswith(b"\x89PNG"), found
+
+
 def check_gfn_layout(found: dict[str, str]) -> None:
     steps = [int(found[f"steps{t}"]) for t in (0, 1)]
     assert steps[0] == steps[1], "trainers leave their all-reduce loop on the same step"
@@ -141,10 +148,23 @@ PATTERNS: dict[str, tuple[list[str], Callable[[dict[str, str]], None]]] = {
         ],
         check_pipeline_digits,
     ),
+    "overlap": (
+        [
+            *(rf"\[0\] bucket {mb} MB: (?P<b{mb}>\d+) bucket\(s\), step [\d.]+ ms, "
+              r"exposed communication [\d.]+ ms" for mb in (1, 5, 25)),
+            r"\[0\] flat: 1 all-reduce, step [\d.]+ ms, exposed communication [\d.]+ ms",
+            rf"\[0\] overlap: 4 settings, weights identical on all {N} ranks",
+            r"\[0\] timeline: (?P<png>\S+timeline\.png); rank 0 hid \d+% of its "
+            r"communication under compute",
+        ],
+        check_overlap,
+    ),
 }
 # Arguments for examples that take them (``options(argv)``): fewer epochs than the
-# digits example's default still reach 95%.
-ARGS = {"pipeline_digits": ["--epochs", "6"]}
+# digits example's default still reach 95%; overlap's --quick is a tiny model (its full
+# size takes a minute).
+ARGS = {"pipeline_digits": ["--epochs", "6"],
+        "overlap": ["--quick", "--trace", str(Path(tempfile.gettempdir()) / "asyncomm-overlap")]}
 LAUNCHED = [pytest.param("gloo", id="gloo"),
             pytest.param("mpi", id="mpi", marks=pytest.mark.skipif(
                 not HAS_MPI, reason="needs mpiexec and mpi4py"))]
