@@ -31,6 +31,7 @@ import secrets
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -81,6 +82,10 @@ class World:
             host, port = listener.address
             env = {**os.environ, _ADDRESS: f"{host}:{port}", _KEY: key.hex(),
                    "PYTHONUNBUFFERED": "1", "ASYNCOMM_BACKEND": self.backend}
+            # A world idles between checks, and an idle MPI rank polls every 1 ms: a
+            # few pooled worlds would take most of a small machine's cores from the
+            # tests. A longer cap only delays the first poll after a long idle spell.
+            env.setdefault("ASYNCOMM_MAX_BACKOFF_US", "20000")
             for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK", "WORLD_SIZE"):
                 env.pop(name, None)
             command = [sys.executable, "-m", "asyncomm.testing"]
@@ -209,9 +214,12 @@ class WorldPool:
         return world
 
     def close(self) -> None:
-        """Stop every world."""
-        for world in self._worlds.values():
-            world.stop()
+        """Stop every world (all at once: each waits seconds for its ranks to close)."""
+        threads = [threading.Thread(target=world.stop) for world in self._worlds.values()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         self._worlds.clear()
 
 

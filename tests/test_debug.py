@@ -114,6 +114,8 @@ def test_a_blocked_loop_is_reported_with_its_stack(backend: str, tmp_path: Path,
     assert "rank 1: the event loop has been blocked for" in proc.stderr, proc.stderr
     assert "in stall_here" in proc.stderr and "time.sleep(0.8)" in proc.stderr
     assert "rank 0: the event loop" not in proc.stderr
+    if backend != "gloo":  # silence without debug mode is the same code on every backend
+        return
     monkeypatch.delenv("ASYNCOMM_DEBUG")
     quiet = run_script(STALL, tmp_path, 2, backend)
     assert quiet.returncode == 0 and "event loop has been blocked" not in quiet.stderr

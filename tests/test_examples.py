@@ -30,7 +30,6 @@ from pathlib import Path
 import pytest
 
 from asyncomm import Comm
-from asyncomm._launch import find_mpiexec
 from asyncomm.testing import World, fresh
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +37,6 @@ EXAMPLES = ROOT / "examples"
 N = 4
 LIST = str([float(r + 1) for r in range(N)])  # "[1.0, 2.0, 3.0, 4.0]"
 TOTAL = float(sum(range(1, N + 1)))  # 10.0
-HAS_MPI = find_mpiexec() is not None and importlib.util.find_spec("mpi4py") is not None
 
 
 def each(line: Callable[[int], str]) -> list[str]:
@@ -165,9 +163,8 @@ PATTERNS: dict[str, tuple[list[str], Callable[[dict[str, str]], None]]] = {
 # size takes a minute).
 ARGS = {"pipeline_digits": ["--epochs", "6"],
         "overlap": ["--quick", "--trace", str(Path(tempfile.gettempdir()) / "asyncomm-overlap")]}
-LAUNCHED = [pytest.param("gloo", id="gloo"),
-            pytest.param("mpi", id="mpi", marks=pytest.mark.skipif(
-                not HAS_MPI, reason="needs mpiexec and mpi4py"))]
+# The launcher's MPI path is covered by test_launcher, test_lifecycle and test_debug.
+LAUNCHED = [pytest.param("gloo", id="gloo")]
 
 
 def run_python(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -238,8 +235,14 @@ async def check_example(comm: Comm, name: str, argv: list[str]) -> list[str]:
     return [f"[{comm.rank}] {line}" for line in printed.getvalue().splitlines()]
 
 
+# Trained to 95% on gloo; the executor's results on MPI are checked in test_pipeline_exec.
+GLOO_ONLY = {"pipeline_digits"}
+
+
 @pytest.mark.parametrize("name", [*EXPECTED, *PATTERNS])
 def test_example(world4: World, name: str) -> None:
+    if name in GLOO_ONLY and world4.backend != "gloo":
+        pytest.skip(f"{name} trains for seconds: checked on gloo")
     results = world4.run(check_example, name, ARGS.get(name, []), timeout=120.0)
     lines = [line for rank_lines in results for line in rank_lines]
     check_output(world4.backend, name, lines)

@@ -17,7 +17,6 @@ import torch
 
 import asyncomm
 from asyncomm import Comm, _cli, _compute, _trace
-from asyncomm._launch import find_mpiexec
 from asyncomm.testing import World
 from asyncomm.trace import Overlap, intersect, measure, merge, overlap, union
 
@@ -201,11 +200,10 @@ def _run_traced(tmp_path: Path, backend: str) -> tuple[subprocess.CompletedProce
     return done, out
 
 
-@pytest.mark.parametrize("backend", [
-    "gloo",
-    pytest.param("mpi", marks=pytest.mark.skipif(find_mpiexec() is None,
-                                                 reason="mpiexec not installed")),
-])
+# gloo only: a launch costs seconds of start-up, MPI tracing is checked on the pooled
+# worlds above, and the launcher hands its environment to mpiexec's ranks the same way
+# for every variable (the debug-mode launcher test covers that path).
+@pytest.mark.parametrize("backend", ["gloo"])
 def test_run_trace_records_what_each_rank_issued(tmp_path: Path, backend: str) -> None:
     done, out = _run_traced(tmp_path, backend)
     assert sorted(p.name for p in out.glob("rank*.json")) == ["rank0.json", "rank1.json"]
