@@ -55,7 +55,7 @@ def test_idle_quick_reports_cpu_per_variant(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_channels_quick_writes_every_test(tmp_path: Path) -> None:
-    records = _bench_run(tmp_path, "channels")
+    records = _bench_run(tmp_path, "channels", "--rounds", "1")
     assert [(r["backend"], r["op"], r["size"]) for r in records if r["op"] == "pingpong"] == [
         (b, "pingpong", size) for b in EXPECTED for size in _bench.CHANNEL_SIZES]
     assert {(r["backend"], r["op"]) for r in records} == {
