@@ -50,7 +50,10 @@ VERSION = 1
 # The fields of a recorded communication, in the order of its list.
 FIELDS = ("cat", "kind", "bytes", "peer", "tag", "seq", "comm", "start", "end", "error",
           "name")
-_PEER, _END, _ERROR = 3, 8, 9
+# Note on cost: records are tuples of scalars, which the garbage collector stops
+# tracking, so a trace of millions of operations does not make every full collection
+# walk them (mutable records did: +10-20 us per small MPI operation). An operation's
+# completion is appended as a tuple of its own and joined to its record on writing.
 
 _perf = time.perf_counter
 _comms: weakref.WeakSet[Comm] = weakref.WeakSet()  # every live communicator of this process
@@ -75,7 +78,8 @@ class Recorder:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.anchor = (_perf(), time.time_ns())
-        self.events: list[Any] = []  # op lists (see FIELDS) and compute tuples
+        self.events: list[tuple[Any, ...]] = []  # op tuples (see FIELDS), compute tuples
+        self.ends: list[tuple[int, float, str | None, int | None]] = []  # index, end, error, peer
         self.comms: list[dict[str, Any]] = []  # id -> rank, size, backend
         self.rank: int | None = None  # the widest communicator's rank names the file
         self.size = 1
@@ -107,16 +111,30 @@ class Recorder:
     def issued(self, handle: Handle[Any], comm: int, keep: object) -> None:
         """Record an operation just issued; its completion fills in the end."""
         _, kind, seq, peer, tag = handle._what
-        record = ["op", kind, _nbytes(keep), peer, tag, seq, comm, _perf(), None, None, None]
-        self.events.append(record)
-        handle.add_done_callback(partial(_ended, record))
+        events = self.events
+        index = len(events)
+        events.append(("op", kind, _nbytes(keep), peer, tag, seq, comm, _perf(), None, None,
+                       None))
+        handle.add_done_callback(partial(self._ended, index))
+
+    def _ended(self, index: int, handle: Handle[Any]) -> None:
+        end, error, peer = _perf(), handle._error, None
+        if error is not None:
+            failed: str | None = type(error).__name__
+        elif handle._state != _DONE:  # a bad argument: raised before anything was sent
+            failed = "not started"
+        else:
+            failed = None
+            if handle._what[3] is None and handle._what[1] == "recv":  # any source: which
+                peer = handle._value
+        self.ends.append((index, end, failed, peer))
 
     def message(self, kind: str, nbytes: int, peer: int | None, tag: int | None, comm: int,
                 start: float, error: BaseException | None, name: str | None = None) -> None:
         """Record a channel message or actor call that ran from ``start`` until now."""
-        self.events.append(["channel" if kind.startswith("channel") else "actor", kind, nbytes,
+        self.events.append(("channel" if kind.startswith("channel") else "actor", kind, nbytes,
                             peer, tag, None, comm, start, _perf(),
-                            None if error is None else type(error).__name__, name])
+                            None if error is None else type(error).__name__, name))
 
     def span(self, span: _compute.Span) -> None:
         """Record a finished compute span (called on the worker thread)."""
@@ -134,14 +152,21 @@ class Recorder:
         """Return what was recorded so far as the file's JSON object."""
         events: list[dict[str, Any]] = []
         threads: dict[int, int] = {}
-        for event in list(self.events):  # a copy: the worker may append meanwhile
-            if isinstance(event, tuple):
+        ends = {index: rest for index, *rest in self.ends}
+        for index, event in enumerate(list(self.events)):  # a copy: the worker may append
+            if event[0] == "compute":
                 name, start, end, ident = event[1:]
                 thread = threads.setdefault(ident, len(threads))
                 events.append({"cat": "compute", "kind": "compute", "name": name,
                                "start": start, "end": end, "thread": thread})
-            else:
-                events.append(dict(zip(FIELDS, event, strict=True)))
+                continue
+            record = dict(zip(FIELDS, event, strict=True))
+            ended = ends.get(index)
+            if ended is not None:
+                record["end"], record["error"] = ended[0], ended[1]
+                if ended[2] is not None:
+                    record["peer"] = ended[2]
+            events.append(record)
         return {"format": FORMAT, "version": VERSION, "rank": self.rank, "size": self.size,
                 "host": socket.gethostname(), "pid": os.getpid(),
                 "anchor": {"perf_counter": self.anchor[0], "wall_ns": self.anchor[1]},
@@ -164,17 +189,6 @@ class Recorder:
                 self.write()
             except OSError:  # exiting: nobody left to tell
                 pass
-
-
-def _ended(record: list[Any], handle: Handle[Any]) -> None:
-    record[_END] = _perf()
-    error = handle._error
-    if error is not None:
-        record[_ERROR] = type(error).__name__
-    elif handle._state != _DONE:  # a bad argument: raised before anything was sent
-        record[_ERROR] = "not started"
-    elif record[_PEER] is None and record[1] == "recv":  # from any source: note which
-        record[_PEER] = handle._value
 
 
 # -- turning it on and off ------------------------------------------------------
