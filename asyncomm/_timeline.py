@@ -309,9 +309,13 @@ def summarise(directory: str | Path, json_path: str | Path | None = None,
     trace = merge(directory)
     out = Path(json_path) if json_path is not None else Path(directory) / "trace.json"
     out.write_text(json.dumps(trace))
-    png = draw(trace, png_path if png_path is not None else Path(directory) / "timeline.png")
     metrics = overlap(trace)
     print(report(metrics))
-    print(f"trace: {out} (open in https://ui.perfetto.dev or chrome://tracing)\n"
-          f"timeline: {png}")
+    print(f"trace: {out} (open in https://ui.perfetto.dev or chrome://tracing)")
+    try:
+        png = draw(trace, png_path if png_path is not None else Path(directory) / "timeline.png")
+    except ImportError:
+        print("timeline: not drawn (pip install 'asyncomm[plot]' for the PNG)")
+    else:
+        print(f"timeline: {png}")
     return metrics

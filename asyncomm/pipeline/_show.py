@@ -182,6 +182,11 @@ def show_command(args: argparse.Namespace) -> int:
         return 2
     print(render(simulation))
     if args.png:
-        plot(simulation, args.png)
+        try:
+            plot(simulation, args.png)
+        except ImportError:
+            print("asyncomm pipeline show: --png needs matplotlib "
+                  "(pip install 'asyncomm[plot]')", file=sys.stderr)
+            return 2
         print(f"wrote {args.png}")
     return 0
