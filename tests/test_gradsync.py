@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,9 +11,7 @@ from torch import nn
 
 import asyncomm
 from asyncomm import Comm, GradSync, _bench, _bench_gradsync
-from asyncomm.testing import World
-
-ROOT = Path(__file__).resolve().parent.parent
+from asyncomm.testing import World, run_script
 
 # (bucket_mb, backward on the loop thread or through asyncomm.compute): one bucket per
 # parameter, a few parameters per bucket, everything in one bucket.
@@ -285,11 +280,6 @@ asyncomm.run(main, backend="nccl")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_nccl_gradients(tmp_path: Path) -> None:
     ranks = min(2, torch.cuda.device_count())
-    script = tmp_path / "gradsync_nccl.py"
-    script.write_text(NCCL_SCRIPT)
-    done = subprocess.run(
-        [sys.executable, "-m", "asyncomm", "run", "-n", str(ranks), "--backend", "nccl",
-         str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = run_script(NCCL_SCRIPT, tmp_path, ranks, "nccl", timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("gradsync nccl ok") == ranks

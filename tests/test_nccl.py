@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from asyncomm.testing import run_script
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -53,11 +50,6 @@ asyncomm.run(main, backend="nccl")
 
 def test_nccl_world(tmp_path: Path) -> None:
     ranks = min(2, torch.cuda.device_count())
-    script = tmp_path / "nccl_check.py"
-    script.write_text(SCRIPT)
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncomm", "run", "-n", str(ranks), "--backend", "nccl",
-         str(script)], capture_output=True, text=True, timeout=300, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = run_script(SCRIPT, tmp_path, ranks, "nccl", timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("nccl ok") == ranks
