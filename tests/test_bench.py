@@ -32,7 +32,7 @@ def _bench_run(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(120)
 def test_core_quick_writes_every_op_and_variant(tmp_path: Path) -> None:
-    records = _bench_run(tmp_path, "all")
+    records = _bench_run(tmp_path, "all", "--rounds", "1")
     seen = {(r["backend"], r["op"], r["size"]) for r in records}
     assert seen == {(b, op, size) for b in EXPECTED for op in _bench.OPS
                     for size in _bench.QUICK_SIZES}
@@ -74,7 +74,7 @@ def test_channels_quick_writes_every_test(tmp_path: Path) -> None:
 @pytest.mark.timeout(120)
 def test_soak_checks_a_mix_of_traffic_on_three_ranks(tmp_path: Path) -> None:
     done = subprocess.run(
-        [sys.executable, "-m", "asyncomm", "bench", "soak", "--seconds", "2", "-n", "3",
+        [sys.executable, "-m", "asyncomm", "bench", "soak", "--seconds", "1", "-n", "3",
          "--backend", BACKEND], capture_output=True, text=True, timeout=110, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     reports = [line for line in done.stdout.splitlines() if "] soak:" in line]
