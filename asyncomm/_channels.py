@@ -584,7 +584,7 @@ class Channel:
             error = exc
             raise
         finally:
-            nbytes = len(frame[0]) + sum(b.numel() for b in frame[1])
+            nbytes = len(frame[0]) + sum(b.nbytes for b in frame[1])
             trace.message("channel_send", nbytes, dst, self.tag, router._comm._trace_id, start,
                           error)
 

@@ -72,12 +72,14 @@ class _Worker:
     def __init__(self, threads: int) -> None:
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="asyncomm-compute")
         self.stream: Any = None  # a CUDA side stream, made on the first CUDA compute
+        self.cuda = torch.cuda.is_available()  # asked once: it does not change in a process
 
     def run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
             name: str) -> T:
         start = time.perf_counter()
         try:
-            if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            # Initialised: the program uses CUDA (it may start to after the worker was made).
+            if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
                 return self._run_cuda(fn, args, kwargs)
             return fn(*args, **kwargs)
         finally:

@@ -98,7 +98,7 @@ def test_merge_aligns_hosts_by_wall_clock_and_keeps_lanes_free_of_overlaps(
 # -- the recorder on real worlds ---------------------------------------------------
 
 
-async def check_start_records_until_stop(comm: Comm, directory: str) -> None:
+async def check_start_records_until_stop(comm: Comm, directory: str) -> int:
     peer = 1 - comm.rank
     # Without ASYNCOMM_TRACE (the test worlds have none) nothing records.
     assert comm._trace is None and not asyncomm.trace.enabled() and _compute.on_span is None
@@ -114,6 +114,11 @@ async def check_start_records_until_stop(comm: Comm, directory: str) -> None:
         with pytest.raises(ValueError):
             comm.all_reduce(t, op="nonsense")  # raises before issuing: not recorded
         await asyncomm.compute(torch.mm, torch.ones(8, 8), torch.ones(8, 8), name="mm")
+        channel = comm.channel(77)
+        if comm.rank == 0:
+            await channel.send(t, peer)  # float32[16]: 64 bytes of payload
+        else:
+            await channel.recv(peer)
     finally:
         path = asyncomm.trace.stop()
     assert path == Path(directory) / f"rank{comm.rank}.json"
@@ -125,6 +130,8 @@ async def check_start_records_until_stop(comm: Comm, directory: str) -> None:
     assert ops[0]["seq"] < ops[1]["seq"]
     computes = [e for e in doc["events"] if e["cat"] == "compute"]
     assert [e["name"] for e in computes] == ["mm"]
+    [message] = [e for e in doc["events"] if e["cat"] == "channel"]
+    assert message["kind"] == ("channel_send" if comm.rank == 0 else "channel_recv")
     assert all(e["start"] <= e["end"] for e in doc["events"])
     # Off again: nothing more is recorded or written, and the hook is gone.
     assert comm._trace is None and not asyncomm.trace.enabled() and _compute.on_span is None
@@ -134,10 +141,12 @@ async def check_start_records_until_stop(comm: Comm, directory: str) -> None:
     assert path.read_bytes() == before
     await comm.barrier()  # the peer has written its file too
     assert sorted(os.listdir(directory)) == sorted(f"rank{r}.json" for r in range(comm.size))
+    return int(message["bytes"])
 
 
 def test_start_records_every_op_and_compute_until_stop(world2: World, tmp_path: Path) -> None:
-    world2.run(check_start_records_until_stop, str(tmp_path))
+    sent, received = world2.run(check_start_records_until_stop, str(tmp_path))
+    assert sent == received > 64  # the head and the tensor's bytes, counted alike on both sides
 
 
 # -- asyncomm run --trace, end to end ----------------------------------------------
