@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import datetime
 import functools
+import importlib
 import itertools
 import json
 import platform
@@ -559,6 +560,10 @@ def table(records: Sequence[Record]) -> str:
         from asyncomm import _bench_gradsync
 
         return "\n".join([*lines, *_bench_gradsync.table(records)])
+    if m.get("bench") == "pipeline":
+        from asyncomm import _bench_pipeline
+
+        return _bench_pipeline.table(records)
     if m["op"] == "idle":
         lines.append(f"idle: rank 1 awaits a message rank 0 sends after {m['wait_s']:g} s")
         lines.append(f"{'variant':<10}{'wall s':>9}{'CPU s':>9}{'CPU/wall':>10}")
@@ -688,14 +693,6 @@ def command(args: argparse.Namespace) -> int:
                     break
                 continue
             part = Path(tmp) / f"{backend}.json"
-            if args.what == "pipeline":
-                code = launch(["-m", "asyncomm._bench_pipeline", "--rounds", str(rounds),
-                               "--json", str(part), *(["--quick"] if args.quick else [])],
-                              args.nproc, backend=backend)
-                if code != 0:
-                    break
-                records += json.loads(part.read_text())
-                continue
             argv = ["-m", "asyncomm._bench", args.what, "--rounds", str(rounds),
                     "--sizes", ",".join(map(str, sizes)), "--json", str(part), "--no-table",
                     *(["--quick"] if args.quick else [])]
@@ -727,11 +724,9 @@ def _worker(argv: Sequence[str] | None = None) -> int:
         if comm.size < 2:
             raise SystemExit("asyncomm bench: needs at least 2 ranks")
         meta = _meta(comm, rounds, args.quick)
-        if args.what == "gradsync":
-            from asyncomm import _bench_gradsync
-
-            return [{**meta, **r} for r in await _bench_gradsync.measure(comm, rounds,
-                                                                          args.quick)]
+        if args.what in ("gradsync", "pipeline"):  # sections with a module of their own
+            section = importlib.import_module(f"asyncomm._bench_{args.what}")
+            return [{**meta, **r} for r in await section.measure(comm, rounds, args.quick)]
         found = await (_idle(comm, wait_s) if args.what == "idle"
                        else _channels(comm, sizes, rounds, args.quick)
                        if args.what == "channels"

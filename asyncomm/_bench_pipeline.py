@@ -1,7 +1,7 @@
 """``asyncomm bench pipeline``: the pipeline executor against torch's, and against theory.
 
-Two measurements, each rank running one stage (``python -m asyncomm._bench_pipeline``
-under the launcher; rank 0 prints the table and writes the JSON):
+Two measurements, each rank running one stage (``measure``, run on every rank by
+``asyncomm bench``'s worker, like the other sections):
 
 - ``vs torch`` (gloo only: torch.distributed.pipelining needs torch's process group):
   the same MLP (one block of ``Linear(width, width)`` + ``Tanh`` per stage; the last
@@ -21,14 +21,10 @@ under the launcher; rank 0 prints the table and writes the JSON):
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import statistics
-import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -228,37 +224,13 @@ def table(records: Sequence[Record]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Every rank's entry point: measure, then rank 0 prints and writes the records."""
-    import asyncomm
-
-    parser = argparse.ArgumentParser(prog="python -m asyncomm._bench_pipeline")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", type=Path, default=Path("bench-pipeline.json"))
-    args = parser.parse_args(argv)
-    quick = args.quick
+async def measure(comm: Comm, rounds: int, quick: bool) -> list[Record]:
+    """Run both sections (torch's pipelining on gloo only); return rank 0's records."""
     width, batch, mbs = (256, 32, 4) if quick else (1024, 128, 8)
     steps = 3 if quick else 10
     t = 0.01 if quick else 0.05  # long enough that a message's latency is small beside it
-
-    async def run(comm: Comm) -> list[Record]:
-        if comm.size < 2:
-            raise SystemExit("asyncomm bench pipeline: needs at least 2 ranks")
-        meta: Record = {"backend": comm.backend, "ranks": comm.size, "torch": torch.__version__,
-                        "rounds": args.rounds, "quick": quick, "bench": "pipeline"}
-        found = []
-        if comm.backend == "gloo":
-            found += await versus_torch(comm, width, batch, mbs, args.rounds, steps)
-        found += await bubble(comm, t, 2 * comm.size, steps)
-        return [{**meta, **r} for r in found] if comm.rank == 0 else []
-
-    records = asyncomm.run(run)
-    if records:
-        args.json.write_text(json.dumps(records, indent=1) + "\n")
-        print(table(records), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    found = []
+    if comm.backend == "gloo":
+        found += await versus_torch(comm, width, batch, mbs, rounds, steps)
+    found += await bubble(comm, t, 2 * comm.size, steps)
+    return [{"bench": "pipeline", **r} for r in found] if comm.rank == 0 else []
