@@ -72,19 +72,26 @@ async def _steps(comm: Comm, widths: Sequence[int], steps: int, prime: int) -> l
         return nn.functional.mse_loss(model(x), y)
 
     local = base
-    ours = MLP(widths)
-    ours.load_state_dict(base.state_dict())
-    sync = asyncomm.GradSync(ours, comm)
-    waits: dict[str, list[float]] = {"gradsync": [], "gradsync+compute": []}
+    # Each GradSync variant trains a model of its own: one whose gradients were made on the
+    # compute thread would have them freed and made again on the loop thread every other
+    # step (each thread allocates from its own malloc arena, so those are fresh pages).
+    models, syncs = {}, {}
+    for name in ("gradsync", "gradsync+compute"):
+        models[name] = MLP(widths)
+        models[name].load_state_dict(base.state_dict())
+        syncs[name] = asyncomm.GradSync(models[name], comm)
+    waits: dict[str, list[float]] = {name: [] for name in models}
 
     async def local_step() -> None:
         local.zero_grad(set_to_none=True)
         loss_of(local).backward()  # type: ignore[no-untyped-call]
 
     def gradsync_step(name: str, offload: bool) -> Callable[[], Any]:
+        model, sync = models[name], syncs[name]
+
         async def step() -> None:
-            ours.zero_grad(set_to_none=True)
-            loss = loss_of(ours)
+            model.zero_grad(set_to_none=True)
+            loss = loss_of(model)
             if offload:
                 await asyncomm.compute(loss.backward)
             else:
@@ -110,7 +117,8 @@ async def _steps(comm: Comm, widths: Sequence[int], steps: int, prime: int) -> l
     variants["gradsync"] = Timed(gradsync_step("gradsync", False), False)
     variants["gradsync+compute"] = Timed(gradsync_step("gradsync+compute", True), False)
     samples = await _alternate(comm, variants, steps, 0, 1, prime)
-    sync.close()
+    for sync in syncs.values():
+        sync.close()
     if comm.rank != 0:
         return []
     ms = {name: _median_ms(s) for name, s in samples.items()}

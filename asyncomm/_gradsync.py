@@ -4,17 +4,22 @@ Note on how a step goes
 -----------------------
 Parameters that need a gradient are split into buckets of about ``bucket_mb``,
 walking them in reverse order (backward produces the last layers' gradients
-first) and keeping one dtype and device per bucket, as DDP does. Each bucket
-owns one flat buffer. A hook (``register_post_accumulate_grad_hook``) fires as
-each gradient is accumulated: it copies the gradient, divided by the number of
-ranks, into its place in the buffer, on the thread that runs backward. The
+first) and keeping one dtype and device per bucket, as DDP does. A parameter
+whose gradient takes 1 MiB or more gets a bucket of its own: it gains nothing
+from sharing a collective, and a bucket of one parameter is all-reduced in
+place, in the parameter's ``.grad``, with no copy in or out (DDP copies every
+gradient into its bucket and back). A bucket of several parameters owns one
+flat buffer. A hook (``register_post_accumulate_grad_hook``) fires as each
+gradient is accumulated: it divides the gradient by the number of ranks, in
+place or on its way into the flat buffer, on the thread that runs backward. The
 bucket's turn is then taken on the event loop, which is the only thread that
 may call the communicator: directly when backward runs on the loop, through
 ``loop.call_soon_threadsafe`` from a compute worker or an autograd thread.
 Buckets are summed with ``all_reduce`` strictly in bucket order, so every rank
 issues the same collectives in the same order whatever order its gradients
-come in: a bucket that fills early waits for the ones before it. ``wait()``
-awaits each bucket and copies the averages back into ``.grad``.
+come in: a bucket that fills early waits for the ones before it; buckets go in
+the order their last parameter is expected. ``wait()`` awaits each bucket and
+copies the averages of flat buffers back into ``.grad``.
 
 Parameters that get no gradient in a step count, with
 ``find_unused_parameters=True``, as DDP counts them: each contributes its
@@ -47,12 +52,18 @@ from asyncomm._handle import Handle
 
 _MB = 1024 * 1024  # DDP's ``bucket_cap_mb`` counts mebibytes too
 _FIRST_BUCKET_BYTES = _MB  # as DDP: a small first bucket starts communicating sooner
+_ALONE_BYTES = _MB  # a gradient this large is all-reduced alone, in place: no copies
 
 
 class _Bucket:
-    """Some parameters whose gradients travel together in one flat buffer."""
+    """Some parameters whose gradients travel together in one collective.
 
-    __slots__ = ("fences", "flat", "handle", "indices", "offsets", "pending")
+    A bucket of one parameter is reduced in place, in the parameter's gradient
+    (``flat`` is ``None``); a bucket of several copies them into one flat buffer.
+    """
+
+    __slots__ = ("fences", "flat", "handle", "in_place", "indices", "offsets", "pending",
+                 "reduced")
 
     def __init__(self, indices: list[int], params: list[nn.Parameter]) -> None:
         self.indices = indices  # into GradSync._params, in bucket order
@@ -62,13 +73,17 @@ class _Bucket:
             self.offsets.append(offset)
             offset += params[i].numel()
         first = params[indices[0]]
-        self.flat = torch.zeros(offset, dtype=first.dtype, device=first.device)
+        self.flat = (torch.zeros(offset, dtype=first.dtype, device=first.device)
+                     if len(indices) > 1 else None)
+        self.reduced = self.flat  # what this step all-reduces (alone: set by the hook)
+        self.in_place = False  # alone, and ``reduced`` is the parameter's own .grad
         self.pending = len(indices)
         self.handle: Handle[torch.Tensor] | None = None
         self.fences: list[Any] = []  # CUDA events the all-reduce must wait for
 
     def view(self, position: int, param: nn.Parameter) -> torch.Tensor:
         """The part of the flat buffer that holds the ``position``-th parameter's gradient."""
+        assert self.flat is not None, "only a bucket of several parameters has a flat buffer"
         start = self.offsets[position]
         return self.flat[start:start + param.numel()].view_as(param)
 
@@ -119,7 +134,9 @@ class GradSync:
         comm: the communicator to average over; called on its event loop only.
         bucket_mb: bucket size in MiB (``25`` like DDP; the first bucket holds 1 MiB,
             as DDP's); a bucket is all-reduced as soon as every gradient in it is
-            ready. A tiny value gives one bucket per parameter.
+            ready. A gradient of 1 MiB or more gets a bucket of its own, reduced in
+            place in its ``.grad`` (so between backward and ``wait()`` that ``.grad``
+            is in use). A tiny value gives one bucket per parameter.
         find_unused_parameters: let parameters get no gradient in a step (handled
             as DDP does). Without it, such a parameter makes ``wait()`` raise.
 
@@ -159,8 +176,9 @@ class GradSync:
         self._buckets = self._assign(int(bucket_mb * _MB))
         self._where: list[tuple[int, int]] = [(0, 0)] * len(self._params)  # (bucket, position)
         for b, bucket in enumerate(self._buckets):
-            name = self._names[bucket.indices[0]]
-            comm._tensor(bucket.flat, "GradSync", f"the gradient of {name}")
+            first = self._params[bucket.indices[0]]
+            comm._tensor(torch.empty(0, dtype=first.dtype, device=first.device), "GradSync",
+                         f"the gradient of {self._names[bucket.indices[0]]}")
             for position, i in enumerate(bucket.indices):
                 self._where[i] = (b, position)
         self._lock = threading.Lock()  # hooks may fire on several autograd threads at once
@@ -190,13 +208,18 @@ class GradSync:
         """Split the parameters into buckets of about ``cap`` bytes, last parameters first.
 
         A bucket closes once it holds ``cap`` bytes or more; the first of each dtype and
-        device closes at 1 MiB already (if ``cap`` is larger), as DDP's does.
+        device closes at 1 MiB already (if ``cap`` is larger), as DDP's does. A gradient
+        of 1 MiB or more gets a bucket of its own. Buckets are ordered by their last
+        parameter, the one backward is expected to fill last.
         """
         closed: list[list[int]] = []
         open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
         started: set[tuple[torch.dtype, torch.device]] = set()  # closed a bucket already
         for i in reversed(range(len(self._params))):
             p = self._params[i]
+            if p.numel() * p.element_size() >= _ALONE_BYTES:
+                closed.append([i])
+                continue
             key = (p.dtype, p.device)
             indices, size = open_.get(key, ([], 0))
             indices.append(i)
@@ -208,7 +231,7 @@ class GradSync:
             else:
                 open_[key] = (indices, size)
         closed += [indices for indices, _ in open_.values()]
-        closed.sort(key=lambda indices: -indices[0])  # in the order backward fills them
+        closed.sort(key=lambda indices: -indices[-1])  # in the order backward fills them
         return [_Bucket(indices, self._params) for indices in closed]
 
     # -- during forward and backward ---------------------------------------------------
@@ -266,11 +289,14 @@ class GradSync:
             self._ready[i] = True
         b, position = self._where[i]
         bucket = self._buckets[b]
-        view = bucket.view(position, self._params[i])
-        if grad is None:
-            view.zero_()
+        if bucket.flat is None:
+            view = self._alone(bucket, grad, hooked)
         else:
-            torch.mul(grad, self._scale, out=view)  # divide on the way in, as DDP does
+            view = bucket.view(position, self._params[i])
+            if grad is None:
+                view.zero_()
+            else:
+                torch.mul(grad, self._scale, out=view)  # divide on the way in, as DDP does
         fence = _fence(view)
         try:
             running = asyncio.get_running_loop()
@@ -280,6 +306,22 @@ class GradSync:
             self._filled(b, fence)
         else:  # only the loop thread may call the communicator
             self._loop.call_soon_threadsafe(self._filled, b, fence)
+
+    def _alone(self, bucket: _Bucket, grad: torch.Tensor | None, hooked: bool) -> torch.Tensor:
+        """Choose what the bucket of one parameter all-reduces: its ``.grad`` itself if it can.
+
+        A gradient that is not contiguous, or that ``wait()`` puts in for a parameter
+        this rank did not use (a parameter no rank used must keep its ``.grad``), is
+        reduced in a copy instead.
+        """
+        if hooked and grad is not None and grad.is_contiguous():
+            bucket.reduced, bucket.in_place = grad.mul_(self._scale), True
+        elif grad is None:
+            param = self._params[bucket.indices[0]]
+            bucket.reduced = torch.zeros(param.shape, dtype=param.dtype, device=param.device)
+        else:
+            bucket.reduced = torch.mul(grad, self._scale).contiguous()
+        return bucket.reduced
 
     def _filled(self, b: int, fence: Any) -> None:
         """Count one more gradient of bucket ``b`` in; issue every bucket whose turn came."""
@@ -303,9 +345,10 @@ class GradSync:
 
     def _issue(self, bucket: _Bucket) -> None:
         for fence in bucket.fences:  # pragma: no cover - needs a GPU
-            torch.cuda.current_stream(bucket.flat.device).wait_event(fence)
+            torch.cuda.current_stream(bucket.reduced.device).wait_event(fence)  # type: ignore[union-attr]
         bucket.fences.clear()
-        bucket.handle = self._comm.all_reduce(bucket.flat)
+        assert bucket.reduced is not None, "a full bucket has its tensor"
+        bucket.handle = self._comm.all_reduce(bucket.reduced)
 
     # -- after backward ----------------------------------------------------------------
 
@@ -350,7 +393,7 @@ class GradSync:
             used = None
             if self._find_unused:
                 flags = torch.tensor(self._used, dtype=torch.int32)
-                used = self._comm.all_reduce(flags.to(self._buckets[0].flat.device))
+                used = self._comm.all_reduce(flags.to(self._params[0].device))
             for bucket in self._buckets:
                 assert bucket.handle is not None, "every bucket is issued by now"
                 await bucket.handle
@@ -364,6 +407,17 @@ class GradSync:
 
     def _unflatten(self, bucket: _Bucket, anyone: list[bool]) -> None:
         """Copy the averages of ``bucket`` into ``.grad`` (of parameters some rank used)."""
+        if bucket.flat is None:
+            i, reduced = bucket.indices[0], bucket.reduced
+            param = self._params[i]
+            assert reduced is not None, "an issued bucket has its tensor"
+            if bucket.in_place or not anyone[i]:
+                return  # averaged where it lies; or used by no rank: left as it is
+            if param.grad is None:
+                param.grad = reduced
+            else:
+                param.grad.copy_(reduced)
+            return
         for position, i in enumerate(bucket.indices):
             if not anyone[i]:
                 continue  # used by no rank: DDP leaves its .grad as it is
@@ -388,7 +442,13 @@ class GradSync:
         with self._lock:
             for bucket in self._buckets:
                 if bucket.handle is not None and not bucket.handle.done():
-                    bucket.flat = torch.zeros_like(bucket.flat)  # the old one is still in use
+                    if bucket.flat is not None:  # the old one is still in use
+                        bucket.flat = torch.zeros_like(bucket.flat)
+                    elif bucket.in_place and bucket.reduced is not None:
+                        param = self._params[bucket.indices[0]]  # its .grad is in use too
+                        param.grad = bucket.reduced.clone()
+                bucket.reduced = bucket.flat
+                bucket.in_place = False
                 bucket.handle = None
                 bucket.pending = len(bucket.indices)
                 bucket.fences.clear()

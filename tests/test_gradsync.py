@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 from pathlib import Path
 
 import pytest
@@ -170,11 +171,31 @@ async def check_unused_parameter_is_named(comm: Comm) -> None:
     with pytest.raises(ValueError, match="no parameter"):
         GradSync(nn.Linear(2, 2).requires_grad_(False), comm)
 
-    # Buckets: last parameters first; the first closes at 1 MiB, the others at bucket_mb.
-    layers = nn.Sequential(*(nn.Linear(512, 512) for _ in range(4)))  # 1 MiB weights
-    sync = GradSync(layers, comm, bucket_mb=2.5)
-    assert sync.buckets == [["3.bias", "3.weight"],
-                            [f"{i}.{w}" for i in (2, 1, 0) for w in ("bias", "weight")]]
+    # Buckets: last parameters first; the first closes at 1 MiB, the others at bucket_mb;
+    # a gradient of 1 MiB or more goes alone.
+    small, big = (nn.Linear(256, 256) for _ in range(10)), nn.Linear(512, 512)  # 1 MiB weight
+    layers = nn.Sequential(*itertools.islice(small, 6), big, *small)
+    sync = GradSync(layers, comm, bucket_mb=1.5)
+    assert sync.buckets == [[f"{i}.{w}" for i in (10, 9, 8, 7) for w in ("bias", "weight")],
+                            ["6.weight"],
+                            ["6.bias"] + [f"{i}.{w}" for i in range(5, -1, -1)
+                                          for w in ("bias", "weight")]]
+    sync.close()
+    # A bucket of one parameter is averaged in place, in its .grad: no copy.
+    torch.manual_seed(0)
+    lone, twin = nn.Linear(512, 512), nn.Linear(512, 512)
+    twin.load_state_dict(lone.state_dict())
+    sync = GradSync(lone, comm)
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(comm.rank))
+    lone(x).mean().backward()
+    assert sync.buckets == [["bias"], ["weight"]]
+    weight = sync._buckets[1]
+    assert weight.handle is not None and weight.reduced is lone.weight.grad
+    await sync.wait()
+    xs = [torch.randn(4, 512, generator=torch.Generator().manual_seed(r))
+          for r in range(comm.size)]
+    twin(torch.cat(xs)).mean().backward()
+    assert_same_grads(lone, {n: p.grad for n, p in twin.named_parameters()}, "in place")
     sync.close()
 
     torch.manual_seed(0)
