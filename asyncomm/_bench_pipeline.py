@@ -119,7 +119,8 @@ def _torch_step(comm: Comm, name: str, stage_module: nn.Module, n_microbatches: 
 
 
 def _ours_step(comm: Comm, name: str, stage_module: nn.Module, n_microbatches: int,
-               x: torch.Tensor, y: torch.Tensor) -> Callable[[], Awaitable[None]]:
+               x: torch.Tensor, y: torch.Tensor
+               ) -> tuple[Callable[[], Awaitable[None]], pipeline.Pipeline]:
     schedule = pipeline.get(name, comm.size, n_microbatches)
     pipe = pipeline.Pipeline(comm, schedule, {comm.rank: stage_module}, nn.functional.mse_loss)
 
@@ -127,7 +128,7 @@ def _ours_step(comm: Comm, name: str, stage_module: nn.Module, n_microbatches: i
         stage_module.zero_grad()
         await pipe.step(x if pipe.first else None, y if pipe.last_stage else None)
 
-    return step
+    return step, pipe
 
 
 async def versus_torch(comm: Comm, width: int, batch: int, n_microbatches: int,
@@ -139,13 +140,14 @@ async def versus_torch(comm: Comm, width: int, batch: int, n_microbatches: int,
     stage = mlp(comm.size, width)[comm.rank]
     records = []
     for name in TORCH_SCHEDULES:
+        ours, pipe = _ours_step(comm, name, copy.deepcopy(stage), n_microbatches, x, y)
         variants = {"torch": _torch_step(comm, name, copy.deepcopy(stage), n_microbatches, x, y),
-                    "asyncomm": _ours_step(comm, name, copy.deepcopy(stage), n_microbatches,
-                                           x, y)}
+                    "asyncomm": ours}
         samples: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(rounds):
             for variant, step in variants.items():
                 samples[variant].append(await _timed(comm, step, steps))
+        await pipe.close()
         ms = {v: 1e3 * statistics.median(s) for v, s in samples.items()}
         records.append({
             "test": "vs_torch", "schedule": name, "width": width, "batch": batch,
@@ -179,6 +181,7 @@ async def bubble(comm: Comm, t: float, n_microbatches: int, steps: int) -> list[
             if step:  # the first is a warm-up
                 makespan = ends[0].item() + ends[1].item()
                 measured.append(1.0 - busy.item() / (comm.size * makespan))
+        await pipe.close()
         theory = pipeline.simulate(schedule, 1.0, 2.0).bubble
         value = statistics.median(measured)
         records.append({
@@ -230,6 +233,7 @@ async def measure(comm: Comm, rounds: int, quick: bool) -> list[Record]:
     steps = 3 if quick else 10
     t = 0.01 if quick else 0.05  # long enough that a message's latency is small beside it
     found = []
+    torch.set_num_threads(1)  # two ranks share the cores: one intra-op thread each
     if comm.backend == "gloo":
         found += await versus_torch(comm, width, batch, mbs, rounds, steps)
     found += await bubble(comm, t, 2 * comm.size, steps)

@@ -83,6 +83,7 @@ async def main(comm: asyncomm.Comm, args: argparse.Namespace | None = None) -> N
             samples += BATCH
     elapsed = time.perf_counter() - start
     logits = await pipe.forward(x_test if pipe.first else None)
+    await pipe.close()
     bubbles = await comm.all_gather_object(1.0 - busy / wall)
     if pipe.last_stage:
         assert logits is not None and loss is not None

@@ -60,6 +60,7 @@ async def run_pipeline(comm: Comm, schedule: pipeline.Schedule,
     losses = []
     for x, y in data:
         losses.append(await pipe.step(x if pipe.first else None, y if pipe.last_stage else None))
+    await pipe.close()  # its communicator: the pooled world makes many pipelines
     return pipe, losses
 
 
@@ -238,6 +239,48 @@ async def check_bench(comm: Comm) -> None:
     text = bench.table([{"backend": comm.backend, "ranks": comm.size, "torch": "x", "rounds": 1,
                          **r} for r in records])
     assert "interleaved" in text and ("1f1b" in text)
+
+
+async def check_fixed_shapes(comm: Comm) -> None:
+    """Messages keep their first step's shapes, or the sender raises; or any shape, on channels."""
+    schedule = pipeline.get("gpipe", comm.size, 2)
+    width, gen = WIDTH, torch.Generator().manual_seed(5)  # the same data on every rank
+    x = [torch.randn(rows, width, generator=gen, dtype=torch.float64) for rows in (4, 6)]
+    y = [torch.randn(rows, 3, generator=gen, dtype=torch.float64) for rows in (4, 6)]
+    # fixed_shapes=False: a second step of another batch size works, equal to one process
+    model = build(2)
+    pipe = pipeline.Pipeline(comm, schedule, pipeline.split(model, 2), nn.functional.mse_loss,
+                             fixed_shapes=False)
+    for step in range(2):
+        loss = await pipe.step(x[step], y[step])
+        ref = build(2)
+        want = torch.stack([nn.functional.mse_loss(ref(xm), ym)
+                            for xm, ym in zip(x[step].chunk(2), y[step].chunk(2), strict=True)])
+        if pipe.last_stage:
+            assert loss == pytest.approx(want.mean().item())
+    await pipe.close()
+    with pytest.raises(RuntimeError, match="is closed"):
+        await pipe.step(x[0], y[0])
+    # fixed_shapes (the default): step 2's first send raises on rank 0, before sending
+    pipe = pipeline.Pipeline(comm, schedule, pipeline.split(build(2), 2), nn.functional.mse_loss)
+    await pipe.step(x[0], y[0])
+    assert pipe._p2p is not None  # from step 2 on, point-to-point operations
+    if comm.rank == 0:
+        with pytest.raises(ValueError, match=r"rank 0: pipeline 'gpipe' action #\d+ "
+                           r"\(SEND_F0@s0\): the output of stage 0 for microbatch 0 is \(3, 6\) "
+                           r"torch.float64, in the first step it was \(2, 6\).*fixed_shapes"):
+            await pipe.step(x[1], y[1])
+        with pytest.raises(RuntimeError, match="an earlier step failed"):
+            await pipe.step(x[0], y[0])
+    else:  # rank 1 never joins step 2: free rank 0's receives posted for it
+        for mb in range(2):
+            await pipe._p2p.send(torch.zeros(2, width, dtype=torch.float64), 0,
+                                 pipe._tag(1, 1, mb) - pipe.tag_base)
+    await pipe.close()
+
+
+def test_fixed_shapes(world2: World) -> None:
+    world2.run(check_fixed_shapes)
 
 
 def test_bench_measurements_run(world2: World) -> None:

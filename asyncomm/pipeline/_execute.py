@@ -13,12 +13,21 @@ while a stage computes.
 
 Note on messages
 ----------------
-Activations and gradients travel on channels of ``comm`` (any shape and dtype
-of tensor), one channel per (direction, stage boundary, microbatch), from
-``tag_base`` up: ``3 * n_stages * n_microbatches`` virtual tags (the third
-direction is ``forward``'s, for evaluation). A channel
+In the first step, activations and gradients travel on channels of ``comm``
+(any shape and dtype of tensor), one channel per (direction, stage boundary,
+microbatch), from ``tag_base`` up: ``3 * n_stages * n_microbatches`` virtual
+tags (the third direction is ``forward``'s, for evaluation). A channel
 delivers in order per sender, so step k+1's message on a tag never passes step
-k's. A boundary inside one rank (a world of one) hands the tensor over locally.
+k's. Both ends note each message's shape and dtype. From the second step on,
+with ``fixed_shapes`` (the default), every message is one point-to-point
+send into a receive posted at the step's start with that shape, on a
+communicator of the pipeline's own (``comm.group`` over every rank, made at
+the end of the first step, closed with ``comm``), tag = the channel's offset
+from ``tag_base``: no envelope, no listener thread, no decoding, which on gloo
+is most of a small message's cost. That needs every message to keep its first
+step's shape and dtype, as ``torch.distributed.pipelining`` does; a sender
+checks before sending. A boundary inside one rank (a world of one) hands the
+tensor over locally.
 
 Note on scaling
 ---------------
@@ -88,6 +97,10 @@ class StepStats:
     def bubble(self) -> float:
         """Return the fraction of the step this rank spent not computing."""
         return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+async def _awaited(handle: Awaitable[Any]) -> None:
+    await handle
 
 
 def split(model: nn.Sequential, n_stages: int,
@@ -167,6 +180,13 @@ class Pipeline:
         tag_base: first channel tag used; pipelines sharing ``comm`` need
             ranges that do not overlap (each uses ``3 * n_stages *
             n_microbatches`` tags).
+        fixed_shapes: after the first step, send each activation and gradient
+            as one point-to-point operation into a buffer of the shape and
+            dtype that message had in the first step (much faster on gloo).
+            A stage whose output (or input gradient) then changes shape or
+            dtype raises ``ValueError`` on its rank, before sending; the rank
+            waiting for it fails at its timeout. ``False``: every message
+            travels on a channel and may have any shape.
 
     Raises:
         ScheduleError: ``schedule`` is broken (``validate``), before anything is sent.
@@ -178,7 +198,7 @@ class Pipeline:
                  stages: Sequence[nn.Module] | Mapping[int, nn.Module],
                  loss_fn: Callable[[torch.Tensor, Any], torch.Tensor], *,
                  grad_sync: GradSyncLike | None = None,
-                 tag_base: int = DEFAULT_TAG_BASE) -> None:
+                 tag_base: int = DEFAULT_TAG_BASE, fixed_shapes: bool = True) -> None:
         if not isinstance(schedule, Schedule):
             raise TypeError(f"rank {comm.rank}: Pipeline: schedule must be a Schedule, "
                             f"not {type(schedule).__name__}")
@@ -190,7 +210,14 @@ class Pipeline:
         if isinstance(tag_base, bool) or not isinstance(tag_base, int) or tag_base < 0:
             raise ValueError(f"rank {comm.rank}: Pipeline: tag_base must be an int >= 0, "
                              f"not {tag_base!r}")
+        if not isinstance(fixed_shapes, bool):
+            raise TypeError(f"rank {comm.rank}: Pipeline: fixed_shapes must be a bool, "
+                            f"not {type(fixed_shapes).__name__}")
         validate(schedule)  # a broken schedule fails here, on every rank, not mid-step
+        if fixed_shapes and 2 * schedule.n_stages * schedule.n_microbatches > comm.max_tag:
+            raise ValueError(f"rank {comm.rank}: Pipeline: {schedule.n_stages} stages x "
+                             f"{schedule.n_microbatches} microbatches need more tags than "
+                             f"{comm.backend} has ({comm.max_tag}); use fixed_shapes=False")
         mine = schedule.stages_of(comm.rank)
         if isinstance(stages, Mapping):
             if sorted(stages) != sorted(mine):
@@ -212,7 +239,13 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.grad_sync = grad_sync
         self.tag_base = tag_base
+        self.fixed_shapes = fixed_shapes
         self.rank = comm.rank
+        # (direction, boundary, microbatch) -> the shape and dtype of its first-step message
+        self._shapes: dict[tuple[int, int, int], tuple[torch.Size, torch.dtype]] = {}
+        self._p2p: Comm | None = None  # the pipeline's own communicator, from step 2 on
+        self._failed: str | None = None  # a step that raised: its messages may still come
+        self._closed = False
         self.actions: tuple[Action, ...] = schedule.actions[comm.rank]
         self.last: StepStats | None = None  # the latest step's times
         last_b: dict[int, int] = {}
@@ -255,14 +288,22 @@ class Pipeline:
             losses; ``None`` on the other ranks.
 
         Raises:
-            ValueError: inputs or targets missing where needed, or a batch that
-                does not split into equal microbatches.
+            ValueError: inputs or targets missing where needed, a batch that
+                does not split into equal microbatches, or (``fixed_shapes``) a
+                message whose shape or dtype differs from the first step's.
             RuntimeError: the schedule asks for a tensor that is not there
-                (cannot happen to a schedule that passed ``validate``).
+                (cannot happen to a schedule that passed ``validate``), or an
+                earlier step of this pipeline raised.
         """
         n = self.schedule.n_microbatches
         xs = self._microbatches(inputs, "inputs") if self.first else None
         ys = self._microbatches(targets, "targets") if self.last_stage else None
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: pipeline {self.schedule.name!r} is closed")
+        if self._failed is not None:
+            raise RuntimeError(f"rank {self.rank}: pipeline {self.schedule.name!r}: an earlier "
+                               f"step failed ({self._failed}); its messages may still arrive "
+                               "and would be taken for this step's: make a new Pipeline")
         slots: dict[tuple[int, int], _Slot] = {}
         inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]] = {}
         sends: list[asyncio.Task[None]] = []
@@ -290,6 +331,11 @@ class Pipeline:
                 await asyncio.gather(*sends)
             if self.grad_sync is not None:
                 await self.grad_sync.wait()
+            if self.fixed_shapes and self._p2p is None:  # every rank ends its first step here
+                self._p2p = await self.comm.group(range(self.comm.size))
+        except BaseException as exc:
+            self._failed = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
             for fut in inbox.values():
                 fut.cancel()  # a cancelled channel receive loses nothing
@@ -301,6 +347,16 @@ class Pipeline:
         if not losses:
             return None
         return float(torch.stack(losses).sum().item()) / n
+
+    async def close(self) -> None:
+        """Close the pipeline's own communicator; every rank calls it (idempotent).
+
+        ``comm.close()`` closes it too; ``close`` lets a program that makes many
+        pipelines on one ``comm`` free each as it is done with it.
+        """
+        self._closed = True
+        if self._p2p is not None:
+            await self._p2p.close()
 
     async def forward(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None = None
                       ) -> torch.Tensor | None:
@@ -403,11 +459,17 @@ class Pipeline:
                 inbox[key] = asyncio.ensure_future(self._receive(key, peer))
 
     async def _receive(self, key: tuple[int, int, int], peer: int) -> torch.Tensor:
+        if self._p2p is not None:
+            shape, dtype = self._shapes[key]
+            buffer = torch.empty(shape, dtype=dtype)
+            await self._p2p.recv(buffer, peer, self._tag(*key) - self.tag_base)
+            return buffer
         msg = await self.comm.channel(self._tag(*key)).recv(peer)
         data = msg.data
         if not isinstance(data, torch.Tensor):
             raise TypeError(f"rank {self.rank}: pipeline {self.schedule.name!r}: message "
                             f"{key} from rank {peer} is a {type(data).__name__}, not a tensor")
+        self._shapes[key] = (data.shape, data.dtype)
         return data
 
     async def _take(self, index: int, action: Action, key: tuple[int, int, int],
@@ -438,8 +500,22 @@ class Pipeline:
                 raise RuntimeError(f"{self._what(index, action)}: no matching RECV on this rank")
             fut.set_result(tensor)
             return
-        channel = self.comm.channel(self._tag(*key))
-        sends.append(asyncio.ensure_future(channel.send(tensor.contiguous(), peer)))
+        if self._p2p is None:
+            self._shapes[key] = (tensor.shape, tensor.dtype)
+            channel = self.comm.channel(self._tag(*key))
+            sends.append(asyncio.ensure_future(channel.send(tensor.contiguous(), peer)))
+            return
+        shape, dtype = self._shapes[key]
+        if tensor.shape != shape or tensor.dtype != dtype:
+            what = "output" if direction == _FORWARD else "input gradient"
+            raise ValueError(
+                f"{self._what(index, action)}: the {what} of stage {action.stage} for "
+                f"microbatch {action.microbatch} is {tuple(tensor.shape)} {tensor.dtype}, in "
+                f"the first step it was {tuple(shape)} {dtype}: with fixed_shapes=True every "
+                "message keeps its first step's shape and dtype (use Pipeline(..., "
+                "fixed_shapes=False) for shapes that change)")
+        handle = self._p2p.send(tensor.contiguous(), peer, self._tag(*key) - self.tag_base)
+        sends.append(asyncio.ensure_future(_awaited(handle)))
 
     async def _forward(self, index: int, action: Action, slot: _Slot, xs: list[Any] | None,
                        ys: list[Any] | None,
