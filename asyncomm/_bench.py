@@ -456,8 +456,10 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
         "1 channel": _exchange(rank, lambda: one.send(tiny, peer), lambda: one.recv(peer),
                                blocking=False),
         f"{OPEN_CHANNELS} channels": _exchange(rank, rotate_send, rotate_recv, blocking=False),
-    }, 50, OPEN_CHANNELS // 5 if quick else OPEN_CHANNELS, 0.5, prime=OPEN_CHANNELS))
-    return cases  # (priming has every channel carry a message each way before timing)
+    }, 50, OPEN_CHANNELS // 5 if quick else OPEN_CHANNELS, 0.5,
+        prime=OPEN_CHANNELS // 5 if quick else OPEN_CHANNELS))
+    return cases  # (priming has every channel carry a message each way before timing;
+    # --quick, a smoke run, primes and times only a fifth of them)
 
 
 async def _channels(comm: Comm, sizes: Sequence[int], rounds: int, quick: bool
