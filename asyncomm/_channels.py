@@ -695,7 +695,7 @@ class Channel:
 
     def _open(self, frame: _Frame) -> Message:
         self._router.consumed(frame)
-        if self._traced:
+        if self._traced and self._router._comm._trace is not None:
             self._received = _charge(frame.head)
         if frame.error is not None:
             raise frame.error

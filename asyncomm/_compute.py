@@ -11,8 +11,8 @@ keeps turning: completions are seen, receives posted, the next bucket sent.
 Each event loop gets one worker thread by default (``ASYNCOMM_COMPUTE_THREADS``):
 computes run one at a time, in call order, so a rank does not oversubscribe
 the cores its peers and torch's own intra-op threads also use. The worker is
-made on first use and stopped by ``shutdown`` (``asyncomm.run``, ``init`` and
-``Comm.close`` call it), leaving no thread behind.
+made on first use and stopped by ``shutdown`` (``init`` calls it on leaving, so
+``asyncomm.run`` does too), leaving no thread behind.
 
 On CUDA, each worker runs its computes on a side stream of its own and
 synchronises that stream before the await resumes, so the result is ready
@@ -133,8 +133,11 @@ async def compute(fn: Callable[..., T], *args: Any, name: str | None = None,
     return await loop.run_in_executor(worker.pool, worker.run, fn, args, kwargs, label)
 
 
-def shutdown(loop: asyncio.AbstractEventLoop) -> None:
-    """Stop ``loop``'s compute threads once their queued computes are done."""
+async def shutdown(loop: asyncio.AbstractEventLoop) -> None:
+    """Stop ``loop``'s compute threads once their queued computes are done.
+
+    The loop keeps turning while they finish (a compute may be waiting on it).
+    """
     worker = _workers.pop(loop, None)
     if worker is not None:
-        worker.pool.shutdown(wait=True)
+        await asyncio.to_thread(worker.pool.shutdown, wait=True)

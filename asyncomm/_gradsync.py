@@ -344,11 +344,12 @@ class GradSync:
                 issued.set_result(None)
 
     def _issue(self, bucket: _Bucket) -> None:
+        reduced = bucket.reduced
+        assert reduced is not None, "a full bucket has its tensor"
         for fence in bucket.fences:  # pragma: no cover - needs a GPU
-            torch.cuda.current_stream(bucket.reduced.device).wait_event(fence)  # type: ignore[union-attr]
+            torch.cuda.current_stream(reduced.device).wait_event(fence)
         bucket.fences.clear()
-        assert bucket.reduced is not None, "a full bucket has its tensor"
-        bucket.handle = self._comm.all_reduce(bucket.reduced)
+        bucket.handle = self._comm.all_reduce(reduced)
 
     # -- after backward ----------------------------------------------------------------
 

@@ -64,7 +64,7 @@ class init:
         if self._comm is not None:
             # Leaving on an error: the other ranks may never close, so do not wait for them.
             await self._comm._close(linger=30.0 if error is None else 0.0)
-        _compute.shutdown(asyncio.get_running_loop())
+        await _compute.shutdown(asyncio.get_running_loop())
 
 
 def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,

@@ -61,7 +61,7 @@ async def test_computes_run_one_at_a_time_in_call_order() -> None:
     try:
         results = await asyncio.gather(*(asyncomm.compute(work, i) for i in range(8)))
     finally:
-        _compute.shutdown(asyncio.get_running_loop())
+        await _compute.shutdown(asyncio.get_running_loop())
     assert results == [i * i for i in range(8)]
     assert order == list(range(8))
     assert running["most"] == 1
@@ -76,7 +76,7 @@ async def test_compute_runs_off_the_loop_thread_and_leaves_none_behind() -> None
         return threading.get_ident()
 
     assert await asyncomm.compute(where) != loop_thread
-    _compute.shutdown(asyncio.get_running_loop())
+    await _compute.shutdown(asyncio.get_running_loop())
     assert not [t for t in threading.enumerate() if t.name in names]
 
 
@@ -90,7 +90,7 @@ async def test_errors_and_keywords_reach_the_caller() -> None:
         out = await asyncomm.compute(torch.add, torch.ones(2), torch.ones(2), alpha=2)
         assert torch.equal(out, torch.full((2,), 3.0))
     finally:
-        _compute.shutdown(asyncio.get_running_loop())
+        await _compute.shutdown(asyncio.get_running_loop())
 
 
 async def test_bad_arguments_raise_type_error() -> None:
@@ -108,7 +108,7 @@ async def test_spans_are_reported_with_their_names() -> None:
         await asyncomm.compute(sorted, [2, 1])
     finally:
         _compute.on_span = None
-        _compute.shutdown(asyncio.get_running_loop())
+        await _compute.shutdown(asyncio.get_running_loop())
     assert [s.name for s in spans] == ["forward", "sorted"]
     assert all(s.end >= s.start for s in spans)
 

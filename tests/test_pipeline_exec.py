@@ -275,7 +275,7 @@ async def check_fixed_shapes(comm: Comm) -> None:
     else:  # rank 1 never joins step 2: free rank 0's receives posted for it
         for mb in range(2):
             await pipe._p2p.send(torch.zeros(2, width, dtype=torch.float64), 0,
-                                 pipe._tag(1, 1, mb) - pipe.tag_base)
+                                 pipe._offset(1, 1, mb))
     await pipe.close()
 
 

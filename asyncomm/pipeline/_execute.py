@@ -99,10 +99,6 @@ class StepStats:
         return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-async def _awaited(handle: Awaitable[Any]) -> None:
-    await handle
-
-
 def split(model: nn.Sequential, n_stages: int,
           sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
     """Cut ``model`` into ``n_stages`` consecutive ``nn.Sequential`` stages.
@@ -306,7 +302,7 @@ class Pipeline:
                                "and would be taken for this step's: make a new Pipeline")
         slots: dict[tuple[int, int], _Slot] = {}
         inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]] = {}
-        sends: list[asyncio.Task[None]] = []
+        sends: list[Awaitable[None]] = []  # channel sends' tasks, point-to-point handles
         times = [0.0, 0.0]  # forward, backward compute seconds
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
@@ -327,8 +323,8 @@ class Pipeline:
                     slot.grad_input = None
                 if slot.finished():
                     del slots[action.stage, action.microbatch]  # nothing left to do: free it
-            if sends:
-                await asyncio.gather(*sends)
+            for sent in sends:
+                await sent
             if self.grad_sync is not None:
                 await self.grad_sync.wait()
             if self.fixed_shapes and self._p2p is None:  # every rank ends its first step here
@@ -339,9 +335,9 @@ class Pipeline:
         finally:
             for fut in inbox.values():
                 fut.cancel()  # a cancelled channel receive loses nothing
-            for task in sends:
-                if not task.done():
-                    task.cancel()
+            for sent in sends:
+                if isinstance(sent, asyncio.Task):
+                    sent.cancel()  # a handle cannot be; nor need it: its buffer is kept
         end = time.perf_counter()
         self.last = StepStats(end - start, times[0] + times[1], times[0], times[1], start, end)
         if not losses:
@@ -414,11 +410,14 @@ class Pipeline:
     def _what(self, index: int, action: Action) -> str:
         return f"rank {self.rank}: pipeline {self.schedule.name!r} action #{index} ({action})"
 
+    def _offset(self, direction: int, boundary: int, microbatch: int) -> int:
+        """The message's number: its point-to-point tag, its channel's offset from ``tag_base``."""
+        sched = self.schedule
+        return (direction * sched.n_stages + boundary) * sched.n_microbatches + microbatch
+
     def _tag(self, direction: int, boundary: int, microbatch: int) -> int:
         """The channel of ``direction`` across the boundary after stage ``boundary``."""
-        sched = self.schedule
-        return (self.tag_base + (direction * sched.n_stages + boundary) * sched.n_microbatches
-                + microbatch)
+        return self.tag_base + self._offset(direction, boundary, microbatch)
 
     def _microbatches(self, given: Any, what: str, exact: bool = True) -> list[Any]:
         n = self.schedule.n_microbatches
@@ -462,7 +461,7 @@ class Pipeline:
         if self._p2p is not None:
             shape, dtype = self._shapes[key]
             buffer = torch.empty(shape, dtype=dtype)
-            await self._p2p.recv(buffer, peer, self._tag(*key) - self.tag_base)
+            await self._p2p.recv(buffer, peer, self._offset(*key))
             return buffer
         msg = await self.comm.channel(self._tag(*key)).recv(peer)
         data = msg.data
@@ -486,7 +485,7 @@ class Pipeline:
 
     def _send(self, index: int, action: Action, direction: int, tensor: torch.Tensor | None,
               inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
-              sends: list[asyncio.Task[None]]) -> None:
+              sends: list[Awaitable[None]]) -> None:
         if tensor is None:
             op = "F" if direction == _FORWARD else "B"
             raise RuntimeError(f"{self._what(index, action)}: nothing to send (its {op} has "
@@ -514,8 +513,7 @@ class Pipeline:
                 f"the first step it was {tuple(shape)} {dtype}: with fixed_shapes=True every "
                 "message keeps its first step's shape and dtype (use Pipeline(..., "
                 "fixed_shapes=False) for shapes that change)")
-        handle = self._p2p.send(tensor.contiguous(), peer, self._tag(*key) - self.tag_base)
-        sends.append(asyncio.ensure_future(_awaited(handle)))
+        sends.append(self._p2p.send(tensor.contiguous(), peer, self._offset(*key)))
 
     async def _forward(self, index: int, action: Action, slot: _Slot, xs: list[Any] | None,
                        ys: list[Any] | None,
