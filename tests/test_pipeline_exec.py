@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from asyncomm import Comm, pipeline
+from asyncomm import Comm, RemoteError, pipeline
 from asyncomm.testing import World
 
 WIDTH, MICROBATCHES, BATCH = 6, 4, 8
@@ -281,6 +281,83 @@ async def check_fixed_shapes(comm: Comm) -> None:
 
 def test_fixed_shapes(world2: World) -> None:
     world2.run(check_fixed_shapes)
+
+
+class Faulty(nn.Module):
+    """A stage that raises in its forward when told to."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            raise RuntimeError("boom")
+        out: torch.Tensor = self.inner(x)
+        return out
+
+
+async def _free(comm: Comm, pipe: pipeline.Pipeline, direction: int) -> None:
+    """Send what a failed step's posted receives on the peer wait for (gloo cannot cancel them)."""
+    assert pipe._p2p is not None
+    rows = BATCH // MICROBATCHES
+    for mb in range(MICROBATCHES):
+        await pipe._p2p.send(torch.zeros(rows, WIDTH, dtype=torch.float64), 1 - comm.rank,
+                             pipe._offset(direction, direction, mb))
+
+
+async def check_failure_told(comm: Comm) -> None:
+    """A step that raises on rank 0 makes rank 1's step raise RemoteError, not wait.
+
+    The comm's timeout is far off: without the notice, rank 1 would wait for it.
+    Rank 1 is in its step when the notice comes, or starts it after.
+    """
+    schedule = pipeline.get("gpipe", comm.size, MICROBATCHES)
+    data = batches(2)
+    signals = comm.channel(77)
+    for in_step in (True, False):
+        stages = pipeline.split(build(2), 2)
+        faulty = Faulty(stages[0])
+        pipe = pipeline.Pipeline(comm, schedule, [faulty, stages[1]], nn.functional.mse_loss)
+        for x, y in data:  # step 1 on channels, step 2 point to point
+            await pipe.step(x, y)
+        if comm.rank == 0:  # fails before sending anything
+            faulty.fail = True
+            with pytest.raises(RuntimeError, match="boom"):
+                await pipe.step(*data[0])
+            if not in_step:  # sent after the notice, on the same link: it comes after it
+                await signals.send("told", 1)
+            await signals.recv(1)  # rank 1 gave up: now free the receives it posted
+            await _free(comm, pipe, 0)
+        else:
+            if not in_step:
+                await signals.recv(0)
+            with pytest.raises(RemoteError, match=r"rank 1: pipeline 'gpipe' step 3: rank 0 "
+                               r"failed: RuntimeError: boom") as caught:
+                await pipe.step(*data[0])
+            assert caught.value.rank == 0 and "boom" in caught.value.remote_traceback
+            await signals.send("raised", 0)
+            await _free(comm, pipe, 1)  # the gradients rank 0 posted receives for
+        with pytest.raises(RuntimeError, match="an earlier step failed"):
+            await pipe.step(*data[0])
+        await pipe.close()
+
+    # a notice of an earlier pipeline on the same tags does not stop a new one
+    pipe = pipeline.Pipeline(comm, schedule, pipeline.split(build(2), 2), nn.functional.mse_loss)
+    if comm.rank == 0:
+        stale = {"generation": pipe._generation - 1, "error": "stale", "traceback": ""}
+        await comm.channel(pipe._tag(3, 0, 0)).send(stale, 1)
+    _, want = reference(2, data)
+    for (x, y), loss in zip(data, want, strict=True):
+        got = await pipe.step(x, y)
+        if pipe.last_stage:
+            assert got == pytest.approx(loss)
+    await pipe.close()
+
+
+def test_failure_told(world2: World) -> None:
+    world2.run(check_failure_told)
 
 
 def test_bench_measurements_run(world2: World) -> None:

@@ -29,6 +29,20 @@ step's shape and dtype, as ``torch.distributed.pipelining`` does; a sender
 checks before sending. A boundary inside one rank (a world of one) hands the
 tensor over locally.
 
+Note on failure
+---------------
+A rank whose step (or ``forward``) raises once it has started (a bad
+argument raises before: nothing is sent, nothing told) tells every other rank
+of the pipeline, on one more channel (``tag_base + 3 * n_stages *
+n_microbatches``): its rank and error. Every step watches that channel while it runs, and one
+that hears of a failure stops (what it posted stays posted) and raises
+``RemoteError`` naming the failed rank, at once instead of at a receive's
+timeout; so does the next step of a rank that had finished its own. A notice
+names the pipeline it comes from (the how-manieth made on ``comm`` with this
+``tag_base``, counted alike on every rank), so one from a pipeline given up
+does not stop its successor. After a failure, a pipeline's later steps raise
+``RuntimeError``: make a new one.
+
 Note on scaling
 ---------------
 The loss of a step is the mean of the microbatches' losses; each microbatch's
@@ -42,26 +56,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+import traceback
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 from torch import nn
 
 from asyncomm._compute import compute
+from asyncomm._errors import CommError, RemoteError
 from asyncomm.pipeline._schedule import Action, Op, Schedule
 from asyncomm.pipeline._simulate import validate
 
 if TYPE_CHECKING:
+    from asyncomm._channels import Channel
     from asyncomm._comm import Comm
+
+T = TypeVar("T")
 
 #: First channel tag of a pipeline's messages (far above the tags people pick by hand).
 DEFAULT_TAG_BASE = 1 << 48
 
 _FORWARD, _BACKWARD, _EVAL = 0, 1, 2  # message directions
+_NOTICE_S = 5.0  # how long a failing rank tries to tell each other rank (see the note)
+# pipelines made so far per communicator and tag_base: every rank numbers its pipelines alike
+_generations: weakref.WeakKeyDictionary[Comm, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
 class GradSyncLike(Protocol):
@@ -175,14 +199,15 @@ class Pipeline:
             its ``no_sync()``, and ``step`` awaits its ``wait()`` at the end.
         tag_base: first channel tag used; pipelines sharing ``comm`` need
             ranges that do not overlap (each uses ``3 * n_stages *
-            n_microbatches`` tags).
+            n_microbatches + 1`` tags).
         fixed_shapes: after the first step, send each activation and gradient
             as one point-to-point operation into a buffer of the shape and
             dtype that message had in the first step (much faster on gloo).
             A stage whose output (or input gradient) then changes shape or
             dtype raises ``ValueError`` on its rank, before sending; the rank
-            waiting for it fails at its timeout. ``False``: every message
-            travels on a channel and may have any shape.
+            waiting for it raises ``RemoteError`` (see the note on failure).
+            ``False``: every message travels on a channel and may have any
+            shape.
 
     Raises:
         ScheduleError: ``schedule`` is broken (``validate``), before anything is sent.
@@ -242,6 +267,11 @@ class Pipeline:
         self._p2p: Comm | None = None  # the pipeline's own communicator, from step 2 on
         self._failed: str | None = None  # a step that raised: its messages may still come
         self._closed = False
+        self._steps = 0  # steps started
+        self._telling: asyncio.Future[None] | None = None  # a cancelled step's notice on its way
+        made = _generations.setdefault(comm, {})
+        self._generation = made.get(tag_base, 0)  # see the note on failure
+        made[tag_base] = self._generation + 1
         self.actions: tuple[Action, ...] = schedule.actions[comm.rank]
         self.last: StepStats | None = None  # the latest step's times
         last_b: dict[int, int] = {}
@@ -290,16 +320,24 @@ class Pipeline:
             RuntimeError: the schedule asks for a tensor that is not there
                 (cannot happen to a schedule that passed ``validate``), or an
                 earlier step of this pipeline raised.
+            RemoteError: another rank's step raised (see the note on failure).
         """
-        n = self.schedule.n_microbatches
         xs = self._microbatches(inputs, "inputs") if self.first else None
         ys = self._microbatches(targets, "targets") if self.last_stage else None
-        if self._closed:
+        self._check_usable()
+        self._steps += 1
+        return await self._guarded(f"step {self._steps}", self._step(xs, ys))
+
+    def _check_usable(self, closed_too: bool = True) -> None:
+        if self._closed and closed_too:
             raise RuntimeError(f"rank {self.rank}: pipeline {self.schedule.name!r} is closed")
         if self._failed is not None:
             raise RuntimeError(f"rank {self.rank}: pipeline {self.schedule.name!r}: an earlier "
                                f"step failed ({self._failed}); its messages may still arrive "
                                "and would be taken for this step's: make a new Pipeline")
+
+    async def _step(self, xs: list[Any] | None, ys: list[Any] | None) -> float | None:
+        n = self.schedule.n_microbatches
         slots: dict[tuple[int, int], _Slot] = {}
         inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]] = {}
         sends: list[Awaitable[None]] = []  # channel sends' tasks, point-to-point handles
@@ -329,9 +367,6 @@ class Pipeline:
                 await self.grad_sync.wait()
             if self.fixed_shapes and self._p2p is None:  # every rank ends its first step here
                 self._p2p = await self.comm.group(range(self.comm.size))
-        except BaseException as exc:
-            self._failed = f"{type(exc).__name__}: {exc}"
-            raise
         finally:
             for fut in inbox.values():
                 fut.cancel()  # a cancelled channel receive loses nothing
@@ -351,6 +386,8 @@ class Pipeline:
         pipelines on one ``comm`` free each as it is done with it.
         """
         self._closed = True
+        if self._telling is not None:
+            await asyncio.wait((self._telling,), timeout=_NOTICE_S)
         if self._p2p is not None:
             await self._p2p.close()
 
@@ -368,9 +405,16 @@ class Pipeline:
         Returns:
             On the last stage's rank, the outputs concatenated along dim 0;
             ``None`` elsewhere.
+
+        Raises:
+            RemoteError: another rank's ``forward`` raised (see the note on failure).
         """
-        n = self.schedule.n_microbatches
         xs = self._microbatches(inputs, "inputs", exact=False) if self.first else None
+        self._check_usable(closed_too=False)  # forward needs only ``comm``'s channels
+        return await self._guarded("forward", self._forward_only(xs))
+
+    async def _forward_only(self, xs: list[Any] | None) -> torch.Tensor | None:
+        n = self.schedule.n_microbatches
         last = self.schedule.n_stages - 1
         sends: list[asyncio.Task[None]] = []
         outputs: list[torch.Tensor] = []
@@ -404,6 +448,59 @@ class Pipeline:
         if sends:
             await asyncio.gather(*sends)
         return torch.cat(outputs) if outputs else None
+
+    # -- failure (see the note) -------------------------------------------------------
+
+    async def _guarded(self, what: str, body: Coroutine[Any, Any, T]) -> T:
+        """Run ``body``; stop it if another rank fails, and tell the others if it fails."""
+        if self.comm.size == 1:
+            return await body
+        notices = self.comm.channel(self._tag(_EVAL + 1, 0, 0))
+        watch = asyncio.ensure_future(self._notice(notices, what))
+        task = asyncio.ensure_future(body)
+        try:
+            await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                try:
+                    return task.result()
+                except BaseException as exc:
+                    self._failed = f"{type(exc).__name__}: {exc}"
+                    await self._tell(notices, exc)
+                    raise
+            error = watch.result()
+            self._failed = str(error)
+            task.cancel()  # what it posted stays posted: its buffers stay with the handles
+            await asyncio.wait((task,))
+            raise error
+        except asyncio.CancelledError as exc:  # the caller gave up on this rank's step
+            if self._failed is None:
+                self._failed = "cancelled"
+                self._telling = asyncio.ensure_future(self._tell(notices, exc))
+            raise
+        finally:
+            watch.cancel()  # a cancelled channel receive loses nothing
+            task.cancel()
+
+    async def _notice(self, notices: Channel, what: str) -> CommError:
+        """Return the error of the first failure another rank tells of (or of the watch)."""
+        while True:
+            try:
+                msg = await notices.recv(timeout=math.inf)
+            except CommError as exc:
+                return exc
+            notice = msg.data
+            if isinstance(notice, dict) and notice.get("generation") == self._generation:
+                return RemoteError(f"rank {self.rank}: pipeline {self.schedule.name!r} {what}: "
+                                   f"rank {msg.src} failed: {notice.get('error')}", msg.src,
+                                   str(notice.get("traceback", "")))
+
+    async def _tell(self, notices: Channel, exc: BaseException) -> None:
+        """Tell every other rank that this rank's step failed, and how (best effort)."""
+        notice = {"generation": self._generation, "error": f"{type(exc).__name__}: {exc}",
+                  "traceback": "".join(traceback.format_exception(exc))}
+        await asyncio.gather(*(notices.send(notice, peer, timeout=_NOTICE_S)
+                               for peer in range(self.comm.size) if peer != self.rank),
+                             return_exceptions=True)
 
     # -- one action ----------------------------------------------------------------
 
