@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 from pathlib import Path
@@ -196,6 +197,32 @@ async def check_unused_parameter_is_named(comm: Comm) -> None:
           for r in range(comm.size)]
     twin(torch.cat(xs)).mean().backward()
     assert_same_grads(lone, {n: p.grad for n, p in twin.named_parameters()}, "in place")
+    # A wait given up while that all-reduce is in flight: .grad becomes a copy (the
+    # handle keeps the buffer it reduces into), and the next step is whole again.
+    lone.zero_grad()
+    go = comm.channel(91)
+    if comm.rank == 0:
+        lone(x).mean().backward()
+        inflight, handle = lone.weight.grad, sync._buckets[1].handle
+        assert handle is not None
+        with pytest.raises(asyncio.TimeoutError):  # the others have not run their backward
+            await asyncio.wait_for(sync.wait(), 0.2)
+        assert not handle.done() and lone.weight.grad is not None
+        assert lone.weight.grad.data_ptr() != inflight.data_ptr()
+        torch.testing.assert_close(lone.weight.grad, inflight)  # a copy, not yet averaged
+        for peer in range(1, comm.size):
+            await go.send("go", peer)
+        await handle
+    else:
+        await go.recv(0)
+        lone(x).mean().backward()
+        await sync.wait()  # the all-reduces rank 0 gave up waiting for
+    lone.zero_grad()
+    twin.zero_grad()
+    lone(x).mean().backward()
+    await sync.wait()
+    twin(torch.cat(xs)).mean().backward()
+    assert_same_grads(lone, {n: p.grad for n, p in twin.named_parameters()}, "after giving up")
     sync.close()
 
     torch.manual_seed(0)
