@@ -347,7 +347,8 @@ async def check_failure_told(comm: Comm) -> None:
     pipe = pipeline.Pipeline(comm, schedule, pipeline.split(build(2), 2), nn.functional.mse_loss)
     if comm.rank == 0:
         stale = {"generation": pipe._generation - 1, "error": "stale", "traceback": ""}
-        await comm.channel(pipe._tag(3, 0, 0)).send(stale, 1)
+        assert pipe._notices is not None
+        await pipe._notices.send(stale, 1)
     _, want = reference(2, data)
     for (x, y), loss in zip(data, want, strict=True):
         got = await pipe.step(x, y)

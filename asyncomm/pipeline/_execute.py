@@ -34,10 +34,10 @@ Note on failure
 A rank whose step (or ``forward``) raises once it has started (a bad
 argument raises before: nothing is sent, nothing told) tells every other rank
 of the pipeline, on one more channel (``tag_base + 3 * n_stages *
-n_microbatches``): its rank and error. Every step watches that channel while it runs, and one
-that hears of a failure stops (what it posted stays posted) and raises
-``RemoteError`` naming the failed rank, at once instead of at a receive's
-timeout; so does the next step of a rank that had finished its own. A notice
+n_microbatches``): its rank and error. Every step watches that channel while
+it runs, and one that hears of a failure stops (what it posted stays posted)
+and raises ``RemoteError`` naming the failed rank, at once instead of at a
+receive's timeout; so does the next step of a rank that had finished its own. A notice
 names the pipeline it comes from (the how-manieth made on ``comm`` with this
 ``tag_base``, counted alike on every rank), so one from a pipeline given up
 does not stop its successor. After a failure, a pipeline's later steps raise
@@ -82,7 +82,7 @@ T = TypeVar("T")
 #: First channel tag of a pipeline's messages (far above the tags people pick by hand).
 DEFAULT_TAG_BASE = 1 << 48
 
-_FORWARD, _BACKWARD, _EVAL = 0, 1, 2  # message directions
+_FORWARD, _BACKWARD, _EVAL, _NOTICES = 0, 1, 2, 3  # message directions (notices: one tag)
 _NOTICE_S = 5.0  # how long a failing rank tries to tell each other rank (see the note)
 # pipelines made so far per communicator and tag_base: every rank numbers its pipelines alike
 _generations: weakref.WeakKeyDictionary[Comm, dict[int, int]] = weakref.WeakKeyDictionary()
@@ -272,6 +272,8 @@ class Pipeline:
         made = _generations.setdefault(comm, {})
         self._generation = made.get(tag_base, 0)  # see the note on failure
         made[tag_base] = self._generation + 1
+        # where failures are told (a world of one has nobody to tell)
+        self._notices = comm.channel(self._tag(_NOTICES, 0, 0)) if comm.size > 1 else None
         self.actions: tuple[Action, ...] = schedule.actions[comm.rank]
         self.last: StepStats | None = None  # the latest step's times
         last_b: dict[int, int] = {}
@@ -453,9 +455,9 @@ class Pipeline:
 
     async def _guarded(self, what: str, body: Coroutine[Any, Any, T]) -> T:
         """Run ``body``; stop it if another rank fails, and tell the others if it fails."""
-        if self.comm.size == 1:
+        notices = self._notices
+        if notices is None:
             return await body
-        notices = self.comm.channel(self._tag(_EVAL + 1, 0, 0))
         watch = asyncio.ensure_future(self._notice(notices, what))
         task = asyncio.ensure_future(body)
         try:
@@ -464,11 +466,11 @@ class Pipeline:
                 try:
                     return task.result()
                 except BaseException as exc:
-                    self._failed = f"{type(exc).__name__}: {exc}"
+                    self._failed = _gist(exc)
                     await self._tell(notices, exc)
                     raise
             error = watch.result()
-            self._failed = str(error)
+            self._failed = _gist(error)
             task.cancel()  # what it posted stays posted: its buffers stay with the handles
             await asyncio.wait((task,))
             raise error
@@ -496,7 +498,7 @@ class Pipeline:
 
     async def _tell(self, notices: Channel, exc: BaseException) -> None:
         """Tell every other rank that this rank's step failed, and how (best effort)."""
-        notice = {"generation": self._generation, "error": f"{type(exc).__name__}: {exc}",
+        notice = {"generation": self._generation, "error": _gist(exc),
                   "traceback": "".join(traceback.format_exception(exc))}
         await asyncio.gather(*(notices.send(notice, peer, timeout=_NOTICE_S)
                                for peer in range(self.comm.size) if peer != self.rank),
@@ -688,3 +690,8 @@ class Pipeline:
             raise TypeError(f"rank {self.rank}: pipeline stage {stage} returned a "
                             f"{type(out).__name__}; a stage must return one tensor")
         return out
+
+
+def _gist(exc: BaseException) -> str:
+    """An error in one line: its type and message."""
+    return f"{type(exc).__name__}: {exc}"
