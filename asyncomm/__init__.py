@@ -4,24 +4,65 @@ Collectives and point-to-point operations return awaitable ``Handle``s over
 torch.distributed (gloo, nccl) or MPI; every rank runs one asyncio event loop.
 """
 
-from asyncomm import trace
-from asyncomm._actors import Actor, ActorRef, endpoint
-from asyncomm._channels import Channel, Message
-from asyncomm._comm import Comm
-from asyncomm._compute import compute
-from asyncomm._errors import (
-    CommClosedError,
-    CommError,
-    CommTimeoutError,
-    MismatchError,
-    PeerFailedError,
-    ProtocolError,
-    RemoteError,
-)
-from asyncomm._gradsync import GradSync
-from asyncomm._handle import Handle
-from asyncomm._ops import ReduceOp
-from asyncomm._runtime import init, run
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncomm import trace
+    from asyncomm._actors import Actor, ActorRef, endpoint
+    from asyncomm._channels import Channel, Message
+    from asyncomm._comm import Comm
+    from asyncomm._compute import compute
+    from asyncomm._errors import (
+        CommClosedError,
+        CommError,
+        CommTimeoutError,
+        MismatchError,
+        PeerFailedError,
+        ProtocolError,
+        RemoteError,
+    )
+    from asyncomm._gradsync import GradSync
+    from asyncomm._handle import Handle
+    from asyncomm._ops import ReduceOp
+    from asyncomm._runtime import init, run
+
+# Where each public name lives. Importing them is deferred to their first use so that the
+# command line (``asyncomm run`` spawning ranks, ``--help``) starts without loading torch.
+_HOMES = {
+    "Actor": "_actors", "ActorRef": "_actors", "endpoint": "_actors",
+    "Channel": "_channels", "Message": "_channels",
+    "Comm": "_comm",
+    "compute": "_compute",
+    "CommClosedError": "_errors", "CommError": "_errors", "CommTimeoutError": "_errors",
+    "MismatchError": "_errors", "PeerFailedError": "_errors", "ProtocolError": "_errors",
+    "RemoteError": "_errors",
+    "GradSync": "_gradsync",
+    "Handle": "_handle",
+    "ReduceOp": "_ops",
+    "init": "_runtime", "run": "_runtime",
+}
+
+
+def __getattr__(name: str) -> object:
+    if name in _HOMES:
+        value = getattr(importlib.import_module(f"asyncomm.{_HOMES[name]}"), name)
+    else:  # a module of the package (``asyncomm.trace``, ``asyncomm.pipeline``, ...)
+        try:
+            value = importlib.import_module(f"asyncomm.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"asyncomm.{name}":
+                raise
+            raise AttributeError(f"module 'asyncomm' has no attribute {name!r}") from None
+    globals()[name] = value  # later lookups find it directly
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"
 

@@ -4,43 +4,35 @@ traced run, ``pipeline show`` draws a pipeline schedule."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
+# Each command's module declares its options; only the module of the command being run is
+# imported, so ``asyncomm run`` starts its ranks without first loading torch itself.
+_COMMANDS = {
+    "run": ("asyncomm._launch", "run a script on N local ranks (gloo or MPI)"),
+    "bench": ("asyncomm._bench", "compare asyncomm with the raw backend"),
+    "pipeline": ("asyncomm.pipeline._show", "check and draw pipeline-parallel schedules"),
+    "trace": ("asyncomm._timeline", "merge a traced run: trace JSON, overlap, PNG"),
+}
 
-def _parser() -> argparse.ArgumentParser:
+
+def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncomm", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-
-    from asyncomm import _launch
-
-    _launch.add_arguments(
-        commands.add_parser("run", help="run a script on N local ranks (gloo or MPI)")
-    )
-
-    from asyncomm import _bench
-
-    _bench.add_arguments(
-        commands.add_parser("bench", help="compare asyncomm with the raw backend")
-    )
-
-    from asyncomm.pipeline import _show
-
-    _show.add_arguments(
-        commands.add_parser("pipeline", help="check and draw pipeline-parallel schedules")
-    )
-
-    from asyncomm import _timeline
-
-    _timeline.add_arguments(
-        commands.add_parser("trace", help="merge a traced run: trace JSON, overlap, PNG")
-    )
+    chosen = next((arg for arg in argv if not arg.startswith("-")), None)
+    for name, (module, summary) in _COMMANDS.items():
+        sub = commands.add_parser(name, help=summary)
+        if name == chosen:
+            importlib.import_module(module).add_arguments(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``asyncomm`` command; return its exit code."""
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _parser(argv).parse_args(argv)
     code: int = args.func(args)
     return code
 

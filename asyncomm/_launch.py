@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 from collections import defaultdict, deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -150,19 +150,19 @@ def launch(
 
 
 def _launch_local(script_argv: list[str], n: int, base: dict[str, str]) -> int:
-    """Host the store, spawn n ranks of ``python *script_argv``, and supervise them."""
-    store, port = host_store()  # referenced until the ranks are gone: it serves them
+    """Spawn n ranks of ``python *script_argv``, host their store, and supervise them."""
+    listening = _listen_on_loopback()
     shared = {
         "WORLD_SIZE": str(n),
         "LOCAL_WORLD_SIZE": str(n),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
+        "MASTER_PORT": str(listening.getsockname()[1]),
         "ASYNCOMM_STORE": "client",
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # plain torch scripts connect as clients too
     }
     envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
-    world = asyncio.run(_supervise([[sys.executable, *script_argv]] * n, envs, labeled=False))
-    del store
+    world = asyncio.run(_supervise([[sys.executable, *script_argv]] * n, envs, labeled=False,
+                                   serve=lambda: _serve_store(listening)))
     if world.signal is not None:
         _say(f"interrupted by {signal.Signals(world.signal).name}; stopped {n} ranks")
         return 128 + world.signal
@@ -217,24 +217,39 @@ def loopback_interface() -> str:
 
 def host_store() -> tuple[object, int]:
     """Start the rendezvous store on a free loopback port; return it and the port."""
-    import torch
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    sock = _listen_on_loopback()
+    port: int = sock.getsockname()[1]
+    return _serve_store(sock), port
 
-    # Binding to port 0 ourselves gets a free port without a probe-then-bind race and keeps
-    # the store off every interface but loopback; the store adopts the fd and closes it.
+
+def _listen_on_loopback() -> socket.socket:
+    """Return a socket listening on a free loopback port, for a store to adopt.
+
+    Binding to port 0 ourselves gets a free port without a probe-then-bind race and keeps
+    the store off every interface but loopback. Until a store adopts the socket, clients
+    that connect wait in its backlog.
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.bind(("127.0.0.1", 0))
         sock.listen(128)
-        port: int = sock.getsockname()[1]
     except OSError:
         sock.close()
         raise
+    return sock
+
+
+def _serve_store(sock: socket.socket) -> object:
+    """Start torch's store server on the listening ``sock``, which it adopts and closes."""
+    import torch
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    port = sock.getsockname()[1]
     fd = sock.detach()
     # The libuv store learnt to adopt a listening fd only recently (pytorch#150215).
     use_libuv = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8)
     try:
-        store = TCPStore(
+        return TCPStore(
             "127.0.0.1",
             port,
             world_size=None,
@@ -246,7 +261,6 @@ def host_store() -> tuple[object, int]:
     except BaseException:
         os.close(fd)
         raise
-    return store, port
 
 
 def _label_flag(mpiexec: str) -> list[str]:
@@ -274,13 +288,20 @@ class _World:
     signal: int | None = None  # SIGINT or SIGTERM received by the launcher
     tracebacks: list[int] = field(default_factory=list)  # ranks, in order of first traceback
     statuses: list[int] = field(default_factory=list)  # each rank's wait status (Hydra)
+    served: object = None  # what ``serve`` returned, kept until the ranks are gone
     tails: defaultdict[int, deque[str]] = field(
         default_factory=lambda: defaultdict(lambda: deque(maxlen=TAIL_LINES))
     )
 
 
-async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled: bool) -> _World:
-    """Run one process per command until all exit, stopping them all once one fails."""
+async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled: bool,
+                     serve: Callable[[], object] | None = None) -> _World:
+    """Run one process per command until all exit, stopping them all once one fails.
+
+    ``serve``, when given, runs on a thread once the processes are spawned (the store they
+    connect to: torch loads here while it loads in the ranks); if it raises, they are
+    stopped and the error raised.
+    """
     world = _World(codes=[None] * len(cmds))
     procs: list[asyncio.subprocess.Process] = []
     stop = asyncio.Event()  # set when all exited, one failed, or the launcher got a signal
@@ -296,6 +317,10 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
         world.codes[index] = code = await proc.wait()
         if code != 0 and world.first_failed is None:
             world.first_failed = index
+            stop.set()
+
+    def stop_if_failed(done: asyncio.Future[object]) -> None:
+        if not done.cancelled() and done.exception() is not None:
             stop.set()
 
     loop = asyncio.get_running_loop()
@@ -321,6 +346,10 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
             for stream, kept in ((proc.stdout, False), (proc.stderr, True))
             if stream is not None
         ]
+        served = None
+        if serve is not None:
+            served = asyncio.ensure_future(asyncio.to_thread(serve))
+            served.add_done_callback(stop_if_failed)
         exits = asyncio.gather(*(watch(i, proc) for i, proc in enumerate(procs)))
         exits.add_done_callback(lambda _: stop.set())
         await stop.wait()
@@ -333,6 +362,8 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
         # A rank's own children may hold its pipes open: don't wait on them forever.
         for pump in (await asyncio.wait(pumps, timeout=GRACE_S))[1] if pumps else ():
             pump.cancel()
+        if served is not None:
+            world.served = await served
     finally:
         _kill(procs, signal.SIGKILL)  # only those still running, e.g. when spawning failed
         for handled_signum in handled:

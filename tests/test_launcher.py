@@ -187,7 +187,8 @@ if "fail" in sys.argv:
         except RuntimeError:
             import traceback
             traceback.print_exc()
-        comm.Abort(3)  # what asyncomm.run does when a rank raises
+        time.sleep(0.5)  # as asyncomm.run does when a rank raises: Hydra forwards the
+        comm.Abort(3)    # traceback's last line, then the job ends
     time.sleep(60)
 if "die" in sys.argv:
     if rank == 1:

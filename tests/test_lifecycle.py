@@ -21,6 +21,7 @@ import torch
 
 import asyncomm
 from asyncomm import Comm
+from asyncomm._launch import host_store
 from asyncomm.testing import World, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -287,22 +288,34 @@ def test_a_rank_that_never_joins_is_named_after_the_init_timeout(tmp_path: Path)
 def by_hand(source: str, directory: Path, n: int) -> list[tuple[int, str, str]]:
     """Run ``source`` on ``n`` gloo ranks started by hand; return (code, out, err) per rank.
 
-    Not by ``asyncomm run``, which stops the survivors as soon as a rank dies.
+    Not by ``asyncomm run``, which stops the survivors as soon as a rank dies. The store is
+    hosted here, as the launcher does, so that no rank races another process for a port.
     """
     script = directory / "by_hand.py"
     script.write_text(source)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store, port = host_store()
     base = {k: v for k, v in os.environ.items()
             if k not in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")}
     base.update(WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                PYTHONPATH=str(ROOT))
+                ASYNCOMM_STORE="client", PYTHONPATH=str(ROOT))
     procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True,
                               env={**base, "RANK": str(r), "LOCAL_RANK": str(r)})
              for r in range(n)]
-    outs = [p.communicate(timeout=90) for p in procs]  # a hang fails here
+    deadline = time.monotonic() + 120
+    outs: list[tuple[str, str]] = []
+    try:
+        for p in procs:  # a hang fails here, with what every rank said
+            outs.append(p.communicate(timeout=max(deadline - time.monotonic(), 0)))
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        said = outs + [p.communicate() for p in procs[len(outs):]]
+        pytest.fail("ranks still running after 120 s:\n" + "\n".join(
+            f"rank {r} (code {p.returncode}):\n{out}{err[-3000:]}"
+            for r, (p, (out, err)) in enumerate(zip(procs, said, strict=True))))
+    finally:
+        del store
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outs, strict=True)]
 
 
