@@ -261,11 +261,48 @@ SMALL_MESSAGE = {"step": 0, "loss": 0.5, "ids": [1, 2, 3]}
 # test: (variant compared, baseline variant, unit, target on the ratio compared/baseline)
 CHANNEL_TESTS: dict[str, tuple[str, str, str, tuple[str, float] | None]] = {
     "pingpong": ("asyncomm", "raw", "us", None),
+    "awaited": ("awaited", "raw", "us", None),  # the least any awaitable message costs
     "stream": ("asyncomm", "raw", "MiB/s", (">=", 0.8)),
     "rate": ("asyncomm", "pickle", "msg/s", (">=", 1.0)),
     "channels": (f"{OPEN_CHANNELS} channels", "1 channel", "us", ("<=", 1.2)),
 }
 _TAGS = {"pingpong": 1, "stream": 2, "rate": 3, "ack": 4, "one": 5, "many": 1 << 20}
+
+
+def _awaited(comm: Comm, t: torch.Tensor, peer: int) -> Calls:
+    """Raw sends and receives of ``t``, each awaited as cheaply as an event loop allows.
+
+    No checks, framing, routing or decoding: only what any library that lets a task await
+    a request must do. On MPI, one loop callback tests the requests in flight and settles
+    a future per request; on gloo, whose requests complete only in ``wait()``, a thread
+    waits and settles it.
+    """
+    raw, loop = comm.raw, asyncio.get_running_loop()
+    if comm.backend == "mpi":
+        from mpi4py import MPI
+
+        buf = [t.numpy(), MPI.FLOAT]
+        pending: list[tuple[Any, asyncio.Future[None]]] = []
+
+        def poll() -> None:
+            for entry in [e for e in pending if e[0].Test()]:
+                pending.remove(entry)
+                entry[1].set_result(None)
+            if pending:
+                loop.call_soon(poll)
+
+        def awaiting(request: Any) -> asyncio.Future[None]:
+            future = loop.create_future()
+            pending.append((request, future))
+            if len(pending) == 1:
+                loop.call_soon(poll)
+            return future
+
+        return Calls(lambda: awaiting(raw.Isend(buf, peer, TAG)),
+                     lambda: awaiting(raw.Irecv(buf, peer, TAG)), _no_allreduce, blocking=False)
+    return Calls(lambda: loop.run_in_executor(None, raw.send([t], peer, TAG).wait),
+                 lambda: loop.run_in_executor(None, raw.recv([t], peer, TAG).wait),
+                 _no_allreduce, blocking=False)
 
 
 @dataclass(frozen=True)
@@ -403,6 +440,14 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
             "asyncomm": _exchange(rank, functools.partial(ch.send, t, peer),
                                   lambda: ch.recv(peer), blocking=False),
         }, warmup, iters, 0.5))
+    if sizes:  # the smallest message, awaited with nothing else: the floor of the first row
+        t = torch.zeros(min(sizes) // 4)
+        warmup, iters = iterations(min(sizes), quick)
+        awaited = _awaited(comm, t, peer)
+        cases.append(Case("awaited", t.nbytes, {
+            "raw": Timed(_step("pingpong", _variants(comm, t, peer)["raw"], rank), True),
+            "awaited": _exchange(rank, awaited.send, awaited.recv, blocking=False),
+        }, warmup, max(2, iters // 2), 0.5))
 
     big = torch.zeros(STREAM_BYTES // 4)  # stream: IN_FLIGHT sends in flight, then an ack
     stream = comm.channel(_TAGS["stream"])
