@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from asyncomm import _launch
 from asyncomm._launch import find_mpiexec, launch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -224,3 +226,35 @@ def test_a_dead_mpi_rank_ends_the_job_and_is_named(tmp_path: Path) -> None:
     assert done.returncode != 0  # a hang fails in asyncomm_run
     assert "rank 1 exited with code 5" in summary(done.stderr), done.stderr
     assert "Exit codes" not in done.stdout  # mpiexec's report is read, not shown
+
+
+def test_the_command_line_loads_torch_only_for_a_command_that_needs_it() -> None:
+    probe = textwrap.dedent("""
+        import sys
+        import asyncomm
+        from asyncomm import _cli
+        argv = ["run", "-n", "2", "script.py"]
+        assert _cli._parser(argv).parse_args(argv).nproc == 2
+        assert "torch" not in sys.modules, "run loaded torch"
+        _cli._parser(["bench", "channels"])
+        assert "torch" in sys.modules, "bench did not"
+        assert asyncomm.Comm.__module__ == "asyncomm._comm" and asyncomm.pipeline.Pipeline
+    """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_store_that_cannot_start_stops_the_ranks() -> None:
+    def broken() -> object:
+        raise OSError("no store today")
+
+    async def supervise() -> object:
+        sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+        return await _launch._supervise([sleeper, sleeper], [dict(os.environ)] * 2,
+                                        labeled=False, serve=broken)
+
+    start = time.monotonic()
+    with pytest.raises(OSError, match="no store today"):
+        asyncio.run(supervise())
+    assert time.monotonic() - start < 30  # not the ranks' 60 s
