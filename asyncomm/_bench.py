@@ -51,12 +51,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from asyncomm import _wire
-from asyncomm._comm import Comm
+    from asyncomm._comm import Comm
+
+# torch is imported by the functions that measure, which run in the ranks: the parent
+# process of ``asyncomm bench`` only launches them and prints their tables.
 
 KIB, MIB = 1 << 10, 1 << 20
 DEFAULT_SIZES = (8, 64, KIB, 16 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB)
@@ -200,6 +203,8 @@ def iterations(size: int, quick: bool = False) -> tuple[int, int]:
 async def _core(comm: Comm, ops: Sequence[str], sizes: Sequence[int], rounds: int,
                 quick: bool) -> list[Record]:
     """Measure every (op, size, variant); return rank 0's records (``[]`` elsewhere)."""
+    import torch
+
     records: list[Record] = []
     peer = 1 - comm.rank if comm.rank < 2 else 0
     for op in ops:
@@ -231,6 +236,8 @@ def _record(op: str, size: int, iters: int, samples: dict[str, list[float]]) -> 
 
 async def _idle(comm: Comm, wait_s: float) -> list[Record]:
     """Rank 1 awaits a message that rank 0 sends ``wait_s`` later; CPU seconds per variant."""
+    import torch
+
     calls = _variants(comm, torch.zeros(2), 1 - comm.rank if comm.rank < 2 else 0)
     spent: dict[str, tuple[float, float]] = {}
     for variant in VARIANTS:
@@ -355,6 +362,8 @@ def _raw_stream(comm: Comm, t: torch.Tensor, peer: int) -> Timed:
     does), allocated once: osu_bw's single buffer for all 64 is not a valid MPI program,
     and would measure a cache-hot copy instead of the delivery of 64 messages.
     """
+    import torch
+
     raw, n = comm.raw, IN_FLIGHT
     inbox = [torch.empty_like(t) for _ in range(n if comm.rank == 1 else 0)]
     flag = torch.zeros(2)
@@ -419,6 +428,10 @@ def _pickled(comm: Comm, peer: int) -> Timed:
 
 def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
     """Every row of ``bench channels``, as run by this rank (ranks above 1 sit out)."""
+    import torch
+
+    from asyncomm import _wire
+
     rank, peer = comm.rank, 1 - comm.rank if comm.rank < 2 else 0
     ack = comm.channel(_TAGS["ack"])
 
@@ -475,7 +488,7 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
             await small.recv(peer)
 
     frame = len(_wire.encode(_wire.Kind.DATA, _TAGS["rate"], 0, SMALL_MESSAGE)[0])
-    iters = 5 if quick else 40
+    iters = 2 if quick else 40
     cases.append(Case("rate", frame, {
         "pickle": _pickled(comm, peer),
         "asyncomm": _burst(rank, small_send, small_recv, ack_send, ack_recv, blocking=False),
@@ -501,10 +514,10 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
         "1 channel": _exchange(rank, lambda: one.send(tiny, peer), lambda: one.recv(peer),
                                blocking=False),
         f"{OPEN_CHANNELS} channels": _exchange(rank, rotate_send, rotate_recv, blocking=False),
-    }, 50, OPEN_CHANNELS // 5 if quick else OPEN_CHANNELS, 0.5,
-        prime=OPEN_CHANNELS // 5 if quick else OPEN_CHANNELS))
+    }, 50, OPEN_CHANNELS // 20 if quick else OPEN_CHANNELS, 0.5,
+        prime=OPEN_CHANNELS // 20 if quick else OPEN_CHANNELS))
     return cases  # (priming has every channel carry a message each way before timing;
-    # --quick, a smoke run, primes and times only a fifth of them)
+    # --quick, a smoke run, primes and times only a twentieth of them)
 
 
 async def _channels(comm: Comm, sizes: Sequence[int], rounds: int, quick: bool
@@ -547,6 +560,8 @@ def _channel_progress(rec: Record) -> None:
 
 
 def _meta(comm: Comm, rounds: int, quick: bool) -> Record:
+    import torch
+
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
     meta: Record = {
         "backend": comm.backend, "ranks": comm.size,
@@ -687,7 +702,7 @@ def _options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=_positive, metavar="R",
                    help="rounds per variant (default 5, channels 9; 3 with --quick)")
     p.add_argument("--quick", action="store_true",
-                   help="sizes 8 B and 1 MiB, fewer iterations and rounds, idle waits 0.5 s "
+                   help="sizes 8 B and 1 MiB, fewer iterations and rounds, idle waits 0.2 s "
                    "(a smoke test)")
     p.add_argument("--json", type=Path, metavar="PATH",
                    help="write the records here (default bench-core.json, bench-idle.json "
@@ -764,7 +779,7 @@ def _worker(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-table", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     sizes, rounds, path = _settings(args)
-    wait_s = IDLE_WAIT_S / 4 if args.quick else IDLE_WAIT_S
+    wait_s = IDLE_WAIT_S / 10 if args.quick else IDLE_WAIT_S
     ops = OPS if args.what == "all" else (args.what,)
 
     async def main(comm: Comm) -> list[Record]:
