@@ -282,34 +282,32 @@ def _awaited(comm: Comm, t: torch.Tensor, peer: int) -> Calls:
     No checks, framing, routing or decoding: only what any library that lets a task await
     a request must do. On MPI, one loop callback tests the requests in flight and settles
     a future per request; on gloo, whose requests complete only in ``wait()``, a thread
-    waits and settles it.
+    waits and settles it: the core bench's ``naive`` variant.
     """
+    if comm.backend != "mpi":
+        return _variants(comm, t, peer)["naive"]
+    from mpi4py import MPI
+
     raw, loop = comm.raw, asyncio.get_running_loop()
-    if comm.backend == "mpi":
-        from mpi4py import MPI
+    buf = [t.numpy(), MPI.FLOAT]
+    pending: list[tuple[Any, asyncio.Future[None]]] = []
 
-        buf = [t.numpy(), MPI.FLOAT]
-        pending: list[tuple[Any, asyncio.Future[None]]] = []
+    def poll() -> None:
+        for entry in [e for e in pending if e[0].Test()]:
+            pending.remove(entry)
+            entry[1].set_result(None)
+        if pending:
+            loop.call_soon(poll)
 
-        def poll() -> None:
-            for entry in [e for e in pending if e[0].Test()]:
-                pending.remove(entry)
-                entry[1].set_result(None)
-            if pending:
-                loop.call_soon(poll)
+    def awaiting(request: Any) -> asyncio.Future[None]:
+        future = loop.create_future()
+        pending.append((request, future))
+        if len(pending) == 1:
+            loop.call_soon(poll)
+        return future
 
-        def awaiting(request: Any) -> asyncio.Future[None]:
-            future = loop.create_future()
-            pending.append((request, future))
-            if len(pending) == 1:
-                loop.call_soon(poll)
-            return future
-
-        return Calls(lambda: awaiting(raw.Isend(buf, peer, TAG)),
-                     lambda: awaiting(raw.Irecv(buf, peer, TAG)), _no_allreduce, blocking=False)
-    return Calls(lambda: loop.run_in_executor(None, raw.send([t], peer, TAG).wait),
-                 lambda: loop.run_in_executor(None, raw.recv([t], peer, TAG).wait),
-                 _no_allreduce, blocking=False)
+    return Calls(lambda: awaiting(raw.Isend(buf, peer, TAG)),
+                 lambda: awaiting(raw.Irecv(buf, peer, TAG)), _no_allreduce, blocking=False)
 
 
 @dataclass(frozen=True)
