@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncomm import _wire
-from asyncomm._backends._link import BYE_TAG, Pending
+from asyncomm._backends._link import BYE_TAG, LEAVING_TAG, RELEASE_TAG, Pending
 from asyncomm._errors import (
     CommClosedError,
     CommError,
@@ -195,6 +195,8 @@ class Router:
         self._inflight: set[Any] = set()
         self._closed = False
         self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
+        self._left: set[int] = set()  # peers that closed without waiting for the others
+        self._released = False  # whether a peer was asked to release stuck receives
         self._probed: dict[int, float] = {}  # when each peer was last probed
         self._on_dead: list[Callable[[int], None]] = []  # called with a rank once it is gone
         self._link = comm._own.link()
@@ -395,6 +397,18 @@ class Router:
                 and not self._all_byes.done()):
             self._all_byes.set_result(None)
 
+    def _ask_release(self) -> None:
+        """Ask a live peer to end the communicator's receives only its message can end.
+
+        Sent before the goodbye, so the peer handles it before it closes.
+        """
+        stuck = self._comm._backend.stuck()
+        helper = next((p for p in range(self.size)
+                       if p != self.rank and p not in self.dead and p not in self._left), None)
+        if stuck and helper is not None:
+            self.notify(Kind.EOS, RELEASE_TAG, helper, stuck)
+            self._released = True
+
     async def _drained(self) -> None:
         await asyncio.shield(self._all_byes)
         if self.size > 1:  # a world of one opens no link
@@ -466,6 +480,14 @@ class Router:
             credit: Any = _wire.decode(head, frame.buffers, Codec.DEFAULT)
             self._credit(frame.src, head.tag, int(credit[0]), int(credit[1]))
             return
+        if head.kind is Kind.EOS and head.tag >= BYE_TAG:  # see close
+            if head.tag == RELEASE_TAG:
+                tags: Any = _wire.decode(head, frame.buffers, Codec.DEFAULT)
+                for tag in tags:
+                    self._comm._backend.release(frame.src, int(tag))
+            elif head.tag == LEAVING_TAG:
+                self._left.add(frame.src)
+            return
         box = self.mailbox(head.tag)
         if head.kind is Kind.EOS:
             box.ended.add(frame.src)
@@ -514,6 +536,11 @@ class Router:
                     self.alive(peer)
         self._closed = True
         if self.size > 1:
+            if timeout <= 0:  # so that nobody asks this rank to release anything
+                for peer in range(self.size):
+                    if peer != self.rank:
+                        self.notify(Kind.EOS, LEAVING_TAG, peer)
+            self._ask_release()
             self._inflight.update(self._link.goodbye(frozenset(self.dead)))
             self._count_byes()
         if timeout > 0:
@@ -521,6 +548,8 @@ class Router:
                 await asyncio.wait_for(self._drained(), timeout)
             except asyncio.TimeoutError:
                 pass
+            if self._released:
+                await self._comm._backend.released(min(timeout, 2.0))
         self._link.stop()
         await self._link.join(1.0)
         for box in self._mailboxes.values():

@@ -28,6 +28,7 @@ import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -124,15 +125,37 @@ class Inbox:
 
 
 class FutureBridge:
-    """Complete requests whose backend future fires on a backend thread."""
+    """Complete requests whose backend future fires on a backend thread.
+
+    Note on callbacks at exit
+    -------------------------
+    The callback given to a backend future is Python: the backend's thread
+    takes the GIL to run it, and again to release it. A thread that wants
+    the GIL once the interpreter has begun to finalize is ended with
+    ``pthread_exit``, whose unwinding through the backend's C++ frames calls
+    ``std::terminate``. So a future must not be left pending when the process
+    exits: ``pending`` says whether any callback still exists (each is held
+    weakly here, and dies once the backend has run and released it).
+    """
 
     def __init__(self, inbox: Inbox) -> None:
         self._inbox = inbox
+        self._callbacks: weakref.WeakSet[Callable[[Any], None]] = weakref.WeakSet()
 
     def watch(self, future: Any, sink: Sink, finish: Finish) -> None:
         """Settle ``sink`` with ``finish(future)`` once ``future`` is done."""
         put = self._inbox.put
-        future.add_done_callback(lambda done: put(sink, finish, done))
+
+        def done(future: Any) -> None:
+            put(sink, finish, future)
+
+        self._callbacks.add(done)
+        future.add_done_callback(done)
+
+    @property
+    def pending(self) -> int:
+        """Return how many callbacks the backend has not run and released yet."""
+        return len(self._callbacks)
 
 
 class Waiters:
@@ -143,21 +166,25 @@ class Waiters:
     One thread is busy per request in flight; threads are reused, never
     created per request while idle ones exist. Invariant: ``_idle`` counts
     threads free to take a queued job, so a job never waits behind a
-    blocked ``wait()``.
+    blocked ``wait()``. A request watched as ``endless`` may never end
+    once its communicator is gone (see ``TorchBackend``'s note on teardown):
+    closing does not wait for its thread, which stays parked in ``wait()``.
     """
 
     def __init__(self, inbox: Inbox, idle_s: float = 30.0) -> None:
         self._inbox = inbox
         self._idle_s = idle_s
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Sink, Finish] | None] = (
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Sink, Finish, bool] | None] = (
             queue.SimpleQueue()
         )
         self._lock = threading.Lock()
         self._idle = 0
         self._threads: set[threading.Thread] = set()
+        self._waiting: dict[threading.Thread, bool] = {}  # inside wait(): whether endless
         self._closed = False
 
-    def watch(self, wait: Callable[[], object], sink: Sink, finish: Finish) -> None:
+    def watch(self, wait: Callable[[], object], sink: Sink, finish: Finish,
+              endless: bool = False) -> None:
         """Settle ``sink`` with ``finish(None)`` once ``wait()`` has returned."""
         with self._lock:
             if self._closed:
@@ -168,7 +195,7 @@ class Waiters:
                 thread = threading.Thread(target=self._serve, name="asyncomm-waiter", daemon=True)
                 self._threads.add(thread)
                 thread.start()
-        self._jobs.put((wait, sink, finish))
+        self._jobs.put((wait, sink, finish, endless))
 
     def _serve(self) -> None:
         me = threading.current_thread()
@@ -186,7 +213,9 @@ class Waiters:
                 with self._lock:
                     self._threads.discard(me)
                 return
-            wait, sink, finish = job
+            wait, sink, finish, endless = job
+            with self._lock:
+                self._waiting[me] = endless
             try:
                 wait()
             except BaseException as exc:
@@ -194,6 +223,7 @@ class Waiters:
             else:
                 error = None
             with self._lock:  # free before the report: the loop may post the next job at once
+                del self._waiting[me]
                 self._idle += 1
             self._report(sink, finish, error)
 
@@ -205,12 +235,18 @@ class Waiters:
             finish = finish_with_error
         self._inbox.put(sink, finish, None)
 
+    def waiting(self, endless: bool = False) -> int:
+        """Return how many threads are inside a ``wait()``: the endless ones, or the others."""
+        with self._lock:
+            return sum(1 for kind in self._waiting.values() if kind is endless)
+
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the idle threads; wait up to ``timeout`` for busy ones to return."""
+        """Stop the idle threads; wait up to ``timeout`` for busy ones (but endless) to return."""
         with self._lock:
             self._closed = True
-            threads = list(self._threads)
-        for _ in threads:
+            threads = [t for t in self._threads if not self._waiting.get(t, False)]
+            count = len(self._threads)
+        for _ in range(count):
             self._jobs.put(None)
         deadline = time.monotonic() + timeout
         for thread in threads:
@@ -269,6 +305,11 @@ class Reaper:
             if closing:
                 return
 
+    @property
+    def running(self) -> bool:
+        """Return whether the thread is alive (it may be inside a request's ``wait()``)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def close(self, timeout: float = 2.0) -> None:
         """Stop the thread once the queued requests are seen off (or ``timeout`` passed)."""
         if self._thread is not None:
@@ -276,7 +317,6 @@ class Reaper:
                 self._closing = True
                 self._ready.notify()
             self._thread.join(timeout)
-            self._thread = None
 
 
 class Poller:

@@ -100,6 +100,21 @@ class Backend(ABC):
     def link(self) -> Link:
         """Return a link carrying channel frames over this communicator (see ``_link``)."""
 
+    def stuck(self) -> list[int]:
+        """Return the tags of receives in flight that only a peer's message can end.
+
+        One entry per receive (gloo's any-source receives: see ``_torch``'s
+        note on teardown). A communicator about to close asks a live peer to
+        ``release`` them.
+        """
+        return []
+
+    def release(self, peer: int, tag: int) -> None:  # noqa: B027
+        """Send ``peer`` the empty message that ends its stuck receive on ``tag``."""
+
+    async def released(self, timeout: float) -> None:  # noqa: B027
+        """Wait (up to ``timeout``) until no receive is stuck any more."""
+
     def abort_job(self, code: int) -> None:  # noqa: B027
         """End the whole job after an uncaught error, where the launcher would not."""
 

@@ -50,6 +50,7 @@ import functools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -219,6 +220,16 @@ class GlooLink(Link):
         if self._can_drain:  # else nobody is left to fill the receives still posted
             await asyncio.shield(self._drained)
 
+    @property
+    def listening(self) -> bool:
+        """Return whether the listener is running (its receives may still be posted)."""
+        return any(t.is_alive() for t in self._threads if t.name == "asyncomm-listener")
+
+    @property
+    def completing(self) -> bool:
+        """Return whether the completer or sender runs (perhaps inside a gloo wait)."""
+        return any(t.is_alive() for t in self._threads if t.name != "asyncomm-listener")
+
     def stop(self) -> None:
         """Stop the threads; a receive still posted stays posted (gloo cannot cancel it)."""
         if self._stopped:
@@ -285,17 +296,23 @@ class GlooLink(Link):
             envelope = torch.empty(ENVELOPE_BYTES, dtype=torch.uint8)
             posted.append((envelope, self._pg.recv_anysource([envelope], T_MESSAGE)))
 
+        try:
+            self._listen_posting(posted, post)
+        except RuntimeError:
+            return  # the group's connections are closed (see TorchBackend's note on teardown)
+        self._on_loop(_settle, self._drained)
+
+    def _listen_posting(self, posted: collections.deque[tuple[torch.Tensor, Any]],
+                        post: Callable[[], None]) -> None:
+        """Take messages as they come, re-posting until every peer's goodbye is in."""
         for _ in range(DEPTH):
             post()
         said: set[int] = set()  # who said goodbye (a live rank says it for a dead one)
         others = self._size - 1
         while posted:  # see the note on draining
             envelope, work = posted.popleft()
-            try:
-                work.wait()
-                src = work._source_rank()
-            except RuntimeError:
-                return  # the group is gone
+            work.wait()
+            src = work._source_rank()
             view = memoryview(envelope.numpy().data)
             head_bytes, inline, follow, _ = PREAMBLE.unpack_from(view, 0)
             head = view[_AT:_AT + head_bytes]
@@ -316,7 +333,6 @@ class GlooLink(Link):
             else:
                 self._refuse(src, ProtocolError(f"message from rank {src} declares a head "
                                                 f"of {head_bytes} bytes, inline {inline}"))
-        self._on_loop(_settle, self._drained)
 
     def _follow(self, src: int, view: memoryview, head_bytes: int, follow: int) -> None:
         """Post the data receives of a frame in pieces; queue it for the completer."""

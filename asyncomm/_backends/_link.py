@@ -58,6 +58,8 @@ _SEQ_AT = 16  # where a head's seq is (after magic, version, kind, codec, flags,
 _HEADS = 1024  # heads a link keeps decoded
 BYE_TAG = (1 << 62) + 2  # above every channel tag
 BYE: bytes = _wire.encode(_wire.Kind.EOS, BYE_TAG, 0, None)[0]  # a link's goodbye (see close)
+RELEASE_TAG = BYE_TAG + 2  # asks a peer to end receives only its message can (Backend.stuck)
+LEAVING_TAG = BYE_TAG + 4  # says that a rank closes without waiting for its peers
 
 
 def proxy_bye(rank: int) -> bytes:

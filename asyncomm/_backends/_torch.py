@@ -27,11 +27,16 @@ for kernels on the current stream, as with torch's own ``async_op`` works.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import collections
 import datetime
+import functools
 import os
 import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +47,9 @@ from asyncomm._env import LaunchEnv
 from asyncomm._errors import CommError, CommTimeoutError, PeerFailedError
 from asyncomm._ops import ReduceOp
 from asyncomm._progress import FutureBridge, Inbox, Reaper, Sink, Waiters
+
+if TYPE_CHECKING:
+    from asyncomm._backends._gloo import GlooLink
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -69,6 +77,12 @@ _EAGER_IN_FLIGHT = 64
 # deadlines bound what waits on it.
 _OWN_TIMEOUT = 365 * 24 * 3600.0
 
+# The tag of the receive that ends a group's pending operations (see the note on teardown):
+# above every tag users may pass.
+_ABORT_TAG = 2**31 - 1
+_FOREVER = datetime.timedelta(days=365)  # how long a point-to-point wait may take
+_NOTHING = torch.empty(0, dtype=torch.uint8)  # ends a peer's stuck receive (see release)
+
 _stores: dict[tuple[str, int, int, int], Any] = {}
 _generation = 0
 _store_lock = threading.Lock()
@@ -82,6 +96,29 @@ def classify(exc: BaseException) -> type[CommError]:
     if any(sign in text for sign in _PEER_GONE):
         return PeerFailedError
     return CommError
+
+
+def _abort(pg: dist.ProcessGroup) -> None:
+    """Make gloo close every connection of ``pg``, failing all it has pending (see close)."""
+    scratch = torch.empty(1, dtype=torch.uint8)
+    try:
+        pg.recv_anysource([scratch], _ABORT_TAG).wait(datetime.timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # the timeout, as intended
+
+
+# Backends not closed yet: at exit, what they still have in flight is ended first.
+_open: weakref.WeakSet[TorchBackend] = weakref.WeakSet()
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    """End what open groups still have in flight before the interpreter finalizes."""
+    for backend in list(_open):
+        try:
+            backend._settle()
+        except Exception:  # exiting: nothing left to tell
+            pass
 
 
 def _value(future: Any) -> object:
@@ -118,7 +155,10 @@ class TorchBackend(Backend):
         self._inbox = Inbox(loop, remembering(self, classify))
         self._bridge = FutureBridge(self._inbox)
         self._waiters = Waiters(self._inbox)
+        self._link: GlooLink | None = None
+        self._any_source: collections.Counter[int] = collections.Counter()  # tags pending
         self._closed = False
+        _open.add(self)
         # nccl's future resolves at enqueue: its works also need wait() (see module note).
         self._finish: Callable[[Any], Callable[[Any], object]] = (
             (lambda work: lambda future: (future.value(), work.wait()))
@@ -193,7 +233,7 @@ class TorchBackend(Backend):
                 and self._eager.in_flight < _EAGER_IN_FLIGHT):
             # See the module note on eager sends.
             work = self._pg.send([tensor.clone()], dst, tag)
-            self._eager.watch(work.wait)
+            self._eager.watch(functools.partial(work.wait, _FOREVER))
             sink._succeed(None)
             return
         work = self._pg.send([tensor], dst, tag)
@@ -201,22 +241,45 @@ class TorchBackend(Backend):
 
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
         self._raise_if_failed()
-        if src is None:
-            work = self._pg.recv_anysource([tensor], tag)
-        else:
+        if src is not None:
             work = self._pg.recv([tensor], src, tag)
-        self._p2p(sink, work, lambda _: work._source_rank())
+            self._p2p(sink, work, lambda _: work._source_rank())
+            return
+        work = self._pg.recv_anysource([tensor], tag)
+        self._any_source[tag] += 1  # see stuck()
 
-    def _p2p(self, sink: Sink, work: Any, finish: Callable[[Any], object]) -> None:
+        def finish(_: object) -> object:
+            self._any_source[tag] -= 1
+            return work._source_rank()
+
+        self._p2p(sink, work, finish, endless=True)
+
+    def _p2p(self, sink: Sink, work: Any, finish: Callable[[Any], object],
+             endless: bool = False) -> None:
         if self.cuda:
             self._bridge.watch(work.get_future(), sink, finish)
         else:  # gloo: no future, no polling: a waiter thread calls wait()
-            self._waiters.watch(work.wait, sink, finish)
+            # An explicit deadline: gloo's own (the group's timeout) would close every
+            # connection of the group when a receive the user gave up on stays unmatched.
+            self._waiters.watch(functools.partial(work.wait, _FOREVER), sink, finish, endless)
+
+    def stuck(self) -> list[int]:
+        return [tag for tag, count in self._any_source.items() for _ in range(count)]
+
+    def release(self, peer: int, tag: int) -> None:
+        work = self._pg.send([_NOTHING], peer, tag)
+        self._eager.watch(functools.partial(work.wait, _FOREVER))
+
+    async def released(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(self._any_source.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
 
     def link(self) -> Link:
         from asyncomm._backends._gloo import GlooLink
 
-        return GlooLink(self)
+        self._link = GlooLink(self)
+        return self._link
 
     # -- groups and lifecycle ---------------------------------------------------------
 
@@ -241,14 +304,69 @@ class TorchBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        _open.discard(self)
+        self._eager.close(timeout=2.0)  # copies still on their way get a moment to arrive
+        self._settle()
         if self._release is not None and dist.is_initialized():
             try:
                 self._release()
             except (ValueError, RuntimeError):
                 pass  # already gone with the world
-        self._eager.close(timeout=2.0)
         self._waiters.close(timeout=2.0)
         self._inbox.close()
+
+    def _busy(self) -> bool:
+        """Return whether gloo may still wake a thread or a callback of ours on this group."""
+        link = self._link
+        return bool(self._waiters.waiting(endless=False) or self._waiters.waiting(endless=True)
+                    or self._eager.running or self._bridge.pending
+                    or (link is not None and (link.listening or link.completing)))
+
+    def _ending(self) -> bool:
+        """Return whether something that closing the connections ends has not ended yet."""
+        link = self._link
+        return bool(self._waiters.waiting(endless=False) or self._eager.running
+                    or self._bridge.pending or (link is not None and link.completing))
+
+    def _settle(self, timeout: float = 5.0) -> None:
+        """End everything still in flight on the group, if asyncomm owns it (see the note).
+
+        Note on teardown
+        ----------------
+        A thread that wakes inside a gloo call -- a waiter returning from
+        ``wait()``, gloo's own thread running a future's Python callback --
+        once the interpreter has begun to exit is ended by ``pthread_exit``,
+        and the unwinding through gloo's C++ frames calls ``std::terminate``:
+        the process dies of SIGABRT after the program succeeded. Such a late
+        wake comes from an operation still pending at close (a timed-out
+        receive or send, a collective a peer never joined, an eager send
+        nobody receives), when the peer's exit closes the connection during
+        ours. gloo can neither cancel nor abort an operation, but a receive
+        waited for with a short timeout makes it close every connection of
+        the group ("application timeout"), which fails every pending
+        operation tied to a connection at once, here and now. So an owned
+        group with anything in flight is ended that way, and the threads and
+        callbacks it wakes are waited for, before it is destroyed. Peers see
+        the connection close, as they would at its destruction; their other
+        connections are untouched.
+
+        An any-source receive belongs to no connection: closing them does
+        not end it, and no message can reach it afterwards. Before closing,
+        the router asks a live peer to end it with an empty message
+        (``stuck``/``release``); one still pending stays parked in its
+        thread, harmlessly (its wait has no deadline, and nothing can wake
+        it). A group the user made (``init`` adopted it) is left alone.
+        """
+        if self._release is None or self.size == 1 or not dist.is_initialized():
+            return
+        if not self._busy():
+            return
+        _abort(self._pg)
+        if self._link is not None:
+            self._link.stop()
+        deadline = time.monotonic() + timeout
+        while self._ending() and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 def _base_store(env: LaunchEnv, timeout: float) -> Any:

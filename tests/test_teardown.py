@@ -1,0 +1,92 @@
+"""Teardown: ending a program or closing with operations in flight never aborts or hangs.
+
+gloo used to kill a process that had succeeded: a waiter thread left inside ``wait()``
+on a pending receive, or gloo's own thread running the Python callback of a pending
+collective, woke while the interpreter finalized and ended in ``std::terminate``
+(SIGABRT). The scenarios below leave every kind of operation in flight -- a timed-out
+receive and send, a posted any-source receive, a collective one peer never joins while
+another has already left -- and are repeated, because the abort came only sometimes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncomm.testing import run_script
+
+HERE = Path(__file__).resolve().parent
+
+CYCLES = """
+import sys, threading, torch, asyncomm
+from asyncomm import CommTimeoutError, PeerFailedError
+
+class Leave(Exception):
+    '''Rank 1 leaves its world at once, without waiting for the others.'''
+
+def threads():
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("asyncomm"))
+
+async def cycle(number):
+    try:
+        async with asyncomm.init(timeout=60) as comm:
+            nxt = (comm.rank + 1) % comm.size
+            for handle in (comm.recv(torch.zeros(4), nxt, tag=5, timeout=0.1),
+                           comm.send(torch.zeros(1 << 20), nxt, tag=7, timeout=0.1)):
+                try:
+                    await handle
+                except CommTimeoutError:
+                    pass
+                else:
+                    raise AssertionError("no timeout")
+            comm.recv(torch.zeros(4), None, tag=9)  # posted, never matched
+            await comm.barrier()
+            if comm.rank == 1:
+                raise Leave
+            if comm.rank == 0:  # rank 1 has left (or is leaving), rank 2 never joins
+                try:
+                    await comm.all_reduce(torch.ones(1), timeout=0.2)
+                except (CommTimeoutError, PeerFailedError):
+                    pass
+                else:
+                    raise AssertionError("an all_reduce of one rank completed")
+    except Leave:
+        # A rank that leaves at once is drained by nobody: its link's listener stays
+        # parked in a receive that nothing can reach any more (see the README).
+        left = [t for t in threads() if t != "asyncomm-listener"]
+    else:
+        left = threads()
+    assert left == [], (number, left)
+
+async def main():
+    for number in range(int(sys.argv[1])):
+        await cycle(number)
+    print("cycles ok", flush=True)
+
+asyncomm._runtime.run_loop(main())
+"""
+
+
+def test_ending_with_operations_in_flight_never_aborts_gloo(tmp_path: Path) -> None:
+    script = tmp_path / "cycles.py"
+    script.write_text(CYCLES.replace("int(sys.argv[1])", "1"))
+    proc = subprocess.run([sys.executable, str(HERE / "exit_loop.py"), str(script), "3", "10"],
+                          capture_output=True, text=True, timeout=100)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said
+    assert said.count("exit codes [0, 0, 0]") == 10, said
+    assert said.count("cycles ok") == 30, said
+    assert "terminate" not in said and "Traceback" not in said, said
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_closing_with_operations_in_flight_leaves_nothing_behind(tmp_path: Path,
+                                                               backend: str) -> None:
+    proc = run_script(CYCLES.replace("int(sys.argv[1])", "10"), tmp_path, 3, backend,
+                      timeout=100)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("cycles ok") == 3, proc.stdout + proc.stderr
+    assert "terminate" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
