@@ -63,6 +63,7 @@ from asyncomm._errors import (
     CommTimeoutError,
     PeerFailedError,
     ProtocolError,
+    gist,
 )
 from asyncomm._wire import Codec, Head, Kind
 
@@ -296,11 +297,19 @@ class Router:
     def _gone(self, what: str, *peers: int) -> PeerFailedError:
         """The error of an operation that needed ``peers``, which are gone."""
         ranks = ", ".join(str(p) for p in peers)
-        causes = "; ".join(_reason(self.dead[p]) for p in peers if p in self.dead)
+        causes = "; ".join(gist(self.dead[p]) for p in peers if p in self.dead)
         error = PeerFailedError(f"rank {self.rank}: {what}: rank{'s' if len(peers) > 1 else ''} "
                                 f"{ranks} failed ({causes})")
         error.__cause__ = self.dead.get(peers[0])
         return error
+
+    def known(self, peer: int) -> str | None:
+        """Say what this rank already knows of ``peer``'s end: failed, or finished; else None."""
+        if peer in self.dead:
+            return f"failed ({gist(self.dead[peer])})"
+        if peer in self._byes:
+            return "finished (closed this communicator)"
+        return None
 
     def check_peers(self, peers: Iterable[int]) -> None:
         """Probe ``peers`` (rate-limited): a waiter has waited ``PROBE_S`` for them."""
@@ -756,14 +765,6 @@ class Channel:
         for dst in range(router.size):
             if dst != router.rank:
                 router.notify(Kind.EOS, self.tag, dst)
-
-
-def _reason(exc: BaseException) -> str:
-    """The gist of a backend's error: gloo's without its source location and advice."""
-    text = str(exc).split("\n")[0]
-    if text.startswith("[") and "] " in text:
-        text = text.split("] ", 1)[1]
-    return text.split(". This is typically")[0]
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

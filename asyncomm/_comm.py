@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import asyncio
-import math
+import collections
+import logging
 import operator
 import pickle
+import time
 import warnings
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from asyncomm import _trace, _watchdog
+from asyncomm import _status, _trace, _watchdog
 from asyncomm._actors import Actor, ActorRef, Host
 from asyncomm._backends import Backend
 from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Router, codec_of
 from asyncomm._checks import Checker, checked, debug_enabled
-from asyncomm._errors import CommClosedError, CommError, PeerFailedError
+from asyncomm._errors import CommClosedError, CommError, PeerFailedError, describe
 from asyncomm._handle import FROM_BACKEND, Deadlines, Handle
 from asyncomm._ops import ReduceOp, check_reduce
 
 T = TypeVar("T")
+_log = logging.getLogger("asyncomm")
 Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)  # type: ignore[type-arg]
 
 
@@ -40,17 +43,30 @@ class Comm:
     """
 
     def __init__(self, backend: Backend, own: Backend, loop: asyncio.AbstractEventLoop,
-                 timeout: float) -> None:
+                 timeout: float, label: str = "w0", world_ranks: Sequence[int] | None = None,
+                 addresses: Sequence[str] = ()) -> None:
         self._backend = backend
         self._own = own  # asyncomm's private twin: objects and groups travel here
         self._loop = loop
         self._timeout = timeout
         self._seq = 0
+        self._last_op = ""  # what ``_seq`` numbered
         self._closed = False
         self._children: list[Comm] = []
+        self._groups = 0  # groups split off so far: names the next one's label
         self._chain: asyncio.Future[Any] | None = None  # last multi-step op on ``_own``
         self._checked_ops: dict[tuple[object, torch.dtype], ReduceOp] = {}
-        self._deadlines = Deadlines(loop)
+        # Diagnostics (see _status): the same label on every member, each member's rank in
+        # the world it was split from, and where each rank of that world answers.
+        self._label = label
+        self._world_ranks = list(range(backend.size) if world_ranks is None else world_ranks)
+        self._addresses = list(addresses)
+        self._explaining: set[asyncio.Task[None]] = set()
+        self._timed_out: collections.deque[tuple[tuple[Any, ...], float]] = (
+            collections.deque(maxlen=4))  # the last operations whose deadline passed
+        self._stall_s = _status.stall_seconds()
+        self._deadlines = Deadlines(loop, self._expired, self._stall_s, self._stalled)
+        _status.register(label, self)
         self._checker: Checker | None = None
         if debug_enabled():
             self._checker = Checker(backend, loop)
@@ -220,6 +236,7 @@ class Comm:
         if self._closed:
             raise CommClosedError(f"{self._what(op)}: the communicator is closed")
         self._seq += 1
+        self._last_op = op
         handle: Handle[Any] = Handle(self._loop, (self.rank, op, self._seq, peer, tag),
                                      result, keep)
         if self._trace is not None:  # before starting: an eager send may finish inside
@@ -230,9 +247,7 @@ class Comm:
         else:
             self._start(handle, start, args)
         if not handle.done():  # many operations (eager sends) are done at once
-            limit = self._timeout if timeout is None else timeout
-            if limit != math.inf:
-                self._deadlines.add(handle, limit)
+            self._deadlines.add(handle, self._timeout if timeout is None else timeout)
         return handle
 
     def _start(self, handle: Handle[Any], start: Callable[..., None], args: tuple[Any, ...],
@@ -433,6 +448,19 @@ class Comm:
         self._open("actor")
         return ActorRef(self._host, rank, name)
 
+    async def _exchange(self, payload: bytes, op: str) -> list[bytes]:
+        """Gather ``payload`` from every rank on the private twin (numbering no operation)."""
+        own, size = self._own, self.size
+        mine = torch.tensor([len(payload)], dtype=torch.int64)
+        sizes = [s.view(1) for s in torch.empty(size, dtype=torch.int64).unbind(0)]
+        await self._own_op(op, own.all_gather, sizes, mine)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        rows = list(torch.empty((size, longest), dtype=torch.uint8).unbind(0))
+        await self._own_op(op, own.all_gather, rows, padded)
+        return [row[: int(n.item())].numpy().tobytes() for row, n in zip(rows, sizes, strict=True)]
+
     async def _own_op(self, op: str, start: Callable[..., None], *args: Any) -> None:
         handle: Handle[None] = Handle(self._loop, (self.rank, op, self._seq, None, None), None,
                                       args)
@@ -471,20 +499,10 @@ class Comm:
     def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> Handle[list[Any]]:
         """Gather a picklable object from every rank; resolve to the list in rank order."""
         payload = self._pickle(obj, "all_gather_object")
-        own = self._own
 
         async def body() -> list[Any]:
-            mine = torch.tensor([len(payload)], dtype=torch.int64)
-            sizes = list(torch.empty(self.size, dtype=torch.int64).unbind(0))
-            sizes = [s.view(1) for s in sizes]
-            await self._own_op("all_gather_object", own.all_gather, sizes, mine)
-            longest = max(int(s.item()) for s in sizes)
-            padded = torch.zeros(longest, dtype=torch.uint8)
-            padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            rows = list(torch.empty((self.size, longest), dtype=torch.uint8).unbind(0))
-            await self._own_op("all_gather_object", own.all_gather, rows, padded)
-            return [pickle.loads(row[: int(n.item())].numpy().tobytes())
-                    for row, n in zip(rows, sizes, strict=True)]
+            return [pickle.loads(data)
+                    for data in await self._exchange(payload, "all_gather_object")]
 
         return self._steps("all_gather_object", body, timeout)
 
@@ -503,15 +521,82 @@ class Comm:
         if len(set(members)) != len(members):
             raise ValueError(f"{self._what('group')}: ranks has duplicates: {members}")
 
+        self._groups += 1  # on every rank, member or not: labels must agree
+        label = f"{self._label}.{self._groups}"
+
         async def body() -> Comm | None:
             made = await self._own.split(members)
             if made is None:
                 return None
-            child = Comm(made[0], made[1], self._loop, self._timeout)
+            child = Comm(made[0], made[1], self._loop, self._timeout, label,
+                         [self._world_ranks[r] for r in members], self._addresses)
             self._children.append(child)
             return child
 
         return self._steps("group", body, timeout)
+
+    # -- diagnostics (see _status) ----------------------------------------------------
+
+    def _status(self) -> dict[str, Any]:
+        """Return this rank's state of the communicator, for a peer that asks."""
+        pending = self._deadlines.pending()
+        now = time.monotonic()
+        return {"state": "closed" if self._closed else "open",
+                "pending": [[*h._what[1:], now - issued] for h, issued in pending[:8]],
+                "more": max(0, len(pending) - 8),
+                "timed_out": [[*what[1:], now - when] for what, when in self._timed_out],
+                "last": [self._last_op, self._seq]}
+
+    async def _peers_say(self, peers: Sequence[int]) -> str:
+        """Return what ``peers`` are doing on this communicator, asked without it."""
+        async def one(peer: int) -> tuple[int, str]:
+            known = self._router.known(peer)
+            if known is not None:
+                return peer, known
+            address = (self._addresses[self._world_ranks[peer]] if self._addresses
+                       else None)
+            state = None if address is None else await _status.ask(address, self._label)
+            return peer, _status.word(state)
+
+        return _status.summary(await asyncio.gather(*(one(p) for p in peers)))
+
+    def _later(self, work: Coroutine[Any, Any, None]) -> None:
+        task: asyncio.Task[None] = self._loop.create_task(work)
+        self._explaining.add(task)
+        task.add_done_callback(self._explaining.discard)
+
+    def _expired(self, handle: Handle[Any], timeout: float) -> None:
+        """A deadline passed: fail ``handle``, with the peers' state if it is a collective."""
+        self._timed_out.append((handle._what, time.monotonic()))
+        if self.size == 1 or self._closed or not checked(handle._what[1]):
+            handle._expire(timeout)
+            return
+
+        async def explain() -> None:
+            others = [r for r in range(self.size) if r != self.rank]
+            said = await self._peers_say(others)
+            hint = "" if self._checker is not None else (
+                " If the ranks' collectives differ, rerun with ASYNCOMM_DEBUG=1: every "
+                "collective is then checked across ranks first (fingerprints).")
+            handle._expire(timeout, f". Meanwhile {said}.{hint}")
+
+        self._later(explain())
+
+    def _stalled(self, stalled: list[tuple[Handle[Any], float]]) -> None:
+        """Warn, once each, of operations pending for ``ASYNCOMM_STALL_S`` or longer."""
+        for handle, waited in stalled:
+            peer = handle._what[3]
+            peers = ([peer] if peer is not None else
+                     [r for r in range(self.size) if r != self.rank])
+
+            async def warn(handle: Handle[Any] = handle, waited: float = waited,
+                           peers: list[int] = peers) -> None:
+                said = await self._peers_say(peers) if self.size > 1 else ""
+                _log.warning("asyncomm: %s has been pending for %.1f s (ASYNCOMM_STALL_S=%g); "
+                             "it goes on waiting.%s", describe(*handle._what), waited,
+                             self._stall_s, f" Meanwhile {said}." if said else "")
+
+            self._later(warn())
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -529,6 +614,7 @@ class Comm:
         if self._closed:
             return
         self._closed = True
+        self._deadlines.close()
         for child in self._children:
             await child._close(linger)
         if self._chain is not None and not self._chain.done():
@@ -539,6 +625,11 @@ class Comm:
         self._backend.close()
         if self._trace is not None:
             self._trace.detached()
+
+    @property
+    def _ends_job_on_error(self) -> bool:
+        """Whether ``_abort_job`` ends every rank's process (else it does nothing)."""
+        return self._backend.ends_job_on_error
 
     def _abort_job(self, code: int) -> None:
         self._backend.abort_job(code)

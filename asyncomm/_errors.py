@@ -6,6 +6,8 @@ they never contain payload bytes.
 
 from __future__ import annotations
 
+import re
+
 
 class CommError(Exception):
     """Base class of every error asyncomm raises for a failed communication."""
@@ -50,6 +52,16 @@ class RemoteError(CommError):
         self.remote_traceback = remote_traceback
 
 
+_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ")  # "[.../pair.cc:553] "
+
+
+def gist(exc: BaseException) -> str:
+    """Return the gist of an error: its first line, without a C++ source location or gloo's
+    advice (the whole error stays in ``__cause__``)."""
+    text = _SOURCE.sub("", str(exc).split("\n")[0])
+    return text.split(". This is typically")[0]
+
+
 def describe(rank: int, op: str, seq: int | None = None, peer: int | None = None,
              tag: int | None = None) -> str:
     """Return the prefix every error message starts with: who did what with whom."""
@@ -63,3 +75,8 @@ def describe(rank: int, op: str, seq: int | None = None, peer: int | None = None
     if tag is not None:
         parts.append(f"tag {tag}")
     return " ".join(parts)
+
+
+for _error in (CommError, CommTimeoutError, CommClosedError, PeerFailedError, MismatchError,
+               ProtocolError, RemoteError):
+    _error.__module__ = "asyncomm"  # tracebacks say asyncomm.CommTimeoutError

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import threading
 import time
 import weakref
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
-from asyncomm._errors import CommError, CommTimeoutError, describe
+from asyncomm._errors import CommError, CommTimeoutError, describe, gist
 
 T = TypeVar("T")
 
@@ -144,18 +145,19 @@ class Handle(Generic[T]):
         if self._state != _PENDING:
             self._keep = None
             return
-        error = kind(f"{describe(*self._what)}: {cause}")
-        error.__cause__ = cause
+        error = kind(f"{describe(*self._what)}: {gist(cause)}")
+        error.__cause__ = cause.with_traceback(None)  # where the backend raised says nothing
         self._settle(_FAILED, error)
 
-    def _expire(self, timeout: float) -> None:
+    def _expire(self, timeout: float, detail: str = "") -> None:
         if self._state == _PENDING:
-            error = CommTimeoutError(f"{describe(*self._what)} timed out after {timeout:g} s")
+            error = CommTimeoutError(f"{describe(*self._what)} timed out after {timeout:g} s"
+                                     f"{detail}")
             self._give_up(error)
 
     def _abandon(self, kind: type[CommError], cause: BaseException) -> None:
         if self._state == _PENDING:
-            error = kind(f"{describe(*self._what)}: {cause}")
+            error = kind(f"{describe(*self._what)}: {gist(cause)}")
             error.__cause__ = cause
             self._give_up(error)
 
@@ -187,70 +189,119 @@ class Handle(Generic[T]):
 
 
 class Deadlines:
-    """Expire pending handles at their deadlines, with one timer per distinct timeout.
+    """Expire pending handles at their deadlines; find the ones pending long (stalls).
 
     Note on cost
     ------------
     Handles of one timeout are added in deadline order, so each timeout has
     a FIFO queue whose head is the next to expire: adding is an append, and
-    a single loop timer waits for the head. Settled handles leave lazily
-    (only weak references are queued, so they never hold buffers), and a
-    queue is compacted when settled entries pile up behind a long wait.
+    a single loop timer waits for the head (none for ``math.inf``). Settled
+    handles leave lazily (only weak references are queued, so they never
+    hold buffers), and a queue is compacted when settled entries pile up
+    behind a long wait. Stalls are looked for by one timer, armed only while
+    something is pending, at the time the oldest handle not reported yet
+    would stall: nothing is done per handle for them.
+
+    ``expire(handle, timeout)`` is called when a deadline passes (the owner
+    words the error); ``stalled(handles)`` with handles pending ``stall_s``
+    or longer, each once, oldest first.
     """
 
     _COMPACT = 4096
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 expire: Callable[[Handle[Any], float], None] | None = None,
+                 stall_s: float = 0.0,
+                 stalled: Callable[[list[tuple[Handle[Any], float]]], None] | None = None
+                 ) -> None:
         self._loop = loop
         self._queues: dict[float, _Queue] = {}
+        self._expire = expire or (lambda handle, timeout: handle._expire(timeout))
+        self._stall_s = stall_s if stalled is not None else 0.0
+        self._stalled = stalled
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._reported: weakref.WeakSet[Handle[Any]] = weakref.WeakSet()
 
     def add(self, handle: Handle[Any], timeout: float) -> None:
-        """Fail ``handle`` with ``CommTimeoutError`` if it is pending ``timeout`` s from now."""
+        """Fail ``handle`` (through ``expire``) if it is pending ``timeout`` s from now."""
         queue = self._queues.get(timeout)
         if queue is None:
-            queue = self._queues[timeout] = _Queue(self._loop, timeout)
+            queue = self._queues[timeout] = _Queue(self._loop, timeout, self._expire)
         queue.add(handle)
+        if self._stall_s and self._stall_timer is None:
+            self._stall_timer = self._loop.call_later(self._stall_s, self._look_for_stalls)
+
+    def pending(self) -> list[tuple[Handle[Any], float]]:
+        """Return the handles still pending with the ``time.monotonic()`` they were issued."""
+        found = [(handle, issued) for queue in self._queues.values()
+                 for issued, ref in queue.entries
+                 if (handle := ref()) is not None and not handle.done()]
+        found.sort(key=lambda pair: pair[1])
+        return found
+
+    def _look_for_stalls(self) -> None:
+        self._stall_timer = None
+        now = time.monotonic()
+        waiting = [(h, issued) for h, issued in self.pending() if h not in self._reported]
+        stalled = [(h, now - issued) for h, issued in waiting if now - issued >= self._stall_s]
+        for handle, _ in stalled:
+            self._reported.add(handle)
+        if stalled and self._stalled is not None:
+            self._stalled(stalled)
+        later = [issued for h, issued in waiting if now - issued < self._stall_s]
+        if later:  # the oldest handle not reported yet stalls then
+            self._stall_timer = self._loop.call_later(later[0] + self._stall_s - now,
+                                                      self._look_for_stalls)
+
+    def close(self) -> None:
+        """Stop looking for stalls (deadlines still expire)."""
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+        self._stall_s = 0.0
 
 
 class _Queue:
-    __slots__ = ("_added", "_entries", "_loop", "_timeout", "_timer")
+    __slots__ = ("_added", "_expire", "_loop", "_timeout", "_timer", "entries")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float,
+                 expire: Callable[[Handle[Any], float], None]) -> None:
         self._loop = loop
         self._timeout = timeout
-        self._entries: collections.deque[tuple[float, weakref.ref[Handle[Any]]]] = (
-            collections.deque())
+        self._expire = expire
+        self.entries: collections.deque[tuple[float, weakref.ref[Handle[Any]]]] = (
+            collections.deque())  # (issued at, handle), oldest first
         self._timer: asyncio.TimerHandle | None = None
         self._added = 0
 
     def add(self, handle: Handle[Any]) -> None:
-        self._entries.append((time.monotonic() + self._timeout, weakref.ref(handle)))
+        self.entries.append((time.monotonic(), weakref.ref(handle)))
         self._added += 1
         if self._added % Deadlines._COMPACT == 0:
             self._compact()
-        if self._timer is None:
+        if self._timer is None and self._timeout != math.inf:
             self._arm()
 
     def _compact(self) -> None:
-        self._entries = collections.deque(
-            (deadline, ref) for deadline, ref in self._entries
+        self.entries = collections.deque(
+            (issued, ref) for issued, ref in self.entries
             if (handle := ref()) is not None and not handle.done())
 
     def _arm(self) -> None:
-        delay = self._entries[0][0] - time.monotonic()
+        delay = self.entries[0][0] + self._timeout - time.monotonic()
         self._timer = self._loop.call_later(max(delay, 0.0), self._fire)
 
     def _fire(self) -> None:
         self._timer = None
         now = time.monotonic()
-        entries = self._entries
+        entries = self.entries
         while entries:
-            deadline, ref = entries[0]
+            issued, ref = entries[0]
             handle = ref()
             if handle is not None and not handle.done():
-                if deadline > now:  # loop timers round to milliseconds: never fire early
+                if issued + self._timeout > now:  # loop timers round to ms: never fire early
                     break
-                handle._expire(self._timeout)
+                self._expire(handle, self._timeout)
             entries.popleft()
         if entries:
             self._arm()

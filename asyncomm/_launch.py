@@ -28,6 +28,10 @@ from asyncomm._env import _MPI_RANK_VARS, BACKENDS
 GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the world
 TAIL_LINES = 200  # stderr lines kept per rank for the failure summary
 _TRACEBACK = "Traceback (most recent call last):"
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # what torch's excepthook puts before each line
+# MPICH's word when a rank calls MPI_Abort: the summary says it instead.
+_MPI_ABORT = re.compile(rb"^Abort\((\d+)\) on node \d+ \(rank (\d+) in comm \d+\): "
+                        rb"application called MPI_Abort")
 # "[3] text" from MPICH's -prepend-rank, "[1,3]<stderr>: text" from Open MPI's --tag-output.
 _LABEL = re.compile(rb"\[(?:\d+,)?(\d+)\](?:<std\w+>)?:? ?")
 # Hydra's -print-all-exitcodes: "[mpiexec@host] Exit codes: [host] 0,1280,0", wait statuses
@@ -169,7 +173,8 @@ def _launch_local(script_argv: list[str], n: int, base: dict[str, str]) -> int:
     if world.first_failed is None:
         return 0
     rank, code = world.first_failed, world.codes[world.first_failed] or 1
-    _say(f"rank {rank} failed first ({_how(code)}); stopped the other ranks", world.tails[rank])
+    _say(f"rank {rank} failed first{_error(world.tails[rank])} ({_how(code)}); "
+         "stopped the other ranks")
     return code if code > 0 else 1
 
 
@@ -187,13 +192,17 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str]) -> int:
         return 128 + world.signal
     if code == 0:
         return 0
+    ended = f"mpiexec {_how(code)}"
+    if world.aborted is not None:
+        rank, abort_code = world.aborted
+        ended = f"rank {rank} ended the job with MPI_Abort({abort_code}); {ended}"
     if world.tracebacks:  # the first rank to raise is the likeliest culprit
         rank = world.tracebacks[0]
-        _say(f"mpiexec {_how(code)}; rank {rank} raised first", world.tails[rank])
+        _say(f"rank {rank} failed first{_error(world.tails[rank])} ({ended})")
     elif (dead := _dead_ranks(world.statuses)):  # died without a word: Hydra says who
-        _say(f"mpiexec {_how(code)}; {dead}", world.tails[-1])
+        _say(f"{dead} ({ended})")
     else:
-        _say(f"mpiexec {_how(code)}", world.tails[-1])
+        _say(ended)
     return code if code > 0 else 1
 
 
@@ -288,6 +297,7 @@ class _World:
     signal: int | None = None  # SIGINT or SIGTERM received by the launcher
     tracebacks: list[int] = field(default_factory=list)  # ranks, in order of first traceback
     statuses: list[int] = field(default_factory=list)  # each rank's wait status (Hydra)
+    aborted: tuple[int, int] | None = None  # (rank, code) of an MPI_Abort
     served: object = None  # what ``serve`` returned, kept until the ranks are gone
     tails: defaultdict[int, deque[str]] = field(
         default_factory=lambda: defaultdict(lambda: deque(maxlen=TAIL_LINES))
@@ -383,6 +393,12 @@ async def _pump(
             world.statuses = [int(s) for s in re.findall(rb"\d+", re.sub(
                 rb"\[[^\]]*\]", b" ", statuses[1]))]
             return
+        if rank is None and is_err:
+            label = _LABEL.match(line)
+            aborted = _MPI_ABORT.match(line[label.end():] if label else line)
+            if aborted is not None:  # said once, in the summary
+                world.aborted = (int(aborted[2]), int(aborted[1]))
+                return
         _write(sys.stderr if is_err else sys.stdout, prefix + line + b"\n")
         if is_err:
             _keep(world, line, rank)
@@ -404,7 +420,7 @@ def _keep(world: _World, line: bytes, rank: int | None) -> None:
         if label is None:
             return
         rank, line = int(label[1]), line[label.end() :]
-    text = line.decode(errors="replace").rstrip("\r")
+    text = _RANK_PREFIX.sub("", line.decode(errors="replace").rstrip("\r"), count=1)
     world.tails[rank].append(text)
     if text.startswith(_TRACEBACK) and rank not in world.tracebacks:
         world.tracebacks.append(rank)
@@ -440,11 +456,22 @@ def _how(code: int) -> str:
     return f"exited with code {code}"
 
 
-def _say(headline: str, tail: deque[str] | None = None) -> None:
-    """Print the launcher's summary, with the last traceback (or last lines) of ``tail``."""
-    lines = list(tail or ())
+def _error(tail: deque[str]) -> str:
+    """Return ``": Kind: message"`` from the last traceback in ``tail`` ("" if there is none).
+
+    The traceback itself went by with the rank's output: the summary names it, once.
+    """
+    lines = list(tail)
     starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK)]
-    shown = lines[starts[-1] :] if starts else lines[-20:]
-    body = "".join(f"    {line}\n" for line in shown)
-    sys.stderr.write(f"asyncomm run: {headline}\n{body}")
+    if not starts:
+        return ""
+    for line in lines[starts[-1] + 1:]:
+        if line.strip() and not line[0].isspace():
+            return f": {line.strip()}"
+    return ""
+
+
+def _say(summary: str) -> None:
+    """Print the launcher's one-line summary of how the world ended."""
+    sys.stderr.write(f"asyncomm run: {summary}\n")
     sys.stderr.flush()

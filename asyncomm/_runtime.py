@@ -7,13 +7,14 @@ import os
 import sys
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from types import TracebackType
+from types import CodeType, TracebackType
 from typing import Any, TypeVar
 
-from asyncomm import _compute
+from asyncomm import _compute, _status
 from asyncomm._backends import open_backend
 from asyncomm._comm import Comm
 from asyncomm._env import BACKENDS, detect
+from asyncomm._errors import PeerFailedError
 
 T = TypeVar("T")
 
@@ -30,12 +31,21 @@ def _settings(backend: str | None, timeout: float | None) -> tuple[str | None, f
     return backend, float(timeout)
 
 
+_worlds = 0  # worlds joined by this process: every rank joins as many, so labels agree
+
+
 async def _open(backend: str | None, timeout: float) -> Comm:
+    global _worlds
     env = detect()
     name = backend or env.backend
     loop = asyncio.get_running_loop()
     user, own = await open_backend(name, env, timeout, loop)
-    return Comm(user, own, loop, timeout)
+    _worlds += 1
+    comm = Comm(user, own, loop, timeout, label=f"w{_worlds}")
+    if comm.size > 1:  # where each rank answers questions about its state (see _status)
+        address = await _status.serve()
+        comm._addresses = [a.decode() for a in await comm._exchange(address.encode(), "init")]
+    return comm
 
 
 class init:
@@ -84,16 +94,66 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
                 return await main(comm)
             except BaseException as exc:
                 if comm.size > 1 and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                    # Where the backend ends the job (MPI), say why first: aborting can
-                    # cut off output the launcher has not forwarded yet.
-                    print(f"asyncomm: rank {comm.rank} failed: {type(exc).__name__}: {exc}",
-                          file=sys.stderr, flush=True)
-                    traceback.print_exc()
-                    sys.stderr.flush()
-                    comm._abort_job(1)
+                    _failed(comm, exc)
                 raise
 
-    return run_loop(body())
+    try:
+        return run_loop(body())
+    except BaseException as exc:  # shown from main down: the event loop's frames say nothing
+        exc.with_traceback(_from_main(exc.__traceback__, body.__code__))
+        raise
+
+
+def _from_main(tb: TracebackType | None, body: CodeType) -> TracebackType | None:
+    """Return ``tb`` from the frame below ``body`` (the call of ``main``) on, if it has one."""
+    entry = tb
+    while entry is not None:
+        if entry.tb_frame.f_code is body:
+            return entry.tb_next or tb
+        entry = entry.tb_next
+    return tb
+
+
+def _failed(comm: Comm, exc: BaseException) -> None:
+    """Report ``main``'s failure once (see the note); end the job where the backend must.
+
+    Note on failure reports
+    -----------------------
+    One failure, one traceback. The failing rank's error propagates and
+    Python prints it, once -- except where the backend ends the whole job
+    at once (MPI's abort), where it is printed here first. A rank that
+    fails only because a peer did (``PeerFailedError``) says so in one
+    line at exit instead of a traceback of its own: the launcher names the
+    rank that failed first.
+    """
+    if comm._ends_job_on_error:
+        tb = exc.__traceback__  # from the frame that called main: show main's on
+        traceback.print_exception(type(exc), exc, tb.tb_next if tb is not None else None)
+        sys.stderr.flush()
+        comm._abort_job(1)
+    elif isinstance(exc, PeerFailedError):
+        _quietly(exc, f"asyncomm: rank {comm.rank} stopped: ")
+
+
+_previous_hook: Callable[..., Any] | None = None
+
+
+def _quietly(exc: BaseException, prefix: str) -> None:
+    """Have ``exc``, if uncaught, printed at exit as one line starting with ``prefix``."""
+    global _previous_hook
+    exc._asyncomm_said = prefix  # type: ignore[attr-defined]
+    if _previous_hook is None:
+        _previous_hook, sys.excepthook = sys.excepthook, _one_line
+
+
+def _one_line(kind: type[BaseException], value: BaseException, tb: TracebackType | None
+              ) -> None:
+    prefix = getattr(value, "_asyncomm_said", None)
+    if prefix is None:
+        assert _previous_hook is not None
+        _previous_hook(kind, value, tb)
+        return
+    print(f"{prefix}{kind.__name__}: {value}", file=sys.stderr, flush=True)
 
 
 def run_loop(coro: Coroutine[Any, Any, T]) -> T:

@@ -84,6 +84,7 @@ class Recorder:
         self.rank: int | None = None  # the widest communicator's rank names the file
         self.size = 1
         self.written = 0  # how many events the last write saw
+        self.from_env = False  # started by ASYNCOMM_TRACE (see the note on who owns it)
         self._open = 0
 
     # -- attaching ---------------------------------------------------------------
@@ -205,17 +206,32 @@ def register(comm: Comm) -> tuple[Recorder, int] | None:
         directory = os.environ.get(ENV)
         if directory:
             recorder = start(directory)  # before adding ``comm``: it is attached below
+            recorder.from_env = True
     _comms.add(comm)
     return None if recorder is None else (recorder, recorder.attach(comm))
 
 
 def start(directory: str | os.PathLike[str]) -> Recorder:
-    """Trace every open and future communicator of this process into ``directory``."""
+    """Trace every open and future communicator of this process into ``directory``.
+
+    Note on who owns tracing
+    ------------------------
+    ``ASYNCOMM_TRACE`` (``asyncomm run --trace DIR``) owns it for the whole
+    run: a program that starts tracing itself into another directory goes
+    on tracing into the run's (one warning says so), so that the launcher
+    finds every rank's file where it merges them. A program that asks for
+    two directories itself gets a ``ValueError``.
+    """
     global _recorder
     with _lock:
         if _recorder is not None:
-            if _recorder.directory != Path(directory).resolve():
+            wanted = Path(directory).resolve()
+            if _recorder.directory != wanted and not _recorder.from_env:
                 raise ValueError(f"tracing is already on, into {_recorder.directory}")
+            if _recorder.directory != wanted:
+                warnings.warn(f"asyncomm: tracing into {_recorder.directory} ({ENV}, as "
+                              f"asyncomm run --trace sets it), not {wanted}", RuntimeWarning,
+                              stacklevel=3)
             return _recorder
         recorder = _recorder = Recorder(Path(directory).resolve())
         _compute.on_span = recorder.span

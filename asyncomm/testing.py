@@ -249,10 +249,12 @@ async def fresh(comm: asyncomm.Comm,
 
 
 def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
-               timeout: float = 120.0) -> subprocess.CompletedProcess[str]:
+               timeout: float = 120.0, env: Mapping[str, str] | None = None
+               ) -> subprocess.CompletedProcess[str]:
     """Write ``source`` as a script in ``directory`` and run it with ``asyncomm run -n n``.
 
-    Skips the calling test (pytest) when ``backend`` is ``"mpi"`` and no mpiexec exists.
+    ``env`` is added to the ranks' environment. Skips the calling test (pytest) when
+    ``backend`` is ``"mpi"`` and no mpiexec exists.
     """
     from asyncomm import _launch
 
@@ -267,7 +269,7 @@ def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
     return subprocess.run(
         [sys.executable, "-m", "asyncomm", "run", "-n", str(n), "--backend", backend,
          str(script)], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "PYTHONPATH": path})
+        env={**os.environ, **(env or {}), "PYTHONPATH": path})
 
 
 # -- the rank side -----------------------------------------------------------------

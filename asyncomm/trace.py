@@ -10,9 +10,10 @@ Chrome/Perfetto trace of them, ``overlap(trace)`` the per-rank metrics
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
-from asyncomm import _trace
+from asyncomm import _compute, _trace
 from asyncomm._timeline import (
     Overlap,
     draw,
@@ -29,6 +30,7 @@ from asyncomm._timeline import (
 
 __all__ = [
     "Overlap",
+    "directory",
     "draw",
     "enabled",
     "intersect",
@@ -38,6 +40,7 @@ __all__ = [
     "merge",
     "overlap",
     "report",
+    "span",
     "start",
     "stop",
     "summarise",
@@ -48,10 +51,50 @@ __all__ = [
 def start(directory: str | os.PathLike[str]) -> None:
     """Trace this process's communicators (open and future) and computes into ``directory``.
 
+    Under ``asyncomm run --trace DIR`` (``ASYNCOMM_TRACE``) tracing is on
+    already, into DIR, and stays there: a warning says so, and
+    ``directory()`` tells where the files go.
+
     Raises:
-        ValueError: tracing is already on into another directory.
+        ValueError: this program started tracing into another directory already.
     """
     _trace.start(directory)
+
+
+def directory() -> Path | None:
+    """Return the directory this process traces into (None while tracing is off)."""
+    recorder = _trace.recorder()
+    return None if recorder is None else recorder.directory
+
+
+class span:  # a context manager named like the function it reads as
+    """Record the code it wraps as a compute span of this rank's trace.
+
+    ``with asyncomm.trace.span("forward"): ...`` (or ``async with``): for
+    compute that runs on the event loop itself, which ``asyncomm.compute``
+    spans cannot show. Nothing is recorded while tracing is off.
+    """
+
+    def __init__(self, name: str) -> None:
+        if not isinstance(name, str):
+            raise TypeError(f"a span's name must be a str, not {type(name).__name__}")
+        self.name = name
+        self._start = 0.0
+
+    def __enter__(self) -> span:
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        recorder = _trace.recorder()
+        if recorder is not None:
+            recorder.span(_compute.Span(self.name, self._start, time.perf_counter()))
+
+    async def __aenter__(self) -> span:
+        return self.__enter__()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.__exit__(*exc)
 
 
 def stop() -> Path | None:

@@ -1,9 +1,11 @@
 """Hide gradient averaging under backward: GradSync bucket sizes beside one flat all-reduce.
 
-Every rank trains the same MLP (eight 1024x1024 layers: 32 MiB of float32 parameters)
-on batches of its own, data-parallel: after each backward, gradients are averaged over
-the ranks, then every rank takes the same SGD step. The averaging is done four ways,
-each for ``STEPS`` steps from the same starting weights:
+Every rank trains the same MLP (24 layers of 448x448: 18.4 MiB of float32 parameters,
+each weight under the 1 MiB from which GradSync reduces a gradient alone, so that the
+bucket size decides the layout) on batches of its own, data-parallel: after each
+backward, gradients are averaged over the ranks, then every rank takes the same SGD
+step. The averaging is done four ways, each for ``STEPS`` steps from the same starting
+weights:
 
 - ``bucket 1 MB``, ``bucket 5 MB``, ``bucket 25 MB``: ``asyncomm.GradSync`` all-reduces
   each bucket of gradients as soon as backward has filled it, so communication runs
@@ -12,25 +14,28 @@ each for ``STEPS`` steps from the same starting weights:
   (nothing overlaps).
 
 Rank 0 prints, for each, the median step time and the exposed communication: the time
-from the end of backward until the averaged gradients are in ``.grad`` (2 ranks on a
-shared, loaded 2-core machine)::
+from the end of backward until the averaged gradients are in ``.grad``. Measured with
+``asyncomm run -n 2 examples/overlap.py`` (gloo over loopback, a shared 2-core
+machine; the figures move from run to run)::
 
-    bucket 1 MB: 8 bucket(s), step 240.6 ms, exposed communication 24.9 ms
-    bucket 5 MB: 5 bucket(s), step 418.0 ms, exposed communication 70.4 ms
-    bucket 25 MB: 2 bucket(s), step 481.3 ms, exposed communication 121.7 ms
-    flat: 1 all-reduce, step 429.1 ms, exposed communication 197.0 ms
+    bucket 1 MB: 12 bucket(s), step 108.6 ms, exposed communication 28.2 ms
+    bucket 5 MB: 5 bucket(s), step 87.2 ms, exposed communication 18.9 ms
+    bucket 25 MB: 2 bucket(s), step 85.5 ms, exposed communication 31.2 ms
+    flat: 1 all-reduce, step 101.5 ms, exposed communication 46.6 ms
     overlap: 4 settings, weights identical on all 2 ranks
+    timeline: overlap-trace/timeline.png; rank 0 hid 45% of its communication under compute
 
 Smaller buckets start communicating sooner (and leave less to wait for after
 backward) but pay more per-operation overhead; 25 MB is DDP's default, and the
 first bucket holds 1 MB in every setting, as DDP's does. Forward and backward run
 through ``asyncomm.compute`` (off the event loop, so the loop keeps completing and
 issuing operations during backward: MPI's operations progress only when the loop
-polls them); ``--on-loop`` runs them on the loop instead, for comparison. Every rank
-is traced (``--trace DIR``, default ``overlap-trace``): rank 0 merges the ranks'
-files and draws ``DIR/timeline.png``, a lane per rank with compute and
-communication in two colours (``asyncomm trace DIR`` prints the overlap metrics).
-``--quick`` uses a tiny model and a few steps (a smoke test).
+polls them); ``--on-loop`` runs them on the loop instead, recorded in the trace with
+``asyncomm.trace.span``. Every rank is traced (``--trace DIR``, default
+``overlap-trace``; under ``asyncomm run --trace`` the run's directory is used): rank 0
+merges the ranks' files and draws ``DIR/timeline.png``, a lane per rank with compute
+and communication in two colours (``asyncomm trace DIR`` prints the overlap metrics).
+``--quick`` uses a smaller model and a few steps (a smoke test).
 
     asyncomm run -n 2 examples/overlap.py
     asyncomm run -n 2 --backend mpi examples/overlap.py --on-loop
@@ -42,14 +47,13 @@ import itertools
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
 import asyncomm
 
-WIDTHS, QUICK_WIDTHS = (1024,) * 9, (32, 64, 64, 16)  # 8 layers of 4 MiB; tiny
+WIDTHS, QUICK_WIDTHS = (448,) * 25, (256,) * 29  # 24 layers of 784 KiB; 28 of 256 KiB
 BATCH, STEPS, LR = 64, 8, 0.01
 SETTINGS = (1.0, 5.0, 25.0, "flat")
 
@@ -94,8 +98,10 @@ async def train(comm: asyncomm.Comm, setting: float | str, widths: tuple[int, ..
             loss = await asyncomm.compute(forward, model, x, y)
             await asyncomm.compute(loss.backward, name="backward")
         else:
-            loss = forward(model, x, y)
-            loss.backward()
+            with asyncomm.trace.span("forward"):
+                loss = forward(model, x, y)
+            with asyncomm.trace.span("backward"):
+                loss.backward()
         backward_done = time.perf_counter()
         if sync is None:
             await flat_average(comm, model)
@@ -119,7 +125,7 @@ async def train(comm: asyncomm.Comm, setting: float | str, widths: tuple[int, ..
 def options(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse the command line (``argv``, or the process's)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps")
+    parser.add_argument("--quick", action="store_true", help="smaller model, 3 steps")
     parser.add_argument("--on-loop", action="store_true",
                         help="run forward and backward on the event loop, not through "
                         "asyncomm.compute")
@@ -147,17 +153,18 @@ async def main(comm: asyncomm.Comm, args: argparse.Namespace | None = None) -> N
         weights = torch.cat([p.detach().flatten() for p in model.parameters()])
         checks.append(torch.stack([weights.sum(), weights.abs().sum()]))
     everyone = await comm.all_gather(torch.stack(checks))
+    traced = None
     if args.trace:
-        asyncomm.trace.stop()  # writes this rank's file
+        traced = asyncomm.trace.stop()  # writes this rank's file (where tracing went)
         await comm.barrier()  # every rank's file is written
     if comm.rank == 0:
         same = all(torch.equal(other, everyone[0]) for other in everyone)
         print(f"overlap: {len(SETTINGS)} settings, weights "
               f"{'identical' if same else 'DIFFERENT'} on all {comm.size} ranks", flush=True)
         assert same, "every rank must end with the same weights"
-        if args.trace:
-            merged = asyncomm.trace.merge(args.trace)
-            png = asyncomm.trace.draw(merged, Path(args.trace) / "timeline.png",
+        if traced is not None:
+            merged = asyncomm.trace.merge(traced.parent)
+            png = asyncomm.trace.draw(merged, traced.parent / "timeline.png",
                                       "GradSync buckets 1, 5, 25 MB, then one flat all-reduce")
             hidden = asyncomm.trace.overlap(merged)[0]
             print(f"timeline: {png}; rank 0 hid {100 * hidden.hidden_fraction:.0f}% of its "

@@ -98,7 +98,7 @@ def check_parameter_server(found: dict[str, str]) -> None:
 
 def check_overlap(found: dict[str, str]) -> None:
     counts = [int(found[f"b{mb}"]) for mb in (1, 5, 25)]
-    assert counts == sorted(counts, reverse=True) and counts[-1] >= 1, found
+    assert counts[0] > counts[1] > counts[2] >= 2, found  # the settings compare real layouts
     assert Path(found["png"]).read_bytes().startswith(b"\x89PNG"), found
 
 
@@ -150,10 +150,10 @@ PATTERNS: dict[str, tuple[list[str], Callable[[dict[str, str]], None]]] = {
     ),
 }
 # Arguments for examples that take them (``options(argv)``): fewer epochs than the
-# digits example's default still reach 95%; overlap's --quick is a tiny model (its full
+# digits example's default still reach 95%; overlap's --quick is a smaller model (its full
 # size takes a minute).
 ARGS = {"pipeline_digits": ["--epochs", "6"],
-        "overlap": ["--quick", "--trace", str(Path(tempfile.gettempdir()) / "asyncomm-overlap")]}
+        "overlap": ["--quick", "--trace", tempfile.mkdtemp(prefix="asyncomm-overlap-")]}
 # The launcher's MPI path is covered by test_launcher, test_lifecycle and test_debug.
 LAUNCHED = [pytest.param("gloo", id="gloo")]
 

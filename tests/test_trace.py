@@ -161,6 +161,7 @@ SCRIPT = """
             return x
 
     async def main(comm):
+        asyncomm.trace.start("elsewhere")  # a script that traces itself: the run's DIR wins
         peer = 1 - comm.rank
         comm.serve(Echo(), "echo")
         t = torch.ones(256)
@@ -184,6 +185,8 @@ SCRIPT = """
             await ch.recv(peer)
         assert await comm.actor(peer, "echo").echo(3) == 3
         await asyncomm.compute(sum, [1, 2, 3], name="bwd")
+        async with asyncomm.trace.span("on the loop"):
+            sum(range(1000))
         await comm.barrier()
 
     asyncomm.run(main)
@@ -224,7 +227,8 @@ def test_run_trace_records_what_each_rank_issued(tmp_path: Path, backend: str) -
                    if e["cat"] != "compute") and all(e["start"] <= e["end"] for e in events)
         kinds = Counter(e["kind"] for e in events if e["cat"] == "op")
         assert kinds == ISSUED, kinds
-        assert [e["name"] for e in events if e["cat"] == "compute"] == ["fwd", "bwd"]
+        assert [e["name"] for e in events if e["cat"] == "compute"] == [
+            "fwd", "bwd", "on the loop"]
         assert Counter(e["kind"] for e in events if e["cat"] == "channel") == {
             "channel_send" if rank == 0 else "channel_recv": 1}
         assert [(e["kind"], e["name"]) for e in events if e["cat"] == "actor"] == [
@@ -246,6 +250,8 @@ def test_run_trace_records_what_each_rank_issued(tmp_path: Path, backend: str) -
     assert Counter(e["name"] for e in spans if e["cat"] == "op") == {
         kind: 2 * n for kind, n in ISSUED.items()}
     assert "exposed ms" in done.stdout and (out / "timeline.png").read_bytes()[:8] == PNG
+    assert not (tmp_path / "elsewhere").exists(), "the run's --trace directory owns tracing"
+    assert done.stderr.count(f"RuntimeWarning: asyncomm: tracing into {out}") == 2, done.stderr
     if backend == "gloo":  # the command, once: own output paths
         png, merged = tmp_path / "t.png", tmp_path / "t.json"
         assert _cli.main(["trace", str(out), "--png", str(png), "--json", str(merged)]) == 0

@@ -38,6 +38,7 @@ class Backend(ABC):
     cuda: bool = False  # whether it moves CUDA tensors (else CPU ones)
     lost: BaseException | None = None  # the first error that said a peer is gone
     dtypes: frozenset[torch.dtype] | None = None  # the dtypes it moves; None: every one
+    ends_job_on_error: bool = False  # whether ``abort_job`` ends every rank's process
 
     def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027
         """Raise ``TypeError`` for reductions the backend lacks beyond the common rules."""

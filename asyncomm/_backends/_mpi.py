@@ -160,6 +160,7 @@ class MpiBackend(Backend):
         self.rank = comm.Get_rank()
         self.size = comm.Get_size()
         tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        self.ends_job_on_error = MPI.COMM_WORLD.Get_size() > 1
         self.max_tag = int(tag_ub) - 1024  # type: ignore[arg-type]  # the top 1024 tags are asyncomm's own
         self._comm = comm
         self._loop = loop

@@ -32,6 +32,7 @@ import collections
 import datetime
 import functools
 import os
+import sys
 import threading
 import time
 import weakref
@@ -297,6 +298,7 @@ class TorchBackend(Backend):
                          seconds: float) -> TorchBackend:
         timeout = datetime.timedelta(seconds=seconds)
         pg = await self._loop.run_in_executor(None, _make_group, members, name, label, timeout)
+        _no_deadline(pg, name)
         return TorchBackend(name, pg, members, self._loop, self._timeout, _destroyer(pg),
                             label=label, user_backend=name)
 
@@ -403,10 +405,12 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
 
         def init() -> None:
             prefixed.set(f"joined/{env.rank}", "1")
+            hook = sys.excepthook  # torch wraps it again at every init: "[rank1]: " per line
             try:
                 dist.init_process_group(name, store=prefixed, rank=env.rank,
                                         world_size=env.size,
                                         timeout=datetime.timedelta(seconds=timeout))
+                sys.excepthook = hook  # launchers label ranks' lines; see asyncomm._runtime
             except RuntimeError as exc:  # a store timeout: say who is missing
                 missing = [r for r in range(env.size) if not prefixed.check([f"joined/{r}"])]
                 if not missing:
@@ -419,6 +423,8 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
         await loop.run_in_executor(None, init)
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup)
+    if owns:
+        _no_deadline(world, name)
     ranks = list(range(world.size()))
     # asyncomm's own traffic (objects) is CPU bytes: always gloo.
     label = f"asyncomm{_generation}"
@@ -456,6 +462,23 @@ def _make_group(members: list[int], backend: str, label: str,
     c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(members)}
     assert isinstance(pg, dist.ProcessGroup)
     return pg
+
+
+def _no_deadline(pg: dist.ProcessGroup, name: str) -> None:
+    """Leave deadlines to asyncomm: gloo's own, once the group is made, never passes.
+
+    gloo fails a collective still running at the group's timeout and closes
+    every connection of the group with it. asyncomm's deadline (the same
+    number) would race it, and lose the error that says what the other
+    ranks were doing (see ``_status``); a collective given up on stays in
+    flight instead, as a receive does, until it completes or the
+    communicator closes. nccl keeps its own: its watchdog acts on it.
+    """
+    if name == "gloo":
+        try:
+            pg._get_backend(torch.device("cpu"))._set_default_timeout(_FOREVER)
+        except (AttributeError, RuntimeError):  # a torch without it: gloo's deadline stays
+            pass
 
 
 def _destroyer(pg: dist.ProcessGroup) -> Callable[[], None]:

@@ -1,0 +1,153 @@
+"""What a user meets when something goes wrong: timeouts that say what the peers were
+doing, warnings of stalled operations, and one report per failure."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import asyncomm
+from asyncomm import Comm, CommTimeoutError
+from asyncomm.testing import World, fresh, run_script
+
+HINT = "rerun with ASYNCOMM_DEBUG=1"
+
+
+async def check_a_mismatch_names_what_the_others_do(comm: Comm) -> str:
+    async with fresh(comm) as sub:
+        t = torch.ones(4)
+        if sub.rank == 0:  # the others broadcast: a mismatch that would hang
+            with pytest.raises(CommTimeoutError) as info:
+                await sub.all_reduce(t, timeout=1.0)
+        else:
+            with pytest.raises(CommTimeoutError) as info:
+                await sub.broadcast(t, 0, timeout=3.0)
+    return str(info.value)
+
+
+def test_a_collective_timeout_says_what_every_other_rank_does(world: World) -> None:
+    said = world.run(check_a_mismatch_names_what_the_others_do)
+    assert said[0].startswith("rank 0: all_reduce #1 timed out after 1 s. Meanwhile ranks "
+                              "1, 2: broadcast #1 pending for 1."), said[0]
+    assert HINT in said[0] and said[0].endswith("(fingerprints)."), said[0]
+    for rank in (1, 2):  # rank 0 gave up first, and closed the communicator
+        assert said[rank].startswith(f"rank {rank}: broadcast #1 timed out after 3 s. "), said
+        assert re.search(rf"Meanwhile ranks? 0(, {3 - rank})?: finished \(closed this "
+                         r"communicator\)", said[rank]), said[rank]
+
+
+async def check_finished_and_silent_peers_are_named(comm: Comm) -> str:
+    async with fresh(comm) as sub:
+        if sub.rank == 2:
+            return ""  # closes the communicator at once (and waits there for the others)
+        if sub.rank == 1:
+            await asyncio.sleep(0.3)
+            time.sleep(2.0)  # holds its event loop: it cannot answer
+            return ""
+        with pytest.raises(CommTimeoutError) as info:
+            await sub.all_reduce(torch.ones(1), timeout=0.5)
+        return str(info.value)
+
+
+def test_finished_and_unresponsive_peers_are_said_so(world: World) -> None:
+    said = world.run(check_finished_and_silent_peers_are_named)[0]
+    assert "rank 1: no answer within 1 s (exited, or its event loop is blocked)" in said, said
+    assert "rank 2: finished (closed this communicator)" in said, said
+
+
+async def check_a_stalled_operation_is_reported_once(comm: Comm) -> list[str]:
+    warned: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            warned.append(record.getMessage())
+
+    keep = Keep()
+    logging.getLogger("asyncomm").addHandler(keep)
+    try:
+        async with fresh(comm, env={"ASYNCOMM_STALL_S": "0.3"}) as sub:
+            if sub.rank == 0:
+                await sub.recv(torch.zeros(1), 1, tag=3)
+            else:
+                await asyncio.sleep(1.5)  # past the stall, and then some: one warning
+                await sub.send(torch.ones(1), 0, tag=3)
+            await sub.barrier()
+    finally:
+        logging.getLogger("asyncomm").removeHandler(keep)
+    return warned
+
+
+def test_a_stalled_operation_is_reported_once(world2: World) -> None:
+    warned = world2.run(check_a_stalled_operation_is_reported_once)
+    assert warned[1] == [], warned
+    assert len(warned[0]) == 1, warned
+    assert warned[0][0].startswith("asyncomm: rank 0: recv #1 peer 1 tag 3 has been pending "
+                                   "for 0."), warned
+    assert ("(ASYNCOMM_STALL_S=0.3); it goes on waiting. Meanwhile rank 1: nothing issued on "
+            "this communicator yet.") in warned[0][0], warned
+
+
+STALLED = """
+import asyncio, torch, asyncomm
+
+async def main(comm):
+    if comm.rank == 1:
+        await asyncio.sleep(1.5)
+    await comm.all_reduce(torch.ones(1))
+
+asyncomm.run(main)
+"""
+
+
+def test_stall_warnings_show_under_the_launcher(tmp_path: Path) -> None:
+    # No logging configured: Python's last-resort handler prints warnings (both backends
+    # log alike: the pooled-world test above covers MPI).
+    proc = run_script(STALLED, tmp_path, 2, env={"ASYNCOMM_STALL_S": "0.5"})
+    assert proc.returncode == 0, proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "has been pending" in line]
+    assert len(warnings) == 1, proc.stderr
+    assert warnings[0].startswith("[0] asyncomm: rank 0: all_reduce #1 has been pending for 0."
+                                  ), warnings
+
+
+FAILING = """
+import asyncio, torch, asyncomm
+
+async def main(comm):
+    await comm.barrier()
+    if comm.rank == 1:
+        raise RuntimeError("boom on purpose")
+    await comm.all_reduce(torch.ones(1))  # would wait for rank 1 forever
+
+asyncomm.run(main)
+"""
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_failing_rank_is_reported_once_and_ends_the_job(tmp_path: Path, backend: str) -> None:
+    start = time.monotonic()
+    proc = run_script(FAILING, tmp_path, 3, backend)
+    assert proc.returncode == 1, proc.stderr
+    assert time.monotonic() - start < 60  # not the 300 s default deadline
+    assert proc.stderr.count("Traceback (most recent call last):") == 1, proc.stderr
+    assert proc.stderr.count("RuntimeError: boom on purpose") == 2, proc.stderr  # + summary
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert summary.startswith("asyncomm run: rank 1 failed first: RuntimeError: boom on "
+                              "purpose ("), proc.stderr
+    for line in proc.stderr.splitlines():  # a rank that stops because of it says one line
+        if "stopped:" in line:
+            assert line.startswith(("[0] asyncomm: rank 0 stopped: asyncomm.PeerFailedError",
+                                    "[2] asyncomm: rank 2 stopped: asyncomm.PeerFailedError")
+                                   ), line
+
+
+def test_errors_read_as_asyncomm_errors() -> None:
+    assert asyncomm.CommTimeoutError.__module__ == "asyncomm"
+    error = asyncomm.PeerFailedError("x")
+    assert f"{type(error).__module__}.{type(error).__qualname__}" == "asyncomm.PeerFailedError"
