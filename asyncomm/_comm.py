@@ -18,9 +18,9 @@ import torch
 from asyncomm import _status, _trace, _watchdog
 from asyncomm._actors import Actor, ActorRef, Host
 from asyncomm._backends import Backend
-from asyncomm._channels import MAX_CHANNEL_TAG, Channel, Router, codec_of
+from asyncomm._channels import MAX_CHANNEL_TAG, PROBE_S, Channel, Router, codec_of
 from asyncomm._checks import Checker, checked, debug_enabled
-from asyncomm._errors import CommClosedError, CommError, PeerFailedError, describe
+from asyncomm._errors import CommClosedError, CommError, PeerFailedError, describe, gist
 from asyncomm._handle import FROM_BACKEND, Deadlines, Handle
 from asyncomm._ops import ReduceOp, check_reduce
 
@@ -65,7 +65,8 @@ class Comm:
         self._timed_out: collections.deque[tuple[tuple[Any, ...], float]] = (
             collections.deque(maxlen=4))  # the last operations whose deadline passed
         self._stall_s = _status.stall_seconds()
-        self._deadlines = Deadlines(loop, self._expired, self._stall_s, self._stalled)
+        self._deadlines = Deadlines(loop, self._expired, self._stall_s, self._stalled,
+                                    PROBE_S if own.probes_peers else 0.0, self._check_peers)
         _status.register(label, self)
         self._checker: Checker | None = None
         if debug_enabled():
@@ -74,6 +75,7 @@ class Comm:
         # Every communicator routes channel frames, so that closing is symmetric: each
         # router waits for every other's goodbye (see the note in _channels).
         self._router = Router(self)
+        self._router._on_dead.append(self._peer_died)
         # Eager too: a call to an actor not served (yet) fails the same way on every rank.
         self._host = Host(self._router, self.rank, timeout)
         self._channels: dict[int, Channel] = {}
@@ -581,6 +583,30 @@ class Comm:
             handle._expire(timeout, f". Meanwhile {said}.{hint}")
 
         self._later(explain())
+
+    def _needs(self, handle: Handle[Any]) -> list[int]:
+        """Return the peers ``handle`` waits for: its peer, or every other rank."""
+        peer = handle._what[3]
+        return [peer] if peer is not None else [r for r in range(self.size) if r != self.rank]
+
+    def _check_peers(self, waiting: list[Handle[Any]]) -> None:
+        """Operations have waited ``PROBE_S``: are the peers they need still there?
+
+        A dead peer is probed as the channels' are (see ``_channels``' note on
+        dead peers); ``_peer_died`` then fails what needs it. Only where the
+        backend can tell (gloo): under MPI a dead rank ends the job.
+        """
+        self._router.check_peers({peer for handle in waiting for peer in self._needs(handle)})
+
+    def _peer_died(self, peer: int) -> None:
+        """``peer`` is gone: fail the pending operations that need it (buffers kept)."""
+        for handle, _ in self._deadlines.pending():
+            needs = self._needs(handle)
+            if peer in needs and (handle._what[3] is not None or handle._what[1] != "recv"
+                                  or all(p in self._router.dead for p in needs)):
+                cause = PeerFailedError(f"rank {peer} failed ({gist(self._router.dead[peer])})")
+                cause.__cause__ = self._router.dead[peer]
+                handle._abandon(PeerFailedError, cause)
 
     def _stalled(self, stalled: list[tuple[Handle[Any], float]]) -> None:
         """Warn, once each, of operations pending for ``ASYNCOMM_STALL_S`` or longer."""

@@ -204,7 +204,10 @@ class Deadlines:
 
     ``expire(handle, timeout)`` is called when a deadline passes (the owner
     words the error); ``stalled(handles)`` with handles pending ``stall_s``
-    or longer, each once, oldest first.
+    or longer, each once, oldest first; ``waiting(handles)`` every
+    ``check_s`` with the handles pending that long (the owner checks on the
+    peers they wait for), by a timer armed likewise only while something is
+    pending.
     """
 
     _COMPACT = 4096
@@ -212,8 +215,9 @@ class Deadlines:
     def __init__(self, loop: asyncio.AbstractEventLoop,
                  expire: Callable[[Handle[Any], float], None] | None = None,
                  stall_s: float = 0.0,
-                 stalled: Callable[[list[tuple[Handle[Any], float]]], None] | None = None
-                 ) -> None:
+                 stalled: Callable[[list[tuple[Handle[Any], float]]], None] | None = None,
+                 check_s: float = 0.0,
+                 waiting: Callable[[list[Handle[Any]]], None] | None = None) -> None:
         self._loop = loop
         self._queues: dict[float, _Queue] = {}
         self._expire = expire or (lambda handle, timeout: handle._expire(timeout))
@@ -221,6 +225,9 @@ class Deadlines:
         self._stalled = stalled
         self._stall_timer: asyncio.TimerHandle | None = None
         self._reported: weakref.WeakSet[Handle[Any]] = weakref.WeakSet()
+        self._check_s = check_s if waiting is not None else 0.0
+        self._waiting = waiting
+        self._check_timer: asyncio.TimerHandle | None = None
 
     def add(self, handle: Handle[Any], timeout: float) -> None:
         """Fail ``handle`` (through ``expire``) if it is pending ``timeout`` s from now."""
@@ -230,6 +237,19 @@ class Deadlines:
         queue.add(handle)
         if self._stall_s and self._stall_timer is None:
             self._stall_timer = self._loop.call_later(self._stall_s, self._look_for_stalls)
+        if self._check_s and self._check_timer is None:
+            self._check_timer = self._loop.call_later(self._check_s, self._check)
+
+    def _check(self) -> None:
+        self._check_timer = None
+        pending = self.pending()
+        if not pending:
+            return
+        now = time.monotonic()
+        long = [handle for handle, issued in pending if now - issued >= self._check_s]
+        if long and self._waiting is not None:
+            self._waiting(long)
+        self._check_timer = self._loop.call_later(self._check_s, self._check)
 
     def pending(self) -> list[tuple[Handle[Any], float]]:
         """Return the handles still pending with the ``time.monotonic()`` they were issued."""
@@ -254,11 +274,12 @@ class Deadlines:
                                                       self._look_for_stalls)
 
     def close(self) -> None:
-        """Stop looking for stalls (deadlines still expire)."""
-        if self._stall_timer is not None:
-            self._stall_timer.cancel()
-            self._stall_timer = None
-        self._stall_s = 0.0
+        """Stop looking for stalls and checking on peers (deadlines still expire)."""
+        for timer in (self._stall_timer, self._check_timer):
+            if timer is not None:
+                timer.cancel()
+        self._stall_timer = self._check_timer = None
+        self._stall_s = self._check_s = 0.0
 
 
 class _Queue:

@@ -39,6 +39,9 @@ class Backend(ABC):
     lost: BaseException | None = None  # the first error that said a peer is gone
     dtypes: frozenset[torch.dtype] | None = None  # the dtypes it moves; None: every one
     ends_job_on_error: bool = False  # whether ``abort_job`` ends every rank's process
+    # whether its link can tell that a peer is gone (``Link.probe``): else a dead peer
+    # ends the whole job (MPI), and nobody is left to tell
+    probes_peers: bool = False
 
     def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027
         """Raise ``TypeError`` for reductions the backend lacks beyond the common rules."""

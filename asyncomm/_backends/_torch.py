@@ -143,6 +143,7 @@ class TorchBackend(Backend):
         self.rank = pg.rank()
         self.size = pg.size()
         self.max_tag = _MAX_TAG
+        self.probes_peers = name == "gloo"
         self._pg = pg
         self._global_ranks = list(global_ranks)
         self._loop = loop
