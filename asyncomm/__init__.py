@@ -11,11 +11,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from asyncomm import trace
-    from asyncomm._actors import Actor, ActorRef, endpoint
-    from asyncomm._channels import Channel, Message
     from asyncomm._comm import Comm
-    from asyncomm._compute import compute
-    from asyncomm._errors import (
+    from asyncomm._core.errors import (
         CommClosedError,
         CommError,
         CommTimeoutError,
@@ -24,24 +21,29 @@ if TYPE_CHECKING:
         ProtocolError,
         RemoteError,
     )
-    from asyncomm._gradsync import GradSync
-    from asyncomm._handle import Handle
-    from asyncomm._ops import ReduceOp
+    from asyncomm._core.handle import Handle
+    from asyncomm._core.ops import ReduceOp
+    from asyncomm._messaging.actors import Actor, ActorRef, endpoint
+    from asyncomm._messaging.channels import Channel, Message
+    from asyncomm._overlap.compute import compute
+    from asyncomm._overlap.gradsync import GradSync
     from asyncomm._runtime import init, run
 
 # Where each public name lives. Importing them is deferred to their first use so that the
 # command line (``asyncomm run`` spawning ranks, ``--help``) starts without loading torch.
 _HOMES = {
-    "Actor": "_actors", "ActorRef": "_actors", "endpoint": "_actors",
-    "Channel": "_channels", "Message": "_channels",
+    "Actor": "_messaging.actors", "ActorRef": "_messaging.actors",
+    "endpoint": "_messaging.actors",
+    "Channel": "_messaging.channels", "Message": "_messaging.channels",
     "Comm": "_comm",
-    "compute": "_compute",
-    "CommClosedError": "_errors", "CommError": "_errors", "CommTimeoutError": "_errors",
-    "MismatchError": "_errors", "PeerFailedError": "_errors", "ProtocolError": "_errors",
-    "RemoteError": "_errors",
-    "GradSync": "_gradsync",
-    "Handle": "_handle",
-    "ReduceOp": "_ops",
+    "compute": "_overlap.compute",
+    "CommClosedError": "_core.errors", "CommError": "_core.errors",
+    "CommTimeoutError": "_core.errors", "MismatchError": "_core.errors",
+    "PeerFailedError": "_core.errors", "ProtocolError": "_core.errors",
+    "RemoteError": "_core.errors",
+    "GradSync": "_overlap.gradsync",
+    "Handle": "_core.handle",
+    "ReduceOp": "_core.ops",
     "init": "_runtime", "run": "_runtime",
 }
 

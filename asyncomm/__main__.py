@@ -2,6 +2,6 @@
 
 import sys
 
-from asyncomm._cli import main
+from asyncomm._tools.cli import main
 
 sys.exit(main())

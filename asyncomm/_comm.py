@@ -15,14 +15,16 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from asyncomm import _status, _trace, _watchdog
-from asyncomm._actors import Actor, ActorRef, Host
-from asyncomm._backends import Backend
-from asyncomm._channels import MAX_CHANNEL_TAG, PROBE_S, Channel, Router, codec_of
-from asyncomm._checks import Checker, checked, debug_enabled
-from asyncomm._errors import CommClosedError, CommError, PeerFailedError, describe, gist
-from asyncomm._handle import FROM_BACKEND, Deadlines, Handle
-from asyncomm._ops import ReduceOp, check_reduce
+from asyncomm._core import instrument, settings, tags
+from asyncomm._core.backend import Backend
+from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError, describe, gist
+from asyncomm._core.handle import FROM_BACKEND, Deadlines, Handle
+from asyncomm._core.ops import ReduceOp, check_reduce
+from asyncomm._messaging.actors import Actor, ActorRef, Host
+from asyncomm._messaging.channels import Channel, codec_of
+from asyncomm._messaging.router import Router
+from asyncomm._observe import recorder, status, watchdog
+from asyncomm._observe.checks import Checker, checked
 
 T = TypeVar("T")
 _log = logging.getLogger("asyncomm")
@@ -62,28 +64,28 @@ class Comm:
         self._world_ranks = list(range(backend.size) if world_ranks is None else world_ranks)
         self._addresses = list(addresses)
         self._explaining: set[asyncio.Task[None]] = set()
+        chosen = settings.read()
         self._timed_out: collections.deque[tuple[tuple[Any, ...], float]] = (
             collections.deque(maxlen=4))  # the last operations whose deadline passed
-        self._stall_s = _status.stall_seconds()
+        self._stall_s = chosen.stall_s
         self._deadlines = Deadlines(loop, self._expired, self._stall_s, self._stalled,
-                                    PROBE_S if own.probes_peers else 0.0, self._check_peers)
-        _status.register(label, self)
+                                    chosen.probe_s if own.probes_peers else 0.0,
+                                    self._check_peers)
+        status.register(label, self)
         self._checker: Checker | None = None
-        if debug_enabled():
+        if chosen.debug:
             self._checker = Checker(backend, loop)
-            _watchdog.watch(loop, f"rank {backend.rank}")
+            watchdog.watch(loop, f"rank {backend.rank}")
         # Every communicator routes channel frames, so that closing is symmetric: each
         # router waits for every other's goodbye (see the note in _channels).
-        self._router = Router(self)
-        self._router._on_dead.append(self._peer_died)
+        recorder.start_from_env()  # before the probe: traced from the first operation
+        self._probe = instrument.Probe(backend.rank, backend.size, backend.name)
+        self._router = Router(backend.rank, backend.size, own.link(), backend, self._probe,
+                              chosen.probe_s)
+        self._router.on_dead.append(self._peer_died)
         # Eager too: a call to an actor not served (yet) fails the same way on every rank.
         self._host = Host(self._router, self.rank, timeout)
         self._channels: dict[int, Channel] = {}
-        self._trace: _trace.Recorder | None = None  # set while this process traces
-        self._trace_id = 0
-        traced = _trace.register(self)
-        if traced is not None:
-            self._trace, self._trace_id = traced
 
     def __repr__(self) -> str:
         state = " closed" if self._closed else ""
@@ -241,8 +243,9 @@ class Comm:
         self._last_op = op
         handle: Handle[Any] = Handle(self._loop, (self.rank, op, self._seq, peer, tag),
                                      result, keep)
-        if self._trace is not None:  # before starting: an eager send may finish inside
-            self._trace.issued(handle, self._trace_id, keep)
+        trace = self._probe.recording
+        if trace is not None:  # before starting: an eager send may finish inside
+            trace.issued(handle, self._probe.id, keep)
         if self._checker is not None and checked(op):  # debug mode: see _checks
             self._checker.submit(handle, op, args,
                                  lambda: self._start(handle, start, args, deferred=True))
@@ -421,8 +424,8 @@ class Comm:
             raise TypeError(f"{self._what('channel')}: tag must be an int, "
                             f"not {type(tag).__name__}")
         tag = operator.index(tag)
-        if not 0 <= tag <= MAX_CHANNEL_TAG:
-            raise ValueError(f"{self._what('channel')}: tag={tag} is outside 0..{MAX_CHANNEL_TAG}")
+        if not 0 <= tag <= tags.MAX_CHANNEL:
+            raise ValueError(f"{self._what('channel')}: tag={tag} is outside 0..{tags.MAX_CHANNEL}")
         wanted = codec_of(codec)
         self._open("channel")
         existing = self._channels.get(tag)
@@ -557,10 +560,10 @@ class Comm:
                 return peer, known
             address = (self._addresses[self._world_ranks[peer]] if self._addresses
                        else None)
-            state = None if address is None else await _status.ask(address, self._label)
-            return peer, _status.word(state)
+            state = None if address is None else await status.ask(address, self._label)
+            return peer, status.word(state)
 
-        return _status.summary(await asyncio.gather(*(one(p) for p in peers)))
+        return status.summary(await asyncio.gather(*(one(p) for p in peers)))
 
     def _later(self, work: Coroutine[Any, Any, None]) -> None:
         task: asyncio.Task[None] = self._loop.create_task(work)
@@ -599,7 +602,12 @@ class Comm:
         self._router.check_peers({peer for handle in waiting for peer in self._needs(handle)})
 
     def _peer_died(self, peer: int) -> None:
-        """``peer`` is gone: fail the pending operations that need it (buffers kept)."""
+        """``peer`` is gone: fail the pending operations that need it (buffers kept), and the
+        later ones at once (``Backend.lost``)."""
+        lost = PeerFailedError(f"rank {peer} is gone: {self._router.dead[peer]}")
+        for backend in (self._backend, self._own):
+            if backend.lost is None:
+                backend.lost = lost
         for handle, _ in self._deadlines.pending():
             needs = self._needs(handle)
             if peer in needs and (handle._what[3] is not None or handle._what[1] != "recv"
@@ -649,8 +657,7 @@ class Comm:
         await self._router.close(linger)
         self._own.close()
         self._backend.close()
-        if self._trace is not None:
-            self._trace.detached()
+        self._probe.close()
 
     @property
     def _ends_job_on_error(self) -> bool:

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from types import CodeType, TracebackType
 from typing import Any, TypeVar
 
-from asyncomm import _compute, _status
 from asyncomm._backends import open_backend
 from asyncomm._comm import Comm
-from asyncomm._env import BACKENDS, detect
-from asyncomm._errors import PeerFailedError
+from asyncomm._core import settings
+from asyncomm._core.env import detect
+from asyncomm._core.errors import PeerFailedError
+from asyncomm._core.settings import BACKENDS
+from asyncomm._observe import status as _status
+from asyncomm._overlap import compute as _compute
 
 T = TypeVar("T")
 
@@ -25,7 +27,7 @@ def _settings(backend: str | None, timeout: float | None) -> tuple[str | None, f
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)} or None, not {backend!r}")
     if timeout is None:
-        timeout = float(os.environ.get("ASYNCOMM_TIMEOUT", DEFAULT_TIMEOUT))
+        timeout = settings.read().timeout
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
     return backend, float(timeout)
@@ -159,7 +161,7 @@ def _one_line(kind: type[BaseException], value: BaseException, tb: TracebackType
 def run_loop(coro: Coroutine[Any, Any, T]) -> T:
     """Run ``coro`` to completion on a new event loop (uvloop when available)."""
     factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    if os.environ.get("ASYNCOMM_LOOP", "uvloop") != "asyncio":
+    if settings.read().loop != "asyncio":
         try:
             import uvloop
         except ImportError:

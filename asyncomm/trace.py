@@ -13,8 +13,9 @@ import os
 import time
 from pathlib import Path
 
-from asyncomm import _compute, _trace
-from asyncomm._timeline import (
+from asyncomm._core import instrument
+from asyncomm._observe import recorder as _recorder
+from asyncomm._observe.timeline import (
     Overlap,
     draw,
     intersect,
@@ -58,13 +59,13 @@ def start(directory: str | os.PathLike[str]) -> None:
     Raises:
         ValueError: this program started tracing into another directory already.
     """
-    _trace.start(directory)
+    _recorder.start(directory)
 
 
 def directory() -> Path | None:
     """Return the directory this process traces into (None while tracing is off)."""
-    recorder = _trace.recorder()
-    return None if recorder is None else recorder.directory
+    recording = _recorder.recorder()
+    return None if recording is None else recording.directory
 
 
 class span:  # a context manager named like the function it reads as
@@ -86,9 +87,7 @@ class span:  # a context manager named like the function it reads as
         return self
 
     def __exit__(self, *exc: object) -> None:
-        recorder = _trace.recorder()
-        if recorder is not None:
-            recorder.span(_compute.Span(self.name, self._start, time.perf_counter()))
+        instrument.span(self.name, self._start, time.perf_counter())
 
     async def __aenter__(self) -> span:
         return self.__enter__()
@@ -99,9 +98,9 @@ class span:  # a context manager named like the function it reads as
 
 def stop() -> Path | None:
     """Stop tracing; write this rank's file now and return its path (None if it was off)."""
-    return _trace.stop()
+    return _recorder.stop()
 
 
 def enabled() -> bool:
     """Return whether this process is tracing."""
-    return _trace.recorder() is not None
+    return _recorder.recorder() is not None

@@ -1,4 +1,8 @@
-"""Fixtures: real multi-rank worlds on gloo and MPI, started once per session."""
+"""Fixtures: real multi-rank worlds on gloo and MPI, from the plugin's pool (one per session).
+
+The asyncomm pytest plugin (``asyncomm.testing.plugin``, loaded through its entry point)
+gives ``asyncomm_worlds``; these fixtures pick worlds from it.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from asyncomm import _launch
+from asyncomm._tools import launch as _launch
 from asyncomm.testing import World, WorldPool
 
 BACKENDS = [
@@ -17,10 +21,8 @@ BACKENDS = [
 
 
 @pytest.fixture(scope="session")
-def worlds() -> Iterator[WorldPool]:
-    pool = WorldPool()
-    yield pool
-    pool.close()
+def worlds(asyncomm_worlds: WorldPool) -> Iterator[WorldPool]:
+    yield asyncomm_worlds
 
 
 @pytest.fixture(params=BACKENDS)

@@ -17,7 +17,7 @@ import sys
 import torch  # noqa: F401  # loaded once, before forking
 
 import asyncomm  # noqa: F401
-from asyncomm import _launch
+from asyncomm._tools import launch as _launch
 
 
 def rank(script: str, number: int, size: int, port: int) -> int:

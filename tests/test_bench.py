@@ -11,7 +11,10 @@ from typing import Any
 
 import pytest
 
-from asyncomm import _bench, _launch, _soak
+from asyncomm._tools import bench
+from asyncomm._tools import launch as _launch
+from asyncomm._tools import soak as _soak
+from asyncomm._tools.bench import channels, core, harness
 
 BACKEND = "both" if _launch.find_mpiexec() is not None else "gloo"
 EXPECTED = ("gloo", "mpi") if BACKEND == "both" else ("gloo",)
@@ -31,37 +34,41 @@ def _bench_run(tmp_path: Path, *args: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(120)
-def test_core_quick_writes_every_op_and_variant(tmp_path: Path) -> None:
-    records = _bench_run(tmp_path, "all", "--rounds", "1")
+def test_quick_runs_write_every_section_op_and_variant(tmp_path: Path) -> None:
+    # Three sections in one launch per backend (starting ranks is the slow part).
+    records = _bench_run(tmp_path, "all,idle,channels", "--rounds", "1")
+    assert {r["bench"] for r in records} == {"core", "idle", "channels"}
+    _check_core([r for r in records if r["bench"] == "core"])
+    _check_idle([r for r in records if r["bench"] == "idle"])
+    _check_channels([r for r in records if r["bench"] == "channels"])
+
+
+def _check_core(records: list[dict[str, Any]]) -> None:
     seen = {(r["backend"], r["op"], r["size"]) for r in records}
-    assert seen == {(b, op, size) for b in EXPECTED for op in _bench.OPS
-                    for size in _bench.QUICK_SIZES}
+    assert seen == {(b, op, size) for b in EXPECTED for op in core.OPS
+                    for size in core.QUICK_SIZES}
     for r in records:
         assert r["ranks"] == 2 and r["loop"] in ("uvloop", "asyncio") and r["torch"]
-        for variant in _bench.VARIANTS:
+        for variant in core.VARIANTS:
             assert r[f"{variant}_us"] > 0, r
             assert len(r["samples_us"][variant]) == r["rounds"]
         assert r["ratio_asyncomm_raw"] == pytest.approx(r["asyncomm_us"] / r["raw_us"])
 
 
-@pytest.mark.timeout(120)
-def test_idle_quick_reports_cpu_per_variant(tmp_path: Path) -> None:
-    records = _bench_run(tmp_path, "idle")
+def _check_idle(records: list[dict[str, Any]]) -> None:
     assert {(r["backend"], r["variant"]) for r in records} == {
-        (b, v) for b in EXPECTED for v in _bench.VARIANTS}
+        (b, v) for b in EXPECTED for v in core.VARIANTS}
     for r in records:
         assert r["op"] == "idle" and r["cpu_s"] >= 0 and r["wall_s"] >= r["wait_s"] * 0.5
 
 
-@pytest.mark.timeout(120)
-def test_channels_quick_writes_every_test(tmp_path: Path) -> None:
-    records = _bench_run(tmp_path, "channels", "--rounds", "1")
+def _check_channels(records: list[dict[str, Any]]) -> None:
     assert [(r["backend"], r["op"], r["size"]) for r in records if r["op"] == "pingpong"] == [
-        (b, "pingpong", size) for b in EXPECTED for size in _bench.CHANNEL_SIZES]
+        (b, "pingpong", size) for b in EXPECTED for size in channels.CHANNEL_SIZES]
     assert {(r["backend"], r["op"]) for r in records} == {
-        (b, test) for b in EXPECTED for test in _bench.CHANNEL_TESTS}
+        (b, test) for b in EXPECTED for test in channels.CHANNEL_TESTS}
     for r in records:
-        compared, base, unit, target = _bench.CHANNEL_TESTS[r["op"]]
+        compared, base, unit, target = channels.CHANNEL_TESTS[r["op"]]
         assert r["bench"] == "channels" and r["ranks"] == 2 and r["unit"] == unit
         assert (r["compared"], r["base"]) == (compared, base)
         assert r["value"] > 0 and r["base_value"] > 0, r
@@ -95,26 +102,26 @@ def test_channel_table_shows_ratios_and_targets() -> None:
             "python": "3", "mpi_library": None, "rounds": 1}
     samples = {"raw": [2e-3], "pickle": [1e-3], "asyncomm": [1e-3],
                "1 channel": [1e-5], "1000 channels": [1.5e-5]}
-    cases = [_bench.Case(test, 8, {}, 1, 1, per) for test, per in
+    cases = [channels.Case(test, 8, {}, 1, 1, per) for test, per in
              [("pingpong", 0.5), ("stream", 64.0), ("rate", 64.0), ("channels", 0.5)]]
-    records = [{**meta, **_bench._channel_record(c, samples)} for c in cases]
+    records = [{**meta, **channels.record(c, samples)} for c in cases]
     assert [r["ratio"] for r in records] == pytest.approx([0.5, 2.0, 1.0, 1.5])
     assert [r["met"] for r in records] == [None, True, True, False]
-    lines = _bench.table(records).splitlines()
+    lines = bench.table(records).splitlines()
     assert lines[0].startswith("backend mpi, 2 ranks")
     assert lines[-4].split()[-1] == "0.50"  # no target for ping-pong
     assert lines[-3].endswith(">= 0.8: met") and lines[-1].endswith("<= 1.2: MISSED")
 
 
 def test_sizes_parse_suffixes_and_reject_partial_floats() -> None:
-    assert _bench._sizes("8, 1K,4kib,1M") == (8, 1024, 4096, 1 << 20)
+    assert bench._sizes("8, 1K,4kib,1M") == (8, 1024, 4096, 1 << 20)
     for bad in ("6", "0", "x", "1G"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _bench._sizes(bad)
+            bench._sizes(bad)
 
 
 def test_iterations_shrink_with_size() -> None:
-    counts = [_bench.iterations(size)[1] for size in _bench.DEFAULT_SIZES]
+    counts = [harness.iterations(size)[1] for size in core.DEFAULT_SIZES]
     assert counts == sorted(counts, reverse=True) and counts[-1] >= 4
-    assert all(_bench.iterations(s, quick=True)[1] < _bench.iterations(s)[1]
-               for s in _bench.DEFAULT_SIZES)
+    assert all(harness.iterations(s, quick=True)[1] < harness.iterations(s)[1]
+               for s in core.DEFAULT_SIZES)

@@ -22,9 +22,11 @@ import pytest
 import torch
 
 import asyncomm
-from asyncomm import Comm, _channels, _wire
-from asyncomm._channels import Channel
-from asyncomm._wire import Kind
+from asyncomm import Comm
+from asyncomm._core import tags, wire
+from asyncomm._core.wire import Kind
+from asyncomm._messaging.channels import Channel
+from asyncomm._messaging.router import frame_limits
 from asyncomm.testing import World, fresh
 
 MiB = 1 << 20
@@ -523,17 +525,17 @@ def test_message_before_the_receiver_opened_any_channel(world: World) -> None:
 
 
 def forged_heads(tag: int) -> dict[str, bytes]:
-    good, _ = _wire.encode(Kind.DATA, tag, 0, "fine")
+    good, _ = wire.encode(Kind.DATA, tag, 0, "fine")
     # One descriptor, of a flat uint8 buffer, right after the prefix: u8 dtype, u8 kind,
     # u8 ndim, u64 shape, u64 nbytes. Make it claim more than Limits.max_message_bytes.
-    real, _ = _wire.encode(Kind.DATA, tag, 0, torch.zeros(4, dtype=torch.uint8))
-    at, huge = _wire.PREFIX_BYTES + 3, 1 << 31
+    real, _ = wire.encode(Kind.DATA, tag, 0, torch.zeros(4, dtype=torch.uint8))
+    at, huge = wire.PREFIX_BYTES + 3, 1 << 31
     oversized = real[:at] + struct.pack("<QQ", huge, huge) + real[at + 16:]
-    tensor, _ = _wire.encode(Kind.DATA, tag, 0, torch.zeros(2))
+    tensor, _ = wire.encode(Kind.DATA, tag, 0, torch.zeros(2))
     return {
         "garbage": b"JUNK\x07\x07\x07\x07" + struct.pack("<Q", tag) + bytes(range(40)),
         "oversized": oversized,
-        "version": good[:4] + bytes([_wire.VERSION + 1]) + good[5:],
+        "version": good[:4] + bytes([wire.VERSION + 1]) + good[5:],
         "inline mismatch": tensor,  # declares an 8-byte buffer, the message carries none
     }
 
@@ -573,15 +575,15 @@ async def check_oversized_message(comm: Comm) -> None:
     # A link message beyond the most an MPI message may hold: refused unread (nothing is
     # allocated for it), and the stream from its source ends, since what follows it can't
     # be trusted; other sources go on.
-    from asyncomm._backends._link import T_MESSAGE
-    from asyncomm._backends._mpi import MESSAGE_BYTES
+    from asyncomm._backends.mpi_link import MESSAGE_BYTES
+    from asyncomm._core import tags
 
     async with fresh(comm) as sub:
         ch = sub.channel(610)
         if sub.rank == 0:
             await ch.send("before", 1)
             link = sub._router._link
-            handle = link._post(bytearray(MESSAGE_BYTES + 1), 1, T_MESSAGE)
+            handle = link._post(bytearray(MESSAGE_BYTES + 1), 1, tags.LINK_MESSAGE)
             if handle is not None:
                 await handle
         elif sub.rank == 1:
@@ -623,9 +625,9 @@ def test_message_size_limit_from_the_environment(world: World) -> None:
 def test_size_limit_must_be_positive(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCOMM_MAX_MESSAGE_BYTES", "0")
     with pytest.raises(ValueError, match="ASYNCOMM_MAX_MESSAGE_BYTES"):
-        _channels.limits_from_env()
+        frame_limits()
     monkeypatch.setenv("ASYNCOMM_MAX_MESSAGE_BYTES", "1000")
-    assert _channels.limits_from_env().max_message_bytes == 1000
+    assert frame_limits().max_message_bytes == 1000
 
 
 async def check_pending_messages_keep_order(comm: Comm) -> None:
@@ -657,12 +659,12 @@ def test_pending_mpi_messages_keep_their_order(world: World) -> None:
 def test_forged_heads_are_what_they_claim() -> None:
     heads = forged_heads(600)
     with pytest.raises(asyncomm.ProtocolError, match="magic"):
-        _wire.decode_head(heads["garbage"])
+        wire.decode_head(heads["garbage"])
     with pytest.raises(asyncomm.ProtocolError, match="limit"):
-        _wire.decode_head(heads["oversized"])
+        wire.decode_head(heads["oversized"])
     with pytest.raises(asyncomm.ProtocolError, match="version"):
-        _wire.decode_head(heads["version"])
-    assert _wire.decode_head(heads["inline mismatch"]).payload_bytes == 8
+        wire.decode_head(heads["version"])
+    assert wire.decode_head(heads["inline mismatch"]).payload_bytes == 8
     assert struct.unpack_from("<Q", heads["garbage"], 8)[0] == 600  # where the router reads it
 
 
@@ -773,7 +775,7 @@ def test_a_thousand_channels(world: World) -> None:
 
 
 async def check_bad_arguments(comm: Comm) -> None:
-    for tag, error in [(-1, ValueError), (_channels.MAX_CHANNEL_TAG + 1, ValueError),
+    for tag, error in [(-1, ValueError), (tags.MAX_CHANNEL + 1, ValueError),
                        ("7", TypeError), (1.0, TypeError), (True, TypeError), (None, TypeError)]:
         with pytest.raises(error):
             comm.channel(tag)  # type: ignore[arg-type]

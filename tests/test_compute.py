@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import asyncomm
-from asyncomm import Comm, _compute
+from asyncomm import Comm
+from asyncomm._core import instrument, settings
+from asyncomm._overlap import compute as _compute
 from asyncomm.testing import World
 
 
@@ -100,22 +102,44 @@ async def test_bad_arguments_raise_type_error() -> None:
         await asyncomm.compute(print, name=5)  # type: ignore[arg-type]
 
 
+class Spans:
+    """A recording that keeps only compute spans (see ``_core.instrument``)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, float, float]] = []
+
+    def attach(self, rank: int, size: int, backend: str) -> int:
+        return 0
+
+    def detached(self) -> None:
+        pass
+
+    def issued(self, handle: object, comm: int, keep: object) -> None:
+        pass
+
+    def message(self, *args: object) -> None:
+        pass
+
+    def span(self, name: str, start: float, end: float) -> None:
+        self.spans.append((name, start, end))
+
+
 async def test_spans_are_reported_with_their_names() -> None:
-    spans: list[_compute.Span] = []
-    _compute.on_span = spans.append
+    recording = Spans()
+    instrument.install(recording)
     try:
         await asyncomm.compute(sum, [1, 2], name="forward")
         await asyncomm.compute(sorted, [2, 1])
     finally:
-        _compute.on_span = None
+        instrument.uninstall(recording)
         await _compute.shutdown(asyncio.get_running_loop())
-    assert [s.name for s in spans] == ["forward", "sorted"]
-    assert all(s.end >= s.start for s in spans)
+    assert [name for name, _, _ in recording.spans] == ["forward", "sorted"]
+    assert all(end >= start for _, start, end in recording.spans)
 
 
 def test_thread_count_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ASYNCOMM_COMPUTE_THREADS", "0")
-    with pytest.raises(ValueError, match=">= 1"):
-        _compute._threads_from_env()
+    with pytest.raises(ValueError, match="at least 1"):
+        settings.read()
     monkeypatch.setenv("ASYNCOMM_COMPUTE_THREADS", "3")
-    assert _compute._threads_from_env() == 3
+    assert settings.read().compute_threads == 3

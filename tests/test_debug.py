@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import asyncomm
-from asyncomm import Comm, _checks
+from asyncomm import Comm
+from asyncomm._observe import checks as _checks
 from asyncomm.testing import World, fresh, run_script
 
 

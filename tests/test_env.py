@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncomm import _launch
-from asyncomm._env import detect
+from asyncomm._core.env import detect
+from asyncomm._tools import launch as _launch
 
 ROOT = Path(__file__).resolve().parent.parent
 

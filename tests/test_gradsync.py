@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 import asyncomm
-from asyncomm import Comm, GradSync, _bench, _bench_gradsync
+from asyncomm import Comm, GradSync
+from asyncomm._tools import bench
+from asyncomm._tools.bench import gradsync as _bench_gradsync
 from asyncomm.testing import World, run_script
 
 # (bucket_mb, backward on the loop thread or through asyncomm.compute): one bucket per
@@ -284,7 +286,7 @@ def test_bench_records_and_table(world: World) -> None:
         assert r["ms"] > 0 and len(r["samples_ms"]) == r["steps"] == 2, r
     meta = {"backend": world.backend, "ranks": 3, "loop": "asyncio", "torch": "2",
             "mpi4py": None, "python": "3", "mpi_library": None, "rounds": 1}
-    lines = _bench.table([{**meta, **r} for r in records]).splitlines()
+    lines = bench.table([{**meta, **r} for r in records]).splitlines()
     gradsync = next(line for line in lines if line.startswith("gradsync "))
     if world.backend == "gloo":
         assert steps["gradsync"]["ratio_ddp"] == pytest.approx(

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncomm import _launch
-from asyncomm._launch import find_mpiexec, launch
+from asyncomm._tools import launch as _launch
+from asyncomm._tools.launch import find_mpiexec, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -235,7 +235,7 @@ def test_the_launching_commands_do_not_load_torch() -> None:
     probe = textwrap.dedent("""
         import sys
         import asyncomm
-        from asyncomm import _cli
+        from asyncomm._tools import cli as _cli
         argv = ["run", "-n", "2", "script.py"]
         assert _cli._parser(argv).parse_args(argv).nproc == 2
         assert "torch" not in sys.modules, "run loaded torch"

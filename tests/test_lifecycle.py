@@ -21,7 +21,7 @@ import torch
 
 import asyncomm
 from asyncomm import Comm
-from asyncomm._launch import host_store
+from asyncomm._tools.launch import host_store
 from asyncomm.testing import World, run_script
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -223,7 +223,7 @@ def test_pipeline_times_data_parallel(world4: World) -> None:
 
 async def check_bench(comm: Comm) -> None:
     """``asyncomm bench pipeline``'s measurements run and give sane records (no timing limits)."""
-    from asyncomm import _bench_pipeline as bench
+    from asyncomm._tools.bench import pipeline as bench
 
     records = await bench.bubble(comm, 0.001, 2 * comm.size, steps=1)
     if comm.backend == "gloo":
@@ -236,8 +236,8 @@ async def check_bench(comm: Comm) -> None:
         assert r["ratio"] > 0, r
         if r["test"] == "bubble":
             assert 0 < r["theory"] < 1 and r["measured"] < 1, r
-    text = bench.table([{"backend": comm.backend, "ranks": comm.size, "torch": "x", "rounds": 1,
-                         **r} for r in records])
+    text = "\n".join(bench.table([{"backend": comm.backend, "ranks": comm.size, "torch": "x",
+                                   "rounds": 1, **r} for r in records]))
     assert "interleaved" in text and ("1f1b" in text)
 
 

@@ -16,7 +16,10 @@ import pytest
 import torch
 
 import asyncomm
-from asyncomm import Comm, _cli, _compute, _trace
+from asyncomm import Comm
+from asyncomm._core import instrument
+from asyncomm._observe import recorder as _trace
+from asyncomm._tools import cli as _cli
 from asyncomm.testing import World
 from asyncomm.trace import Overlap, intersect, measure, merge, overlap, union
 
@@ -101,10 +104,11 @@ def test_merge_aligns_hosts_by_wall_clock_and_keeps_lanes_free_of_overlaps(
 async def check_start_records_until_stop(comm: Comm, directory: str) -> int:
     peer = 1 - comm.rank
     # Without ASYNCOMM_TRACE (the test worlds have none) nothing records.
-    assert comm._trace is None and not asyncomm.trace.enabled() and _compute.on_span is None
+    assert comm._probe.recording is None and not asyncomm.trace.enabled()
+    assert instrument.current() is None
     asyncomm.trace.start(directory)
     try:
-        assert asyncomm.trace.enabled() and comm._trace is not None
+        assert asyncomm.trace.enabled() and comm._probe.recording is not None
         t = torch.ones(16)
         await comm.all_reduce(t)
         if comm.rank == 0:
@@ -134,7 +138,8 @@ async def check_start_records_until_stop(comm: Comm, directory: str) -> int:
     assert message["kind"] == ("channel_send" if comm.rank == 0 else "channel_recv")
     assert all(e["start"] <= e["end"] for e in doc["events"])
     # Off again: nothing more is recorded or written, and the hook is gone.
-    assert comm._trace is None and not asyncomm.trace.enabled() and _compute.on_span is None
+    assert comm._probe.recording is None and not asyncomm.trace.enabled()
+    assert instrument.current() is None
     before = path.read_bytes()
     await comm.all_reduce(t)
     await asyncomm.compute(torch.mm, torch.ones(8, 8), torch.ones(8, 8))

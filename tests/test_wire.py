@@ -15,9 +15,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncomm import _wire
-from asyncomm._errors import ProtocolError
-from asyncomm._wire import (
+from asyncomm._core import wire
+from asyncomm._core.errors import ProtocolError
+from asyncomm._core.wire import (
     PREFIX_BYTES,
     BufferKind,
     Codec,
@@ -33,7 +33,7 @@ from asyncomm._wire import (
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
-DTYPES = list(_wire._DTYPES.values())
+DTYPES = list(wire._DTYPES.values())
 SHAPES = [(), (0,), (5,), (2, 0, 3), (2, 3, 4)]
 
 
@@ -130,7 +130,7 @@ def test_lenient_scalars_and_containers() -> None:
 
 def test_contiguous_inputs_are_not_copied() -> None:
     t, a = torch.arange(12.0).reshape(3, 4), np.arange(7, dtype=np.int16)
-    big = bytes(_wire.INLINE_BYTES + 1)
+    big = bytes(wire.INLINE_BYTES + 1)
     _, buffers = encode(Kind.DATA, 0, 0, [t, a, big])
     assert isinstance(buffers[0], torch.Tensor) and buffers[0].data_ptr() == t.data_ptr()
     assert np.shares_memory(np.frombuffer(buffers[1], np.uint8), a)
@@ -242,12 +242,12 @@ def forge(*descriptors: tuple[int, int, tuple[int, ...], int], structure: bytes 
     parts = [struct.pack(f"<BBB{len(s) + 1}Q", code, kind, len(s), *s, n)
              for code, kind, s, n in descriptors]
     size = PREFIX_BYTES + sum(map(len, parts)) + len(structure)
-    prefix = _wire._PREFIX.pack(b"ACMF", 1, Kind.DATA, codec, 0, 0, 0,
+    prefix = wire._PREFIX.pack(b"ACMF", 1, Kind.DATA, codec, 0, 0, 0,
                                 len(parts) if count is None else count, len(structure), size)
     return b"".join([prefix, *parts, structure])
 
 
-F64, U8, BF16 = (_wire._CODES[d] for d in (torch.float64, torch.uint8, torch.bfloat16))
+F64, U8, BF16 = (wire._CODES[d] for d in (torch.float64, torch.uint8, torch.bfloat16))
 T, N, B, S = BufferKind.TENSOR, BufferKind.NDARRAY, BufferKind.BYTES, BufferKind.STRUCTURE
 
 
@@ -414,8 +414,8 @@ plain_values = st.recursive(
 @given(obj=plain_values)
 def test_messages_without_buffers_pack_as_when_lowered(obj: object) -> None:
     try:
-        lowered = _wire._lower(obj, _wire._Outgoing())
-    except _wire._Refused:
+        lowered = wire._lower(obj, wire._Outgoing())
+    except wire._Refused:
         with pytest.raises(TypeError, match="int beyond 64 bits"):
             encode(Kind.DATA, 0, 0, obj)
         return
@@ -427,7 +427,7 @@ def test_messages_without_buffers_pack_as_when_lowered(obj: object) -> None:
 
 
 def test_fast_paths_keep_the_general_rules() -> None:
-    big = bytes(_wire.INLINE_BYTES + 1)
+    big = bytes(wire.INLINE_BYTES + 1)
     head = decode_head(encode(Kind.DATA, 0, 0, {"b": big, "n": 1})[0])
     assert [d.kind for d in head.descriptors] == [BufferKind.BYTES]  # out of band, as before
     assert transfer({"b": big, "n": 1})[0] == {"b": big, "n": 1}

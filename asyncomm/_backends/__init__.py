@@ -1,141 +1,17 @@
-"""Backends: the only code that talks to torch.distributed or mpi4py.
+"""Backends: the only code that imports torch.distributed or mpi4py, chosen once by name.
 
-A ``Backend`` issues non-blocking primitives and reports each one's end to a
-``Sink`` through one of the progress engines. It is chosen once, when a
-communicator is made; nothing outside this package asks which backend it is.
-Ranks, tags and buffers reach a backend already checked by ``Comm``: tensors
-are contiguous, on the backend's device, with matching shapes.
+``torch_backend`` drives gloo and nccl process groups, ``gloo_link`` carries
+channel frames over gloo; ``mpi_backend`` drives MPI communicators and
+``mpi_link`` carries frames over MPI. Each implements the interfaces of
+``asyncomm._core.backend`` and ``asyncomm._core.link``.
 """
 
 from __future__ import annotations
 
 import asyncio
-from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
-import torch
-
-from asyncomm._env import LaunchEnv
-from asyncomm._errors import CommError, PeerFailedError
-from asyncomm._ops import ReduceOp
-from asyncomm._progress import Classify, Sink
-
-if TYPE_CHECKING:
-    from asyncomm._backends._link import Link
-
-Tensors = Sequence[torch.Tensor]
-
-
-class Backend(ABC):
-    """One communicator of one backend: non-blocking primitives over ``size`` ranks."""
-
-    name: str
-    rank: int
-    size: int
-    max_tag: int  # the largest tag users may pass; tags above it are asyncomm's own
-    raw: object
-    cuda: bool = False  # whether it moves CUDA tensors (else CPU ones)
-    lost: BaseException | None = None  # the first error that said a peer is gone
-    dtypes: frozenset[torch.dtype] | None = None  # the dtypes it moves; None: every one
-    ends_job_on_error: bool = False  # whether ``abort_job`` ends every rank's process
-    # whether its link can tell that a peer is gone (``Link.probe``): else a dead peer
-    # ends the whole job (MPI), and nobody is left to tell
-    probes_peers: bool = False
-
-    def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027
-        """Raise ``TypeError`` for reductions the backend lacks beyond the common rules."""
-
-    @abstractmethod
-    def barrier(self, sink: Sink) -> None:
-        """Issue a barrier."""
-
-    @abstractmethod
-    def broadcast(self, sink: Sink, tensor: torch.Tensor, src: int) -> None:
-        """Issue a broadcast of ``tensor`` from ``src``."""
-
-    @abstractmethod
-    def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
-        """Issue an in-place all-reduce."""
-
-    @abstractmethod
-    def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
-        """Issue an in-place reduce to ``dst``."""
-
-    @abstractmethod
-    def all_gather(self, sink: Sink, out: Tensors, tensor: torch.Tensor) -> None:
-        """Issue an all-gather of ``tensor`` into ``out`` (one per rank)."""
-
-    @abstractmethod
-    def gather(self, sink: Sink, out: Tensors | None, tensor: torch.Tensor, dst: int) -> None:
-        """Issue a gather of ``tensor`` into ``out`` on ``dst`` (``None`` elsewhere)."""
-
-    @abstractmethod
-    def scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors | None,
-                src: int) -> None:
-        """Issue a scatter of ``chunks`` (on ``src``) into ``tensor``."""
-
-    @abstractmethod
-    def reduce_scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors,
-                       op: ReduceOp) -> None:
-        """Issue a reduce-scatter: ``tensor`` = reduction over ranks of ``chunks[rank]``."""
-
-    @abstractmethod
-    def all_to_all(self, sink: Sink, outputs: Tensors, inputs: Tensors) -> None:
-        """Issue an all-to-all: ``outputs[j]`` receives rank j's ``inputs[rank]``."""
-
-    @abstractmethod
-    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
-             eager: bool = True) -> None:
-        """Issue a send; ``eager=False`` forbids completing early by sending a copy."""
-
-    @abstractmethod
-    def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
-        """Issue a receive; the sink gets the source rank (``src=None``: any source)."""
-
-    @abstractmethod
-    async def split(self, ranks: Sequence[int]) -> tuple[Backend, Backend] | None:
-        """Make the user's and asyncomm's communicators over ``ranks`` (sorted).
-
-        Collective over this communicator; ``None`` on ranks not in ``ranks``.
-        """
-
-    @abstractmethod
-    def link(self) -> Link:
-        """Return a link carrying channel frames over this communicator (see ``_link``)."""
-
-    def stuck(self) -> list[int]:
-        """Return the tags of receives in flight that only a peer's message can end.
-
-        One entry per receive (gloo's any-source receives: see ``_torch``'s
-        note on teardown). A communicator about to close asks a live peer to
-        ``release`` them.
-        """
-        return []
-
-    def release(self, peer: int, tag: int) -> None:  # noqa: B027
-        """Send ``peer`` the empty message that ends its stuck receive on ``tag``."""
-
-    async def released(self, timeout: float) -> None:  # noqa: B027
-        """Wait (up to ``timeout``) until no receive is stuck any more."""
-
-    def abort_job(self, code: int) -> None:  # noqa: B027
-        """End the whole job after an uncaught error, where the launcher would not."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Fail what is in flight, release the communicator and join threads. Idempotent."""
-
-
-def remembering(backend: Backend, classify: Classify) -> Classify:
-    """Wrap a backend's ``classify`` so that the first peer failure stays in ``backend.lost``."""
-    def remember(exc: BaseException) -> type[CommError]:
-        kind = classify(exc)
-        if issubclass(kind, PeerFailedError) and backend.lost is None:
-            backend.lost = exc
-        return kind
-
-    return remember
+from asyncomm._core.backend import Backend
+from asyncomm._core.env import LaunchEnv
 
 
 async def open_backend(name: str, env: LaunchEnv, timeout: float,
@@ -147,9 +23,9 @@ async def open_backend(name: str, env: LaunchEnv, timeout: float,
     user's collectives.
     """
     if name == "mpi":
-        from asyncomm._backends._mpi import open_mpi
+        from asyncomm._backends.mpi_backend import open_mpi
 
         return await open_mpi(loop)
-    from asyncomm._backends._torch import open_torch
+    from asyncomm._backends.torch_backend import open_torch
 
     return await open_torch(name, env, timeout, loop)

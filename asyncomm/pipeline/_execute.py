@@ -68,14 +68,14 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 from torch import nn
 
-from asyncomm._compute import compute
-from asyncomm._errors import CommError, RemoteError
+from asyncomm._core.errors import CommError, RemoteError
+from asyncomm._overlap.compute import compute
 from asyncomm.pipeline._schedule import Action, Op, Schedule
 from asyncomm.pipeline._simulate import validate
 
 if TYPE_CHECKING:
-    from asyncomm._channels import Channel
     from asyncomm._comm import Comm
+    from asyncomm._messaging.channels import Channel
 
 T = TypeVar("T")
 

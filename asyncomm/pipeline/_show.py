@@ -4,12 +4,10 @@
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
-from asyncomm.pipeline._schedule import SCHEDULES, Op, Schedule, get, parse
-from asyncomm.pipeline._simulate import Simulation, simulate
+from asyncomm.pipeline._schedule import Op
+from asyncomm.pipeline._simulate import Simulation
 
 
 def _number(value: float) -> str:
@@ -106,87 +104,3 @@ def plot(simulation: Simulation, path: str | os.PathLike[str]) -> None:
     )
     figure.tight_layout()
     figure.savefig(os.fspath(path), format="png", dpi=100)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare ``asyncomm pipeline`` and its ``show`` command on ``parser``."""
-    commands = parser.add_subparsers(dest="pipeline_command", required=True)
-    show = commands.add_parser(
-        "show",
-        help="print a schedule's step x rank grid, bubble and peak activations",
-        description=(
-            "Validate a pipeline schedule, simulate it, and print its step x rank grid "
-            "(rows: time steps; cells: F3 / B3 = forward / backward of microbatch 3, with "
-            "@sN naming the stage when ranks host several; blank: idle), its bubble "
-            "fraction and its peak activations per rank."
-        ),
-    )
-    show.add_argument(
-        "name",
-        metavar="NAME",
-        help=f"a schedule ({', '.join(SCHEDULES)}) or a file holding one in text form "
-        "(one line per rank, e.g. 'F0@s0 SEND_F0@s0 RECV_B0@s0 B0@s0')",
-    )
-    show.add_argument(
-        "--stages",
-        type=int,
-        metavar="S",
-        help="pipeline ranks; for gpipe and 1f1b also the stages (one per rank); for "
-        "interleaved the ranks, each hosting --stages-per-rank virtual stages",
-    )
-    show.add_argument("--microbatches", type=int, metavar="M", help="microbatches per step")
-    show.add_argument(
-        "--stages-per-rank",
-        type=int,
-        metavar="V",
-        help="interleaved only: virtual stages per rank (default 2)",
-    )
-    show.add_argument("--f-cost", type=float, default=1.0, help="time of a forward (1)")
-    show.add_argument("--b-cost", type=float, default=2.0, help="time of a backward (2)")
-    show.add_argument("--comm-cost", type=float, default=0.0, help="time of a message (0)")
-    show.add_argument("--png", metavar="PATH", help="also write a Gantt chart to this PNG file")
-    show.set_defaults(func=show_command)
-
-
-def _schedule(args: argparse.Namespace) -> Schedule:
-    if args.name.lower() in SCHEDULES:
-        if args.stages is None or args.microbatches is None:
-            raise ValueError(f"{args.name} needs --stages and --microbatches")
-        options = {}
-        if args.stages_per_rank is not None:
-            if args.name.lower() != "interleaved":
-                raise ValueError("--stages-per-rank applies to the interleaved schedule only")
-            options["stages_per_rank"] = args.stages_per_rank
-        return get(args.name, args.stages, args.microbatches, **options)
-    if not os.path.isfile(args.name):
-        raise ValueError(f"{args.name!r} is neither a schedule ({', '.join(SCHEDULES)}) nor a file")
-    with open(args.name, encoding="utf-8") as file:
-        text = file.read()
-    name = os.path.basename(args.name)
-    schedule = parse(text, name=name, n_microbatches=args.microbatches)
-    if args.stages is not None and args.stages != schedule.n_ranks:
-        raise ValueError(f"--stages {args.stages}, but {name} has {schedule.n_ranks} ranks")
-    if args.stages_per_rank is not None:
-        n_stages = schedule.n_ranks * args.stages_per_rank
-        schedule = parse(text, name=name, n_stages=n_stages, n_microbatches=args.microbatches)
-    return schedule
-
-
-def show_command(args: argparse.Namespace) -> int:
-    """Run ``asyncomm pipeline show`` as parsed; return its exit code."""
-    try:
-        simulation = simulate(_schedule(args), args.f_cost, args.b_cost, args.comm_cost)
-    except (ValueError, TypeError) as error:
-        # ScheduleError is a ValueError: it names the rank, index and action at fault.
-        print(f"asyncomm pipeline show: {error}", file=sys.stderr)
-        return 2
-    print(render(simulation))
-    if args.png:
-        try:
-            plot(simulation, args.png)
-        except ImportError:
-            print("asyncomm pipeline show: --png needs matplotlib "
-                  "(pip install 'asyncomm[plot]')", file=sys.stderr)
-            return 2
-        print(f"wrote {args.png}")
-    return 0

@@ -1,0 +1,333 @@
+"""MPI backend through mpi4py: non-blocking MPI calls completed by ``Poller``.
+
+Tensors are passed to MPI as NumPy views of their own memory (zero-copy).
+MPI has no ``avg`` (done as ``sum`` then a division) and no native bfloat16
+arithmetic here (user-defined operators over 16-bit words). Lists of tensors
+go through one flat buffer unless they already are consecutive views of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from asyncomm._backends.mpi_link import DATATYPES, ProbeLink, spec
+from asyncomm._core import tags
+from asyncomm._core.backend import Backend, Tensors, remembering
+from asyncomm._core.errors import CommError, MismatchError, PeerFailedError
+from asyncomm._core.link import Link
+from asyncomm._core.ops import ReduceOp
+from asyncomm._core.progress import Poller, Sink
+
+_OPS = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.AVG: MPI.SUM,  # divided by the size when done
+    ReduceOp.PRODUCT: MPI.PROD,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.BAND: MPI.BAND,
+    ReduceOp.BOR: MPI.BOR,
+    ReduceOp.BXOR: MPI.BXOR,
+}
+
+_BOOL_OPS = {
+    ReduceOp.SUM: MPI.LOR,
+    ReduceOp.MAX: MPI.LOR,
+    ReduceOp.BOR: MPI.LOR,
+    ReduceOp.PRODUCT: MPI.LAND,
+    ReduceOp.MIN: MPI.LAND,
+    ReduceOp.BAND: MPI.LAND,
+    ReduceOp.BXOR: MPI.LXOR,
+}
+
+_BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    ReduceOp.SUM: lambda acc, x: acc.add_(x),
+    ReduceOp.AVG: lambda acc, x: acc.add_(x),
+    ReduceOp.PRODUCT: lambda acc, x: acc.mul_(x),
+    ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
+    ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
+}
+_bf16_ops: dict[ReduceOp, Any] = {}
+_op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
+
+# Buffers of requests still in MPI's hands when their communicator was freed:
+# kept for the life of the process, since MPI may still write into them.
+_orphans: list[object] = []
+
+_PEER_GONE = ("process failed", "proc_failed", "terminated", "connection", "unreachable")
+
+
+def classify(exc: BaseException) -> type[CommError]:
+    """Map an MPI exception to the asyncomm error it means."""
+    text = str(exc).lower()
+    if "truncat" in text:
+        return MismatchError
+    if any(sign in text for sign in _PEER_GONE):
+        return PeerFailedError
+    return CommError
+
+
+def _bf16_op(op: ReduceOp) -> Any:
+    """Return (making it once) the MPI operator reducing bfloat16 words with ``op``."""
+    mpi_op = _bf16_ops.get(op)
+    if mpi_op is None:
+        kernel = _BF16_KERNELS[op]
+
+        def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            x = torch.frombuffer(bytearray(inbuf), dtype=torch.bfloat16)
+            acc = torch.frombuffer(inoutbuf, dtype=torch.bfloat16)
+            kernel(acc, x)
+
+        mpi_op = _bf16_ops[op] = MPI.Op.Create(reduce, commute=True)
+    return mpi_op
+
+
+def _consecutive(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Return one flat tensor over ``tensors`` if they are consecutive in one storage."""
+    first = tensors[0]
+    nbytes = first.numel() * first.element_size()
+    base = first.data_ptr()
+    storage = first.untyped_storage()
+    for i, tensor in enumerate(tensors):
+        if (tensor.data_ptr() != base + i * nbytes
+                or tensor.untyped_storage().data_ptr() != storage.data_ptr()):
+            return None
+    flat = first.new_empty(0)
+    flat.set_(storage, first.storage_offset(), (first.numel() * len(tensors),), (1,))
+    return flat
+
+
+def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    flat = _consecutive(tensors)
+    return flat if flat is not None else torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Callable[[Any], object]:
+    """Return a finish step copying ``flat`` back into ``tensors`` unless it is their memory."""
+    if _consecutive(tensors) is not None:
+        return _nothing
+
+    def copy_out(_: Any) -> object:
+        offset = 0
+        for tensor in tensors:
+            n = tensor.numel()
+            tensor.view(-1).copy_(flat[offset:offset + n])
+            offset += n
+        return None
+
+    return copy_out
+
+
+def _nothing(_: Any) -> object:
+    return None
+
+
+class MpiBackend(Backend):
+    """An MPI communicator driven by polling from the event loop."""
+
+    name = "mpi"
+    dtypes = frozenset(DATATYPES)
+
+    def __init__(self, comm: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self.raw = comm
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        tag_ub = MPI.COMM_WORLD.Get_attr(MPI.TAG_UB)
+        self.ends_job_on_error = MPI.COMM_WORLD.Get_size() > 1
+        self.max_tag = int(tag_ub) - tags.RESERVED  # type: ignore[arg-type]
+        self._comm = comm
+        self._loop = loop
+        self._poller = Poller(loop, self._test, self._testsome, remembering(self, classify))
+        self._status = MPI.Status()
+        self._statuses: list[Any] = []
+        self._closed = False
+
+    def _op(self, dtype: torch.dtype, op: ReduceOp) -> Any:
+        mpi_op = _op_cache.get((dtype, op))
+        if mpi_op is None:
+            if dtype == torch.bool:
+                mpi_op = _BOOL_OPS[op]
+            elif dtype == torch.bfloat16:
+                mpi_op = _bf16_op(op)
+            else:
+                mpi_op = _OPS[op]
+            _op_cache[(dtype, op)] = mpi_op
+        return mpi_op
+
+    def _average(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[Any], object]:
+        if op is not ReduceOp.AVG:
+            return _nothing
+        size = self.size
+
+        def divide(_: Any) -> object:
+            tensor.div_(size)
+            return None
+
+        return divide
+
+    # -- progress -------------------------------------------------------------------
+
+    def _test(self, request: Any) -> tuple[bool, Any]:
+        status = self._status
+        return (True, status.Get_source()) if request.Test(status) else (False, None)
+
+    def _testsome(self, requests: Sequence[Any]) -> list[tuple[int, Any]]:
+        statuses = self._statuses
+        if len(statuses) < len(requests):
+            statuses.extend(MPI.Status() for _ in range(len(requests) - len(statuses)))
+        try:
+            indices = MPI.Request.Testsome(requests, statuses)
+        except MPI.Exception:
+            return self._test_each(requests)
+        if not indices:
+            return []
+        return [(index, statuses[j].Get_source()) for j, index in enumerate(indices)]
+
+    def _test_each(self, requests: Sequence[Any]) -> list[tuple[int, Any]]:
+        """Test requests one by one, to pin an error on the request that raised it."""
+        completed: list[tuple[int, Any]] = []
+        status = MPI.Status()
+        for index, request in enumerate(requests):
+            try:
+                if request.Test(status):
+                    completed.append((index, status.Get_source()))
+            except MPI.Exception as exc:
+                completed.append((index, exc))
+        return completed
+
+    def _watch(self, sink: Sink, request: Any, finish: Callable[[Any], object] = _nothing,
+               keep: object = None, active: bool = True) -> None:
+        # Buffers are raw addresses: the handle keeps the user's tensors alive, and
+        # ``keep`` the temporaries (flat copies) until the request is done.
+        if keep is not None:
+            request_finish = finish
+
+            def finish(outcome: Any, _keep: object = keep) -> object:
+                return request_finish(outcome)
+
+        self._poller.watch(request, sink, finish, active)
+
+    # -- collectives ------------------------------------------------------------------
+
+    def barrier(self, sink: Sink) -> None:
+        self._watch(sink, self._comm.Ibarrier())
+
+    def broadcast(self, sink: Sink, tensor: torch.Tensor, src: int) -> None:
+        self._watch(sink, self._comm.Ibcast(spec(tensor), root=src))
+
+    def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
+        request = self._comm.Iallreduce(MPI.IN_PLACE, spec(tensor), self._op(tensor.dtype, op))
+        self._watch(sink, request, self._average(tensor, op))
+
+    def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
+        mpi_op = self._op(tensor.dtype, op)
+        if self.rank == dst:
+            request = self._comm.Ireduce(MPI.IN_PLACE, spec(tensor), mpi_op, root=dst)
+            self._watch(sink, request, self._average(tensor, op))
+        else:
+            self._watch(sink, self._comm.Ireduce(spec(tensor), None, mpi_op, root=dst))
+
+    def all_gather(self, sink: Sink, out: Tensors, tensor: torch.Tensor) -> None:
+        flat = _consecutive(out)
+        gathered = flat if flat is not None else tensor.new_empty(tensor.numel() * self.size)
+        request = self._comm.Iallgather(spec(tensor), spec(gathered))
+        self._watch(sink, request, _unflatten(gathered, out), keep=gathered)
+
+    def gather(self, sink: Sink, out: Tensors | None, tensor: torch.Tensor, dst: int) -> None:
+        if out is None:
+            self._watch(sink, self._comm.Igather(spec(tensor), None, root=dst))
+            return
+        flat = _consecutive(out)
+        gathered = flat if flat is not None else tensor.new_empty(tensor.numel() * self.size)
+        request = self._comm.Igather(spec(tensor), spec(gathered), root=dst)
+        self._watch(sink, request, _unflatten(gathered, out), keep=gathered)
+
+    def scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors | None,
+                src: int) -> None:
+        if chunks is None:
+            self._watch(sink, self._comm.Iscatter(None, spec(tensor), root=src))
+            return
+        flat = _flatten(chunks)
+        self._watch(sink, self._comm.Iscatter(spec(flat), spec(tensor), root=src), keep=flat)
+
+    def reduce_scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors,
+                       op: ReduceOp) -> None:
+        flat = _flatten(chunks)
+        request = self._comm.Ireduce_scatter_block(spec(flat), spec(tensor),
+                                                   self._op(tensor.dtype, op))
+        self._watch(sink, request, self._average(tensor, op), keep=flat)
+
+    def all_to_all(self, sink: Sink, outputs: Tensors, inputs: Tensors) -> None:
+        send_flat, recv_flat = _flatten(inputs), _flatten(outputs)
+        send_counts = [t.numel() for t in inputs]
+        recv_counts = [t.numel() for t in outputs]
+        send_displs = np.cumsum([0, *send_counts[:-1]]).tolist()
+        recv_displs = np.cumsum([0, *recv_counts[:-1]]).tolist()
+        words, datatype = spec(send_flat)
+        recv_words, _ = spec(recv_flat)
+        request = self._comm.Ialltoallv([words, (send_counts, send_displs), datatype],
+                                        [recv_words, (recv_counts, recv_displs), datatype])
+        self._watch(sink, request, _unflatten(recv_flat, outputs), keep=(send_flat, recv_flat))
+
+    # -- point to point --------------------------------------------------------------
+
+    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
+             eager: bool = True) -> None:
+        self._watch(sink, self._comm.Isend(spec(tensor), dst, tag))
+
+    def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
+        source = MPI.ANY_SOURCE if src is None else src
+        self._watch(sink, self._comm.Irecv(spec(tensor), source, tag), _source, active=False)
+
+    # -- groups and lifecycle --------------------------------------------------------
+
+    async def split(self, ranks: Sequence[int]) -> tuple[Backend, Backend] | None:
+        member = self.rank in ranks
+        color = 0 if member else MPI.UNDEFINED
+        key = ranks.index(self.rank) if member else 0
+        comm = await self._loop.run_in_executor(None, self._comm.Split, color, key)
+        if comm == MPI.COMM_NULL:
+            return None
+        own = await self._loop.run_in_executor(None, comm.Dup)
+        return MpiBackend(comm, self._loop), MpiBackend(own, self._loop)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        pending = self._poller.drain()
+        for request, _, active in pending:
+            if active:
+                continue  # sends and collectives cannot be cancelled (erroneous in MPI)
+            try:
+                request.Cancel()
+                request.Wait()  # a cancelled receive completes at once
+            except MPI.Exception:
+                pass
+        _orphans.extend(pending)  # their sinks hold the buffers MPI may still write
+        self._comm.Free()
+
+    def link(self) -> Link:
+        return ProbeLink(self, self._comm, self._loop, self._poller, self._watch, classify)
+
+    def abort_job(self, code: int) -> None:
+        if MPI.COMM_WORLD.Get_size() > 1:
+            time.sleep(0.5)  # let the launcher forward this rank's last output
+            MPI.COMM_WORLD.Abort(code)
+
+
+def _source(source: Any) -> object:
+    return source
+
+
+async def open_mpi(loop: asyncio.AbstractEventLoop) -> tuple[Backend, Backend]:
+    """Duplicate ``MPI.COMM_WORLD`` twice: the user's communicator and asyncomm's own."""
+    user = await loop.run_in_executor(None, MPI.COMM_WORLD.Dup)
+    own = await loop.run_in_executor(None, MPI.COMM_WORLD.Dup)
+    return MpiBackend(user, loop), MpiBackend(own, loop)

@@ -1,0 +1,154 @@
+"""The MPI link: channel frames in messages sized exactly, found by matched probe."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from mpi4py import MPI
+
+from asyncomm._core import tags
+from asyncomm._core.errors import CommError, ProtocolError
+from asyncomm._core.handle import Handle
+from asyncomm._core.link import PREAMBLE, Link, Transport
+from asyncomm._core.progress import Classify, Poller, Sink
+
+Watch = Callable[[Sink, Any], None]  # poll a request, settle a sink when it completes
+
+DATATYPES: dict[torch.dtype, Any] = {
+    torch.bool: MPI.C_BOOL,
+    torch.uint8: MPI.UINT8_T,
+    torch.int8: MPI.INT8_T,
+    torch.int16: MPI.INT16_T,
+    torch.int32: MPI.INT32_T,
+    torch.int64: MPI.INT64_T,
+    torch.float16: MPI.FLOAT16_T if MPI.FLOAT16_T != MPI.DATATYPE_NULL else MPI.INT16_T,
+    torch.bfloat16: MPI.INT16_T,  # moved as 16-bit words; reduced by mpi_backend's operators
+    torch.float32: MPI.FLOAT,
+    torch.float64: MPI.DOUBLE,
+    torch.complex64: MPI.C_FLOAT_COMPLEX,
+    torch.complex128: MPI.C_DOUBLE_COMPLEX,
+}
+
+
+def spec(tensor: torch.Tensor) -> list[Any]:
+    """Return an mpi4py buffer spec over the tensor's own memory (the caller keeps it alive)."""
+    memory = MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)
+    return [memory, DATATYPES[tensor.dtype]]  # mpi4py divides counts among ranks itself
+
+MESSAGE_BYTES = 64 << 10  # the largest link message: frames up to about this travel in one
+
+
+class ProbeLink(Link):
+    """Link messages sized exactly, found by matched probe from any source.
+
+    The poller probes at every poll (``MPI_Improbe``), so a message is taken
+    as soon as it is there, with no receive standing. Each message is
+    received into a buffer of the size the probe reports (never more than
+    ``MESSAGE_BYTES``). A message that is not complete at once (rare: only
+    large ones) delays the later messages of its source until it is, so
+    data receives are always posted in the order the frames were sent.
+    """
+
+    def __init__(self, backend: Transport, comm: Any, loop: asyncio.AbstractEventLoop,
+                 poller: Poller, watch: Watch, classify: Classify) -> None:
+        super().__init__(backend, loop, MESSAGE_BYTES - PREAMBLE.size)
+        self._rank = backend.rank
+        self._comm = comm
+        self._poller = poller
+        self._watch = watch
+        self._classify = classify
+        self._status = MPI.Status()
+        self._behind: dict[int, asyncio.Task[None]] = {}  # last pending message per source
+        self._open = False
+
+    def open(self, arrivals: Any, limits: Any) -> None:
+        super().open(arrivals, limits)
+        self._open = True
+        self._poller.probe(self.pump)
+
+    def stop(self) -> None:
+        self._open = False
+        self._poller.unprobe(self.pump)
+
+    def expect(self) -> None:
+        self._poller.kick()
+
+    def _post(self, buffer: bytearray | torch.Tensor, dst: int, tag: int) -> Handle[None] | None:
+        message = spec(buffer) if isinstance(buffer, torch.Tensor) else [buffer, MPI.BYTE]
+        handle: Handle[None]
+        try:
+            request = self._comm.Isend(message, dst, tag)
+            if request.Test():
+                return None  # the common case: small messages are sent at once
+        except MPI.Exception as exc:
+            handle = Handle(self._loop, (self._rank, "send", None, dst, tag), None)
+            handle._fail(self._classify(exc), exc)
+            return handle
+        handle = Handle(self._loop, (self._rank, "send", None, dst, tag), None, buffer)
+        self._watch(handle, request)
+        return handle
+
+    def pump(self) -> bool:
+        found = False
+        comm, status = self._comm, self._status
+        while self._open:
+            try:
+                message = comm.Improbe(MPI.ANY_SOURCE, tags.LINK_MESSAGE, status)
+            except MPI.Exception:
+                return found  # freed under us
+            if message is None:
+                break
+            found = True
+            self._take(message, status.Get_source(), status.Get_count(MPI.BYTE))
+        return found
+
+    def _take(self, message: Any, src: int, nbytes: int) -> None:
+        arrivals = self._arrivals
+        assert arrivals is not None
+        if nbytes > MESSAGE_BYTES:  # no sender of ours sends it: consume it unread
+            try:
+                message.Recv([bytearray(0), MPI.BYTE])
+            except MPI.Exception:
+                pass  # truncated, as intended
+            arrivals.refuse(src, ProtocolError(f"message of {nbytes} bytes from rank {src} "
+                                               f"(the most is {MESSAGE_BYTES})"), None)
+            return
+        buffer = bytearray(nbytes)
+        before = self._behind.get(src)
+        try:
+            request = message.Irecv([buffer, MPI.BYTE])
+            if before is None and request.Test():
+                self._arrive(src, buffer)
+                return
+        except MPI.Exception as exc:
+            arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"), None)
+            return
+        what = (self._rank, "recv", None, src, tags.LINK_MESSAGE)
+        handle: Handle[None] = Handle(self._loop, what, None, buffer)
+        self._watch(handle, request)  # matched: not cancellable; data is on its way
+        task = self._loop.create_task(self._in_order(src, before, handle, buffer))
+        self._behind[src] = task
+        task.add_done_callback(functools.partial(self._forget, src))
+
+    async def _in_order(self, src: int, before: asyncio.Task[None] | None, handle: Handle[None],
+                        buffer: bytearray) -> None:
+        if before is not None:
+            await asyncio.wait([before])
+        try:
+            await handle
+        except CommError as exc:
+            assert self._arrivals is not None
+            self._arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"),
+                                  None)
+            return
+        self._arrive(src, buffer)
+
+    def _forget(self, src: int, task: asyncio.Task[None]) -> None:
+        if self._behind.get(src) is task:
+            del self._behind[src]
+
+

@@ -1,0 +1,478 @@
+"""torch.distributed backends: gloo (CPU tensors) and nccl (CUDA tensors).
+
+Collectives complete through their futures (``FutureBridge``). gloo's
+send/recv have no future and cannot be polled, so they complete in
+``Waiters``. Operations go straight to the ``ProcessGroup`` methods, whose
+ranks are the group's own.
+
+Note on eager sends
+-------------------
+gloo's send completes only once the receiver has posted its receive (a
+rendezvous), and each completion reported through a waiter thread costs two
+thread hand-offs. A CPU send of at most ``ASYNCOMM_EAGER_BYTES`` (64 KiB)
+therefore sends a copy and completes at once, as MPI's eager protocol does;
+one reaper thread sees the copies off. At most 64 are in flight per
+communicator (later sends complete as usual). If a copy's transfer fails,
+the next operation on the communicator raises that error.
+
+Note on CUDA (nccl)
+-------------------
+An nccl future completes once the operation is enqueued. When it does, the
+loop thread calls ``work.wait()``, which makes the *current stream* wait for
+nccl's stream without blocking the host: after ``await`` the result is ready
+for kernels on the current stream, as with torch's own ``async_op`` works.
+``Handle.wait()`` adds nothing more; synchronize the stream for host reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import collections
+import datetime
+import functools
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from asyncomm._backends.gloo_link import GlooLink
+from asyncomm._core import settings, tags
+from asyncomm._core.backend import Backend, Tensors, remembering
+from asyncomm._core.env import LaunchEnv
+from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError
+from asyncomm._core.link import Link
+from asyncomm._core.ops import ReduceOp
+from asyncomm._core.progress import FutureBridge, Inbox, Reaper, Sink, Waiters
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.AVG: dist.ReduceOp.AVG,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
+}
+
+_PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connection refused",
+              "socket closed", "peer", "remote process exited")
+
+
+_EAGER_IN_FLIGHT = 64
+
+# gloo fails (and closes) a receive still waiting at its group's timeout. The twin's
+# standing channel receive may wait as long as the program runs, and the twin is made
+# only once every rank has joined, so its group never times out: asyncomm's own
+# deadlines bound what waits on it.
+_OWN_TIMEOUT = 365 * 24 * 3600.0
+
+_FOREVER = datetime.timedelta(days=365)  # how long a point-to-point wait may take
+_NOTHING = torch.empty(0, dtype=torch.uint8)  # ends a peer's stuck receive (see release)
+
+_stores: dict[tuple[str, int, int, int], Any] = {}
+_generation = 0
+_store_lock = threading.Lock()
+
+
+def classify(exc: BaseException) -> type[CommError]:
+    """Map an exception raised by torch.distributed to the asyncomm error it means."""
+    text = str(exc).lower()
+    if "timed out" in text or "timeout" in text:
+        return CommTimeoutError
+    if any(sign in text for sign in _PEER_GONE):
+        return PeerFailedError
+    return CommError
+
+
+def _abort(pg: dist.ProcessGroup) -> None:
+    """Make gloo close every connection of ``pg``, failing all it has pending (see close)."""
+    scratch = torch.empty(1, dtype=torch.uint8)
+    try:
+        pg.recv_anysource([scratch], tags.GLOO_ABORT).wait(datetime.timedelta(milliseconds=1))
+    except RuntimeError:
+        pass  # the timeout, as intended
+
+
+# Backends not closed yet: at exit, what they still have in flight is ended first.
+_open: weakref.WeakSet[TorchBackend] = weakref.WeakSet()
+
+
+@atexit.register
+def _settle_at_exit() -> None:
+    """End what open groups still have in flight before the interpreter finalizes."""
+    for backend in list(_open):
+        try:
+            backend._settle()
+        except Exception:  # exiting: nothing left to tell
+            pass
+
+
+def _value(future: Any) -> object:
+    future.value()  # raises the backend's error, if any
+    return None
+
+
+def _none(_: object) -> object:
+    return None
+
+
+class TorchBackend(Backend):
+    """A torch ``ProcessGroup`` driven without blocking."""
+
+    def __init__(self, name: str, pg: dist.ProcessGroup, global_ranks: Sequence[int],
+                 loop: asyncio.AbstractEventLoop, timeout: float,
+                 release: Callable[[], None] | None, label: str,
+                 user_backend: str) -> None:
+        self.name = name
+        self.raw = pg
+        self.rank = pg.rank()
+        self.size = pg.size()
+        self.max_tag = tags.GLOO_TAG_LIMIT - tags.RESERVED
+        self.probes_peers = name == "gloo"
+        self._pg = pg
+        self._global_ranks = list(global_ranks)
+        self._loop = loop
+        self._timeout = timeout
+        self._release = release  # destroys the group, if asyncomm made it
+        self._label = label  # names this group's subgroups alike on every member
+        self._user_backend = user_backend  # what groups split from this one run on
+        self._splits = 0
+        self._eager = Reaper()
+        self._eager_bytes = settings.read().eager_bytes  # see the note on eager sends
+        self.cuda = name == "nccl"
+        self._inbox = Inbox(loop, remembering(self, classify))
+        self._bridge = FutureBridge(self._inbox)
+        self._waiters = Waiters(self._inbox)
+        self._link: GlooLink | None = None
+        self._any_source: collections.Counter[int] = collections.Counter()  # tags pending
+        self._closed = False
+        _open.add(self)
+        # nccl's future resolves at enqueue: its works also need wait() (see module note).
+        self._finish: Callable[[Any], Callable[[Any], object]] = (
+            (lambda work: lambda future: (future.value(), work.wait()))
+            if name == "nccl" else (lambda work: _value)
+        )
+
+    # -- checks ---------------------------------------------------------------
+
+    # -- collectives ------------------------------------------------------------
+
+    def _collective(self, sink: Sink, work: Any) -> None:
+        self._bridge.watch(work.get_future(), sink, self._finish(work))
+
+    def _raise_if_failed(self) -> None:
+        failure = self._eager.failure
+        if failure is not None:
+            raise classify(failure)(f"an earlier eager send failed: {failure}") from failure
+
+    def _futureless(self, sink: Sink, work: Any) -> None:
+        """Watch a work that has no future on CPU (gloo's reduce_scatter)."""
+        if self.cuda:
+            self._collective(sink, work)
+        else:
+            self._waiters.watch(work.wait, sink, _none)
+
+    def barrier(self, sink: Sink) -> None:
+        self._raise_if_failed()
+        self._collective(sink, self._pg.barrier())
+
+    def broadcast(self, sink: Sink, tensor: torch.Tensor, src: int) -> None:
+        self._collective(sink, self._pg.broadcast(tensor, src))
+
+    def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
+        self._raise_if_failed()
+        self._collective(sink, self._pg.allreduce([tensor], _TORCH_OPS[op]))
+
+    def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
+        self._collective(sink, self._pg.reduce(tensor, dst, _TORCH_OPS[op]))
+
+    def all_gather(self, sink: Sink, out: Tensors, tensor: torch.Tensor) -> None:
+        self._collective(sink, self._pg.allgather([list(out)], [tensor]))
+
+    def gather(self, sink: Sink, out: Tensors | None, tensor: torch.Tensor, dst: int) -> None:
+        opts = dist.GatherOptions()
+        opts.rootRank = dst
+        self._collective(sink, self._pg.gather([list(out)] if out is not None else [],
+                                               [tensor], opts))
+
+    def scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors | None,
+                src: int) -> None:
+        opts = dist.ScatterOptions()
+        opts.rootRank = src
+        self._collective(sink, self._pg.scatter([tensor],
+                                                [list(chunks)] if chunks is not None else [],
+                                                opts))
+
+    def reduce_scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors,
+                       op: ReduceOp) -> None:
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = _TORCH_OPS[op]  # type: ignore[assignment]
+        self._futureless(sink, self._pg.reduce_scatter([tensor], [list(chunks)], opts))
+
+    def all_to_all(self, sink: Sink, outputs: Tensors, inputs: Tensors) -> None:
+        self._collective(sink, self._pg.alltoall(list(outputs), list(inputs)))
+
+    # -- point to point -----------------------------------------------------------
+
+    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
+             eager: bool = True) -> None:
+        self._raise_if_failed()
+        if (eager and not self.cuda and tensor.nbytes <= self._eager_bytes
+                and self._eager.in_flight < _EAGER_IN_FLIGHT):
+            # See the module note on eager sends.
+            work = self._pg.send([tensor.clone()], dst, tag)
+            self._eager.watch(functools.partial(work.wait, _FOREVER))
+            sink._succeed(None)
+            return
+        work = self._pg.send([tensor], dst, tag)
+        self._p2p(sink, work, _none)
+
+    def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
+        self._raise_if_failed()
+        if src is not None:
+            work = self._pg.recv([tensor], src, tag)
+            self._p2p(sink, work, lambda _: work._source_rank())
+            return
+        work = self._pg.recv_anysource([tensor], tag)
+        self._any_source[tag] += 1  # see stuck()
+
+        def finish(_: object) -> object:
+            self._any_source[tag] -= 1
+            return work._source_rank()
+
+        self._p2p(sink, work, finish, endless=True)
+
+    def _p2p(self, sink: Sink, work: Any, finish: Callable[[Any], object],
+             endless: bool = False) -> None:
+        if self.cuda:
+            self._bridge.watch(work.get_future(), sink, finish)
+        else:  # gloo: no future, no polling: a waiter thread calls wait()
+            # An explicit deadline: gloo's own (the group's timeout) would close every
+            # connection of the group when a receive the user gave up on stays unmatched.
+            self._waiters.watch(functools.partial(work.wait, _FOREVER), sink, finish, endless)
+
+    def stuck(self) -> list[int]:
+        return [tag for tag, count in self._any_source.items() for _ in range(count)]
+
+    def release(self, peer: int, tag: int) -> None:
+        work = self._pg.send([_NOTHING], peer, tag)
+        self._eager.watch(functools.partial(work.wait, _FOREVER))
+
+    async def released(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(self._any_source.values()) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+
+    def link(self) -> Link:
+        self._link = GlooLink(self, self._pg, self._loop, self._inbox, self._waiters, classify)
+        return self._link
+
+    # -- groups and lifecycle ---------------------------------------------------------
+
+    async def split(self, ranks: Sequence[int]) -> tuple[Backend, Backend] | None:
+        self._splits += 1  # on every rank, member or not: names must agree
+        if self.rank not in ranks:
+            return None
+        members = [self._global_ranks[r] for r in ranks]
+        label = f"{self._label}.{self._splits}"
+        user = await self._new_group(members, self._user_backend, label, self._timeout)
+        own = await self._new_group(members, "gloo", label + ".own", _OWN_TIMEOUT)
+        return user, own
+
+    async def _new_group(self, members: list[int], name: str, label: str,
+                         seconds: float) -> TorchBackend:
+        timeout = datetime.timedelta(seconds=seconds)
+        pg = await self._loop.run_in_executor(None, _make_group, members, name, label, timeout)
+        _no_deadline(pg, name)
+        return TorchBackend(name, pg, members, self._loop, self._timeout, _destroyer(pg),
+                            label=label, user_backend=name)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _open.discard(self)
+        self._eager.close(timeout=2.0)  # copies still on their way get a moment to arrive
+        self._settle()
+        if self._release is not None and dist.is_initialized():
+            try:
+                self._release()
+            except (ValueError, RuntimeError):
+                pass  # already gone with the world
+        self._waiters.close(timeout=2.0)
+        self._inbox.close()
+
+    def _busy(self) -> bool:
+        """Return whether gloo may still wake a thread or a callback of ours on this group."""
+        link = self._link
+        return bool(self._waiters.waiting(endless=False) or self._waiters.waiting(endless=True)
+                    or self._eager.running or self._bridge.pending
+                    or (link is not None and (link.listening or link.completing)))
+
+    def _ending(self) -> bool:
+        """Return whether something that closing the connections ends has not ended yet."""
+        link = self._link
+        return bool(self._waiters.waiting(endless=False) or self._eager.running
+                    or self._bridge.pending or (link is not None and link.completing))
+
+    def _settle(self, timeout: float = 5.0) -> None:
+        """End everything still in flight on the group, if asyncomm owns it (see the note).
+
+        Note on teardown
+        ----------------
+        A thread that wakes inside a gloo call -- a waiter returning from
+        ``wait()``, gloo's own thread running a future's Python callback --
+        once the interpreter has begun to exit is ended by ``pthread_exit``,
+        and the unwinding through gloo's C++ frames calls ``std::terminate``:
+        the process dies of SIGABRT after the program succeeded. Such a late
+        wake comes from an operation still pending at close (a timed-out
+        receive or send, a collective a peer never joined, an eager send
+        nobody receives), when the peer's exit closes the connection during
+        ours. gloo can neither cancel nor abort an operation, but a receive
+        waited for with a short timeout makes it close every connection of
+        the group ("application timeout"), which fails every pending
+        operation tied to a connection at once, here and now. So an owned
+        group with anything in flight is ended that way, and the threads and
+        callbacks it wakes are waited for, before it is destroyed. Peers see
+        the connection close, as they would at its destruction; their other
+        connections are untouched.
+
+        An any-source receive belongs to no connection: closing them does
+        not end it, and no message can reach it afterwards. Before closing,
+        the router asks a live peer to end it with an empty message
+        (``stuck``/``release``); one still pending stays parked in its
+        thread, harmlessly (its wait has no deadline, and nothing can wake
+        it). A group the user made (``init`` adopted it) is left alone.
+        """
+        if self._release is None or self.size == 1 or not dist.is_initialized():
+            return
+        if not self._busy():
+            return
+        _abort(self._pg)
+        if self._link is not None:
+            self._link.stop()
+        deadline = time.monotonic() + timeout
+        while self._ending() and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+
+def _base_store(env: LaunchEnv, timeout: float) -> Any:
+    """Return this process's rendezvous store, made once and reused by every init."""
+    key = (env.master_addr, env.master_port, env.rank, env.size)
+    with _store_lock:
+        store = _stores.get(key)
+        if store is None:
+            if env.size == 1:
+                store = dist.HashStore()  # type: ignore[attr-defined]
+            else:
+                store = dist.TCPStore(  # type: ignore[attr-defined]
+                    env.master_addr, env.master_port, env.size, is_master=env.hosts_store,
+                    timeout=datetime.timedelta(seconds=timeout),
+                    wait_for_workers=False)
+            _stores[key] = store
+        return store
+
+
+async def open_torch(name: str, env: LaunchEnv, timeout: float,
+                     loop: asyncio.AbstractEventLoop) -> tuple[Backend, Backend]:
+    """Join (or adopt) torch's default process group; return it and a private twin."""
+    global _generation
+    _generation += 1  # every rank opens as often as the others: labels agree
+    if name == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' needs CUDA, and no GPU is visible")
+        local = int(os.environ.get("LOCAL_RANK", env.rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local)
+    owns = not dist.is_initialized()
+    if owns:
+        store = _base_store(env, timeout)
+        prefixed = dist.PrefixStore(f"asyncomm/{_generation}", store)  # type: ignore[attr-defined]
+
+        def init() -> None:
+            prefixed.set(f"joined/{env.rank}", "1")
+            hook = sys.excepthook  # torch wraps it again at every init: "[rank1]: " per line
+            try:
+                dist.init_process_group(name, store=prefixed, rank=env.rank,
+                                        world_size=env.size,
+                                        timeout=datetime.timedelta(seconds=timeout))
+                sys.excepthook = hook  # launchers label ranks' lines; see asyncomm._runtime
+            except RuntimeError as exc:  # a store timeout: say who is missing
+                missing = [r for r in range(env.size) if not prefixed.check([f"joined/{r}"])]
+                if not missing:
+                    raise
+                raise CommTimeoutError(
+                    f"rank {env.rank}: init: rank{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(map(str, missing))} of {env.size} did not join within "
+                    f"{timeout:g} s (the init timeout; ASYNCOMM_TIMEOUT)") from exc
+
+        await loop.run_in_executor(None, init)
+    world = dist.group.WORLD
+    assert isinstance(world, dist.ProcessGroup)
+    if owns:
+        _no_deadline(world, name)
+    ranks = list(range(world.size()))
+    # asyncomm's own traffic (objects) is CPU bytes: always gloo.
+    label = f"asyncomm{_generation}"
+    own_pg = await loop.run_in_executor(None, _make_group, ranks, "gloo", label + ".own",
+                                        datetime.timedelta(seconds=_OWN_TIMEOUT))
+    release = dist.destroy_process_group if owns else None
+    user = TorchBackend(name, world, ranks, loop, timeout, release, label, name)
+    own = TorchBackend("gloo", own_pg, ranks, loop, timeout, _destroyer(own_pg), label, name)
+    return user, own
+
+
+def _make_group(members: list[int], backend: str, label: str,
+                timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """Create the process group of ``members`` (global ranks) named ``label``; members only.
+
+    Note on names
+    -------------
+    ``dist.new_group`` names a group either by a counter every rank of the
+    world must advance together, or (``use_local_synchronization``) by a
+    hash that also counts the groups this process already has -- which
+    differs between ranks that belong to different groups. asyncomm names
+    its groups itself, after the parent and how many groups it split off,
+    which every member agrees on.
+    """
+    c10d = dist.distributed_c10d
+    try:
+        pg, _ = c10d._new_process_group_helper(
+            len(members), members.index(dist.get_rank()), members, backend,
+            c10d._get_default_store(), c10d.GroupName(label), timeout=timeout)
+    except (AttributeError, TypeError):  # a torch without that helper: its own naming
+        made = dist.new_group(members, backend=backend, timeout=timeout,
+                              use_local_synchronization=True)
+        assert isinstance(made, dist.ProcessGroup)
+        return made
+    c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(members)}
+    assert isinstance(pg, dist.ProcessGroup)
+    return pg
+
+
+def _no_deadline(pg: dist.ProcessGroup, name: str) -> None:
+    """Leave deadlines to asyncomm: gloo's own, once the group is made, never passes.
+
+    gloo fails a collective still running at the group's timeout and closes
+    every connection of the group with it. asyncomm's deadline (the same
+    number) would race it, and lose the error that says what the other
+    ranks were doing (see ``_status``); a collective given up on stays in
+    flight instead, as a receive does, until it completes or the
+    communicator closes. nccl keeps its own: its watchdog acts on it.
+    """
+    if name == "gloo":
+        try:
+            pg._get_backend(torch.device("cpu"))._set_default_timeout(_FOREVER)
+        except (AttributeError, RuntimeError):  # a torch without it: gloo's deadline stays
+            pass
+
+
+def _destroyer(pg: dist.ProcessGroup) -> Callable[[], None]:
+    return lambda: dist.destroy_process_group(pg)

@@ -1,0 +1,328 @@
+"""``Handle``: the awaitable result of one issued operation; ``Deadlines``: their timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+from asyncomm._core.errors import CommError, CommTimeoutError, describe, gist
+
+T = TypeVar("T")
+
+_PENDING, _DONE, _FAILED = 0, 1, 2
+
+FROM_BACKEND: Any = object()  # a handle whose result is the value its backend reports
+
+
+class Handle(Generic[T]):
+    """The awaitable result of an operation that was issued when it was called.
+
+    ``await handle`` gives the result; awaiting it again gives it again.
+    Cancelling the awaiting task (or its own deadline passing) does not
+    un-issue the operation: the handle keeps the buffers the operation uses
+    alive until the backend has finished with them.
+    """
+
+    __slots__ = ("__weakref__", "_callbacks", "_error", "_events", "_keep", "_loop", "_result",
+                 "_state", "_value", "_waiters", "_what")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, what: tuple[Any, ...],
+                 result: Any = FROM_BACKEND, keep: object = None) -> None:
+        self._loop = loop
+        self._what = what  # (rank, op, seq, peer, tag): worded only on error
+        self._result = result  # what a success resolves to, unless FROM_BACKEND
+        self._keep = keep  # buffers the backend is using, kept until it is done
+        self._state = _PENDING
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._waiters: list[asyncio.Future[None]] | None = None
+        self._events: list[threading.Event] | None = None
+        self._callbacks: list[Callable[[Handle[T]], None]] | None = None
+
+    def __repr__(self) -> str:
+        state = ("pending", "done", "failed")[self._state]
+        return f"<Handle {describe(*self._what)} {state}>"
+
+    def done(self) -> bool:
+        """Return whether the operation has completed (or failed)."""
+        return self._state != _PENDING
+
+    def result(self) -> T:
+        """Return the result of a completed operation; raise its error if it failed."""
+        if self._state == _DONE:
+            return self._value  # type: ignore[no-any-return]
+        if self._state == _FAILED:
+            assert self._error is not None
+            raise self._error
+        raise asyncio.InvalidStateError(f"{describe(*self._what)} is still in flight")
+
+    def __await__(self) -> Generator[Any, None, T]:
+        if self._state == _PENDING:
+            waiter = self._loop.create_future()
+            if self._waiters is None:
+                self._waiters = []
+            self._waiters.append(waiter)
+            try:
+                yield from waiter
+            finally:
+                if not waiter.done() and self._waiters:  # cancelled: forget only this await
+                    self._waiters.remove(waiter)
+        return self.result()
+
+    def add_done_callback(self, callback: Callable[[Handle[T]], None]) -> None:
+        """Call ``callback(self)`` on the loop thread once the operation ends (now, if it has).
+
+        Unlike a future's, the callback runs at once, in the same loop iteration.
+        """
+        if self._state != _PENDING:
+            callback(self)
+        elif self._callbacks is None:
+            self._callbacks = [callback]
+        else:
+            self._callbacks.append(callback)
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until the operation completes and return its result.
+
+        For code without a running event loop (a worker thread, a script).
+        Raise ``CommTimeoutError`` if ``timeout`` seconds pass first (the
+        operation stays in flight).
+        """
+        if self._state == _PENDING:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is self._loop:
+                raise RuntimeError("Handle.wait() would block the event loop it needs: use await")
+            if self._loop.is_running():
+                event = threading.Event()
+                self._loop.call_soon_threadsafe(self._add_event, event)
+                finished = event.wait(timeout)
+            else:
+                finished = self._loop.run_until_complete(self._settled(timeout))
+            if not finished:
+                raise CommTimeoutError(f"{describe(*self._what)}: wait() gave up after {timeout} s")
+        return self.result()
+
+    async def _settled(self, timeout: float | None) -> bool:
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(self._quiet())), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    async def _quiet(self) -> None:
+        try:
+            await self
+        except BaseException:  # the error is raised by result()
+            pass
+
+    def _add_event(self, event: threading.Event) -> None:
+        if self._state != _PENDING:
+            event.set()
+        elif self._events is None:
+            self._events = [event]
+        else:
+            self._events.append(event)
+
+    # -- called by the progress engines, on the loop thread -----------------
+
+    def _succeed(self, value: object) -> None:
+        if self._state != _PENDING:  # timed out earlier: the backend is done now
+            self._keep = None
+            return
+        self._value = value if self._result is FROM_BACKEND else self._result
+        self._settle(_DONE, None)
+
+    def _fail(self, kind: type[CommError], cause: BaseException) -> None:
+        if self._state != _PENDING:
+            self._keep = None
+            return
+        error = kind(f"{describe(*self._what)}: {gist(cause)}")
+        error.__cause__ = cause.with_traceback(None)  # where the backend raised says nothing
+        self._settle(_FAILED, error)
+
+    def _expire(self, timeout: float, detail: str = "") -> None:
+        if self._state == _PENDING:
+            error = CommTimeoutError(f"{describe(*self._what)} timed out after {timeout:g} s"
+                                     f"{detail}")
+            self._give_up(error)
+
+    def _abandon(self, kind: type[CommError], cause: BaseException) -> None:
+        if self._state == _PENDING:
+            error = kind(f"{describe(*self._what)}: {gist(cause)}")
+            error.__cause__ = cause
+            self._give_up(error)
+
+    def _give_up(self, error: CommError) -> None:
+        self._state = _FAILED
+        self._error = error
+        self._wake()  # but keep the buffers: the backend still holds the request
+
+    def _settle(self, state: int, error: BaseException | None) -> None:
+        self._state = state
+        self._error = error
+        self._keep = None
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiters:
+            for waiter in self._waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+            self._waiters = None
+        if self._events:
+            for event in self._events:
+                event.set()
+            self._events = None
+        if self._callbacks:
+            callbacks, self._callbacks = self._callbacks, None
+            for callback in callbacks:
+                callback(self)
+
+
+class Deadlines:
+    """Expire pending handles at their deadlines; find the ones pending long (stalls).
+
+    Note on cost
+    ------------
+    Handles of one timeout are added in deadline order, so each timeout has
+    a FIFO queue whose head is the next to expire: adding is an append, and
+    a single loop timer waits for the head (none for ``math.inf``). Settled
+    handles leave lazily (only weak references are queued, so they never
+    hold buffers), and a queue is compacted when settled entries pile up
+    behind a long wait. Stalls are looked for by one timer, armed only while
+    something is pending, at the time the oldest handle not reported yet
+    would stall: nothing is done per handle for them.
+
+    ``expire(handle, timeout)`` is called when a deadline passes (the owner
+    words the error); ``stalled(handles)`` with handles pending ``stall_s``
+    or longer, each once, oldest first; ``waiting(handles)`` every
+    ``check_s`` with the handles pending that long (the owner checks on the
+    peers they wait for), by a timer armed likewise only while something is
+    pending.
+    """
+
+    _COMPACT = 4096
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 expire: Callable[[Handle[Any], float], None] | None = None,
+                 stall_s: float = 0.0,
+                 stalled: Callable[[list[tuple[Handle[Any], float]]], None] | None = None,
+                 check_s: float = 0.0,
+                 waiting: Callable[[list[Handle[Any]]], None] | None = None) -> None:
+        self._loop = loop
+        self._queues: dict[float, _Queue] = {}
+        self._expire = expire or (lambda handle, timeout: handle._expire(timeout))
+        self._stall_s = stall_s if stalled is not None else 0.0
+        self._stalled = stalled
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._reported: weakref.WeakSet[Handle[Any]] = weakref.WeakSet()
+        self._check_s = check_s if waiting is not None else 0.0
+        self._waiting = waiting
+        self._check_timer: asyncio.TimerHandle | None = None
+
+    def add(self, handle: Handle[Any], timeout: float) -> None:
+        """Fail ``handle`` (through ``expire``) if it is pending ``timeout`` s from now."""
+        queue = self._queues.get(timeout)
+        if queue is None:
+            queue = self._queues[timeout] = _Queue(self._loop, timeout, self._expire)
+        queue.add(handle)
+        if self._stall_s and self._stall_timer is None:
+            self._stall_timer = self._loop.call_later(self._stall_s, self._look_for_stalls)
+        if self._check_s and self._check_timer is None:
+            self._check_timer = self._loop.call_later(self._check_s, self._check)
+
+    def _check(self) -> None:
+        self._check_timer = None
+        pending = self.pending()
+        if not pending:
+            return
+        now = time.monotonic()
+        long = [handle for handle, issued in pending if now - issued >= self._check_s]
+        if long and self._waiting is not None:
+            self._waiting(long)
+        self._check_timer = self._loop.call_later(self._check_s, self._check)
+
+    def pending(self) -> list[tuple[Handle[Any], float]]:
+        """Return the handles still pending with the ``time.monotonic()`` they were issued."""
+        found = [(handle, issued) for queue in self._queues.values()
+                 for issued, ref in queue.entries
+                 if (handle := ref()) is not None and not handle.done()]
+        found.sort(key=lambda pair: pair[1])
+        return found
+
+    def _look_for_stalls(self) -> None:
+        self._stall_timer = None
+        now = time.monotonic()
+        waiting = [(h, issued) for h, issued in self.pending() if h not in self._reported]
+        stalled = [(h, now - issued) for h, issued in waiting if now - issued >= self._stall_s]
+        for handle, _ in stalled:
+            self._reported.add(handle)
+        if stalled and self._stalled is not None:
+            self._stalled(stalled)
+        later = [issued for h, issued in waiting if now - issued < self._stall_s]
+        if later:  # the oldest handle not reported yet stalls then
+            self._stall_timer = self._loop.call_later(later[0] + self._stall_s - now,
+                                                      self._look_for_stalls)
+
+    def close(self) -> None:
+        """Stop looking for stalls and checking on peers (deadlines still expire)."""
+        for timer in (self._stall_timer, self._check_timer):
+            if timer is not None:
+                timer.cancel()
+        self._stall_timer = self._check_timer = None
+        self._stall_s = self._check_s = 0.0
+
+
+class _Queue:
+    __slots__ = ("_added", "_expire", "_loop", "_timeout", "_timer", "entries")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float,
+                 expire: Callable[[Handle[Any], float], None]) -> None:
+        self._loop = loop
+        self._timeout = timeout
+        self._expire = expire
+        self.entries: collections.deque[tuple[float, weakref.ref[Handle[Any]]]] = (
+            collections.deque())  # (issued at, handle), oldest first
+        self._timer: asyncio.TimerHandle | None = None
+        self._added = 0
+
+    def add(self, handle: Handle[Any]) -> None:
+        self.entries.append((time.monotonic(), weakref.ref(handle)))
+        self._added += 1
+        if self._added % Deadlines._COMPACT == 0:
+            self._compact()
+        if self._timer is None and self._timeout != math.inf:
+            self._arm()
+
+    def _compact(self) -> None:
+        self.entries = collections.deque(
+            (issued, ref) for issued, ref in self.entries
+            if (handle := ref()) is not None and not handle.done())
+
+    def _arm(self) -> None:
+        delay = self.entries[0][0] + self._timeout - time.monotonic()
+        self._timer = self._loop.call_later(max(delay, 0.0), self._fire)
+
+    def _fire(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        entries = self.entries
+        while entries:
+            issued, ref = entries[0]
+            handle = ref()
+            if handle is not None and not handle.done():
+                if issued + self._timeout > now:  # loop timers round to ms: never fire early
+                    break
+                self._expire(handle, self._timeout)
+            entries.popleft()
+        if entries:
+            self._arm()

@@ -1,0 +1,96 @@
+"""The hook an observer attaches to: what communicators and computes report, when asked.
+
+Note on cost
+------------
+Each communicator owns a ``Probe``; its operations, channel messages and
+actor calls read ``probe.recording`` and report only when it is set: one
+attribute check each while nobody records. An observer (the trace recorder)
+``install``s itself: every open probe, and every probe made later, then
+reports to it, under the id its ``attach`` gave. Compute spans report through
+``span``. Nothing here knows what a recorder does with the reports.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Protocol
+
+
+class Recording(Protocol):
+    """What an observer takes reports through (``asyncomm._observe.recorder.Recorder``)."""
+
+    def attach(self, rank: int, size: int, backend: str) -> int:
+        """Start recording a communicator; return its id in the recording."""
+
+    def detached(self) -> None:
+        """A recorded communicator closed."""
+
+    def issued(self, handle: Any, comm: int, keep: object) -> None:
+        """An operation was issued (its completion is recorded through ``handle``)."""
+
+    def message(self, kind: str, nbytes: int, peer: int | None, tag: int | None, comm: int,
+                start: float, error: BaseException | None, name: str | None = None) -> None:
+        """A channel message or actor call ran from ``start`` until now."""
+
+    def span(self, name: str, start: float, end: float) -> None:
+        """A compute ran from ``start`` to ``end`` (``time.perf_counter`` s), on this thread."""
+
+
+class Probe:
+    """Where one communicator reports: ``recording`` is None while nobody records."""
+
+    __slots__ = ("__weakref__", "backend", "id", "rank", "recording", "size")
+
+    def __init__(self, rank: int, size: int, backend: str) -> None:
+        self.rank, self.size, self.backend = rank, size, backend
+        self.recording: Recording | None = None
+        self.id = 0
+        if _current is not None:
+            self._attach(_current)
+        _probes.add(self)
+
+    def _attach(self, recording: Recording) -> None:
+        self.recording = recording
+        self.id = recording.attach(self.rank, self.size, self.backend)
+
+    def close(self) -> None:
+        """The communicator closed: report no more."""
+        _probes.discard(self)
+        recording, self.recording = self.recording, None
+        if recording is not None:
+            recording.detached()
+
+
+_probes: weakref.WeakSet[Probe] = weakref.WeakSet()
+_current: Recording | None = None
+
+
+def install(recording: Recording) -> None:
+    """Have every open and future probe, and every compute, report to ``recording``."""
+    global _current
+    _current = recording
+    for probe in list(_probes):
+        if probe.recording is None:
+            probe._attach(recording)
+
+
+def uninstall(recording: Recording) -> None:
+    """Stop reporting to ``recording``."""
+    global _current
+    if _current is recording:
+        _current = None
+    for probe in list(_probes):
+        if probe.recording is recording:
+            probe.recording = None
+
+
+def current() -> Recording | None:
+    """Return what probes report to now (None: nobody records)."""
+    return _current
+
+
+def span(name: str, start: float, end: float) -> None:
+    """Report a compute span, if anyone records."""
+    recording = _current
+    if recording is not None:
+        recording.span(name, start, end)

@@ -1,0 +1,357 @@
+"""Links: how whole frames travel between the ranks of asyncomm's own communicator.
+
+A ``Link`` carries frames (see ``wire``) for the channel router, in order
+per pair of ranks, and hands each one that arrives to the router's
+``Arrivals``. Backends choose the link that suits them (``Backend.link``).
+
+Note on the layout
+------------------
+A frame travels as one *message* on tag ``tags.LINK_MESSAGE``: a preamble (head
+bytes, frame bytes inline, data messages following), then the frame in one
+piece if it fits in the link's ``room``. If it does not, the message holds
+only the head (or nothing, for a head beyond the room) and the buffers follow
+as *data messages* on tag ``tags.LINK_DATA`` from the same source, in order: the
+receiver posts their receives as soon as the message arrives, so frames from
+one source never mix. The frame bytes are the same on every link; only how a
+message is found differs:
+
+- gloo's receives must know their size: every message is padded to a fixed
+  size, and a thread keeps an any-source receive posted (see ``_gloo``);
+- MPI finds messages by matched probe and sizes each receive from it (see
+  ``_mpi``).
+
+Note on closing
+---------------
+A receive posted on gloo can be neither cancelled nor aborted, and tearing a
+process group down under one kills the process. So links close
+collectively: each sends ``BYE`` to every peer and stops receiving once
+every peer's ``BYE`` is in (``Arrivals.bye``). A peer known to be gone
+(``probe``) never says goodbye, so a live rank says it for it: a *proxy*
+``BYE`` naming the dead rank, sent before its own goodbye to the one rank it
+drains (see ``_gloo``), so that every receiver counts a goodbye from every
+peer, live or dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from asyncomm._core import tags, wire
+from asyncomm._core.errors import CommError, ProtocolError
+from asyncomm._core.handle import FROM_BACKEND, Handle
+from asyncomm._core.wire import Head
+
+PREAMBLE = struct.Struct("<IIII")  # head bytes, frame bytes inline (0: none), data messages, 0
+_HEADS = 1024  # heads a link keeps decoded
+BYE: bytes = wire.encode(wire.Kind.EOS, tags.BYE, 0, None)[0]  # a link's goodbye (see close)
+
+
+def signal(tag: int) -> bytes:
+    """Return the head of a link's signal ``tag`` (a drain, a ping): an empty EOS frame."""
+    return wire.encode(wire.Kind.EOS, tag, 0, None)[0]
+
+
+def proxy_bye(rank: int) -> bytes:
+    """Return the goodbye a live rank says for the dead ``rank`` (see the note on closing)."""
+    return wire.with_seq(BYE, rank + 1)
+
+
+def bye_from(raw: bytes | memoryview, src: int) -> int | None:
+    """Return who said goodbye if ``raw`` is a goodbye from ``src`` (or for a dead rank)."""
+    if len(raw) != len(BYE) or wire.without_seq(bytes(raw)) != wire.without_seq(BYE):
+        return None
+    proxy = wire.seq_of(raw)
+    return src if proxy == 0 else proxy - 1
+
+
+class Arrivals(Protocol):
+    """Where a link hands what it receives (the channel router)."""
+
+    def frame(self, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> None:
+        """A whole frame from ``src`` (``seq`` is its own: ``head`` may be a shared one)."""
+
+    def later(self, src: int, pending: Pending) -> None:
+        """A frame from ``src`` whose buffers are on their way (it comes before later ones)."""
+
+    def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
+        """A malformed frame: on channel ``tag``, or (``None``) the end of ``src``'s stream."""
+
+    def bye(self, src: int, dead: int | None = None) -> None:
+        """``src`` closed its end of the link: nothing more comes from it.
+
+        With ``dead``: ``src`` says that goodbye for ``dead``, which it found gone.
+        """
+
+    def failed(self, peer: int, cause: BaseException) -> None:
+        """``peer`` is gone (a probe of it failed)."""
+
+
+class Transport(Protocol):
+    """What a link needs of its backend: where it stands, and receives to post."""
+
+    rank: int
+    size: int
+
+    def recv(self, sink: Any, tensor: torch.Tensor, src: int | None, tag: int) -> None:
+        """Issue a receive; the sink gets the source rank."""
+
+
+class Link(ABC):
+    """Frames between the ranks of one communicator; see the note on the layout."""
+
+    def __init__(self, backend: Transport, loop: asyncio.AbstractEventLoop, room: int) -> None:
+        self._backend = backend
+        self._loop = loop
+        self.room = room  # the most frame bytes a message carries inline
+        self._arrivals: Arrivals | None = None
+        self._limits = wire.Limits()
+        self._held: dict[int, collections.deque[bytearray | torch.Tensor]] = {}
+        self._heads: dict[bytes, Head] = {}
+
+    def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
+        """Start receiving: every frame that arrives goes to ``arrivals``."""
+        self._arrivals, self._limits = arrivals, limits
+
+    def pump(self) -> bool:
+        """Hand over what has arrived, without waiting; return whether anything had."""
+        return False
+
+    def expect(self) -> None:  # noqa: B027
+        """A receiver waits: watch closely for a while (where the link polls)."""
+
+    def probe(self, dst: int) -> BaseException | None:
+        """Check that ``dst`` is still there; return why not, or ``None`` if it may be.
+
+        Links that cannot tell return ``None`` (MPI: a dead rank ends the job).
+        Only before this rank's goodbye (a probe is a message).
+        """
+        return None
+
+    def goodbye(self, gone: frozenset[int] = frozenset()) -> list[Handle[None]]:
+        """Say goodbye to every live peer (see the note on closing); return the sends in flight.
+
+        ``gone`` are the peers known dead: they get nothing.
+        """
+        handles: list[Handle[None]] = []
+        for dst in range(self._backend.size):
+            if dst != self._backend.rank and dst not in gone:
+                handles.extend(self.send(dst, BYE, []))
+        return handles
+
+    async def drained(self) -> None:  # noqa: B027
+        """Return once no receive of the link is posted (after every peer's goodbye)."""
+
+    @abstractmethod
+    def stop(self) -> None:
+        """Receive nothing more (every peer said goodbye, or the communicator closes)."""
+
+    async def join(self, timeout: float) -> None:  # noqa: B027
+        """Wait (up to ``timeout`` in all, off the loop) for the link's threads to end."""
+
+    def _message(self, nbytes: int) -> bytearray:
+        """Return a zeroed message buffer of at least ``nbytes``."""
+        return bytearray(nbytes)
+
+    @abstractmethod
+    def _post(self, buffer: bytearray | torch.Tensor, dst: int, tag: int) -> Handle[None] | None:
+        """Send ``buffer``; return its handle, or ``None`` if it is done already."""
+
+    def _fetch(self, tensor: torch.Tensor, src: int | None, tag: int) -> Handle[int]:
+        handle: Handle[int] = Handle(self._loop, (self._backend.rank, "recv", None, src, tag),
+                                     FROM_BACKEND, tensor)
+        self._backend.recv(handle, tensor, src, tag)
+        return handle
+
+    # -- sending -----------------------------------------------------------------------
+
+    def send(self, dst: int, head: bytes, buffers: list[torch.Tensor]) -> list[Handle[None]]:
+        """Issue a frame (``buffers`` flat uint8); return the handles still in flight."""
+        at = PREAMBLE.size
+        size = wire.frame_size(len(head), [b.numel() for b in buffers])
+        inline = size <= self.room
+        follow = 0 if inline else len(buffers) + (len(head) > self.room)
+        body = size if inline else len(head) if follow == len(buffers) else 0
+        message = self._message(at + body)
+        PREAMBLE.pack_into(message, 0, len(head), size if inline else 0, follow, 0)
+        if inline:
+            wire.pack_frame(head, buffers, memoryview(message)[at:at + size])
+        elif follow == len(buffers):
+            message[at:at + len(head)] = head
+        posted = [self._post(message, dst, tags.LINK_MESSAGE)]
+        if follow > len(buffers):
+            posted.append(self._post(torch.frombuffer(bytearray(head), dtype=torch.uint8),
+                                     dst, tags.LINK_DATA))
+        if not inline:
+            posted.extend(self._post(b, dst, tags.LINK_DATA) for b in buffers)
+        return [h for h in posted if h is not None]
+
+    # -- receiving ---------------------------------------------------------------------
+
+    def _arrive(self, src: int, message: bytearray | torch.Tensor) -> None:
+        """Take one message from ``src`` (perhaps padded), in its order."""
+        arrivals = self._arrivals
+        assert arrivals is not None
+        held = self._held.get(src)
+        if held is not None:  # a big head from src is still on its way: keep the order
+            held.append(message)
+            return
+        at = PREAMBLE.size
+        view = memoryview(message.numpy().data if isinstance(message, torch.Tensor) else message)
+        if len(view) < at:
+            arrivals.refuse(src, ProtocolError(f"message of {len(view)} bytes from rank {src}"),
+                            None)
+            return
+        head_bytes, inline, follow, _ = PREAMBLE.unpack_from(view, 0)
+        if head_bytes > self._limits.max_head_bytes or inline > len(view) - at:
+            arrivals.refuse(src, ProtocolError(f"message from rank {src} declares a head of "
+                                               f"{head_bytes} bytes, inline {inline}"), None)
+            return
+        if head_bytes > self.room:  # the head follows as a data message: hold src's later ones
+            if inline or not follow:
+                arrivals.refuse(src, ProtocolError(f"message from rank {src} declares a head "
+                                                   f"of {head_bytes} bytes inline"), None)
+                return
+            self._big_head(src, head_bytes, follow - 1)
+            return
+        raw = view[at:at + head_bytes]
+        who = bye_from(raw, src) if not follow else None
+        if who is not None:
+            arrivals.bye(src, None if who == src else who)
+            return
+        try:
+            head, seq = self._head(raw)
+            if inline:
+                if follow:
+                    raise ProtocolError("a frame inline with data messages following")
+                buffers = wire.unpack_frame(view[at:at + inline], head_bytes, head)
+            else:
+                self._check_follow(head, head_bytes, follow)
+        except ProtocolError as exc:  # its data messages cannot be skipped safely
+            arrivals.refuse(src, exc, None if follow else wire.legible_tag(raw))
+            return
+        if inline:
+            arrivals.frame(src, head, buffers, seq)
+        else:
+            arrivals.later(src, self._data(src, head, seq))
+
+    def _head(self, raw: memoryview) -> tuple[Head, int]:
+        """Decode a head; return it and its seq.
+
+        Heads with buffers that differ only in their seq (a stream of tensors
+        of one shape) are decoded once: the cache maps the head's bytes but
+        the seq to the ``Head`` decoded first.
+        """
+        data = raw.tobytes()
+        key = wire.without_seq(data)
+        head = self._heads.get(key)
+        if head is None:
+            head = wire.decode_head(data, self._limits)
+            if head.descriptors:  # shapes repeat; structures of plain messages rarely do
+                if len(self._heads) >= _HEADS:
+                    self._heads.clear()
+                self._heads[key] = head
+        return head, wire.seq_of(data)
+
+    def _check_follow(self, head: Head, head_bytes: int, follow: int) -> None:
+        if follow != len(head.descriptors):
+            raise ProtocolError("data message count does not match the head")
+        if wire.frame_size(head_bytes, [d.nbytes for d in head.descriptors]) <= self.room:
+            raise ProtocolError("a frame that fits its message came in pieces")
+
+    def _data(self, src: int, head: Head, seq: int) -> Pending:
+        """Post a frame's data receives now, in order; return the frame they complete."""
+        pending = Pending(head, wire.allocate(head), seq)
+        for b in pending.buffers:
+            self._fetch(b, src, tags.LINK_DATA).add_done_callback(pending.received)
+        return pending
+
+    def _big_head(self, src: int, head_bytes: int, follow: int) -> None:
+        """Fetch a head that came as a data message; meanwhile hold ``src``'s later messages."""
+        assert self._arrivals is not None
+        raw_head = torch.empty(head_bytes, dtype=torch.uint8)
+        self._held[src] = collections.deque()
+        pending = Pending(None, [], 0)
+        self._arrivals.later(src, pending)
+
+        def fetched(handle: Handle[int]) -> None:
+            try:
+                handle.result()
+                head = wire.decode_head(raw_head.numpy().tobytes(), self._limits)
+                self._check_follow(head, head_bytes, follow)
+            except CommError as exc:
+                pending.fail(exc)
+            else:
+                pending.follow(self._data(src, head, head.seq))
+            for message in self._held.pop(src, ()):  # now the later ones, in order
+                self._arrive(src, message)
+
+        self._fetch(raw_head, src, tags.LINK_DATA).add_done_callback(fetched)
+
+
+class Pending:
+    """A frame whose buffers are on their way; ``then`` runs once it is whole or failed.
+
+    Completion runs callbacks at once (no loop iteration between a buffer's
+    arrival and the frame's delivery).
+    """
+
+    __slots__ = ("_then", "buffers", "error", "head", "left", "seq")
+
+    def __init__(self, head: Head | None, buffers: list[torch.Tensor], seq: int) -> None:
+        self.head = head  # perhaps shared by frames alike: the frame's seq is ``seq``
+        self.buffers = buffers
+        self.seq = seq
+        self.left = len(buffers)
+        self.error: CommError | None = None
+        self._then: Callable[[], None] | None = None
+
+    def done(self) -> bool:
+        return self.error is not None or (self.head is not None and self.left == 0)
+
+    def then(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` when done (at once, if it is)."""
+        if self.done():
+            callback()
+        else:
+            self._then = callback
+
+    def received(self, handle: Handle[Any]) -> None:
+        try:
+            handle.result()
+        except CommError as exc:
+            self.fail(exc)
+        else:
+            self.left -= 1
+            self._settle()
+
+    def whole(self) -> None:
+        """Every buffer has arrived (for links that wait for them all at once)."""
+        self.left = 0
+        self._settle()
+
+    def fail(self, error: CommError) -> None:
+        if self.error is None:
+            self.error = error
+            self._settle()
+
+    def follow(self, other: Pending) -> None:
+        """Become ``other`` (the frame behind a head that came late) once it is done."""
+        def adopt() -> None:
+            self.head, self.buffers, self.seq, self.left = other.head, other.buffers, other.seq, 0
+            if other.error is not None:
+                self.error = other.error
+            self._settle()
+
+        other.then(adopt)
+
+    def _settle(self) -> None:
+        if self.done() and self._then is not None:
+            then, self._then = self._then, None
+            then()

@@ -1,0 +1,459 @@
+"""Progress: carry the completion of backend requests onto the rank's event loop.
+
+Three engines, one per way a backend can report that a request is done:
+
+- ``FutureBridge``: the backend completes a future on one of its own threads
+  (torch collectives); its callback hops to the loop with
+  ``call_soon_threadsafe``.
+- ``Waiters``: the request only completes inside a blocking ``wait()`` (gloo
+  send/recv cannot be polled). Reusable threads block in ``wait()``, one per
+  request *in flight*, so a receive that waits long never delays another
+  request's completion. Idle threads are kept for reuse and retire after a while.
+- ``Poller``: the request must be tested (MPI). The loop calls the backend's
+  ``testsome`` — spinning with ``call_soon`` while completions are expected,
+  backing off exponentially to ``max_backoff_s`` when idle, so a rank waiting
+  for a message that does not come uses little CPU.
+
+Every engine calls the backend's ``finish(outcome)`` on the loop thread (copy
+results out, read a source rank) and then settles a ``Sink`` (the ``Handle``).
+Backend exceptions are classified by the backend's ``classify`` into a
+``CommError`` subclass; the sink words the message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import queue
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from asyncomm._core import settings
+from asyncomm._core.errors import CommClosedError, CommError
+
+Finish = Callable[[Any], object]
+Classify = Callable[[BaseException], type[CommError]]
+
+
+class Sink(Protocol):
+    """What a finished request is reported to (on the loop thread)."""
+
+    def _succeed(self, value: object) -> None: ...
+
+    def _fail(self, kind: type[CommError], cause: BaseException) -> None: ...
+
+    def _abandon(self, kind: type[CommError], cause: BaseException) -> None:
+        """Fail without releasing buffers: the backend may still use them."""
+
+
+def _deliver(sink: Sink, finish: Finish, outcome: Any, classify: Classify) -> None:
+    try:
+        value = finish(outcome)
+    except BaseException as exc:  # the backend's error, re-raised by finish
+        sink._fail(classify(exc), exc)
+    else:
+        sink._succeed(value)
+
+
+class Inbox:
+    """Carry completions from backend threads to the loop: a queue and one wake-up fd.
+
+    Note on waking the loop
+    -----------------------
+    ``call_soon_threadsafe`` wakes the loop while the calling thread still
+    holds the GIL, so the woken loop thread at once blocks on the GIL again
+    (one more thread hand-off, costly on small machines). ``os.write``
+    releases the GIL around the system call: the loop thread wakes to a
+    free GIL. Completions queue up between wake-ups and are delivered in
+    one batch; a wake-up is written only when none is pending.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, classify: Classify) -> None:
+        self._loop = loop
+        self._classify = classify
+        self._queue: collections.deque[tuple[Sink, Finish, Any]] = collections.deque()
+        self._signalled = False
+        if hasattr(os, "eventfd"):
+            self._read_fd = self._write_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        else:  # pragma: no cover - not Linux
+            self._read_fd, self._write_fd = os.pipe()
+            os.set_blocking(self._read_fd, False)
+        loop.add_reader(self._read_fd, self._drain)
+        self._closed = False
+
+    def put(self, sink: Sink, finish: Finish, outcome: Any) -> None:
+        """Deliver ``finish(outcome)`` to ``sink`` on the loop; callable from any thread."""
+        if self._closed:
+            return  # the loop is gone: nobody can await this any more
+        self._queue.append((sink, finish, outcome))
+        if not self._signalled:
+            self._signalled = True
+            try:
+                os.write(self._write_fd, b"\x01\0\0\0\0\0\0\0")
+            except OSError:
+                pass  # closed meanwhile
+
+    def _drain(self) -> None:
+        try:
+            os.read(self._read_fd, 8)
+        except BlockingIOError:
+            pass
+        self._signalled = False  # before draining: a later put signals again
+        queue, classify = self._queue, self._classify
+        while queue:
+            sink, finish, outcome = queue.popleft()
+            _deliver(sink, finish, outcome, classify)
+
+    def close(self) -> None:
+        """Deliver what is queued, stop listening and close the fds."""
+        if self._closed:
+            return
+        self._drain()
+        self._closed = True
+        self._loop.remove_reader(self._read_fd)
+        os.close(self._read_fd)
+        if self._write_fd != self._read_fd:
+            os.close(self._write_fd)
+
+
+class FutureBridge:
+    """Complete requests whose backend future fires on a backend thread.
+
+    Note on callbacks at exit
+    -------------------------
+    The callback given to a backend future is Python: the backend's thread
+    takes the GIL to run it, and again to release it. A thread that wants
+    the GIL once the interpreter has begun to finalize is ended with
+    ``pthread_exit``, whose unwinding through the backend's C++ frames calls
+    ``std::terminate``. So a future must not be left pending when the process
+    exits: ``pending`` says whether any callback still exists (each is held
+    weakly here, and dies once the backend has run and released it).
+    """
+
+    def __init__(self, inbox: Inbox) -> None:
+        self._inbox = inbox
+        self._callbacks: weakref.WeakSet[Callable[[Any], None]] = weakref.WeakSet()
+
+    def watch(self, future: Any, sink: Sink, finish: Finish) -> None:
+        """Settle ``sink`` with ``finish(future)`` once ``future`` is done."""
+        put = self._inbox.put
+
+        def done(future: Any) -> None:
+            put(sink, finish, future)
+
+        self._callbacks.add(done)
+        future.add_done_callback(done)
+
+    @property
+    def pending(self) -> int:
+        """Return how many callbacks the backend has not run and released yet."""
+        return len(self._callbacks)
+
+
+class Waiters:
+    """Complete requests that only finish inside a blocking ``wait()``.
+
+    Note on threads
+    ---------------
+    One thread is busy per request in flight; threads are reused, never
+    created per request while idle ones exist. Invariant: ``_idle`` counts
+    threads free to take a queued job, so a job never waits behind a
+    blocked ``wait()``. A request watched as ``endless`` may never end
+    once its communicator is gone (see ``TorchBackend``'s note on teardown):
+    closing does not wait for its thread, which stays parked in ``wait()``.
+    """
+
+    def __init__(self, inbox: Inbox, idle_s: float = 30.0) -> None:
+        self._inbox = inbox
+        self._idle_s = idle_s
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], object], Sink, Finish, bool] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads: set[threading.Thread] = set()
+        self._waiting: dict[threading.Thread, bool] = {}  # inside wait(): whether endless
+        self._closed = False
+
+    def watch(self, wait: Callable[[], object], sink: Sink, finish: Finish,
+              endless: bool = False) -> None:
+        """Settle ``sink`` with ``finish(None)`` once ``wait()`` has returned."""
+        with self._lock:
+            if self._closed:
+                raise CommClosedError("the communicator is closed")
+            if self._idle > 0:
+                self._idle -= 1
+            else:
+                thread = threading.Thread(target=self._serve, name="asyncomm-waiter", daemon=True)
+                self._threads.add(thread)
+                thread.start()
+        self._jobs.put((wait, sink, finish, endless))
+
+    def _serve(self) -> None:
+        me = threading.current_thread()
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._idle_s)
+            except queue.Empty:
+                with self._lock:
+                    if self._idle > 0:  # no job is reserved for an idle thread: retire one
+                        self._idle -= 1
+                        self._threads.discard(me)
+                        return
+                continue
+            if job is None:
+                with self._lock:
+                    self._threads.discard(me)
+                return
+            wait, sink, finish, endless = job
+            with self._lock:
+                self._waiting[me] = endless
+            try:
+                wait()
+            except BaseException as exc:
+                error: BaseException | None = exc
+            else:
+                error = None
+            with self._lock:  # free before the report: the loop may post the next job at once
+                del self._waiting[me]
+                self._idle += 1
+            self._report(sink, finish, error)
+
+    def _report(self, sink: Sink, finish: Finish, error: BaseException | None) -> None:
+        if error is not None:
+            def finish_with_error(_: object, exc: BaseException = error) -> object:
+                raise exc
+
+            finish = finish_with_error
+        self._inbox.put(sink, finish, None)
+
+    def waiting(self, endless: bool = False) -> int:
+        """Return how many threads are inside a ``wait()``: the endless ones, or the others."""
+        with self._lock:
+            return sum(1 for kind in self._waiting.values() if kind is endless)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the idle threads; wait up to ``timeout`` for busy ones (but endless) to return."""
+        with self._lock:
+            self._closed = True
+            threads = [t for t in self._threads if not self._waiting.get(t, False)]
+            count = len(self._threads)
+        for _ in range(count):
+            self._jobs.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class Reaper:
+    """See off requests nobody awaits (eager sends), in batches, on one thread.
+
+    ``watch(wait)`` queues a request; the thread wakes when ``batch`` are
+    queued (or every ``period_s``) and calls ``wait()`` on each in turn, so
+    it costs one wake-up per batch rather than one per request. A request
+    that raised is kept in ``failure`` for its owner to report.
+    """
+
+    def __init__(self, batch: int = 16, period_s: float = 0.1) -> None:
+        self._batch = batch
+        self._period_s = period_s
+        self._jobs: collections.deque[Callable[[], object]] = collections.deque()
+        self._ready = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closing = False
+        self.issued = 0  # written by the owner's thread only
+        self.reaped = 0  # written by the reaper thread only
+        self.failure: BaseException | None = None
+
+    @property
+    def in_flight(self) -> int:
+        """Return how many requests are not seen off yet."""
+        return self.issued - self.reaped
+
+    def watch(self, wait: Callable[[], object]) -> None:
+        """Queue ``wait`` to be called on the reaper thread."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="asyncomm-reaper",
+                                            daemon=True)
+            self._thread.start()
+        self.issued += 1
+        self._jobs.append(wait)
+        if len(self._jobs) >= self._batch:
+            with self._ready:
+                self._ready.notify()
+
+    def _serve(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._closing or len(self._jobs) >= self._batch,
+                                     self._period_s)
+                closing = self._closing
+            while self._jobs:
+                try:
+                    self._jobs.popleft()()
+                except BaseException as exc:
+                    self.failure = exc
+                self.reaped += 1
+            if closing:
+                return
+
+    @property
+    def running(self) -> bool:
+        """Return whether the thread is alive (it may be inside a request's ``wait()``)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread once the queued requests are seen off (or ``timeout`` passed)."""
+        if self._thread is not None:
+            with self._ready:
+                self._closing = True
+                self._ready.notify()
+            self._thread.join(timeout)
+
+
+class Poller:
+    """Complete requests by testing them from the event loop: spin while busy, back off when idle.
+
+    The backend supplies ``test(request)`` -> ``(done, outcome)`` and
+    ``testsome(requests)`` -> ``[(index, outcome), ...]`` for the completed
+    ones; an outcome that is an exception fails its request.
+
+    Note on spinning
+    ----------------
+    A request is tested once when it is issued (an eager send is often done
+    at once: its ``await`` then never suspends). After that the loop polls
+    with ``call_soon`` for a while after the last issue or completion, then
+    backs off exponentially. *Active* requests -- collectives and sends, which
+    MPI only advances inside MPI calls -- keep the loop spinning for
+    ``active_spin_s`` so that large transfers are not slowed by back-off;
+    a rank with only receives waiting backs off after ``spin_s`` and polls at
+    most every ``max_backoff_s``, so waiting costs little CPU. *Probes*
+    (``probe``) are called at every poll, with or without requests in
+    flight: the MPI channel link finds its messages so. ``kick`` resets the
+    back-off when something is expected soon.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 test: Callable[[Any], tuple[bool, Any]],
+                 testsome: Callable[[Sequence[Any]], list[tuple[int, Any]]],
+                 classify: Classify) -> None:
+        self._loop = loop
+        self._test = test
+        self._testsome = testsome
+        self._classify = classify
+        polling = settings.read()
+        self._spin_s = polling.spin_s
+        self._active_spin_s = polling.active_spin_s
+        self._max_backoff_s = polling.max_backoff_s
+        self._requests: list[Any] = []
+        self._entries: list[tuple[Sink, Finish, bool]] = []
+        self._active = 0  # pending requests that need polling to make progress
+        self._probes: list[Callable[[], bool]] = []
+        self._timer: asyncio.Handle | None = None
+        self._spinning = False  # a poll runs or is due at the next loop iteration
+        self._delay = 0.0
+        self._last_busy = 0.0
+
+    def watch(self, request: Any, sink: Sink, finish: Finish, active: bool = True) -> None:
+        """Settle ``sink`` with ``finish(outcome)`` once ``request`` completes."""
+        try:
+            done, outcome = self._test(request)
+        except BaseException as exc:
+            sink._fail(self._classify(exc), exc)
+            return
+        if done:
+            _deliver(sink, finish, outcome, self._classify)
+            return
+        self._requests.append(request)
+        self._entries.append((sink, finish, active))
+        self._active += active
+        self.kick()
+
+    def probe(self, probe: Callable[[], bool]) -> None:
+        """Call ``probe()`` at every poll until ``unprobe``; it returns whether it found work.
+
+        A probe keeps the poller polling with nothing in flight (backing off when idle).
+        """
+        self._probes.append(probe)
+        self.kick()
+
+    def unprobe(self, probe: Callable[[], bool]) -> None:
+        """Stop calling ``probe``."""
+        if probe in self._probes:
+            self._probes.remove(probe)
+
+    def kick(self) -> None:
+        """Poll at once and spin a while: something is expected soon."""
+        self._last_busy = time.monotonic()
+        self._delay = 0.0
+        if not self._spinning:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._spinning = True
+            self._timer = self._loop.call_soon(self._poll)
+
+    def _poll(self) -> None:
+        self._timer = None
+        self._spinning = True  # what is issued from here on is polled when this poll ends
+        requests = self._requests
+        if len(requests) == 1:  # the common case: one request, no index bookkeeping
+            try:
+                done, outcome = self._test(requests[0])
+            except BaseException as exc:
+                done, outcome = True, exc
+            completed = [(0, outcome)] if done else []
+        else:
+            completed = self._testsome(requests) if requests else []
+        now = time.monotonic()
+        if completed:
+            self._last_busy = now
+            self._delay = 0.0
+            finished = []
+            for index, outcome in sorted(completed, key=lambda pair: pair[0], reverse=True):
+                del requests[index]
+                finished.append((self._entries.pop(index), outcome))
+            for (sink, finish, active), outcome in reversed(finished):
+                self._active -= active
+                if isinstance(outcome, BaseException):
+                    sink._fail(self._classify(outcome), outcome)
+                else:
+                    _deliver(sink, finish, outcome, self._classify)
+        for probe in tuple(self._probes):  # a probe may unregister itself
+            if probe():
+                self._last_busy = now
+                self._delay = 0.0
+        if not self._requests and not self._probes:
+            self._spinning = False
+            return
+        window = self._active_spin_s if self._active else self._spin_s
+        if now - self._last_busy < window:
+            self._spinning = True
+            self._timer = self._loop.call_soon(self._poll)
+        else:
+            self._spinning = False
+            self._delay = min(max(2 * self._delay, 1e-5), self._max_backoff_s)
+            self._timer = self._loop.call_later(self._delay, self._poll)
+
+    def drain(self) -> list[tuple[Any, Sink, bool]]:
+        """Stop polling and fail every pending sink as closed.
+
+        Return the pending requests with their sinks: the backend cancels
+        what it can, and must keep the sinks (which hold the buffers) for as
+        long as the requests may still use them.
+        """
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._spinning = False
+        self._probes.clear()
+        pending = [(request, sink, active) for request, (sink, _, active)
+                   in zip(self._requests, self._entries, strict=True)]
+        self._requests, self._entries, self._active = [], [], 0
+        closed = CommClosedError("the communicator was closed with this operation in flight")
+        for _, sink, _ in pending:
+            sink._abandon(CommClosedError, closed)
+        return pending

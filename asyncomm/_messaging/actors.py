@@ -1,0 +1,306 @@
+"""Actors: objects served on one rank whose endpoints any rank can call, over channels.
+
+Note on the protocol
+--------------------
+Requests and replies travel on two channels of asyncomm's own (tags above
+every user channel), with the default codec: arguments and results are what
+a default channel carries. A request is ``[call id, actor, method, args,
+kwargs, wants reply]``; a reply is ``[call id, ok, result]`` or ``[call id,
+ok=False, [type name, message, traceback]]``. Each rank sends its requests
+to one destination in call order (calls and tells alike), and each actor
+handles one request at a time, in arrival order.
+
+A call to a rank that closed its communicator fails with ``CommClosedError``
+as soon as its end-of-stream arrives. A call to a rank that died fails with
+``PeerFailedError`` once the router knows (the caller's reply loop probes
+the ranks it has calls in flight to, see the note on dead peers in
+``_channels``); where the link cannot tell, with ``CommTimeoutError`` at the
+call's deadline (``timeout=``, default the communicator's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import math
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from asyncomm._core import tags
+from asyncomm._core.errors import (
+    CommClosedError,
+    CommError,
+    CommTimeoutError,
+    PeerFailedError,
+    RemoteError,
+)
+from asyncomm._core.wire import Codec, Kind
+from asyncomm._messaging.channels import Channel, Message
+from asyncomm._messaging.router import Encoded, Router
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_ENDPOINT = "__asyncomm_endpoint__"
+_POLL_S = 0.25  # how often a caller's wait looks for ranks that closed
+_Outgoing = tuple[int, int, Encoded]  # channel tag, call id, encoded message
+
+
+def endpoint(method: F) -> F:
+    """Mark a method of an ``Actor`` as callable from other ranks."""
+    setattr(method, _ENDPOINT, True)
+    return method
+
+
+class Actor:
+    """Base class of objects served with ``comm.serve(actor, name)``.
+
+    Only methods marked ``@asyncomm.endpoint`` can be called remotely; they
+    may be ``async def`` or plain. An actor handles one call at a time.
+    """
+
+
+class Host:
+    """This rank's actors and the calls it has in flight, for one communicator."""
+
+    def __init__(self, router: Router, rank: int, timeout: float) -> None:
+        self.rank = rank
+        self._router = router
+        self._timeout = timeout
+        # They do not probe: every rank serves, and most wait for nothing in particular.
+        self._requests = Channel(router, tags.ACTOR_REQUEST, Codec.DEFAULT, math.inf, probe=False)
+        self._replies = Channel(router, tags.ACTOR_REPLY, Codec.DEFAULT, math.inf, probe=False)
+        self._actors: dict[str, asyncio.Queue[Message]] = {}
+        self._workers: list[asyncio.Task[None]] = []
+        self._calls: dict[int, tuple[int, asyncio.Future[Any], str]] = {}
+        self._ids = itertools.count()
+        self._outboxes: dict[int, asyncio.Queue[_Outgoing | None]] = {}
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._serve_requests()),
+                       loop.create_task(self._serve_replies())]
+        router.on_dead.append(self._fail_dead)
+
+    # -- hosting -----------------------------------------------------------------
+
+    def serve(self, actor: Actor, name: str) -> None:
+        """Serve ``actor`` under ``name`` on this rank."""
+        if not isinstance(actor, Actor):
+            raise TypeError(f"rank {self.rank}: serve: {type(actor).__name__} is not an "
+                            "asyncomm.Actor")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"rank {self.rank}: serve: name must be a non-empty str")
+        if name in self._actors:
+            raise ValueError(f"rank {self.rank}: serve: an actor named {name!r} is served here")
+        inbox: asyncio.Queue[Message] = asyncio.Queue()
+        self._actors[name] = inbox
+        self._workers.append(asyncio.get_running_loop().create_task(self._run(actor, name,
+                                                                             inbox)))
+
+    async def _serve_requests(self) -> None:
+        try:
+            await self._route_requests()
+        except PeerFailedError:  # every other rank is gone or closed: nothing more comes
+            pass
+
+    async def _route_requests(self) -> None:
+        async for message in self._requests:
+            name = message.data[1]
+            inbox = self._actors.get(name)
+            if inbox is None:
+                self._answer(message, False, ["LookupError",
+                                              f"no actor named {name!r} on rank {self.rank}", ""])
+            else:
+                inbox.put_nowait(message)
+
+    async def _run(self, actor: Actor, name: str, inbox: asyncio.Queue[Message]) -> None:
+        while True:
+            message = await inbox.get()
+            _, _, method, args, kwargs, _ = message.data
+            target = getattr(actor, method, None)
+            try:
+                if target is None or not getattr(target, _ENDPOINT, False):
+                    raise AttributeError(f"{type(actor).__name__} has no endpoint {method!r}")
+                result = target(*args, **kwargs)
+                if inspect.isawaitable(result):
+                    result = await result
+            except Exception as exc:
+                self._answer(message, False, [type(exc).__name__, str(exc),
+                                              traceback.format_exc()])
+            else:
+                self._answer(message, True, result)
+
+    def _answer(self, request: Message, ok: bool, result: Any) -> None:
+        call_id, wants_reply = request.data[0], request.data[5]
+        if wants_reply:
+            try:
+                self._post(request.src, self._replies, [call_id, ok, result])
+            except TypeError as exc:  # a result the default codec cannot carry
+                self._post(request.src, self._replies, [call_id, False,
+                                                        ["TypeError", str(exc), ""]])
+
+    # -- calling -------------------------------------------------------------------
+
+    async def call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], timeout: float | None) -> Any:
+        """Call ``name.method(*args, **kwargs)`` on ``rank`` and return its result."""
+        trace = self._router.probe.recording
+        if trace is None:
+            return await self._call(rank, name, method, args, kwargs, timeout)
+        start, error = time.perf_counter(), None
+        try:
+            return await self._call(rank, name, method, args, kwargs, timeout)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            trace.message("actor_call", 0, rank, None, self._router.probe.id, start,
+                          error, f"{name}.{method}")
+
+    async def _call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
+                    kwargs: dict[str, Any], timeout: float | None) -> Any:
+        self._check_open(rank, name, method)
+        call_id = next(self._ids)
+        future = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = (rank, future, f"{name}.{method}")
+        self._post(rank, self._requests, [call_id, name, method, list(args), kwargs, True])
+        limit = self._timeout if timeout is None else timeout
+        try:
+            ok, result = await asyncio.wait_for(future, None if limit == math.inf else limit)
+        except asyncio.TimeoutError:
+            raise CommTimeoutError(f"rank {self.rank}: call {name}.{method} on rank {rank} "
+                                   f"timed out after {limit:g} s") from None
+        finally:
+            self._calls.pop(call_id, None)
+        if not ok:
+            kind, text, remote_tb = result
+            raise RemoteError(f"rank {rank}: {name}.{method} raised {kind}: {text}", rank,
+                              remote_tb)
+        return result
+
+    def tell(self, rank: int, name: str, method: str, args: tuple[Any, ...],
+             kwargs: dict[str, Any]) -> None:
+        """Send ``name.method(*args, **kwargs)`` to ``rank`` without waiting for a reply."""
+        self._check_open(rank, name, method)
+        self._post(rank, self._requests, [next(self._ids), name, method, list(args), kwargs,
+                                          False])
+
+    def _check_open(self, rank: int, name: str, method: str) -> None:
+        if rank in self._router.dead:
+            raise self._router._gone(f"call {name}.{method} on rank {rank}", rank)
+        if rank in self._requests._box.ended or rank in self._replies._box.ended:
+            raise CommClosedError(f"rank {self.rank}: call {name}.{method}: rank {rank} "
+                                  "closed its communicator")
+
+    def _post(self, rank: int, channel: Channel, message: list[Any]) -> None:
+        """Queue ``message`` for ``rank``: one sender per destination keeps call order.
+
+        Raises ``TypeError`` at once if the default codec cannot carry it: the
+        message is encoded here, once, and sent as it is.
+        """
+        frame = self._router.encode(Kind.DATA, channel.tag, message, Codec.DEFAULT)
+        outbox = self._outboxes.get(rank)
+        if outbox is None:
+            outbox = self._outboxes[rank] = asyncio.Queue()
+            self._tasks.append(asyncio.get_running_loop().create_task(self._send(rank, outbox)))
+        outbox.put_nowait((channel.tag, message[0], frame))
+
+    async def _send(self, rank: int, outbox: asyncio.Queue[_Outgoing | None]) -> None:
+        while (item := await outbox.get()) is not None:
+            tag, call_id, frame = item
+            try:
+                await self._router.send(frame, tag, rank)
+            except CommError as exc:  # a local failure, not the endpoint's
+                pending = self._calls.get(call_id)
+                if pending is not None and not pending[1].done():
+                    error = (self._router._gone(f"call {pending[2]} on rank {rank}", rank)
+                             if rank in self._router.dead else exc)  # worded like a call's
+                    pending[1].set_exception(error)
+
+    async def _serve_replies(self) -> None:
+        waited = 0.0
+        while True:
+            try:
+                message = await self._replies.recv(timeout=_POLL_S)
+            except CommTimeoutError:
+                self._fail_closed()
+                waited += _POLL_S
+                if waited >= self._router.probe_s:  # no reply for a while: are the callees there?
+                    waited = 0.0
+                    self._router.check_peers({rank for rank, _, _ in self._calls.values()})
+                continue
+            except (CommClosedError, PeerFailedError):  # nobody left to reply
+                self._fail_closed()
+                for rank in self._router.dead:
+                    self._fail_dead(rank)
+                return
+            waited = 0.0
+            call_id, ok, result = message.data
+            self._settle(call_id, ok, result)
+            self._fail_closed()
+
+    def _fail_dead(self, rank: int) -> None:
+        """``rank`` is gone: fail the calls in flight to it."""
+        for callee, future, what in self._calls.values():
+            if callee == rank and not future.done():
+                future.set_exception(self._router._gone(f"call {what} on rank {rank}", rank))
+
+    def _settle(self, call_id: int, ok: bool, result: Any) -> None:
+        pending = self._calls.get(call_id)
+        if pending is not None and not pending[1].done():
+            pending[1].set_result((ok, result))
+
+    def _fail_closed(self) -> None:
+        ended = self._replies._box.ended | self._requests._box.ended
+        for rank, future, _ in self._calls.values():
+            if rank in ended and not future.done():
+                future.set_exception(CommClosedError(
+                    f"rank {self.rank}: rank {rank} closed its communicator with a call "
+                    "to it in flight"))
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Send what is queued (tells too), tell every rank this one is gone, stop serving."""
+        senders = self._tasks[2:]
+        for outbox in self._outboxes.values():
+            outbox.put_nowait(None)
+        if senders and timeout > 0:
+            await asyncio.wait(senders, timeout=timeout)
+        await self._requests.close()
+        await self._replies.close()
+        for task in [*self._tasks, *self._workers]:
+            task.cancel()
+        for _, future, _ in self._calls.values():
+            if not future.done():
+                future.set_exception(CommClosedError(f"rank {self.rank}: the communicator "
+                                                     "was closed with this call in flight"))
+
+
+class ActorRef:
+    """A handle on the actor ``name`` served on ``rank``: ``await ref.method(...)``."""
+
+    def __init__(self, host: Host, rank: int, name: str) -> None:
+        self._host, self.rank, self.name = host, rank, name
+
+    def __repr__(self) -> str:
+        return f"<ActorRef {self.name!r} on rank {self.rank}>"
+
+    def __getattr__(self, method: str) -> EndpointRef:
+        if method.startswith("_"):
+            raise AttributeError(method)
+        return EndpointRef(self._host, self.rank, self.name, method)
+
+
+class EndpointRef:
+    """One endpoint of a remote actor: call it (and await), or ``tell`` it."""
+
+    def __init__(self, host: Host, rank: int, name: str, method: str) -> None:
+        self._host, self._rank, self._name, self._method = host, rank, name, method
+
+    def __call__(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+        """Call the endpoint; resolves to its result (``RemoteError`` if it raised)."""
+        return self._host.call(self._rank, self._name, self._method, args, kwargs, timeout)
+
+    def tell(self, *args: Any, **kwargs: Any) -> None:
+        """Send a one-way call: no result, no error back; ordered with other calls."""
+        self._host.tell(self._rank, self._name, self._method, args, kwargs)

@@ -1,0 +1,562 @@
+"""The router: one per communicator, it sends and routes the frames of every channel.
+
+It owns the receive side of asyncomm's private twin communicator (through a
+``Link``) and routes every frame into the mailbox of its channel; channels
+(``channels``) and actors (``actors``) are built on it.
+
+Note on the transport
+---------------------
+Frames travel over a ``Link`` of the backend's choosing (see
+``_core.link``): on asyncomm's private twin communicator, in order per
+pair of ranks, the same frame bytes on every backend. The link hands each
+frame that arrives to the router (``frame``, ``later``, ``refuse``), which
+delivers them in order per source.
+
+Note on flow control
+--------------------
+A sender may have at most ``window`` messages and ``window_bytes`` bytes of
+one channel unconsumed at one receiver. The receiver returns credit (a
+CREDIT frame) as its user consumes messages, in batches of a quarter window;
+a message too large for the room left passes once no more than a batch is
+out, so large messages pass. So a fast producer blocks in ``send`` instead of
+filling a slow consumer's memory, and messages for a channel nobody opened
+yet are kept, but never more than one window per sender.
+
+Note on end of stream
+---------------------
+``close()`` sends an EOS frame to every other rank. A receiver's iteration
+ends when every other rank has closed its end and the mailbox is empty;
+``recv`` then raises ``CommClosedError``.
+
+Note on dead peers
+------------------
+A rank that dies says no goodbye. Whoever waits on a peer -- a ``recv``
+from it, a ``send`` waiting for its credit, an actor call to it -- checks
+after ``probe_s`` (``ASYNCOMM_PROBE_S``) of waiting, and every ``probe_s`` after, that the peer is
+still there (``Link.probe``, rate-limited per peer); a send to it that fails
+says the same. Once a peer is known dead, the router fails what depends on
+it with ``PeerFailedError``: a ``recv`` from it (after the messages it sent
+before dying), an any-source ``recv`` once every other rank has died or
+closed the channel (while a live rank may still send, it waits), a send to
+it; and it tells whoever registered in ``on_dead`` (the communicator fails
+its own operations that need the peer, and its later ones).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from asyncomm._core import instrument, settings, tags, wire
+from asyncomm._core.errors import (
+    CommClosedError,
+    CommError,
+    CommTimeoutError,
+    PeerFailedError,
+    ProtocolError,
+    gist,
+)
+from asyncomm._core.link import Link, Pending
+from asyncomm._core.wire import Codec, Head, Kind
+
+
+def _charge(head: Head) -> int:
+    """Return the bytes a frame holds of its window: its head and buffers, as its sender counts."""
+    return head.size + head.payload_bytes
+
+
+def frame_limits() -> wire.Limits:
+    """Return the frame limits: the defaults, with ``ASYNCOMM_MAX_MESSAGE_BYTES`` if set.
+
+    Every rank should set the same: a sender refuses (``ValueError``) what a
+    receiver with the same limits would refuse (``ProtocolError``).
+    """
+    largest = settings.read().max_message_bytes
+    return wire.Limits() if largest is None else wire.Limits(max_message_bytes=largest)
+
+
+class Releasing(Protocol):
+    """What a router asks of its communicator's backend when closing (``Backend.stuck``)."""
+
+    def stuck(self) -> list[int]:
+        """Return the tags of receives only a peer's message can end."""
+
+    def release(self, peer: int, tag: int) -> None:
+        """Send ``peer`` the empty message that ends its stuck receive on ``tag``."""
+
+    async def released(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) until no receive is stuck any more."""
+
+
+Encoded = tuple[bytes, list[torch.Tensor]]  # a message ready to send: head and buffers
+
+
+@dataclass(slots=True)
+class _Frame:
+    src: int
+    head: Head
+    buffers: list[torch.Tensor]
+    seq: int = 0  # its own (its head may be shared by frames alike)
+    error: CommError | None = None  # a frame refused on arrival: raised by recv
+
+
+def _as_tensor(buffer: wire.Buffer) -> torch.Tensor:
+    if isinstance(buffer, torch.Tensor):
+        return buffer
+    if buffer.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():  # read-only memory is only read from here
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+class _Window:
+    """A sender's credit towards one (receiver, channel)."""
+
+    __slots__ = ("bytes_out", "messages_out", "waiters")
+
+    def __init__(self) -> None:
+        self.messages_out = 0
+        self.bytes_out = 0
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+
+class Mailbox:
+    """Frames of one channel in arrival order, and who has closed their end."""
+
+    def __init__(self) -> None:
+        self.frames: collections.deque[_Frame] = collections.deque()
+        self.ended: set[int] = set()
+        self.waiters: list[asyncio.Future[None]] = []
+
+    def put(self, frame: _Frame) -> None:
+        self.frames.append(frame)
+        self.wake()
+
+    def wake(self) -> None:
+        for waiter in self.waiters:
+            _wake(waiter)
+        self.waiters.clear()
+
+    def take(self, src: int | None) -> _Frame | None:
+        """Pop the first frame (from ``src``, if given), or return ``None``."""
+        frames = self.frames
+        if src is None:
+            return frames.popleft() if frames else None
+        for i, frame in enumerate(frames):
+            if frame.src == src:
+                del frames[i]
+                return frame
+        return None
+
+
+class Router:
+    """This rank's receive loop and send side for every channel of one communicator."""
+
+    def __init__(self, rank: int, size: int, link: Link, peers: Releasing,
+                 probe: instrument.Probe, probe_s: float = 0.5, window: int = 64,
+                 window_bytes: int = 64 << 20, limits: wire.Limits | None = None) -> None:
+        self.rank, self.size = rank, size
+        self.peers = peers  # the communicator's backend: receives only a peer's message ends
+        self.probe = probe  # where channels and actors report, while someone records
+        self.probe_s = probe_s  # see the note on dead peers
+        self.window, self.window_bytes = window, window_bytes
+        # credit comes back in batches of a quarter window (see ``consumed``)
+        self._batch, self._batch_bytes = max(1, window // 4), window_bytes // 4
+        self.limits = limits or frame_limits()
+        self._mailboxes: dict[int, Mailbox] = {}
+        self._windows: dict[tuple[int, int], _Window] = {}
+        self._send_seq: dict[tuple[int, int], int] = collections.defaultdict(int)
+        self._recv_seq: dict[tuple[int, int], int] = collections.defaultdict(int)
+        self._consumed: dict[tuple[int, int], list[int]] = {}
+        # frames of a source queued behind one whose buffers are on their way
+        self._queued: dict[int, collections.deque[_Frame | Pending]] = {}
+        self._broken: dict[int, CommError] = {}  # sources whose stream cannot be followed
+        self._byes: set[int] = set()  # ranks whose router said goodbye
+        self._all_byes: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._inflight: set[Any] = set()
+        self._closed = False
+        self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
+        self._left: set[int] = set()  # peers that closed without waiting for the others
+        self._released = False  # whether a peer was asked to release stuck receives
+        self._probed: dict[int, float] = {}  # when each peer was last probed
+        self.on_dead: list[Callable[[int], None]] = []  # called with a rank once it is gone
+        self._link = link
+        if self.size > 1:
+            self._link.open(self, self.limits)
+        else:
+            self._all_byes.set_result(None)
+
+    def mailbox(self, tag: int) -> Mailbox:
+        box = self._mailboxes.get(tag)
+        if box is None:
+            box = self._mailboxes[tag] = Mailbox()
+        return box
+
+    # -- sending ----------------------------------------------------------------
+
+    def encode(self, kind: Kind, tag: int, obj: object, codec: Codec) -> Encoded:
+        """Encode ``obj`` as a frame of channel ``tag``; ``TypeError`` if the codec can't carry it.
+
+        Its sequence number is set by ``send``, when it goes.
+        """
+        head, buffers = wire.encode(kind, tag, 0, obj, codec, self.limits)
+        return head, [_as_tensor(b) for b in buffers]
+
+    async def send(self, frame: Encoded, tag: int, dst: int,
+                   timeout: float | None = None) -> None:
+        """Send an encoded frame; wait for credit first, then until its buffers are free."""
+        if self._closed:
+            raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
+        if dst in self.dead:
+            raise self._gone(f"channel {tag} send to peer {dst}", dst)
+        key = (dst, tag)
+        head, buffers = frame
+        nbytes = len(head)
+        for b in buffers:
+            nbytes += b.numel()  # flat uint8
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = _Window()
+        if window.waiters or not self._fits(window, nbytes):
+            await self._acquire(window, nbytes, tag, dst, timeout)
+        window.messages_out += 1
+        window.bytes_out += nbytes
+        # The seq is taken only now: a send that timed out or was cancelled waiting for
+        # credit leaves no gap, and nothing can run between here and the transmit.
+        seq = self._send_seq[key]
+        self._send_seq[key] = seq + 1
+        head = wire.with_seq(head, seq)
+        try:
+            for handle in self.transmit(dst, head, buffers):
+                await handle  # no task per handle: most are done already
+        except PeerFailedError as exc:
+            cause = exc.__cause__
+            if cause is None or isinstance(cause, CommError):  # not dst's connection's own
+                raise
+            self.failed(dst, cause)
+            raise self._gone(f"channel {tag} send to peer {dst}", dst) from exc
+
+    # -- dead peers (see the note) ---------------------------------------------------
+
+    def alive(self, peer: int) -> bool:
+        """Return whether ``peer`` may be alive; probe it unless it was probed just now."""
+        if peer in self.dead:
+            return False
+        if peer == self.rank or self._closed or peer in self._byes:
+            # no probe after our goodbye (a probe is a message), nor of a rank that closed
+            return True
+        now = time.monotonic()
+        if now - self._probed.get(peer, -math.inf) < self.probe_s:
+            return True
+        self._probed[peer] = now
+        gone = self._link.probe(peer)
+        if gone is None:
+            return True
+        self.failed(peer, gone)
+        return False
+
+    def failed(self, peer: int, cause: BaseException) -> None:
+        """``peer`` is gone: fail what waits on it, and the communicator's later operations."""
+        if peer in self.dead or peer == self.rank:
+            return
+        self.dead[peer] = cause
+        for box in self._mailboxes.values():
+            box.wake()
+        for (dst, _), window in self._windows.items():
+            if dst == peer:
+                for waiter in window.waiters:
+                    _wake(waiter)
+        self._count_byes()
+        for callback in self.on_dead:
+            callback(peer)
+
+    def _gone(self, what: str, *peers: int) -> PeerFailedError:
+        """The error of an operation that needed ``peers``, which are gone."""
+        ranks = ", ".join(str(p) for p in peers)
+        causes = "; ".join(gist(self.dead[p]) for p in peers if p in self.dead)
+        error = PeerFailedError(f"rank {self.rank}: {what}: rank{'s' if len(peers) > 1 else ''} "
+                                f"{ranks} failed ({causes})")
+        error.__cause__ = self.dead.get(peers[0])
+        return error
+
+    def known(self, peer: int) -> str | None:
+        """Say what this rank already knows of ``peer``'s end: failed, or finished; else None."""
+        if peer in self.dead:
+            return f"failed ({gist(self.dead[peer])})"
+        if peer in self._byes:
+            return "finished (closed this communicator)"
+        return None
+
+    def check_peers(self, peers: Iterable[int]) -> None:
+        """Probe ``peers`` (rate-limited): a waiter has waited ``probe_s`` for them."""
+        for peer in peers:
+            self.alive(peer)
+
+    def _fits(self, window: _Window, nbytes: int) -> bool:
+        """Whether a message of ``nbytes`` may go now."""
+        out, out_bytes = window.messages_out, window.bytes_out
+        # A message too large for the room left passes once all that is out may be
+        # credit the receiver holds back until a batch is full (see ``consumed``):
+        # else it would wait for credit that never comes.
+        return (out == 0
+                or (out < self._batch and out_bytes < self._batch_bytes)
+                or (out < self.window and out_bytes + nbytes <= self.window_bytes))
+
+    async def _acquire(self, window: _Window, nbytes: int, tag: int, dst: int,
+                       timeout: float | None) -> None:
+        """Wait for credit for a message of ``nbytes``, in turn with other senders."""
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        window.waiters.append(waiter)
+        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                if self._closed:
+                    raise CommClosedError(f"rank {self.rank}: channel {tag} send to peer "
+                                          f"{dst}: the communicator is closed")
+                if dst in self.dead:
+                    raise self._gone(f"channel {tag} send to peer {dst} (waiting for credit)",
+                                     dst)
+                if window.waiters[0] is waiter and self._fits(window, nbytes):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    assert timeout is not None
+                    raise CommTimeoutError(f"rank {self.rank}: channel {tag} send to peer "
+                                           f"{dst}: no credit after {timeout:g} s")
+                await asyncio.wait((waiter,), timeout=min(left, self.probe_s))
+                if waiter.done():
+                    fresh = loop.create_future()
+                    window.waiters[window.waiters.index(waiter)] = fresh
+                    waiter = fresh
+                else:  # no credit for a while: is dst still there?
+                    self.alive(dst)
+        finally:
+            window.waiters.remove(waiter)
+            if window.waiters and not window.waiters[0].done():
+                window.waiters[0].set_result(None)
+
+    def _credit(self, src: int, tag: int, messages: int, nbytes: int) -> None:
+        window = self._windows.get((src, tag))
+        if window is None:
+            return
+        window.messages_out = max(0, window.messages_out - messages)
+        window.bytes_out = max(0, window.bytes_out - nbytes)
+        if window.waiters and not window.waiters[0].done():
+            window.waiters[0].set_result(None)
+
+    def transmit(self, dst: int, head: bytes, buffers: list[torch.Tensor]) -> list[Any]:
+        """Issue one frame to ``dst`` (itself included); return the handles of its sends."""
+        if dst == self.rank:  # no transport: a private copy, delivered in order
+            decoded = wire.decode_head(head, self.limits)
+            frame = _Frame(self.rank, decoded, [b.clone() for b in buffers], decoded.seq)
+            self._deliver(frame)
+            return []
+        return self._link.send(dst, head, buffers)
+
+    def notify(self, kind: Kind, tag: int, dst: int, obj: object = None) -> None:
+        """Send a small control frame without waiting (credit, end of stream)."""
+        if dst in self.dead:
+            return
+        head, buffers = wire.encode(kind, tag, 0, obj)
+        handles = self.transmit(dst, head, [_as_tensor(b) for b in buffers])
+        self._inflight.update(handles)
+        self._inflight = {h for h in self._inflight if not h.done()}
+
+    # -- receiving -----------------------------------------------------------------
+
+    def pump(self) -> bool:
+        """Take what has arrived, without waiting; return whether anything had."""
+        return self._link.pump()
+
+    def bye(self, src: int, dead: int | None = None) -> None:
+        """``src``'s router said goodbye, or said it for ``dead`` (see ``_backends._link``)."""
+        if dead is not None:  # so this rank says it too, to the rank it drains
+            self.failed(dead, PeerFailedError(f"rank {src} found rank {dead} gone"))
+        self._byes.add(src if dead is None else dead)
+        self._count_byes()
+
+    def _count_byes(self) -> None:
+        """Resolve ``_all_byes`` once every other rank said goodbye or is known gone."""
+        if (len((self._byes | self.dead.keys()) - {self.rank}) >= self.size - 1
+                and not self._all_byes.done()):
+            self._all_byes.set_result(None)
+
+    def _ask_release(self) -> None:
+        """Ask a live peer to end the communicator's receives only its message can end.
+
+        Sent before the goodbye, so the peer handles it before it closes.
+        """
+        stuck = self.peers.stuck()
+        helper = next((p for p in range(self.size)
+                       if p != self.rank and p not in self.dead and p not in self._left), None)
+        if stuck and helper is not None:
+            self.notify(Kind.EOS, tags.RELEASE, helper, stuck)
+            self._released = True
+
+    async def _drained(self) -> None:
+        await asyncio.shield(self._all_byes)
+        if self.size > 1:  # a world of one opens no link
+            await self._link.drained()
+
+    def frame(self, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> None:
+        """A whole frame from ``src`` (the link calls this, in the order frames arrive)."""
+        if src not in self._broken:
+            frame = _Frame(src, head, buffers, seq)
+            queue = self._queued.get(src)
+            if queue is None:
+                self._deliver(frame)  # the common case: nothing from src is on its way
+            else:
+                queue.append(frame)
+
+    def later(self, src: int, pending: Pending) -> None:
+        """A frame from ``src`` whose buffers are still on their way."""
+        if src in self._broken:
+            return
+        queue = self._queued.get(src)
+        if queue is None:
+            queue = self._queued[src] = collections.deque()
+        queue.append(pending)
+        pending.then(lambda: self._release(src))
+
+    def _release(self, src: int) -> None:
+        """Deliver ``src``'s queued frames up to the first still on its way."""
+        queue = self._queued.get(src)
+        while queue:
+            item = queue[0]
+            if isinstance(item, _Frame):
+                frame = item
+            elif not item.done():
+                return
+            elif item.error is not None:
+                error = item.error
+                self._queued.pop(src, None)
+                self._break(src, error if isinstance(error, ProtocolError)
+                            else ProtocolError(f"frame from rank {src} lost: {error}"))
+                return
+            else:
+                assert item.head is not None
+                frame = _Frame(src, item.head, item.buffers, item.seq)
+            queue.popleft()
+            if src not in self._broken:
+                self._deliver(frame)
+        self._queued.pop(src, None)
+
+    def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
+        """Refuse a malformed frame: on its channel if its tag is legible, its source if not."""
+        if tag is None:
+            self._break(src, error)
+            return
+        wrapped = ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank {src} "
+                                f"refused: {error}")
+        self.mailbox(tag).put(_Frame(src, _EMPTY_HEAD, [], 0, wrapped))
+
+    def _break(self, src: int, error: CommError) -> None:
+        """Stop following ``src``'s stream: every channel waiting on it gets ``error``."""
+        self._broken[src] = error
+        for tag, box in self._mailboxes.items():
+            box.put(_Frame(src, _EMPTY_HEAD, [], 0, ProtocolError(
+                f"rank {self.rank}: channel {tag}: stream from rank {src} broken: {error}")))
+
+    def _deliver(self, frame: _Frame) -> None:
+        head = frame.head
+        key = (frame.src, head.tag)
+        if head.kind is Kind.CREDIT:
+            credit: Any = wire.decode(head, frame.buffers, Codec.DEFAULT)
+            self._credit(frame.src, head.tag, int(credit[0]), int(credit[1]))
+            return
+        if head.kind is Kind.EOS and head.tag >= tags.BYE:  # see close
+            if head.tag == tags.RELEASE:
+                stuck: Any = wire.decode(head, frame.buffers, Codec.DEFAULT)
+                for tag in stuck:
+                    self.peers.release(frame.src, int(tag))
+            elif head.tag == tags.LEAVING:
+                self._left.add(frame.src)
+            return
+        box = self.mailbox(head.tag)
+        if head.kind is Kind.EOS:
+            box.ended.add(frame.src)
+            box.wake()
+            return
+        expected = self._recv_seq[key]
+        if frame.seq != expected:
+            frame.error = ProtocolError(
+                f"rank {self.rank}: channel {head.tag}: frame {frame.seq} from rank "
+                f"{frame.src} where {expected} was due")
+        self._recv_seq[key] = frame.seq + 1
+        box.put(frame)
+
+    def consumed(self, frame: _Frame) -> None:
+        """Count a frame the user took; return credit to its sender in batches."""
+        if frame.error is not None and not frame.head.descriptors and not frame.head.structure:
+            return
+        key = (frame.src, frame.head.tag)
+        done = self._consumed.get(key)
+        if done is None:
+            done = self._consumed[key] = [0, 0]
+        done[0] += 1
+        done[1] += _charge(frame.head)
+        if done[0] >= self._batch or done[1] >= self._batch_bytes:
+            messages, nbytes = done
+            done[0] = done[1] = 0
+            if frame.src == self.rank:
+                self._credit(self.rank, frame.head.tag, messages, nbytes)
+            else:
+                self.notify(Kind.CREDIT, frame.head.tag, frame.src, [messages, nbytes])
+
+    async def close(self, timeout: float) -> None:
+        """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
+
+        Closing is collective, like MPI's finalize (see the note on closing
+        in ``_backends._link``). Every peer not heard from is probed first: a
+        dead one is not waited for (its goodbye is said for it). A live rank
+        that never closes leaves the link's receive posted after ``timeout``.
+        """
+        if self._closed:
+            return
+        if self.size > 1:  # who is gone says no goodbye: ask everyone still expected
+            for peer in range(self.size):
+                if peer != self.rank and peer not in self._byes:
+                    self._probed.pop(peer, None)
+                    self.alive(peer)
+        self._closed = True
+        if self.size > 1:
+            if timeout <= 0:  # so that nobody asks this rank to release anything
+                for peer in range(self.size):
+                    if peer != self.rank:
+                        self.notify(Kind.EOS, tags.LEAVING, peer)
+            self._ask_release()
+            self._inflight.update(self._link.goodbye(frozenset(self.dead)))
+            self._count_byes()
+        if timeout > 0:
+            try:
+                await asyncio.wait_for(self._drained(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            if self._released:
+                await self.peers.released(min(timeout, 2.0))
+        self._link.stop()
+        await self._link.join(1.0)
+        for box in self._mailboxes.values():
+            box.wake()
+        for window in self._windows.values():
+            for waiter in window.waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+
+_EMPTY_HEAD = Head(Kind.DATA, Codec.DEFAULT, 0, 0, (), b"")
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -1,0 +1,247 @@
+"""The per-process trace recorder: every operation, channel message, actor call and compute.
+
+Note on cost
+------------
+Off, a communicator pays one attribute check per operation (``Comm._trace is
+None``). On, an operation costs two ``perf_counter`` reads, one small list and
+one completion callback; nothing is formatted or written until the file is
+written, when the last traced communicator closes (and again at exit if more
+was recorded since). Compute spans arrive on the thread that ran them through
+``_core.instrument``; ``list.append`` is atomic under the GIL, so that thread
+appends without a lock.
+
+Note on clocks
+--------------
+Times are ``time.perf_counter()`` seconds, the clock compute spans use too.
+On Linux it is CLOCK_MONOTONIC, shared by every process of a host, so ranks
+of one host line up exactly. The file also keeps an anchor, a
+``(perf_counter, time.time_ns())`` pair read back to back at start, so ranks
+of different hosts can be put on one wall-clock timeline (as good as the
+hosts' clock synchronisation, typically well under a millisecond with NTP).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import threading
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from asyncomm._core import instrument, settings
+from asyncomm._core.handle import _DONE
+
+if TYPE_CHECKING:
+    from asyncomm._core.handle import Handle
+
+ENV = "ASYNCOMM_TRACE"
+FORMAT = "asyncomm-trace"
+VERSION = 1
+
+# The fields of a recorded communication, in the order of its list.
+FIELDS = ("cat", "kind", "bytes", "peer", "tag", "seq", "comm", "start", "end", "error",
+          "name")
+# Note on cost: records are tuples of scalars, which the garbage collector stops
+# tracking, so a trace of millions of operations does not make every full collection
+# walk them (mutable records did: +10-20 us per small MPI operation). An operation's
+# completion is appended as a tuple of its own and joined to its record on writing.
+
+_perf = time.perf_counter
+_recorder: Recorder | None = None
+_lock = threading.Lock()  # starting and stopping only: recording takes no lock
+
+
+def _nbytes(keep: object) -> int:
+    """Return this rank's payload of an operation from the buffers it keeps alive."""
+    if isinstance(keep, tuple):  # (tensor, outputs) or (outputs, inputs)
+        keep = keep[0]
+    if isinstance(keep, torch.Tensor):
+        return keep.nbytes
+    if isinstance(keep, list):
+        return sum(t.nbytes for t in keep)
+    return 0
+
+
+class Recorder:
+    """Everything one process records while tracing is on, and the file it goes to."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.anchor = (_perf(), time.time_ns())
+        self.events: list[tuple[Any, ...]] = []  # op tuples (see FIELDS), compute tuples
+        self.ends: list[tuple[int, float, str | None, int | None]] = []  # index, end, error, peer
+        self.comms: list[dict[str, Any]] = []  # id -> rank, size, backend
+        self.rank: int | None = None  # the widest communicator's rank names the file
+        self.size = 1
+        self.written = 0  # how many events the last write saw
+        self.from_env = False  # started by ASYNCOMM_TRACE (see the note on who owns it)
+        self._open = 0
+
+    # -- attaching ---------------------------------------------------------------
+
+    def attach(self, rank: int, size: int, backend: str) -> int:
+        """Start recording a communicator; return its id in this process's trace."""
+        if self.rank is None or size > self.size:  # the widest names the file: the world
+            self.rank, self.size = rank, size
+        self.comms.append({"rank": rank, "size": size, "backend": backend})
+        self._open += 1
+        return len(self.comms) - 1
+
+    def detached(self) -> None:
+        """Note that a traced communicator closed; write the file once none is open."""
+        self._open -= 1
+        if self._open <= 0:
+            try:
+                self.write()
+            except OSError as exc:  # a trace that cannot be written must not fail the close
+                warnings.warn(f"asyncomm: rank {self.rank}: cannot write the trace: {exc}",
+                              RuntimeWarning, stacklevel=2)
+
+    # -- recording (on the loop thread, except ``span``) -------------------------------
+
+    def issued(self, handle: Handle[Any], comm: int, keep: object) -> None:
+        """Record an operation just issued; its completion fills in the end."""
+        _, kind, seq, peer, tag = handle._what
+        events = self.events
+        index = len(events)
+        events.append(("op", kind, _nbytes(keep), peer, tag, seq, comm, _perf(), None, None,
+                       None))
+        handle.add_done_callback(partial(self._ended, index))
+
+    def _ended(self, index: int, handle: Handle[Any]) -> None:
+        end, error, peer = _perf(), handle._error, None
+        if error is not None:
+            failed: str | None = type(error).__name__
+        elif handle._state != _DONE:  # a bad argument: raised before anything was sent
+            failed = "not started"
+        else:
+            failed = None
+            if handle._what[3] is None and handle._what[1] == "recv":  # any source: which
+                peer = handle._value
+        self.ends.append((index, end, failed, peer))
+
+    def message(self, kind: str, nbytes: int, peer: int | None, tag: int | None, comm: int,
+                start: float, error: BaseException | None, name: str | None = None) -> None:
+        """Record a channel message or actor call that ran from ``start`` until now."""
+        self.events.append(("channel" if kind.startswith("channel") else "actor", kind, nbytes,
+                            peer, tag, None, comm, start, _perf(),
+                            None if error is None else type(error).__name__, name))
+
+    def span(self, name: str, start: float, end: float) -> None:
+        """Record a finished compute span (called on the thread that ran it)."""
+        self.events.append(("compute", name, start, end, threading.get_ident()))
+
+    # -- writing ---------------------------------------------------------------
+
+    def path(self) -> Path:
+        """Return the file this process writes: ``DIR/rank{R}.json``."""
+        rank = self.rank if self.rank is not None else f"-pid{os.getpid()}"
+        return self.directory / f"rank{rank}.json"
+
+    def document(self) -> dict[str, Any]:
+        """Return what was recorded so far as the file's JSON object."""
+        events: list[dict[str, Any]] = []
+        threads: dict[int, int] = {}
+        ends = {index: rest for index, *rest in self.ends}
+        for index, event in enumerate(list(self.events)):  # a copy: the worker may append
+            if event[0] == "compute":
+                name, start, end, ident = event[1:]
+                thread = threads.setdefault(ident, len(threads))
+                events.append({"cat": "compute", "kind": "compute", "name": name,
+                               "start": start, "end": end, "thread": thread})
+                continue
+            record = dict(zip(FIELDS, event, strict=True))
+            ended = ends.get(index)
+            if ended is not None:
+                record["end"], record["error"] = ended[0], ended[1]
+                if ended[2] is not None:
+                    record["peer"] = ended[2]
+            events.append(record)
+        return {"format": FORMAT, "version": VERSION, "rank": self.rank, "size": self.size,
+                "host": socket.gethostname(), "pid": os.getpid(),
+                "anchor": {"perf_counter": self.anchor[0], "wall_ns": self.anchor[1]},
+                "comms": self.comms, "events": events}
+
+    def write(self) -> Path:
+        """Write the file (replacing an earlier write of this process); return its path."""
+        self.written = len(self.events)
+        path = self.path()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".json.part")
+        partial.write_text(json.dumps(self.document(), separators=(",", ":")))
+        partial.replace(path)  # a reader never sees half a file
+        return path
+
+    def flush_at_exit(self) -> None:
+        """Write at exit what was recorded since the last write, if anything."""
+        if len(self.events) > self.written or not self.path().exists():
+            try:
+                self.write()
+            except OSError:  # exiting: nobody left to tell
+                pass
+
+
+# -- turning it on and off ------------------------------------------------------
+
+
+def start_from_env() -> None:
+    """Start tracing if ``ASYNCOMM_TRACE`` asks for it and nothing traces yet.
+
+    Called as a communicator is made, so that it is traced from its first operation.
+    """
+    if _recorder is None:
+        directory = settings.read().trace
+        if directory:
+            start(directory).from_env = True
+
+
+def start(directory: str | os.PathLike[str]) -> Recorder:
+    """Trace every open and future communicator of this process into ``directory``.
+
+    Note on who owns tracing
+    ------------------------
+    ``ASYNCOMM_TRACE`` (``asyncomm run --trace DIR``) owns it for the whole
+    run: a program that starts tracing itself into another directory goes
+    on tracing into the run's (one warning says so), so that the launcher
+    finds every rank's file where it merges them. A program that asks for
+    two directories itself gets a ``ValueError``.
+    """
+    global _recorder
+    with _lock:
+        if _recorder is not None:
+            wanted = Path(directory).resolve()
+            if _recorder.directory != wanted and not _recorder.from_env:
+                raise ValueError(f"tracing is already on, into {_recorder.directory}")
+            if _recorder.directory != wanted:
+                warnings.warn(f"asyncomm: tracing into {_recorder.directory} ({ENV}, as "
+                              f"asyncomm run --trace sets it), not {wanted}", RuntimeWarning,
+                              stacklevel=3)
+            return _recorder
+        recorder = _recorder = Recorder(Path(directory).resolve())
+        atexit.register(recorder.flush_at_exit)
+    instrument.install(recorder)
+    return recorder
+
+
+def stop() -> Path | None:
+    """Stop tracing; write this process's file and return its path (None if it was off)."""
+    global _recorder
+    with _lock:
+        recorder, _recorder = _recorder, None
+        if recorder is None:
+            return None
+        atexit.unregister(recorder.flush_at_exit)
+    instrument.uninstall(recorder)
+    return recorder.write()
+
+
+def recorder() -> Recorder | None:
+    """Return the recorder when tracing is on."""
+    return _recorder

@@ -1,0 +1,199 @@
+"""What every rank is doing, asked without the communicator that is stuck.
+
+When a collective times out, or any operation stalls, the error (or warning)
+says what the other ranks were doing at that moment: ``rank 1: broadcast #1
+pending for 10.0 s``, ``rank 2: finished (closed this communicator)``.
+
+Note on the side channel
+------------------------
+Each process serves the state of its communicators on a small TCP server
+run by its own event loop: one listening socket, no thread, nothing done
+until a question comes. The addresses are gathered once, when a world is
+joined, on asyncomm's private twin communicator (so the user's is never
+involved). A question names a communicator by its label, the same on every
+member (``w1``, ``w1.2``: the second group split from the first world this
+process joined); the answer lists the operations it has pending, oldest
+first, and the last one it issued. What a rank's own router already knows
+is not asked: a peer that said goodbye has finished, a peer found dead has
+failed. A rank whose loop is blocked, or whose process is gone, does not
+answer within ``ANSWER_S``, and is said to.
+
+The server listens on the address the ranks reach each other by: the one of
+``GLOO_SOCKET_IFNAME`` when set, else the local address that routes to
+``MASTER_ADDR`` when that is not this host, else loopback
+(``ASYNCOMM_STATUS_HOST`` overrides).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import struct
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol
+
+from asyncomm._core import settings
+
+ANSWER_S = 1.0  # how long a rank has to answer
+_REQUEST = b"asyncomm-status 1 "
+_SHOWN = 3  # pending operations named per rank
+
+
+class Reporter(Protocol):
+    """A communicator as the status server sees it."""
+
+    def _status(self) -> dict[str, Any]:
+        """Return this rank's state of the communicator (see ``Comm._status``)."""
+
+
+_reporters: dict[str, weakref.ref[Reporter]] = {}
+_servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, str] = (
+    weakref.WeakKeyDictionary())
+
+
+def register(label: str, reporter: Reporter) -> None:
+    """Answer questions about the communicator ``label`` with ``reporter``'s state."""
+    _reporters[label] = weakref.ref(reporter)
+
+
+async def serve() -> str:
+    """Start this loop's status server (once); return its ``host:port``."""
+    loop = asyncio.get_running_loop()
+    address = _servers.get(loop)
+    if address is None:
+        address = ""  # none: peers are told this rank gives no answer
+        for host in dict.fromkeys((_bind_host(), "127.0.0.1")):
+            try:
+                server = await asyncio.start_server(_answer, host, 0)
+            except OSError:
+                continue
+            address = f"{host}:{server.sockets[0].getsockname()[1]}"
+            break
+        _servers[loop] = address
+    return address
+
+
+async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        line = await asyncio.wait_for(reader.readline(), ANSWER_S)
+        state: dict[str, Any] = {"state": "unknown"}
+        if line.startswith(_REQUEST):
+            ref = _reporters.get(line[len(_REQUEST):].strip().decode(errors="replace"))
+            reporter = ref() if ref is not None else None
+            if reporter is not None:
+                state = reporter._status()
+        writer.write(json.dumps(state).encode() + b"\n")
+        await writer.drain()
+    except (OSError, asyncio.TimeoutError, ValueError):
+        pass  # a question cut short: nobody waits for the answer
+    finally:
+        writer.close()
+
+
+async def ask(address: str, label: str) -> dict[str, Any] | None:
+    """Return the state of communicator ``label`` at ``address``; None without an answer."""
+    if ":" not in address:
+        return None
+    host, port = address.rsplit(":", 1)
+    opened: list[asyncio.StreamWriter] = []
+
+    async def question() -> dict[str, Any]:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        opened.append(writer)
+        writer.write(_REQUEST + label.encode() + b"\n")
+        await writer.drain()
+        answer: dict[str, Any] = json.loads(await reader.readline())
+        return answer
+
+    try:
+        return await asyncio.wait_for(question(), ANSWER_S)
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return None
+    finally:
+        for writer in opened:
+            writer.close()
+
+
+def word(state: dict[str, Any] | None, now_op: tuple[str, int] | None = None) -> str:
+    """Say what a rank's ``state`` (an answer of ``ask``) means, in a few words."""
+    if state is None:
+        return f"no answer within {ANSWER_S:g} s (exited, or its event loop is blocked)"
+    if state.get("state") == "closed":
+        return "finished (closed this communicator)"
+    if state.get("state") != "open":
+        return "not started (has not made this communicator)"
+    pending = state.get("pending", [])
+    if pending:
+        said = "; ".join(f"{_operation(*entry[:4])} pending for {entry[4]:.1f} s"
+                         for entry in pending[:_SHOWN])
+        more = len(pending) - _SHOWN + int(state.get("more", 0))
+        return said + (f"; and {more} more" if more > 0 else "")
+    timed_out = state.get("timed_out", [])
+    if timed_out:  # its own deadline passed too (the same timeout, as often)
+        entry = timed_out[-1]
+        return f"{_operation(*entry[:4])} timed out {entry[4]:.1f} s ago, nothing else in flight"
+    op, seq = state.get("last", (None, 0))
+    if not op:
+        return "nothing issued on this communicator yet"
+    return f"nothing in flight (last issued: {op} #{seq})"
+
+
+def _operation(op: str, seq: int, peer: int | None, tag: int | None) -> str:
+    where = "" if peer is None else f" peer {peer}"
+    where += "" if tag is None else f" tag {tag}"
+    return f"{op} #{seq}{where}"
+
+
+def summary(states: Iterable[tuple[int, str]]) -> str:
+    """Join ``(rank, words)`` pairs, ranks that say the same grouped: ``ranks 1, 2: ...``."""
+    grouped: dict[str, list[int]] = {}
+    for rank, words in sorted(states):
+        grouped.setdefault(words, []).append(rank)
+    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}: {words}"
+                     for words, ranks in grouped.items())
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    if len(ranks) > 8:
+        return f"{', '.join(map(str, ranks[:8]))} and {len(ranks) - 8} more"
+    return ", ".join(map(str, ranks))
+
+
+def _bind_host() -> str:
+    """Return the address the ranks reach this process by (see the module note)."""
+    chosen = settings.read().status_host
+    if chosen:
+        return chosen
+    interface = os.environ.get("GLOO_SOCKET_IFNAME", "").split(",")[0].strip()
+    if interface:
+        with contextlib.suppress(OSError):
+            return _interface_address(interface)
+    master = os.environ.get("MASTER_ADDR", "")
+    if master and not _is_local(master):
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((master, 1))  # no packet is sent: this only picks the route
+            return str(s.getsockname()[0])
+    return "127.0.0.1"
+
+
+def _interface_address(name: str) -> str:
+    """Return the IPv4 address of network interface ``name`` (Linux)."""
+    siocgifaddr = 0x8915
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+    return socket.inet_ntoa(packed[20:24])
+
+
+def _is_local(host: str) -> bool:
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return False
+    return address.startswith("127.") or address == socket.gethostbyname(socket.gethostname())
+
+

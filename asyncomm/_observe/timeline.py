@@ -1,0 +1,297 @@
+"""Read the ranks' trace files: one Chrome/Perfetto trace, overlap metrics, a PNG timeline.
+
+Note on lanes
+-------------
+Trace viewers draw the complete ("X") events of one thread as a stack, so
+events of one thread must nest. Operations in flight together do not, so
+each rank's communication is spread over as few lanes (tids) as keep every
+lane free of overlaps, and so is compute (one lane with the default single
+worker thread). Compute lanes are tids 1, 2, ...; communication lanes start
+at tid 100.
+
+Note on the metrics
+-------------------
+Per rank, over its recorded spans (ops, channel messages, actor calls are
+"communication"; ``asyncomm.compute`` spans are "compute"):
+
+- communication: the length of the union of the communication spans, so
+  concurrent operations are not counted twice;
+- compute: the length of the union of the compute spans;
+- hidden: the length of the intersection of those two unions;
+- exposed: communication minus hidden, communication no compute ran under.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from asyncomm._observe.recorder import FORMAT
+
+Interval = tuple[float, float]
+
+COMPUTE_TID = 1
+COMM_TID = 100
+_COMM_CATS = ("op", "channel", "actor")
+
+
+# -- interval arithmetic ---------------------------------------------------------
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Return the union of ``intervals`` as sorted, disjoint intervals."""
+    merged: list[Interval] = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def length(intervals: Iterable[Interval]) -> float:
+    """Return the total length of the union of ``intervals``."""
+    return sum(end - start for start, end in union(intervals))
+
+
+def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """Return the intersection of the unions of ``a`` and ``b``, sorted and disjoint."""
+    left, right = union(a), union(b)
+    out: list[Interval] = []
+    i = j = 0
+    while i < len(left) and j < len(right):
+        start = max(left[i][0], right[j][0])
+        end = min(left[i][1], right[j][1])
+        if start < end:
+            out.append((start, end))
+        if left[i][1] < right[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """How much of one rank's communication ran under compute (seconds)."""
+
+    communication: float
+    compute: float
+    hidden: float
+    exposed: float
+    spans: int  # communication spans recorded
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Return hidden / communication (0 without communication)."""
+        return self.hidden / self.communication if self.communication > 0 else 0.0
+
+
+def measure(communication: Iterable[Interval], compute: Iterable[Interval]) -> Overlap:
+    """Return the overlap metrics of communication and compute spans (any one time unit)."""
+    spans = list(communication)
+    comm = union(spans)
+    work = union(compute)
+    total = sum(end - start for start, end in comm)
+    hidden = sum(end - start for start, end in intersect(comm, work))
+    return Overlap(communication=total, compute=sum(end - start for start, end in work),
+                   hidden=hidden, exposed=total - hidden, spans=len(spans))
+
+
+# -- reading and merging ------------------------------------------------------------
+
+
+def load(directory: str | Path) -> list[dict[str, Any]]:
+    """Read every rank's file of a trace directory, in rank order.
+
+    Raises:
+        FileNotFoundError: the directory holds no rank files.
+        ValueError: a file is not an asyncomm trace.
+    """
+    files = sorted(Path(directory).glob("rank*.json"))
+    ranks: list[dict[str, Any]] = []
+    for path in files:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+            raise ValueError(f"{path} is not an asyncomm trace file")
+        ranks.append(doc)
+    if not ranks:
+        raise FileNotFoundError(f"no rank*.json trace files in {directory}")
+    ranks.sort(key=lambda doc: (doc["rank"] is None, doc["rank"] or 0, doc["pid"]))
+    return ranks
+
+
+def _clock(ranks: Sequence[dict[str, Any]]) -> list[float]:
+    """Return, per rank, what to add to its perf_counter times to share one time base.
+
+    One host shares its monotonic clock: use it as is. Across hosts, go
+    through each rank's wall-clock anchor.
+    """
+    if len({doc["host"] for doc in ranks}) == 1:
+        return [0.0] * len(ranks)
+    return [doc["anchor"]["wall_ns"] / 1e9 - doc["anchor"]["perf_counter"] for doc in ranks]
+
+
+def _lanes(spans: list[dict[str, Any]], base: int) -> None:
+    """Give each span a ``tid`` from ``base`` on so that spans of a lane never overlap."""
+    ends: list[float] = []  # per lane, the end of its last span
+    for span in sorted(spans, key=lambda s: (s["start"], -s["end"])):
+        lane = next((i for i, end in enumerate(ends) if end <= span["start"]), len(ends))
+        if lane == len(ends):
+            ends.append(0.0)
+        ends[lane] = span["end"]
+        span["tid"] = base + lane
+
+
+def merge(directory: str | Path) -> dict[str, Any]:
+    """Merge a trace directory's rank files into one Chrome/Perfetto trace-event object.
+
+    Complete ("X") events, ``pid`` = rank, compute and communication on
+    separate lanes (``tid``); ``ts``/``dur`` in microseconds from the
+    earliest event. Operations that never completed are left out.
+    """
+    ranks = load(directory)
+    offsets = _clock(ranks)
+    spans: list[tuple[int, dict[str, Any]]] = []
+    for doc, offset in zip(ranks, offsets, strict=True):
+        pid = doc["rank"] if doc["rank"] is not None else doc["pid"]
+        for event in doc["events"]:
+            if event["end"] is None:
+                continue
+            spans.append((pid, {**event, "start": event["start"] + offset,
+                                "end": event["end"] + offset}))
+    zero = min((span["start"] for _, span in spans), default=0.0)
+    events: list[dict[str, Any]] = []
+    for doc in ranks:
+        pid = doc["rank"] if doc["rank"] is not None else doc["pid"]
+        mine = [span for p, span in spans if p == pid]
+        compute = [s for s in mine if s["cat"] == "compute"]
+        comm = [s for s in mine if s["cat"] != "compute"]
+        _lanes(compute, COMPUTE_TID)
+        _lanes(comm, COMM_TID)
+        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+                       "args": {"name": f"rank {pid}"}})
+        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
+                       "args": {"sort_index": pid}})
+        for tid in sorted({s["tid"] for s in mine}):
+            lane = (f"compute {tid - COMPUTE_TID}" if tid < COMM_TID
+                    else f"communication {tid - COMM_TID}")
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                           "args": {"name": lane}})
+        for span in mine:
+            events.append(_event(pid, span, zero))
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            "otherData": {"generator": "asyncomm", "ranks": len(ranks),
+                          "clock": "monotonic" if not any(offsets) else "wall"}}
+
+
+def _event(pid: int, span: dict[str, Any], zero: float) -> dict[str, Any]:
+    if span["cat"] == "compute":
+        name, args = span["name"], {}
+    else:
+        name = span["name"] or span["kind"]
+        args = {key: span[key] for key in ("bytes", "peer", "tag", "seq", "comm", "error")
+                if span.get(key) is not None}
+    return {"name": name, "cat": span["cat"], "ph": "X", "pid": pid, "tid": span["tid"],
+            "ts": (span["start"] - zero) * 1e6, "dur": (span["end"] - span["start"]) * 1e6,
+            "args": args}
+
+
+# -- metrics ---------------------------------------------------------------------
+
+
+def overlap(trace: dict[str, Any]) -> dict[int, Overlap]:
+    """Return each rank's overlap metrics (seconds) from a merged trace."""
+    comm: dict[int, list[Interval]] = {}
+    work: dict[int, list[Interval]] = {}
+    for event in trace["traceEvents"]:
+        if event.get("ph") != "X":
+            continue
+        into = work if event["cat"] == "compute" else comm if event["cat"] in _COMM_CATS else None
+        if into is None:
+            continue
+        start = event["ts"] / 1e6
+        into.setdefault(event["pid"], []).append((start, start + event["dur"] / 1e6))
+    return {pid: measure(comm.get(pid, []), work.get(pid, []))
+            for pid in sorted(comm.keys() | work.keys())}
+
+
+def report(metrics: dict[int, Overlap]) -> str:
+    """Return the metrics as a table, one row per rank, in milliseconds."""
+    lines = [f"{'rank':>4}  {'spans':>6}  {'comm ms':>10}  {'hidden ms':>10}  "
+             f"{'exposed ms':>10}  {'compute ms':>10}  {'hidden':>6}"]
+    for rank, m in metrics.items():
+        lines.append(f"{rank:>4}  {m.spans:>6}  {m.communication * 1e3:>10.3f}  "
+                     f"{m.hidden * 1e3:>10.3f}  {m.exposed * 1e3:>10.3f}  "
+                     f"{m.compute * 1e3:>10.3f}  {m.hidden_fraction:>6.0%}")
+    return "\n".join(lines)
+
+
+# -- drawing -------------------------------------------------------------------
+
+
+def draw(trace: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
+    """Draw a PNG timeline of a merged trace: a lane per rank, compute above communication.
+
+    Each lane shows the union of the rank's compute spans in one colour and
+    of its communication spans (ops, channels, actors) in another.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, never a window
+    import matplotlib.pyplot as plt
+
+    comm: dict[int, list[Interval]] = {}
+    work: dict[int, list[Interval]] = {}
+    for event in trace["traceEvents"]:
+        if event.get("ph") != "X":
+            continue
+        into = work if event["cat"] == "compute" else comm
+        start = event["ts"] / 1e3
+        into.setdefault(event["pid"], []).append((start, start + event["dur"] / 1e3))
+    ranks = sorted(comm.keys() | work.keys())
+    figure, axes = plt.subplots(figsize=(12, 1.0 + 0.7 * max(1, len(ranks))))
+    for row, rank in enumerate(ranks):
+        for spans, low, colour in ((work.get(rank, []), row - 0.40, "tab:blue"),
+                                   (comm.get(rank, []), row + 0.05, "tab:orange")):
+            bars = [(start, max(end - start, 1e-6)) for start, end in union(spans)]
+            if bars:
+                axes.broken_barh(bars, (low, 0.35), facecolors=colour)
+    axes.set_yticks(range(len(ranks)), [f"rank {rank}" for rank in ranks])
+    axes.set_ylim(-0.6, len(ranks) - 0.4)
+    axes.invert_yaxis()
+    axes.set_xlabel("time (ms)")
+    axes.set_ylabel("rank")
+    axes.set_title(title or "asyncomm timeline")
+    axes.legend(handles=[matplotlib.patches.Patch(color="tab:blue", label="compute"),
+                         matplotlib.patches.Patch(color="tab:orange", label="communication")],
+                loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    figure.tight_layout()
+    out = Path(path)
+    figure.savefig(out, dpi=100)
+    plt.close(figure)
+    return out
+
+
+def summarise(directory: str | Path, json_path: str | Path | None = None,
+              png_path: str | Path | None = None) -> dict[int, Overlap]:
+    """Merge a trace directory, write its trace JSON and PNG, print and return its metrics."""
+    trace = merge(directory)
+    out = Path(json_path) if json_path is not None else Path(directory) / "trace.json"
+    out.write_text(json.dumps(trace))
+    metrics = overlap(trace)
+    print(report(metrics))
+    print(f"trace: {out} (open in https://ui.perfetto.dev or chrome://tracing)")
+    try:
+        png = draw(trace, png_path if png_path is not None else Path(directory) / "timeline.png")
+    except ImportError:
+        print("timeline: not drawn (pip install 'asyncomm[plot]' for the PNG)")
+    else:
+        print(f"timeline: {png}")
+    return metrics

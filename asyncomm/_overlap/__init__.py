@@ -1,0 +1,1 @@
+"""Overlap of compute and communication: ``compute`` off the loop, ``GradSync``."""

@@ -1,0 +1,1 @@
+"""Tools: the command line, the launcher, the benchmarks and the soak test."""

@@ -1,0 +1,353 @@
+"""``asyncomm bench channels``: channels between ranks 0 and 1 beside the raw backend.
+
+Each row against a baseline, with the ratio (and the target it should meet):
+
+- ``pingpong``: one-way latency of an 8 B and a 1 MiB tensor, vs the raw blocking
+  send/recv of the same bytes;
+- ``awaited``: the raw backend's send and receive of the smallest message, each awaited
+  as cheaply as an event loop allows: the floor under the ping-pong row;
+- ``stream``: bandwidth of 1 MiB messages with 64 in flight (the sender gathers 64
+  ``send``s, the receiver consumes them, then acknowledges), vs 64 raw isend/irecv in
+  flight (into 64 buffers), wait all, ack (as osu_bw); target asyncomm/raw >= 0.8;
+- ``rate``: small dicts per second, sent one after the other, vs the backend's pickle path
+  (mpi4py ``comm.send``/``recv``; gloo: torch's ``send_object_list``); target >= 1.0;
+- ``channels``: ping-pong latency with each exchange on the next of 1000 open channels, vs
+  all on one channel; target 1000/1 <= 1.2.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from asyncomm._tools.bench.core import TAG, Calls, step, variants
+from asyncomm._tools.bench.harness import (
+    MIB,
+    Record,
+    Timed,
+    alternate,
+    iterations,
+    size_text,
+    value_text,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncomm._comm import Comm
+
+CHANNEL_SIZES = (8, MIB)  # ping-pong sizes of ``bench channels``
+STREAM_BYTES, IN_FLIGHT = MIB, 64
+OPEN_CHANNELS = 1000
+SMALL_MESSAGE = {"step": 0, "loss": 0.5, "ids": [1, 2, 3]}
+# test: (variant compared, baseline variant, unit, target on the ratio compared/baseline)
+CHANNEL_TESTS: dict[str, tuple[str, str, str, tuple[str, float] | None]] = {
+    "pingpong": ("asyncomm", "raw", "us", None),
+    "awaited": ("awaited", "raw", "us", None),  # the least any awaitable message costs
+    "stream": ("asyncomm", "raw", "MiB/s", (">=", 0.8)),
+    "rate": ("asyncomm", "pickle", "msg/s", (">=", 1.0)),
+    "channels": (f"{OPEN_CHANNELS} channels", "1 channel", "us", ("<=", 1.2)),
+}
+_TAGS = {"pingpong": 1, "stream": 2, "rate": 3, "ack": 4, "one": 5, "many": 1 << 20}
+
+
+def _awaited(comm: Comm, t: torch.Tensor, peer: int) -> Calls:
+    """Raw sends and receives of ``t``, each awaited as cheaply as an event loop allows.
+
+    No checks, framing, routing or decoding: only what any library that lets a task await
+    a request must do. On MPI, one loop callback tests the requests in flight and settles
+    a future per request; on gloo, whose requests complete only in ``wait()``, a thread
+    waits and settles it: the core bench's ``naive`` variant.
+    """
+    if comm.backend != "mpi":
+        return variants(comm, t, peer)["naive"]
+    from mpi4py import MPI
+
+    raw, loop = comm.raw, asyncio.get_running_loop()
+    buf = [t.numpy(), MPI.FLOAT]
+    pending: list[tuple[Any, asyncio.Future[None]]] = []
+
+    def poll() -> None:
+        for entry in [e for e in pending if e[0].Test()]:
+            pending.remove(entry)
+            entry[1].set_result(None)
+        if pending:
+            loop.call_soon(poll)
+
+    def awaiting(request: Any) -> asyncio.Future[None]:
+        future = loop.create_future()
+        pending.append((request, future))
+        if len(pending) == 1:
+            loop.call_soon(poll)
+        return future
+
+    return Calls(lambda: awaiting(raw.Isend(buf, peer, TAG)),
+                 lambda: awaiting(raw.Irecv(buf, peer, TAG)), _no_allreduce, blocking=False)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of ``bench channels``: its variants on this rank and how to read the times."""
+
+    test: str  # a key of CHANNEL_TESTS
+    size: int  # bytes per message
+    variants: dict[str, Timed]
+    warmup: int
+    iters: int
+    per_call: float  # per timed call: MiB or messages moved, or 1/2 (one way of a round trip)
+    prime: int = 0  # untimed calls before the first round (beside its warm-up)
+
+
+def _exchange(rank: int, send: Callable[[], Any], recv: Callable[[], Any],
+              blocking: bool) -> Timed:
+    """A ping-pong between ranks 0 and 1 (the core bench's ``step``)."""
+    return Timed(step("pingpong", Calls(send, recv, _no_allreduce, blocking), rank), blocking)
+
+
+def _no_allreduce() -> None:
+    raise AssertionError("bench channels measures no all-reduce")
+
+
+def _burst(rank: int, send: Callable[[], Any], recv: Callable[[], Any],
+           ack_send: Callable[[], Any], ack_recv: Callable[[], Any], blocking: bool) -> Timed:
+    """One call: rank 0 runs ``send`` and rank 1 ``recv``, then rank 1 acknowledges."""
+    if rank > 1:
+        return Timed(None, blocking)
+    first, second = (send, ack_recv) if rank == 0 else (recv, ack_send)
+    if blocking:
+        def step() -> None:
+            first()
+            second()
+
+        return Timed(step, True)
+
+    async def step_async() -> None:
+        await first()
+        await second()
+
+    return Timed(step_async, False)
+
+
+def _raw_stream(comm: Comm, t: torch.Tensor, peer: int) -> Timed:
+    """``IN_FLIGHT`` sends (receives) of ``t`` on ``comm.raw`` in flight at once, then an ack.
+
+    Each receive of a window has a buffer of its own (as each message a channel delivers
+    does), allocated once: osu_bw's single buffer for all 64 is not a valid MPI program,
+    and would measure a cache-hot copy instead of the delivery of 64 messages.
+    """
+    import torch
+
+    raw, n = comm.raw, IN_FLIGHT
+    inbox = [torch.empty_like(t) for _ in range(n if comm.rank == 1 else 0)]
+    flag = torch.zeros(2)
+    if comm.backend == "mpi":
+        from mpi4py import MPI
+
+        out, ack = [t.numpy(), MPI.FLOAT], [flag.numpy(), MPI.FLOAT]
+        into = [[b.numpy(), MPI.FLOAT] for b in inbox]
+        return _burst(
+            comm.rank,
+            lambda: MPI.Request.Waitall([raw.Isend(out, peer, TAG) for _ in range(n)]),
+            lambda: MPI.Request.Waitall([raw.Irecv(b, peer, TAG) for b in into]),
+            lambda: raw.Send(ack, peer, TAG + 1), lambda: raw.Recv(ack, peer, TAG + 1),
+            blocking=True)
+
+    def wait_all(works: list[Any]) -> None:
+        for work in works:
+            work.wait()
+
+    return _burst(
+        comm.rank,
+        lambda: wait_all([raw.send([t], peer, TAG) for _ in range(n)]),
+        lambda: wait_all([raw.recv([b], peer, TAG) for b in inbox]),
+        lambda: raw.send([flag], peer, TAG + 1).wait(),
+        lambda: raw.recv([flag], peer, TAG + 1).wait(), blocking=True)
+
+
+def _pickled(comm: Comm, peer: int) -> Timed:
+    """``IN_FLIGHT`` small objects one after the other through pickle, then an ack.
+
+    MPI: mpi4py's ``comm.send``/``comm.recv``; gloo: torch's ``send_object_list``.
+    """
+    n, msg = IN_FLIGHT, SMALL_MESSAGE
+    if comm.backend == "mpi":
+        raw = comm.raw
+
+        def send_mpi() -> None:
+            for _ in range(n):
+                raw.send(msg, peer, TAG)
+
+        def recv_mpi() -> None:
+            for _ in range(n):
+                raw.recv(source=peer, tag=TAG)
+
+        return _burst(comm.rank, send_mpi, recv_mpi, lambda: raw.send(None, peer, TAG + 1),
+                      lambda: raw.recv(source=peer, tag=TAG + 1), blocking=True)
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+
+    def send_torch() -> None:
+        for _ in range(n):
+            dist.send_object_list([msg], peer)
+
+    def recv_torch() -> None:
+        for _ in range(n):
+            dist.recv_object_list(box, peer)
+
+    return _burst(comm.rank, send_torch, recv_torch, lambda: dist.send_object_list([0], peer),
+                  lambda: dist.recv_object_list(box, peer), blocking=True)
+
+
+def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
+    """Every row of ``bench channels``, as run by this rank (ranks above 1 sit out)."""
+    import torch
+
+    from asyncomm._core import wire
+
+    rank, peer = comm.rank, 1 - comm.rank if comm.rank < 2 else 0
+    ack = comm.channel(_TAGS["ack"])
+
+    def ack_send() -> Any:
+        return ack.send(0, peer)
+
+    def ack_recv() -> Any:
+        return ack.recv(peer)
+
+    cases = []
+    ch = comm.channel(_TAGS["pingpong"])
+    for size in sizes:  # ping-pong: channel vs blocking send/recv of the same bytes
+        t = torch.zeros(size // 4)
+        warmup, iters = iterations(size, quick)
+        iters = max(2, iters // 2)  # more rounds than the core bench, each shorter
+        raw = variants(comm, t, peer)["raw"]
+        cases.append(Case("pingpong", size, {
+            "raw": Timed(step("pingpong", raw, rank), True),
+            "asyncomm": _exchange(rank, functools.partial(ch.send, t, peer),
+                                  lambda: ch.recv(peer), blocking=False),
+        }, warmup, iters, 0.5))
+    if sizes:  # the smallest message, awaited with nothing else: the floor of the first row
+        t = torch.zeros(min(sizes) // 4)
+        warmup, iters = iterations(min(sizes), quick)
+        awaited = _awaited(comm, t, peer)
+        cases.append(Case("awaited", t.nbytes, {
+            "raw": Timed(step("pingpong", variants(comm, t, peer)["raw"], rank), True),
+            "awaited": _exchange(rank, awaited.send, awaited.recv, blocking=False),
+        }, warmup, max(2, iters // 2), 0.5))
+
+    big = torch.zeros(STREAM_BYTES // 4)  # stream: IN_FLIGHT sends in flight, then an ack
+    stream = comm.channel(_TAGS["stream"])
+
+    async def stream_send() -> None:
+        await asyncio.gather(*(stream.send(big, peer) for _ in range(IN_FLIGHT)))
+
+    async def stream_recv() -> None:
+        for _ in range(IN_FLIGHT):
+            await stream.recv(peer)
+
+    cases.append(Case("stream", STREAM_BYTES, {
+        "raw": _raw_stream(comm, big, peer),
+        "asyncomm": _burst(rank, stream_send, stream_recv, ack_send, ack_recv, blocking=False),
+    }, 1, 2 if quick else 8, STREAM_BYTES * IN_FLIGHT / MIB))
+
+    small = comm.channel(_TAGS["rate"])  # rate: small dicts one after the other, then an ack
+
+    async def small_send() -> None:
+        for _ in range(IN_FLIGHT):
+            await small.send(SMALL_MESSAGE, peer)
+
+    async def small_recv() -> None:
+        for _ in range(IN_FLIGHT):
+            await small.recv(peer)
+
+    frame = len(wire.encode(wire.Kind.DATA, _TAGS["rate"], 0, SMALL_MESSAGE)[0])
+    iters = 2 if quick else 40
+    cases.append(Case("rate", frame, {
+        "pickle": _pickled(comm, peer),
+        "asyncomm": _burst(rank, small_send, small_recv, ack_send, ack_recv, blocking=False),
+    }, max(1, iters // 10), iters, IN_FLIGHT))
+
+    one = comm.channel(_TAGS["one"])  # ping-pong over one channel vs rotating over many
+    many = [comm.channel(_TAGS["many"] + i) for i in range(OPEN_CHANNELS)]
+    turn = itertools.cycle(many)  # both ranks take the channels in the same order
+    now = [many[0]]
+    tiny = torch.zeros(2)
+
+    def rotate_send() -> Any:
+        if rank == 0:  # rank 0 starts an exchange on the next channel, rank 1 answers on it
+            now[0] = next(turn)
+        return now[0].send(tiny, peer)
+
+    def rotate_recv() -> Any:
+        if rank == 1:
+            now[0] = next(turn)
+        return now[0].recv(peer)
+
+    cases.append(Case("channels", tiny.nbytes, {
+        "1 channel": _exchange(rank, lambda: one.send(tiny, peer), lambda: one.recv(peer),
+                               blocking=False),
+        f"{OPEN_CHANNELS} channels": _exchange(rank, rotate_send, rotate_recv, blocking=False),
+    }, 50, OPEN_CHANNELS // 20 if quick else OPEN_CHANNELS, 0.5,
+        prime=OPEN_CHANNELS // 20 if quick else OPEN_CHANNELS))
+    return cases  # (priming has every channel carry a message each way before timing;
+    # --quick, a smoke run, primes and times only a twentieth of them)
+
+
+async def measure(comm: Comm, sizes: Sequence[int], rounds: int, quick: bool
+                    ) -> list[Record]:
+    """Measure channels beside their baselines; return rank 0's records (``[]`` elsewhere)."""
+    records: list[Record] = []
+    for case in _channel_cases(comm, sizes, quick):
+        samples = await alternate(comm, case.variants, rounds, case.warmup, case.iters,
+                                   case.prime)
+        if comm.rank == 0:
+            records.append(record(case, samples))
+            progress(records[-1])
+    return records
+
+
+def record(case: Case, samples: dict[str, list[float]]) -> Record:
+    """Rank 0's record of one case, from its seconds per call, per variant and round."""
+    ours, base, unit, target = CHANNEL_TESTS[case.test]
+    if unit == "us":  # lower is better
+        values = {v: [s * case.per_call * 1e6 for s in samples[v]] for v in samples}
+    else:
+        values = {v: [case.per_call / s for s in samples[v]] for v in samples}
+    median = {v: statistics.median(values[v]) for v in values}
+    ratio = median[ours] / median[base]
+    met = None
+    if target is not None:
+        met = ratio >= target[1] if target[0] == ">=" else ratio <= target[1]
+    return {
+        "bench": "channels", "op": case.test, "size": case.size, "unit": unit,
+        "base": base, "compared": ours, "base_value": median[base], "value": median[ours],
+        "ratio": ratio, "target": None if target is None else f"{target[0]} {target[1]:g}",
+        "met": met, "iterations": case.iters, "samples": values,
+    }
+
+
+def progress(rec: Record) -> None:
+    print(f"bench: channels {rec['op']} {size_text(rec['size'])}: {rec['base']} "
+          f"{value_text(rec['base_value'])} {rec['unit']}, {rec['compared']} "
+          f"{value_text(rec['value'])} {rec['unit']}", file=sys.stderr, flush=True)
+
+
+def table(records: Sequence[Record]) -> list[str]:
+    m = records[0]
+    lines = [f"channels: median of {m['rounds']} rounds; ping-pong: one-way latency; "
+             f"stream: {IN_FLIGHT} x {size_text(STREAM_BYTES)} in flight; "
+             f"rate: {IN_FLIGHT} dicts one after the other",
+             f"{'test':<10}{'size':>8}{'unit':>7}{'baseline':>11}{'value':>10}"
+             f"{'compared':>15}{'value':>10}{'ratio':>7}  target"]
+    for r in records:
+        target = "" if r["target"] is None else f"{r['target']}: {'met' if r['met'] else 'MISSED'}"
+        lines.append(f"{r['op']:<10}{size_text(r['size']):>8}{r['unit']:>7}{r['base']:>11}"
+                     f"{value_text(r['base_value']):>10}{r['compared']:>15}{value_text(r['value']):>10}"
+                     f"{r['ratio']:>7.2f}  {target}".rstrip())
+    return lines

@@ -1,0 +1,219 @@
+"""``asyncomm bench pingpong|allreduce|all|idle``: latency and idle CPU beside the raw backend.
+
+``asyncomm bench`` starts N ranks of ``python -m asyncomm._tools.bench.core`` with the launcher of
+``asyncomm run``, once per backend. For each operation and message size every rank runs
+three variants of the same exchange on the same communicator:
+
+- ``raw``: the backend's blocking call on ``comm.raw`` (the floor to compare with);
+- ``asyncomm``: ``await comm.send(...)``, ``await comm.all_reduce(...)``;
+- ``naive``: the bridge people write by hand: the blocking ``wait()`` in the loop's
+  thread pool (gloo), or ``Test()`` in a ``sleep(0)`` loop (MPI).
+
+The variants alternate round by round (each round: a barrier, a warm-up, then timed
+iterations) so that the machine's noise hits them alike; the table gives the median over
+rounds of the time per iteration. Ping-pong reports the one-way latency (half a round
+trip), allreduce the time per call. ``asyncomm bench idle`` measures the CPU time a rank
+spends while it awaits a message that only comes after a while.
+
+``asyncomm bench channels`` measures channels (``comm.channel``) between ranks 0 and 1 the
+same way, each row against a baseline, with the ratio (and the target it should meet):
+
+- ``pingpong``: one-way latency of an 8 B and a 1 MiB tensor, vs the raw blocking
+  send/recv of the same bytes;
+- ``stream``: bandwidth of 1 MiB messages with 64 in flight (the sender gathers 64
+  ``send``s, the receiver consumes them, then acknowledges), vs 64 raw isend/irecv in
+  flight (into 64 buffers), wait all, ack (as osu_bw); target asyncomm/raw >= 0.8;
+- ``rate``: small dicts per second, sent one after the other, vs the backend's pickle path
+  (mpi4py ``comm.send``/``recv``; gloo: torch's ``send_object_list``); target >= 1.0;
+- ``channels``: ping-pong latency with each exchange on the next of 1000 open channels, vs
+  all on one channel; target 1000/1 <= 1.2.
+
+The workers also run under any launcher on their own, e.g.
+``mpiexec -n 2 python -m asyncomm._tools.bench.core all``: rank 0 then prints the table and writes
+the JSON itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from asyncomm._tools.bench.harness import (
+    KIB,
+    MIB,
+    Record,
+    Timed,
+    alternate,
+    iterations,
+    size_text,
+    us_text,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from asyncomm._comm import Comm
+
+DEFAULT_SIZES = (8, 64, KIB, 16 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB)
+QUICK_SIZES = (8, MIB)
+OPS = ("pingpong", "allreduce")
+VARIANTS = ("raw", "asyncomm", "naive")
+TAG = 77  # every variant's point-to-point messages; variants never overlap in time
+IDLE_WAIT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Calls:
+    """One variant's operations on one tensor: each returns when done, or an awaitable."""
+
+    send: Callable[[], Any]  # to the peer
+    recv: Callable[[], Any]  # from the peer
+    allreduce: Callable[[], Any]
+    blocking: bool  # True: a call returns once the operation is done
+
+
+def variants(comm: Comm, t: torch.Tensor, peer: int) -> dict[str, Calls]:
+    """The three variants on ``comm``, moving ``t`` to or from ``peer``."""
+    ours = Calls(lambda: comm.send(t, peer, TAG), lambda: comm.recv(t, peer, TAG),
+                 lambda: comm.all_reduce(t), blocking=False)
+    raw = comm.raw
+    if comm.backend == "mpi":
+        from mpi4py import MPI
+
+        buf = [t.numpy(), MPI.FLOAT]
+
+        async def spin(request: Any) -> None:
+            while not request.Test():
+                await asyncio.sleep(0)
+
+        return {
+            "raw": Calls(lambda: raw.Send(buf, peer, TAG), lambda: raw.Recv(buf, peer, TAG),
+                         lambda: raw.Allreduce(MPI.IN_PLACE, buf, MPI.SUM), blocking=True),
+            "asyncomm": ours,
+            "naive": Calls(lambda: spin(raw.Isend(buf, peer, TAG)),
+                           lambda: spin(raw.Irecv(buf, peer, TAG)),
+                           lambda: spin(raw.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)),
+                           blocking=False),
+        }
+    loop = asyncio.get_running_loop()
+
+    def off(work: Any) -> asyncio.Future[Any]:
+        return loop.run_in_executor(None, work.wait)
+
+    return {
+        "raw": Calls(lambda: raw.send([t], peer, TAG).wait(),
+                     lambda: raw.recv([t], peer, TAG).wait(),
+                     lambda: raw.allreduce([t]).wait(), blocking=True),
+        "asyncomm": ours,
+        "naive": Calls(lambda: off(raw.send([t], peer, TAG)), lambda: off(raw.recv([t], peer, TAG)),
+                       lambda: off(raw.allreduce([t])), blocking=False),
+    }
+
+
+def step(op: str, calls: Calls, rank: int) -> Callable[[], Any] | None:
+    """One iteration of ``op`` on this rank (``None``: this rank sits it out)."""
+    if op == "allreduce":
+        return calls.allreduce
+    if rank > 1:
+        return None
+    first, second = (calls.send, calls.recv) if rank == 0 else (calls.recv, calls.send)
+    if calls.blocking:
+        def both() -> None:
+            first()
+            second()
+
+        return both
+
+    async def step_async() -> None:
+        await first()
+        await second()
+
+    return step_async
+
+
+async def measure(comm: Comm, ops: Sequence[str], sizes: Sequence[int], rounds: int,
+                quick: bool) -> list[Record]:
+    """Measure every (op, size, variant); return rank 0's records (``[]`` elsewhere)."""
+    import torch
+
+    records: list[Record] = []
+    peer = 1 - comm.rank if comm.rank < 2 else 0
+    for op in ops:
+        for size in sizes:
+            calls = variants(comm, torch.zeros(size // 4), peer)
+            warmup, iters = iterations(size, quick)
+            timed = {v: Timed(step(op, calls[v], comm.rank), calls[v].blocking)
+                     for v in VARIANTS}
+            samples = await alternate(comm, timed, rounds, warmup, iters)
+            if op == "pingpong":  # one-way latency: half a round trip
+                samples = {v: [s / 2 for s in samples[v]] for v in VARIANTS}
+            if comm.rank == 0:
+                records.append(record(op, size, iters, samples))
+                progress(records[-1])
+    return records
+
+
+def record(op: str, size: int, iters: int, samples: dict[str, list[float]]) -> Record:
+    us = {v: statistics.median(samples[v]) * 1e6 for v in VARIANTS}
+    return {
+        "bench": "core", "op": op, "size": size,
+        **{f"{v}_us": us[v] for v in VARIANTS},
+        "ratio_asyncomm_raw": us["asyncomm"] / us["raw"],
+        "ratio_naive_raw": us["naive"] / us["raw"],
+        "iterations": iters,
+        "samples_us": {v: [s * 1e6 for s in samples[v]] for v in VARIANTS},
+    }
+
+
+async def idle(comm: Comm, wait_s: float) -> list[Record]:
+    """Rank 1 awaits a message that rank 0 sends ``wait_s`` later; CPU seconds per variant."""
+    import torch
+
+    calls = variants(comm, torch.zeros(2), 1 - comm.rank if comm.rank < 2 else 0)
+    spent: dict[str, tuple[float, float]] = {}
+    for variant in VARIANTS:
+        await comm.barrier()
+        call = calls[variant]
+        if comm.rank == 0:
+            await asyncio.sleep(wait_s)
+            done = call.send()
+            if not call.blocking:
+                await done
+        elif comm.rank == 1:
+            cpu, wall = time.process_time(), time.perf_counter()
+            done = call.recv()
+            if not call.blocking:
+                await done
+            spent[variant] = (time.process_time() - cpu, time.perf_counter() - wall)
+    everyone = await comm.all_gather_object(spent)
+    return [{"bench": "idle", "op": "idle", "variant": v, "wait_s": wait_s,
+             "cpu_s": everyone[1][v][0], "wall_s": everyone[1][v][1]} for v in VARIANTS
+            ] if comm.rank == 0 else []
+
+
+def progress(rec: Record) -> None:
+    print(f"bench: {rec['op']} {size_text(rec['size'])}: "
+          + ", ".join(f"{v} {us_text(rec[f'{v}_us'])} us" for v in VARIANTS), file=sys.stderr,
+          flush=True)
+
+
+def table(records: Sequence[Record]) -> list[str]:
+    """The lines of the latency or the idle table (after the header line)."""
+    m = records[0]
+    if m["op"] == "idle":
+        lines = [f"idle: rank 1 awaits a message rank 0 sends after {m['wait_s']:g} s",
+                 f"{'variant':<10}{'wall s':>9}{'CPU s':>9}{'CPU/wall':>10}"]
+        return lines + [f"{r['variant']:<10}{r['wall_s']:>9.2f}{r['cpu_s']:>9.3f}"
+                        f"{r['cpu_s'] / r['wall_s']:>10.2f}" for r in records]
+    lines = [f"median of {m['rounds']} rounds; ping-pong: one-way latency",
+             f"{'op':<10}{'size':>8}{'raw us':>10}{'asyncomm us':>13}{'naive us':>10}"
+             f"{'asyncomm/raw':>14}{'naive/raw':>11}"]
+    return lines + [f"{r['op']:<10}{size_text(r['size']):>8}{us_text(r['raw_us']):>10}"
+                    f"{us_text(r['asyncomm_us']):>13}{us_text(r['naive_us']):>10}"
+                    f"{r['ratio_asyncomm_raw']:>14.2f}{r['ratio_naive_raw']:>11.2f}"
+                    for r in records]

@@ -1,0 +1,238 @@
+"""``asyncomm bench pipeline``: the pipeline executor against torch's, and against theory.
+
+Two measurements, each rank running one stage (``measure``, run on every rank by
+``asyncomm bench``'s worker, like the other sections):
+
+- ``vs torch`` (gloo only: torch.distributed.pipelining needs torch's process group):
+  the same MLP (one block of ``Linear(width, width)`` + ``Tanh`` per stage; the last
+  block's output goes through an MSE loss) and the same microbatches, trained one step
+  at a time by ``torch.distributed.pipelining`` (``PipelineStage`` with
+  ``ScheduleGPipe`` / ``Schedule1F1B``) and by ``asyncomm.pipeline.Pipeline`` with the
+  matching schedule. The variants alternate round by round (each round: a barrier, a
+  warm-up step, then timed steps); a step's time is the slowest rank's, the result the
+  median over rounds and the ratio asyncomm / torch (target <= 1.0).
+- ``bubble``: stages whose forward takes a fixed ``t`` and whose backward takes ``2t``
+  (they sleep: fixed cost, no CPU contention), run by every schedule. The measured bubble
+  of a step is the simulator's definition, ``1 - sum(busy) / (ranks x makespan)``, from
+  every rank's compute time and the first start and last end of the step (``Pipeline.last``;
+  the ranks share a host, so their ``perf_counter`` readings compare), against
+  ``simulate(schedule, 1, 2).bubble`` (target: measured / theory <= 1.15).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from asyncomm import pipeline
+from asyncomm._comm import Comm
+
+Record = dict[str, Any]
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
+BUBBLE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+BUBBLE_TARGET = 1.15
+
+
+# -- the models ----------------------------------------------------------------------
+
+
+def mlp(n_stages: int, width: int) -> list[nn.Module]:
+    """The stages of the comparison's model, the same on every rank (seeded)."""
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_stages)]
+
+
+class _FixedCost(torch.autograd.Function):
+    """Identity whose forward sleeps ``t`` and backward ``2 t`` (the GIL is released)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, t: float) -> torch.Tensor:
+        ctx.t = t
+        time.sleep(t)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(2 * ctx.t)
+        return grad, None
+
+
+class FixedCost(nn.Module):
+    """A stage of fixed cost: a parameter is added (so a backward runs), then ``_FixedCost``."""
+
+    def __init__(self, t: float, width: int) -> None:
+        super().__init__()
+        self.t = t
+        self.bias = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _FixedCost.apply(x + self.bias, self.t)  # type: ignore[no-untyped-call]
+        return out
+
+
+# -- timing --------------------------------------------------------------------------
+
+
+async def _slowest(comm: Comm, seconds: float) -> float:
+    """The largest of every rank's ``seconds``."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    await comm.all_reduce(t, "max")
+    return float(t.item())
+
+
+async def _timed(comm: Comm, step: Callable[[], Awaitable[Any]], steps: int) -> float:
+    """Seconds per step of ``steps`` steps after a warm-up step, the slowest rank's."""
+    await step()
+    await comm.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        await step()
+    return await _slowest(comm, (time.perf_counter() - start) / steps)
+
+
+def _torch_step(comm: Comm, name: str, stage_module: nn.Module, n_microbatches: int,
+                x: torch.Tensor, y: torch.Tensor) -> Callable[[], Awaitable[None]]:
+    """One step of torch.distributed.pipelining on this rank's stage (blocking calls)."""
+    from torch.distributed import pipelining
+
+    stage = pipelining.PipelineStage(stage_module, comm.rank, comm.size, torch.device("cpu"))
+    schedule = getattr(pipelining, TORCH_SCHEDULES[name])(
+        stage, n_microbatches, loss_fn=nn.functional.mse_loss)
+    first, last = comm.rank == 0, comm.rank == comm.size - 1
+
+    async def step() -> None:
+        stage_module.zero_grad()
+        if first:
+            schedule.step(x)
+        elif last:
+            schedule.step(target=y, losses=[])
+        else:
+            schedule.step()
+
+    return step
+
+
+def _ours_step(comm: Comm, name: str, stage_module: nn.Module, n_microbatches: int,
+               x: torch.Tensor, y: torch.Tensor
+               ) -> tuple[Callable[[], Awaitable[None]], pipeline.Pipeline]:
+    schedule = pipeline.get(name, comm.size, n_microbatches)
+    pipe = pipeline.Pipeline(comm, schedule, {comm.rank: stage_module}, nn.functional.mse_loss)
+
+    async def step() -> None:
+        stage_module.zero_grad()
+        await pipe.step(x if pipe.first else None, y if pipe.last_stage else None)
+
+    return step, pipe
+
+
+async def versus_torch(comm: Comm, width: int, batch: int, n_microbatches: int,
+                       rounds: int, steps: int) -> list[Record]:
+    """Step times of torch's pipelining and asyncomm's, alternated round by round."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, width, generator=gen)
+    y = torch.randn(batch, width, generator=gen)
+    stage = mlp(comm.size, width)[comm.rank]
+    records = []
+    for name in TORCH_SCHEDULES:
+        ours, pipe = _ours_step(comm, name, copy.deepcopy(stage), n_microbatches, x, y)
+        variants = {"torch": _torch_step(comm, name, copy.deepcopy(stage), n_microbatches, x, y),
+                    "asyncomm": ours}
+        samples: dict[str, list[float]] = {v: [] for v in variants}
+        for _ in range(rounds):
+            for variant, step in variants.items():
+                samples[variant].append(await _timed(comm, step, steps))
+        await pipe.close()
+        ms = {v: 1e3 * statistics.median(s) for v, s in samples.items()}
+        records.append({
+            "test": "vs_torch", "schedule": name, "width": width, "batch": batch,
+            "microbatches": n_microbatches, "steps": steps, "torch_ms": ms["torch"],
+            "asyncomm_ms": ms["asyncomm"], "ratio": ms["asyncomm"] / ms["torch"],
+            "target": 1.0, "samples_ms": {v: [1e3 * t for t in s] for v, s in samples.items()},
+        })
+    return records
+
+
+async def bubble(comm: Comm, t: float, n_microbatches: int, steps: int) -> list[Record]:
+    """Measured bubble of fixed-cost stages under every schedule, beside the simulator's."""
+    width = 16
+    records = []
+    for name in BUBBLE_SCHEDULES:
+        kw = {"stages_per_rank": 2} if name == "interleaved" else {}
+        schedule = pipeline.get(name, comm.size, n_microbatches, **kw)
+        stages = [FixedCost(t, width) for _ in range(schedule.n_stages)]
+        pipe = pipeline.Pipeline(comm, schedule, stages, lambda out, _: out.sum())
+        x = torch.zeros(n_microbatches, width)
+        measured = []
+        for step in range(steps + 1):
+            await comm.barrier()
+            await pipe.step(x if pipe.first else None, x if pipe.last_stage else None)
+            assert pipe.last is not None
+            # the simulator's definition: idle time over the common makespan, tails included
+            busy = torch.tensor([pipe.last.busy_s], dtype=torch.float64)
+            ends = torch.tensor([-pipe.last.start, pipe.last.end], dtype=torch.float64)
+            await comm.all_reduce(busy)
+            await comm.all_reduce(ends, "max")
+            if step:  # the first is a warm-up
+                makespan = ends[0].item() + ends[1].item()
+                measured.append(1.0 - busy.item() / (comm.size * makespan))
+        await pipe.close()
+        theory = pipeline.simulate(schedule, 1.0, 2.0).bubble
+        value = statistics.median(measured)
+        records.append({
+            "test": "bubble", "schedule": name, "stages": schedule.n_stages,
+            "microbatches": n_microbatches, "f_ms": 1e3 * t, "b_ms": 2e3 * t, "steps": steps,
+            "measured": value, "theory": theory, "ratio": value / theory,
+            "target": BUBBLE_TARGET, "samples": measured,
+        })
+    return records
+
+
+# -- output --------------------------------------------------------------------------
+
+
+def table(records: Sequence[Record]) -> list[str]:
+    """The lines of both sections (after the header line)."""
+    m = records[0]
+    lines: list[str] = []
+    torch_rows = [r for r in records if r["test"] == "vs_torch"]
+    if torch_rows:
+        r0 = torch_rows[0]
+        lines.append(f"pipeline vs torch.distributed.pipelining: MLP width {r0['width']}, "
+                     f"batch {r0['batch']} in {r0['microbatches']} microbatches, median of "
+                     f"{m['rounds']} rounds of {r0['steps']} steps")
+        lines.append(f"{'schedule':<10}{'torch ms':>10}{'asyncomm ms':>13}{'ratio':>8}  target")
+        for r in torch_rows:
+            met = "met" if r["ratio"] <= r["target"] else "MISSED"
+            lines.append(f"{r['schedule']:<10}{r['torch_ms']:>10.2f}{r['asyncomm_ms']:>13.2f}"
+                         f"{r['ratio']:>8.2f}  <= {r['target']:g}: {met}")
+    bubble_rows = [r for r in records if r["test"] == "bubble"]
+    if bubble_rows:
+        r0 = bubble_rows[0]
+        lines.append(f"bubble: fixed-cost stages, F {r0['f_ms']:g} ms, B {r0['b_ms']:g} ms, "
+                     f"{r0['microbatches']} microbatches, median of {r0['steps']} steps")
+        lines.append(f"{'schedule':<12}{'stages':>7}{'measured':>10}{'theory':>8}{'ratio':>8}"
+                     "  target")
+        for r in bubble_rows:
+            met = "met" if r["ratio"] <= r["target"] else "MISSED"
+            lines.append(f"{r['schedule']:<12}{r['stages']:>7}{r['measured']:>10.3f}"
+                         f"{r['theory']:>8.3f}{r['ratio']:>8.2f}  <= {r['target']:g}: {met}")
+    return lines
+
+
+async def measure(comm: Comm, rounds: int, quick: bool) -> list[Record]:
+    """Run both sections (torch's pipelining on gloo only); return rank 0's records."""
+    width, batch, mbs = (256, 32, 4) if quick else (1024, 128, 8)
+    steps = 3 if quick else 10
+    t = 0.01 if quick else 0.05  # long enough that a message's latency is small beside it
+    found = []
+    torch.set_num_threads(1)  # two ranks share the cores: one intra-op thread each
+    if comm.backend == "gloo":
+        found += await versus_torch(comm, width, batch, mbs, rounds, steps)
+    found += await bubble(comm, t, 2 * comm.size, steps)
+    return [{"bench": "pipeline", **r} for r in found] if comm.rank == 0 else []

@@ -1,0 +1,478 @@
+"""``asyncomm run``: start N local ranks, label their output, stop them all when one fails.
+
+With gloo (or nccl) the launcher spawns the ranks itself and hosts their rendezvous store on
+loopback, so no rank has to race for a port; with ``--backend mpi`` it hands the ranks to
+``mpiexec`` and only watches its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections import defaultdict, deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from asyncomm._core.env import _MPI_RANK_VARS
+from asyncomm._core.settings import BACKENDS
+
+GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the world
+TAIL_LINES = 200  # stderr lines kept per rank for the failure summary
+_TRACEBACK = "Traceback (most recent call last):"
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # what torch's excepthook puts before each line
+# MPICH's word when a rank calls MPI_Abort: the summary says it instead.
+_MPI_ABORT = re.compile(rb"^Abort\((\d+)\) on node \d+ \(rank (\d+) in comm \d+\): "
+                        rb"application called MPI_Abort")
+# "[3] text" from MPICH's -prepend-rank, "[1,3]<stderr>: text" from Open MPI's --tag-output.
+_LABEL = re.compile(rb"\[(?:\d+,)?(\d+)\](?:<std\w+>)?:? ?")
+# Hydra's -print-all-exitcodes: "[mpiexec@host] Exit codes: [host] 0,1280,0", wait statuses
+# in rank order (host after host).
+_EXIT_CODES = re.compile(rb"^\[mpiexec@[^\]]*\] Exit codes: (.*)$")
+# mpiexec labels each chunk a rank writes rather than each line, so make every rank write
+# whole lines: line-buffer both streams (even under PYTHONUNBUFFERED), then run as python does.
+_LINE_BUFFERED_MAIN = """\
+import os, runpy, sys
+for stream in (sys.stdout, sys.stderr):
+    stream.reconfigure(line_buffering=True, write_through=False)
+del sys.argv[0]
+if sys.argv[0] == "-m":
+    del sys.argv[0]
+    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+else:
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+    runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the options of ``asyncomm run`` on its subparser."""
+    parser.add_argument(
+        "-n", "--nproc", type=int, required=True, metavar="N", help="ranks to start"
+    )
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="mpi: start the ranks with mpiexec; gloo (default) or nccl: start them here",
+    )
+    parser.add_argument(
+        "--timeout", type=float, metavar="SECONDS", help="set ASYNCOMM_TIMEOUT for every rank"
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="trace every rank into DIR (ASYNCOMM_TRACE), then merge: DIR/trace.json, "
+        "DIR/timeline.png and the overlap metrics",
+    )
+    parser.add_argument(
+        "-m", dest="module", action="store_true", help="SCRIPT names a module, as in python -m"
+    )
+    parser.add_argument("script", metavar="SCRIPT", help="the Python script every rank runs")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT"
+    )
+    parser.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run ``asyncomm run`` as parsed; return its exit code."""
+    if not args.module and not os.path.isfile(args.script):
+        print(f"asyncomm run: no such script: {args.script}", file=sys.stderr)
+        return 2
+    argv = ["-m", args.script] if args.module else [args.script]
+    try:
+        code = launch([*argv, *args.script_args], args.nproc, args.backend,
+                      timeout=args.timeout, trace=args.trace)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"asyncomm run: {err}", file=sys.stderr)
+        return 2
+    if args.trace is not None:
+        from asyncomm._observe import timeline as _timeline
+
+        try:  # also after a failure: the ranks that got far enough wrote their files
+            _timeline.summarise(args.trace)
+        except (FileNotFoundError, ValueError) as err:  # the program's own code still counts
+            print(f"asyncomm run: trace: {err}", file=sys.stderr)
+    return code
+
+
+def find_mpiexec() -> str | None:
+    """Return the path of ``mpiexec``: on PATH, else beside this Python (the mpich wheel)."""
+    found = shutil.which("mpiexec")
+    if found is not None:
+        return found
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if os.access(beside, os.X_OK) else None
+
+
+def launch(
+    script_argv: list[str],
+    n: int,
+    backend: str | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float | None = None,
+    trace: str | os.PathLike[str] | None = None,
+) -> int:
+    """Run ``python *script_argv`` (a script or ``-m module``, then its arguments) on n ranks.
+
+    Blocks until every rank has exited and returns the world's exit code. ``backend`` is
+    exported as ``ASYNCOMM_BACKEND`` when given (``"mpi"`` starts the ranks with mpiexec),
+    ``env`` is added to every rank's environment and ``timeout`` becomes ``ASYNCOMM_TIMEOUT``.
+    ``trace`` becomes ``ASYNCOMM_TRACE`` (the directory is made, and emptied of an earlier
+    run's rank files so that they cannot be merged with this run's).
+    """
+    if n < 1:
+        raise ValueError(f"-n must be at least 1, not {n}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    base = dict(os.environ)
+    if backend is not None:
+        base["ASYNCOMM_BACKEND"] = backend
+    if timeout is not None:
+        base["ASYNCOMM_TIMEOUT"] = f"{timeout:g}"
+    if trace is not None:
+        directory = Path(trace).resolve()  # the ranks may run elsewhere (mpiexec's cwd)
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("rank*.json"):
+            stale.unlink()
+        base["ASYNCOMM_TRACE"] = str(directory)
+    if backend == "mpi":
+        return _launch_mpi(script_argv, n, {**base, **(env or {})})
+    base["GLOO_SOCKET_IFNAME"] = loopback_interface()
+    base["PYTHONUNBUFFERED"] = "1"  # our pumps split lines, so let ranks write at once
+    for name in _MPI_RANK_VARS:  # an enclosing MPI job must not make ranks look like MPI's
+        base.pop(name, None)
+    return _launch_local(script_argv, n, {**base, **(env or {})})
+
+
+def _launch_local(script_argv: list[str], n: int, base: dict[str, str]) -> int:
+    """Spawn n ranks of ``python *script_argv``, host their store, and supervise them."""
+    listening = _listen_on_loopback()
+    shared = {
+        "WORLD_SIZE": str(n),
+        "LOCAL_WORLD_SIZE": str(n),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(listening.getsockname()[1]),
+        "ASYNCOMM_STORE": "client",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # plain torch scripts connect as clients too
+    }
+    envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
+    world = asyncio.run(_supervise([[sys.executable, *script_argv]] * n, envs, labeled=False,
+                                   serve=lambda: _serve_store(listening)))
+    if world.signal is not None:
+        _say(f"interrupted by {signal.Signals(world.signal).name}; stopped {n} ranks")
+        return 128 + world.signal
+    if world.first_failed is None:
+        return 0
+    rank, code = world.first_failed, world.codes[world.first_failed] or 1
+    _say(f"rank {rank} failed first{_error(world.tails[rank])} ({_how(code)}); "
+         "stopped the other ranks")
+    return code if code > 0 else 1
+
+
+def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str]) -> int:
+    """Run the ranks under mpiexec, passing its rank-labelled output through."""
+    mpiexec = find_mpiexec()
+    if mpiexec is None:
+        raise FileNotFoundError("mpiexec not found; pip install 'asyncomm[mpi]' provides one")
+    python = [sys.executable, "-c", _LINE_BUFFERED_MAIN, *script_argv]
+    cmd = [mpiexec, "-n", str(n), *_label_flag(mpiexec), *python]
+    world = asyncio.run(_supervise([cmd], [{**env, "ASYNCOMM_BACKEND": "mpi"}], labeled=True))
+    code = world.codes[0] or 0
+    if world.signal is not None:
+        _say(f"interrupted by {signal.Signals(world.signal).name}; stopped mpiexec")
+        return 128 + world.signal
+    if code == 0:
+        return 0
+    ended = f"mpiexec {_how(code)}"
+    if world.aborted is not None:
+        rank, abort_code = world.aborted
+        ended = f"rank {rank} ended the job with MPI_Abort({abort_code}); {ended}"
+    if world.tracebacks:  # the first rank to raise is the likeliest culprit
+        rank = world.tracebacks[0]
+        _say(f"rank {rank} failed first{_error(world.tails[rank])} ({ended})")
+    elif (dead := _dead_ranks(world.statuses)):  # died without a word: Hydra says who
+        _say(f"{dead} ({ended})")
+    else:
+        _say(ended)
+    return code if code > 0 else 1
+
+
+def _dead_ranks(statuses: list[int]) -> str:
+    """Name the ranks whose wait status says they failed: an exit code first, else a signal.
+
+    Hydra kills the other ranks once one dies, so ranks killed by a signal
+    are named only when no rank exited with a code of its own.
+    """
+    exited = [(r, s >> 8) for r, s in enumerate(statuses) if s & 0x7F == 0 and s >> 8]
+    if exited:
+        return "; ".join(f"rank {r} exited with code {c}" for r, c in exited)
+    killed = [(r, s & 0x7F) for r, s in enumerate(statuses) if s & 0x7F]
+    return "; ".join(f"rank {r} {_how(-sig)}" for r, sig in killed)
+
+
+def loopback_interface() -> str:
+    """Return the name of the loopback network interface, for gloo to bind to."""
+    return "lo0" if sys.platform == "darwin" else "lo"
+
+
+def host_store() -> tuple[object, int]:
+    """Start the rendezvous store on a free loopback port; return it and the port."""
+    sock = _listen_on_loopback()
+    port: int = sock.getsockname()[1]
+    return _serve_store(sock), port
+
+
+def _listen_on_loopback() -> socket.socket:
+    """Return a socket listening on a free loopback port, for a store to adopt.
+
+    Binding to port 0 ourselves gets a free port without a probe-then-bind race and keeps
+    the store off every interface but loopback. Until a store adopts the socket, clients
+    that connect wait in its backlog.
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _serve_store(sock: socket.socket) -> object:
+    """Start torch's store server on the listening ``sock``, which it adopts and closes."""
+    import torch
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    port = sock.getsockname()[1]
+    fd = sock.detach()
+    # The libuv store learnt to adopt a listening fd only recently (pytorch#150215).
+    use_libuv = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8)
+    try:
+        return TCPStore(
+            "127.0.0.1",
+            port,
+            world_size=None,
+            is_master=True,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=use_libuv,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _label_flag(mpiexec: str) -> list[str]:
+    """Return the mpiexec option that prefixes each output line with its rank."""
+    try:
+        probe = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    version = (probe.stdout + probe.stderr).lower()
+    if "open mpi" in version or "openrte" in version or "prte" in version:
+        return ["--tag-output"]
+    if "hydra" in version and "intel" not in version:  # each rank's exit status, at the end
+        return ["-prepend-rank", "-print-all-exitcodes"]
+    if "intel" in version:
+        return ["-prepend-rank"]
+    return []
+
+
+@dataclass
+class _World:
+    """What supervision saw: exit codes, who failed first, and each rank's last stderr lines."""
+
+    codes: list[int | None]
+    first_failed: int | None = None  # index of the first process to exit non-zero
+    signal: int | None = None  # SIGINT or SIGTERM received by the launcher
+    tracebacks: list[int] = field(default_factory=list)  # ranks, in order of first traceback
+    statuses: list[int] = field(default_factory=list)  # each rank's wait status (Hydra)
+    aborted: tuple[int, int] | None = None  # (rank, code) of an MPI_Abort
+    served: object = None  # what ``serve`` returned, kept until the ranks are gone
+    tails: defaultdict[int, deque[str]] = field(
+        default_factory=lambda: defaultdict(lambda: deque(maxlen=TAIL_LINES))
+    )
+
+
+async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled: bool,
+                     serve: Callable[[], object] | None = None) -> _World:
+    """Run one process per command until all exit, stopping them all once one fails.
+
+    ``serve``, when given, runs on a thread once the processes are spawned (the store they
+    connect to: torch loads here while it loads in the ranks); if it raises, they are
+    stopped and the error raised.
+    """
+    world = _World(codes=[None] * len(cmds))
+    procs: list[asyncio.subprocess.Process] = []
+    stop = asyncio.Event()  # set when all exited, one failed, or the launcher got a signal
+
+    def on_signal(signum: int) -> None:
+        # Ranks live in their own sessions so that a terminal's Ctrl-C reaches them once,
+        # from here; a second signal means the user is out of patience.
+        _kill(procs, signum if world.signal is None else signal.SIGKILL)
+        world.signal = signum
+        stop.set()
+
+    async def watch(index: int, proc: asyncio.subprocess.Process) -> None:
+        world.codes[index] = code = await proc.wait()
+        if code != 0 and world.first_failed is None:
+            world.first_failed = index
+            stop.set()
+
+    def stop_if_failed(done: asyncio.Future[object]) -> None:
+        if not done.cancelled() and done.exception() is not None:
+            stop.set()
+
+    loop = asyncio.get_running_loop()
+    handled: list[int] = []
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+            loop.add_signal_handler(signum, on_signal, signum)  # only in the main thread
+            handled.append(signum)
+    try:
+        for cmd, env in zip(cmds, envs, strict=True):
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+            procs.append(proc)
+        pumps = [
+            asyncio.ensure_future(_pump(stream, kept, world, None if labeled else i))
+            for i, proc in enumerate(procs)
+            for stream, kept in ((proc.stdout, False), (proc.stderr, True))
+            if stream is not None
+        ]
+        served = None
+        if serve is not None:
+            served = asyncio.ensure_future(asyncio.to_thread(serve))
+            served.add_done_callback(stop_if_failed)
+        exits = asyncio.gather(*(watch(i, proc) for i, proc in enumerate(procs)))
+        exits.add_done_callback(lambda _: stop.set())
+        await stop.wait()
+        if not exits.done():
+            if world.signal is None:
+                _kill(procs, signal.SIGTERM)
+            if not (await asyncio.wait({exits}, timeout=GRACE_S))[0]:
+                _kill(procs, signal.SIGKILL)
+            await exits
+        # A rank's own children may hold its pipes open: don't wait on them forever.
+        for pump in (await asyncio.wait(pumps, timeout=GRACE_S))[1] if pumps else ():
+            pump.cancel()
+        if served is not None:
+            world.served = await served
+    finally:
+        _kill(procs, signal.SIGKILL)  # only those still running, e.g. when spawning failed
+        for handled_signum in handled:
+            loop.remove_signal_handler(handled_signum)
+    return world
+
+
+async def _pump(
+    stream: asyncio.StreamReader, is_err: bool, world: _World, rank: int | None
+) -> None:
+    """Copy a rank's output line by line, labelled with ``rank`` unless already labelled."""
+    prefix = b"" if rank is None else f"[{rank}] ".encode()
+
+    def emit(line: bytes) -> None:
+        statuses = _EXIT_CODES.match(line) if rank is None else None
+        if statuses is not None:  # mpiexec's own report: read, not shown
+            world.statuses = [int(s) for s in re.findall(rb"\d+", re.sub(
+                rb"\[[^\]]*\]", b" ", statuses[1]))]
+            return
+        if rank is None and is_err:
+            label = _LABEL.match(line)
+            aborted = _MPI_ABORT.match(line[label.end():] if label else line)
+            if aborted is not None:  # said once, in the summary
+                world.aborted = (int(aborted[2]), int(aborted[1]))
+                return
+        _write(sys.stderr if is_err else sys.stdout, prefix + line + b"\n")
+        if is_err:
+            _keep(world, line, rank)
+
+    pending = b""
+    while chunk := await stream.read(1 << 16):
+        *lines, pending = (pending + chunk).split(b"\n")
+        for line in lines:
+            emit(line)
+    if pending:  # a last line without its newline
+        emit(pending)
+
+
+def _keep(world: _World, line: bytes, rank: int | None) -> None:
+    """Remember a stderr line of ``rank``, reading the rank from its label when None."""
+    if rank is None:
+        world.tails[-1].append(line.decode(errors="replace"))  # all ranks, labels and all
+        label = _LABEL.match(line)
+        if label is None:
+            return
+        rank, line = int(label[1]), line[label.end() :]
+    text = _RANK_PREFIX.sub("", line.decode(errors="replace").rstrip("\r"), count=1)
+    world.tails[rank].append(text)
+    if text.startswith(_TRACEBACK) and rank not in world.tracebacks:
+        world.tracebacks.append(rank)
+
+
+def _write(sink: TextIO, data: bytes) -> None:
+    """Write one line to ``sink`` now, as bytes when it has a binary buffer."""
+    try:
+        if hasattr(sink, "buffer"):
+            sink.buffer.write(data)
+            sink.buffer.flush()
+        else:  # a replaced stream, e.g. a caller capturing output
+            sink.write(data.decode(errors="replace"))
+            sink.flush()
+    except (OSError, ValueError):
+        pass  # a closed terminal or pipe must not stop the ranks
+
+
+def _kill(procs: list[asyncio.subprocess.Process], signum: int) -> None:
+    """Send ``signum`` to the process group of every process still running."""
+    for proc in procs:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signum)
+
+
+def _how(code: int) -> str:
+    """Describe an exit code as asyncio reports it (negative: killed by that signal)."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-code).name}"
+        return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _error(tail: deque[str]) -> str:
+    """Return ``": Kind: message"`` from the last traceback in ``tail`` ("" if there is none).
+
+    The traceback itself went by with the rank's output: the summary names it, once.
+    """
+    lines = list(tail)
+    starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK)]
+    if not starts:
+        return ""
+    for line in lines[starts[-1] + 1:]:
+        if line.strip() and not line[0].isspace():
+            return f": {line.strip()}"
+    return ""
+
+
+def _say(summary: str) -> None:
+    """Print the launcher's one-line summary of how the world ended."""
+    sys.stderr.write(f"asyncomm run: {summary}\n")
+    sys.stderr.flush()

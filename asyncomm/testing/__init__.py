@@ -1,0 +1,291 @@
+"""Multi-rank tests: run an ``async def check(comm, ...)`` on every rank of a real world.
+
+Starting ranks is the slow part, so a ``World`` is started once and serves
+many tests: each rank process connects back to the test process, imports the
+check function by file and name, runs it with its ``Comm`` and reports the
+result or its traceback. A failure on any rank fails the test with that
+rank's traceback; a rank that hangs past the deadline fails the test with
+every rank's stack, and the world is restarted for the next test.
+
+With the pytest plugin (``asyncomm.testing.plugin``, registered for pytest
+when asyncomm is installed) a test is simply::
+
+    @pytest.mark.asyncomm(ranks=3, backends=("gloo", "mpi"))
+    async def test_sum(comm):            # runs on every rank
+        t = torch.ones(1)
+        await comm.all_reduce(t)
+        assert t.item() == comm.size
+
+and ``asyncomm_worlds`` (a ``WorldPool``) gives worlds to run checks on by
+hand: ``asyncomm_worlds.get("gloo", 2).run(check_sum)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Mapping
+from multiprocessing.connection import Connection, Listener, wait
+from pathlib import Path
+from typing import Any, cast
+
+import asyncomm
+
+_ADDRESS = "ASYNCOMM_TEST_ADDRESS"  # where a rank connects back to (read by ``_rank``)
+_KEY = "ASYNCOMM_TEST_KEY"
+
+
+class WorldFailure(AssertionError):
+    """A check failed, or hung, on one or more ranks."""
+
+
+class World:
+    """``size`` rank processes on ``backend``, serving checks until stopped."""
+
+    def __init__(self, size: int, backend: str = "gloo", start_timeout: float = 60.0) -> None:
+        if size < 1:
+            raise ValueError(f"a world needs at least one rank, not {size}")
+        self.size = size
+        self.backend = backend
+        self._start_timeout = start_timeout
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._conns: list[Connection] = []
+        self._pids: list[int] = []  # each rank's process, for its stack on a hang
+        self._requests = 0  # numbers each check: a late reply to an earlier one is dropped
+        self._store: object = None
+        self._logs: list[Path] = []
+        self._logdir = tempfile.TemporaryDirectory(prefix=f"asyncomm-{backend}{size}-")
+
+    def __repr__(self) -> str:
+        return f"<World {self.backend} x{self.size}{'' if self._conns else ' stopped'}>"
+
+    @property
+    def running(self) -> bool:
+        """Whether the rank processes are up and connected."""
+        return bool(self._conns) and all(p.poll() is None for p in self._procs)
+
+    def start(self) -> None:
+        """Start the ranks and wait until each has connected."""
+        from asyncomm._tools import launch as _launch
+
+        key = secrets.token_bytes(16)
+        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+            host, port = listener.address
+            env = {**os.environ, _ADDRESS: f"{host}:{port}", _KEY: key.hex(),
+                   "PYTHONUNBUFFERED": "1", "ASYNCOMM_BACKEND": self.backend}
+            # A world idles between checks, and an idle MPI rank polls every 1 ms: a
+            # few pooled worlds would take most of a small machine's cores from the
+            # tests. A longer cap only delays the first poll after a long idle spell.
+            env.setdefault("ASYNCOMM_MAX_BACKOFF_US", "20000")
+            for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK", "WORLD_SIZE"):
+                env.pop(name, None)
+            command = [sys.executable, "-m", "asyncomm.testing"]  # see ``_rank``
+            self._logs = [Path(self._logdir.name) / f"rank{r}.log" for r in range(self.size)]
+            if self.backend == "mpi":
+                mpiexec = _launch.find_mpiexec()
+                if mpiexec is None:
+                    raise RuntimeError("mpiexec not found: pip install 'asyncomm[mpi]'")
+                self._logs = [Path(self._logdir.name) / "mpiexec.log"]
+                self._spawn([mpiexec, "-n", str(self.size), *command], env, self._logs[0])
+            else:
+                self._store, store_port = _launch.host_store()
+                shared = {"WORLD_SIZE": str(self.size), "MASTER_ADDR": "127.0.0.1",
+                          "MASTER_PORT": str(store_port), "ASYNCOMM_STORE": "client",
+                          "TORCHELASTIC_USE_AGENT_STORE": "True",
+                          "GLOO_SOCKET_IFNAME": _launch.loopback_interface()}
+                for rank in range(self.size):
+                    self._spawn(command, {**env, **shared, "RANK": str(rank),
+                                          "LOCAL_RANK": str(rank)}, self._logs[rank])
+            conns: dict[int, Connection] = {}
+            pids: dict[int, int] = {}
+            deadline = time.monotonic() + self._start_timeout
+            listener._listener._socket.settimeout(1.0)  # type: ignore[attr-defined]
+            while len(conns) < self.size:
+                if time.monotonic() > deadline or any(p.poll() is not None for p in self._procs):
+                    self.stop()
+                    raise RuntimeError(f"{self!r} did not start:\n{self._log_tail()}")
+                try:
+                    conn: Any = listener.accept()
+                except (TimeoutError, OSError):
+                    continue
+                rank, pid = conn.recv()
+                conns[rank], pids[rank] = conn, pid
+        self._conns = [conns[r] for r in range(self.size)]
+        self._pids = [pids[r] for r in range(self.size)]
+
+    def _spawn(self, command: list[str], env: dict[str, str], log: Path) -> None:
+        with open(log, "wb") as out:
+            self._procs.append(subprocess.Popen(command, env=env, stdout=out,
+                                                stderr=subprocess.STDOUT,
+                                                stdin=subprocess.DEVNULL))
+
+    def run(self, check: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
+        """Run ``await check(comm, *args)`` on every rank; return their results in rank order.
+
+        Raise ``WorldFailure`` with the traceback of every rank that raised,
+        or naming the ranks still busy after ``timeout`` seconds, with every
+        rank's stack (keep ``timeout`` below pytest's own, so this report comes).
+        """
+        if not self.running:
+            self.stop()
+            self.start()
+        self._requests += 1
+        request = self._requests
+        path = str(Path(sys.modules[check.__module__].__file__ or "").resolve())
+        for conn in self._conns:
+            conn.send(("run", request, path, check.__qualname__, args))
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        while pending:
+            # Once a rank failed, the others get a short grace: they may be waiting on it.
+            limit = deadline if not failures else min(deadline, time.monotonic() + 5.0)
+            ready = wait(list(pending), timeout=max(0.0, limit - time.monotonic()))
+            if not ready:
+                break
+            for item in ready:
+                conn = cast(Connection, item)
+                rank = pending[conn]
+                try:
+                    status, answered, value = conn.recv()
+                except (EOFError, OSError):
+                    status, answered, value = "error", request, f"rank {rank} died"
+                if answered != request:
+                    continue  # the late answer of a check that timed out before
+                del pending[conn]
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    failures[rank] = value
+        if pending or failures:
+            hung = sorted(pending.values())
+            if hung:
+                self._dump_stacks()
+            logs = self._log_tail() if hung or any("died" in f for f in failures.values()) else ""
+            self.stop()  # its state is unknown now: the next check gets a fresh world
+            report = [f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())]
+            if hung:
+                report.append(f"ranks {hung} still busy after {timeout:g} s"
+                              if not failures else f"ranks {hung} did not finish after the failure")
+            if logs:
+                report.append(f"--- the ranks' output (stacks of the busy ones last) ---\n{logs}")
+            raise WorldFailure(f"{check.__qualname__} failed on {self!r}:\n" + "\n".join(report))
+        return [results[r] for r in range(self.size)]
+
+    def _dump_stacks(self) -> None:
+        """Have every rank write its threads' stacks to its output (``faulthandler``)."""
+        for pid in self._pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGUSR1)
+        time.sleep(0.5)  # they write from a signal handler: a moment is enough
+
+    def _log_tail(self, lines: int = 60) -> str:
+        text = []
+        for log in self._logs:
+            try:
+                text.append(f"{log.name}:\n" + "\n".join(
+                    log.read_text(errors="replace").splitlines()[-lines:]))
+            except OSError:
+                pass
+        return "\n".join(text)
+
+    def stop(self) -> None:
+        """Stop the ranks (politely, then not)."""
+        for conn in self._conns:
+            try:
+                conn.send(("stop", 0, "", "", ()))
+            except OSError:
+                pass
+        deadline = time.monotonic() + 5.0
+        for proc in self._procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns, self._pids, self._store = [], [], [], None
+
+
+class WorldPool:
+    """Worlds by (backend, size), started on first use and kept for later tests."""
+
+    def __init__(self) -> None:
+        self._worlds: dict[tuple[str, int], World] = {}
+
+    def get(self, backend: str, size: int) -> World:
+        """Return the running world of ``size`` ranks on ``backend``."""
+        world = self._worlds.get((backend, size))
+        if world is None:
+            world = self._worlds[(backend, size)] = World(size, backend)
+        if not world.running:
+            world.stop()
+            world.start()
+        return world
+
+    def close(self) -> None:
+        """Stop every world (all at once: each waits seconds for its ranks to close)."""
+        threads = [threading.Thread(target=world.stop) for world in self._worlds.values()]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self._worlds.clear()
+
+
+@contextlib.asynccontextmanager
+async def fresh(comm: asyncomm.Comm,
+                env: Mapping[str, str] | None = None) -> AsyncIterator[asyncomm.Comm]:
+    """A new communicator over every rank of ``comm`` (a clean slate), closed on leaving.
+
+    ``env`` is set while it is made, for settings read then (``ASYNCOMM_DEBUG``,
+    ``ASYNCOMM_MAX_MESSAGE_BYTES``), and restored after.
+    """
+    saved = {name: os.environ.get(name) for name in env or {}}
+    os.environ.update(env or {})
+    try:
+        sub = await comm.group(range(comm.size))
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
+    assert sub is not None
+    try:
+        yield sub
+    finally:
+        await sub.close()
+
+
+def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
+               timeout: float = 120.0, env: Mapping[str, str] | None = None
+               ) -> subprocess.CompletedProcess[str]:
+    """Write ``source`` as a script in ``directory`` and run it with ``asyncomm run -n n``.
+
+    ``env`` is added to the ranks' environment. Skips the calling test (pytest) when
+    ``backend`` is ``"mpi"`` and no mpiexec exists.
+    """
+    from asyncomm._tools import launch as _launch
+
+    if backend == "mpi" and _launch.find_mpiexec() is None:
+        import pytest
+
+        pytest.skip("mpiexec not installed")
+    script = directory / f"script_{secrets.token_hex(4)}.py"
+    script.write_text(source)
+    root = str(Path(asyncomm.__file__).resolve().parent.parent)
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "asyncomm", "run", "-n", str(n), "--backend", backend,
+         str(script)], capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, **(env or {}), "PYTHONPATH": path})

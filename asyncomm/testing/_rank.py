@@ -1,0 +1,89 @@
+"""The rank side of a test ``World``: connect back, run each check asked for, answer.
+
+``python -m asyncomm.testing`` runs this on every rank (under the launcher
+the world chose); a check's result or traceback goes back with the number of
+the request it answers. ``SIGUSR1`` writes every task's and thread's stack to
+the rank's output, for the report of a check that hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import importlib.util
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Client
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import asyncomm
+from asyncomm._core import settings
+
+_modules: dict[str, ModuleType] = {}
+
+
+def _load(path: str, qualname: str) -> Callable[..., Any]:
+    module = _modules.get(path)
+    if module is None:
+        sys.path.insert(0, str(Path(path).parent))
+        spec = importlib.util.spec_from_file_location(f"asyncomm_check_{len(_modules)}", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        _modules[path] = module
+    target: Any = module
+    for part in qualname.split("."):
+        target = getattr(target, part)
+    return target  # type: ignore[no-any-return]
+
+
+async def serve(comm: asyncomm.Comm) -> None:
+    """Answer the test process's requests until it says stop."""
+    chosen = settings.read()
+    assert chosen.test_address is not None and chosen.test_key is not None
+    host, port = chosen.test_address.rsplit(":", 1)
+    conn = Client((host, int(port)), authkey=bytes.fromhex(chosen.test_key))
+    conn.send((comm.rank, os.getpid()))
+    loop = asyncio.get_running_loop()
+    # SIGUSR1 (a check hangs): the tasks' stacks, from the loop, and every thread's stack,
+    # from faulthandler's own handler, which also speaks when the loop is blocked.
+    loop.add_signal_handler(signal.SIGUSR1, _print_tasks)
+    faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
+    while True:
+        command, request, path, qualname, args = await loop.run_in_executor(None, conn.recv)
+        if command == "stop":
+            break
+        try:
+            result = await _load(path, qualname)(comm, *args)
+        except BaseException as exc:  # from the check's frame down
+            tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+            conn.send(("error", request, "".join(traceback.format_exception(type(exc), exc, tb))))
+        else:
+            conn.send(("ok", request, result))
+    conn.close()
+
+
+def _print_tasks() -> None:
+    """Print every task's chain of awaits, outermost first (where each one waits)."""
+    for task in asyncio.all_tasks():
+        lines = [f"task {task.get_name()} (awaits, outermost first):"]
+        awaited: Any = task.get_coro()
+        while awaited is not None:
+            frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+            if frame is None:
+                break
+            lines.append(f"  File \"{frame.f_code.co_filename}\", line {frame.f_lineno}, in "
+                         f"{frame.f_code.co_name}")
+            awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        print("\n".join(lines), file=sys.stderr)
+    sys.stderr.flush()
+
+
+def main() -> None:
+    """Serve checks on this rank."""
+    asyncomm.run(serve)
