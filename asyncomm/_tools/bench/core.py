@@ -1,36 +1,17 @@
 """``asyncomm bench pingpong|allreduce|all|idle``: latency and idle CPU beside the raw backend.
 
-``asyncomm bench`` starts N ranks of ``python -m asyncomm._tools.bench.core`` with the launcher of
-``asyncomm run``, once per backend. For each operation and message size every rank runs
-three variants of the same exchange on the same communicator:
+For each operation and message size every rank runs three variants of the same
+exchange on the same communicator:
 
 - ``raw``: the backend's blocking call on ``comm.raw`` (the floor to compare with);
 - ``asyncomm``: ``await comm.send(...)``, ``await comm.all_reduce(...)``;
 - ``naive``: the bridge people write by hand: the blocking ``wait()`` in the loop's
   thread pool (gloo), or ``Test()`` in a ``sleep(0)`` loop (MPI).
 
-The variants alternate round by round (each round: a barrier, a warm-up, then timed
-iterations) so that the machine's noise hits them alike; the table gives the median over
-rounds of the time per iteration. Ping-pong reports the one-way latency (half a round
-trip), allreduce the time per call. ``asyncomm bench idle`` measures the CPU time a rank
-spends while it awaits a message that only comes after a while.
-
-``asyncomm bench channels`` measures channels (``comm.channel``) between ranks 0 and 1 the
-same way, each row against a baseline, with the ratio (and the target it should meet):
-
-- ``pingpong``: one-way latency of an 8 B and a 1 MiB tensor, vs the raw blocking
-  send/recv of the same bytes;
-- ``stream``: bandwidth of 1 MiB messages with 64 in flight (the sender gathers 64
-  ``send``s, the receiver consumes them, then acknowledges), vs 64 raw isend/irecv in
-  flight (into 64 buffers), wait all, ack (as osu_bw); target asyncomm/raw >= 0.8;
-- ``rate``: small dicts per second, sent one after the other, vs the backend's pickle path
-  (mpi4py ``comm.send``/``recv``; gloo: torch's ``send_object_list``); target >= 1.0;
-- ``channels``: ping-pong latency with each exchange on the next of 1000 open channels, vs
-  all on one channel; target 1000/1 <= 1.2.
-
-The workers also run under any launcher on their own, e.g.
-``mpiexec -n 2 python -m asyncomm._tools.bench.core all``: rank 0 then prints the table and writes
-the JSON itself.
+The variants alternate round by round (``harness.alternate``); the table gives the
+median over rounds of the time per iteration. Ping-pong reports the one-way latency
+(half a round trip), allreduce the time per call. ``idle`` measures the CPU time a
+rank spends while it awaits a message that only comes after a while.
 """
 
 from __future__ import annotations
