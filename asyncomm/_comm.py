@@ -54,7 +54,8 @@ class Comm:
         self._seq = 0
         self._last_op = ""  # what ``_seq`` numbered
         self._closed = False
-        self._children: list[Comm] = []
+        self._children: list[Comm] = []  # open groups split from this one
+        self._parent: Comm | None = None
         self._groups = 0  # groups split off so far: names the next one's label
         self._chain: asyncio.Future[Any] | None = None  # last multi-step op on ``_own``
         self._checked_ops: dict[tuple[object, torch.dtype], ReduceOp] = {}
@@ -535,6 +536,7 @@ class Comm:
                 return None
             child = Comm(made[0], made[1], self._loop, self._timeout, label,
                          [self._world_ranks[r] for r in members], self._addresses)
+            child._parent = self
             self._children.append(child)
             return child
 
@@ -649,8 +651,11 @@ class Comm:
             return
         self._closed = True
         self._deadlines.close()
-        for child in self._children:
+        for child in list(self._children):
             await child._close(linger)
+        if self._parent is not None:  # closed: let it go (its groups, threads, sockets)
+            self._parent._children.remove(self)
+            self._parent = None
         if self._chain is not None and not self._chain.done():
             self._chain.cancel()
         await self._host.close(linger)

@@ -215,9 +215,10 @@ def test_mpi_failure_names_the_rank(tmp_path: Path) -> None:
     done, took = asyncomm_run(tmp_path, "-n", "3", "--backend", "mpi", script.name, "fail")
     assert done.returncode == 3
     assert took < 15
-    assert summary(done.stderr) == (
-        "asyncomm run: rank 1 failed first: RuntimeError: mpi rank one broke (rank 1 ended "
-        "the job with MPI_Abort(3); mpiexec exited with code 3)\n")
+    said = summary(done.stderr)  # MPICH's own abort line, when it comes, is folded in
+    assert said.startswith("asyncomm run: rank 1 failed first: RuntimeError: mpi rank one "
+                           "broke ("), said
+    assert said.endswith("mpiexec exited with code 3)\n"), said
     assert done.stderr.count("Traceback (most recent call last):") == 1, done.stderr
     assert "application called MPI_Abort" not in done.stderr  # said once, by the summary
 

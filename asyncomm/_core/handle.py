@@ -274,12 +274,15 @@ class Deadlines:
                                                       self._look_for_stalls)
 
     def close(self) -> None:
-        """Stop looking for stalls and checking on peers (deadlines still expire)."""
+        """Stop every timer: the owner is closed (what it had pending fails with it)."""
         for timer in (self._stall_timer, self._check_timer):
             if timer is not None:
                 timer.cancel()
         self._stall_timer = self._check_timer = None
         self._stall_s = self._check_s = 0.0
+        for queue in self._queues.values():
+            queue.close()
+        self._queues.clear()
 
 
 class _Queue:
@@ -302,6 +305,12 @@ class _Queue:
             self._compact()
         if self._timer is None and self._timeout != math.inf:
             self._arm()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.entries.clear()
 
     def _compact(self) -> None:
         self.entries = collections.deque(

@@ -2,10 +2,12 @@
 
 Starting ranks is the slow part, so a ``World`` is started once and serves
 many tests: each rank process connects back to the test process, imports the
-check function by file and name, runs it with its ``Comm`` and reports the
-result or its traceback. A failure on any rank fails the test with that
-rank's traceback; a rank that hangs past the deadline fails the test with
-every rank's stack, and the world is restarted for the next test.
+check function by file and name, runs it on a communicator of its own (made
+for the check over every rank, closed after it, so that no check sees what
+another left) and reports the result or its traceback. A failure on any rank
+fails the test with that rank's traceback; a rank that hangs past the
+deadline fails the test with every rank's stack, and the world is restarted
+for the next test.
 
 With the pytest plugin (``asyncomm.testing.plugin``, registered for pytest
 when asyncomm is installed) a test is simply::
@@ -263,8 +265,10 @@ async def fresh(comm: asyncomm.Comm,
     assert sub is not None
     try:
         yield sub
-    finally:
-        await sub.close()
+    except BaseException:
+        await sub._close(linger=0.0)  # failing: the other ranks may never close theirs
+        raise
+    await sub.close()
 
 
 def run_script(source: str, directory: Path, n: int, backend: str = "gloo",

@@ -1,8 +1,9 @@
 """The rank side of a test ``World``: connect back, run each check asked for, answer.
 
 ``python -m asyncomm.testing`` runs this on every rank (under the launcher
-the world chose); a check's result or traceback goes back with the number of
-the request it answers. ``SIGUSR1`` writes every task's and thread's stack to
+the world chose); each check runs on a communicator of its own (see
+``_isolated``), and its result or traceback goes back with the number of the
+request it answers. ``SIGUSR1`` writes every task's and thread's stack to
 the rank's output, for the report of a check that hangs.
 """
 
@@ -59,13 +60,32 @@ async def serve(comm: asyncomm.Comm) -> None:
         if command == "stop":
             break
         try:
-            result = await _load(path, qualname)(comm, *args)
+            result = await _isolated(_load(path, qualname), comm, args)
         except BaseException as exc:  # from the check's frame down
             tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
             conn.send(("error", request, "".join(traceback.format_exception(type(exc), exc, tb))))
         else:
             conn.send(("ok", request, result))
     conn.close()
+
+
+async def _isolated(check: Callable[..., Any], comm: asyncomm.Comm, args: tuple[Any, ...]) -> Any:
+    """Run ``check`` on a communicator of its own over every rank, closed after it.
+
+    So a check leaves nothing behind on the world (operations in flight, channels,
+    actors, groups): what it leaves closes with its communicator, and the next check,
+    whatever it is and in whatever order, starts clean. A check that raised leaves
+    without waiting for the other ranks.
+    """
+    mine = await comm.group(range(comm.size))
+    assert mine is not None
+    try:
+        result = await check(mine, *args)
+    except BaseException:
+        await mine._close(linger=0.0)
+        raise
+    await mine.close()
+    return result
 
 
 def _print_tasks() -> None:
