@@ -39,6 +39,27 @@ WINDOW = 64  # the router's default window, in messages per (sender, channel)
 # -- helpers -----------------------------------------------------------------------
 
 
+async def until(condition: Any, what: str, limit: float = 30.0) -> None:
+    """Wait until ``condition()`` holds (each loop turn, then every ms): an event, not a nap."""
+    deadline = time.monotonic() + limit
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"still not {what} after {limit:g} s")
+        await asyncio.sleep(0.001)
+
+
+def waiting_for_credit(comm: Comm, dst: int, tag: int) -> bool:
+    """Whether a send of this rank to ``dst`` on channel ``tag`` waits for credit (private)."""
+    window = comm._router._windows.get((dst, tag))
+    return window is not None and bool(window.waiters)
+
+
+def arrived(comm: Comm, tag: int) -> int:
+    """How many frames of channel ``tag`` wait in this rank's mailbox (private)."""
+    box = comm._router._mailboxes.get(tag)
+    return 0 if box is None else len(box.frames)
+
+
 def digest(obj: object) -> str:
     """Return a checksum of ``obj`` that sees types (tuple/list, tensor/array, int/float/bool)."""
     h = hashlib.blake2b(digest_size=16)
@@ -230,18 +251,27 @@ def test_soak_payload_digests_tell_kinds_apart() -> None:
 
 
 async def check_fairness(comm: Comm, n: int) -> list[int] | None:
-    ch = comm.channel(200)
+    ch, note = comm.channel(200), comm.channel(201)
     await comm.barrier()
     if comm.rank == 0:
-        await asyncio.sleep(1.0)  # both senders have filled their windows by now, even under load
+        for _ in range(2):  # both senders have filled their windows: they wait for credit
+            await note.recv()
         order = []
         for _ in range(2 * n):
             msg = await ch.recv()
             order.append(msg.src)
         return order
+    sending = asyncio.ensure_future(_send_all(ch, n))
+    await until(lambda: waiting_for_credit(comm, 0, 200) or sending.done(), "waiting for credit")
+    assert not sending.done(), "every message went without credit"
+    await note.send("window full", 0)
+    await sending
+    return None
+
+
+async def _send_all(ch: Channel, n: int) -> None:
     for i in range(n):
         await ch.send(i, 0)
-    return None
 
 
 def test_any_source_recv_serves_every_sender(world: World) -> None:
@@ -249,12 +279,11 @@ def test_any_source_recv_serves_every_sender(world: World) -> None:
     order = world.run(check_fairness, n)[0]
     assert sorted(order) == [1] * n + [2] * n
     first_half = order[:n]
-    # Each of the two senders must hold a share of the first half. If one sender's
-    # messages all came first, the other would have none of it; with 64-message
-    # windows each typically holds ~40%, but a loaded machine delays one sender's
-    # start, so the bound only excludes starvation (it failed once at 71 >= 75).
+    # Each of the two senders must hold a share of the first half: both windows were
+    # full when the receiver began, so each sender had 64 messages waiting, and credit
+    # came back to both as the receiver took them in arrival order.
     for src in (1, 2):
-        assert first_half.count(src) >= n // 10, (src, first_half.count(src), order)
+        assert first_half.count(src) >= WINDOW, (src, first_half.count(src), order)
 
 
 # -- 3. cancellation and receive timeouts -------------------------------------------
@@ -275,7 +304,10 @@ async def check_cancelled_recv(comm: Comm) -> None:
         with pytest.raises(asyncomm.CommTimeoutError, match="channel 300"):
             await ch.recv(timeout=0.2)
         await go.send("timed out", 0)
-        await asyncio.sleep(0.2)  # "late" arrives between two receives
+        # rank 0 sends "late", then "sent": frames from one rank arrive in order, so
+        # "late" is here, between two receives, once "sent" is.
+        assert (await go.recv(src=0)).data == "sent"
+        assert arrived(comm, 300) == 1
         msg = await ch.recv(timeout=5.0)
         assert (msg.src, msg.data) == (0, "late")
         await expect_nothing(ch)
@@ -284,6 +316,7 @@ async def check_cancelled_recv(comm: Comm) -> None:
         await ch.send("first", 1)
         assert (await go.recv(src=1)).data == "timed out"
         await ch.send("late", 1)
+        await go.send("sent", 1)
 
 
 def test_cancelled_recv_loses_nothing_and_timeout_names_the_channel(world: World) -> None:
@@ -356,14 +389,23 @@ async def check_flow_control(comm: Comm, n: int) -> dict[str, Any] | None:
     ch = comm.channel(400)
     await comm.barrier()
     if comm.rank == 0:
-        done_at = []
-        for i in range(n):
-            await ch.send(torch.full((MiB // 4,), i, dtype=torch.int32), 1)
-            done_at.append(time.monotonic())
+        done_at: list[float] = []
+
+        async def produce() -> None:
+            for i in range(n):
+                await ch.send(torch.full((MiB // 4,), i, dtype=torch.int32), 1)
+                done_at.append(time.monotonic())
+
+        producing = asyncio.ensure_future(produce())
+        await until(lambda: waiting_for_credit(comm, 1, 400) or producing.done(),
+                    "waiting for credit")
+        assert not producing.done(), "300 MiB went without waiting for credit"
+        await comm.channel(402).send("waiting for credit", 1)
+        await producing
         return {"done_at": done_at}
     if comm.rank == 1:
         base = peak = rss_bytes()
-        await asyncio.sleep(0.7)  # the producer runs into the window meanwhile
+        assert (await comm.channel(402).recv(src=0)).data == "waiting for credit"
         router = comm._router
         assert router is not None
         held, waiting = len(router._mailboxes[400].frames), rss_bytes() - base
@@ -420,7 +462,7 @@ async def check_send_credit_timeout(comm: Comm) -> list[int] | None:
         with pytest.raises(asyncomm.CommTimeoutError, match="channel 401 send to peer 1"):
             await ch.send(-1, 1, timeout=0.2)  # no credit: never sent
         blocked = asyncio.ensure_future(ch.send(-2, 1))
-        await asyncio.sleep(0.1)
+        await until(lambda: waiting_for_credit(comm, 1, 401), "waiting for credit")
         assert not blocked.done()
         blocked.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -456,15 +498,14 @@ async def check_close_wakes_blocked(comm: Comm) -> None:
             await ch.send(i, 1)
         blocked = [asyncio.ensure_future(ch.send(i, 1)) for i in range(2)]
         receiving = asyncio.ensure_future(ch.recv(src=2))
-        await asyncio.sleep(0.1)
+        await until(lambda: waiting_for_credit(sub, 1, 403), "waiting for credit")
         await sub.close()
         done, _ = await asyncio.wait([*blocked, receiving], timeout=5.0)
         assert len(done) == 3, "a send or receive blocked in a channel outlived its communicator"
         for task in done:
             assert isinstance(task.exception(), asyncomm.CommClosedError), task.exception()
     else:
-        await asyncio.sleep(0.3)
-        await sub.close()
+        await sub.close()  # waits for rank 0's goodbye: rank 0 closes with work blocked
 
 
 def test_closing_the_communicator_wakes_blocked_sends_and_receives(world: World) -> None:
@@ -478,13 +519,14 @@ async def check_unopened(comm: Comm, n: int) -> int | None:
     note = comm.channel(500)
     if comm.rank == 0:
         ch = comm.channel(501)
-        for i in range(n):
-            await ch.send((i, torch.full((i,), i)), 1)
-            if i == 9:
-                await note.send("ten sent", 1)
+        sending = asyncio.ensure_future(_send_numbered(ch, n))
+        await until(lambda: waiting_for_credit(comm, 1, 501) or sending.done(),
+                    "waiting for credit")
+        assert not sending.done(), "every message went without credit"
+        await note.send("window full", 1)
+        await sending
     elif comm.rank == 1:
-        assert (await note.recv(src=0)).data == "ten sent"
-        await asyncio.sleep(0.3)
+        assert (await note.recv(src=0)).data == "window full"  # frames before it are here
         router = comm._router
         assert router is not None and 501 not in comm._channels
         held = len(router._mailboxes[501].frames)  # kept, but not beyond one window
@@ -498,9 +540,14 @@ async def check_unopened(comm: Comm, n: int) -> int | None:
     return None
 
 
+async def _send_numbered(ch: Channel, n: int) -> None:
+    for i in range(n):
+        await ch.send((i, torch.full((i,), i)), 1)
+
+
 def test_messages_for_an_unopened_channel_wait_for_it(world: World) -> None:
     held = world.run(check_unopened, 150)[1]
-    assert 10 <= held <= WINDOW
+    assert held == WINDOW  # kept, but not beyond one window
 
 
 async def check_unopened_fresh(comm: Comm) -> None:
@@ -511,7 +558,8 @@ async def check_unopened_fresh(comm: Comm) -> None:
         if sub.rank == 0:
             await sub.channel(504).send("early", 2)
         elif sub.rank == 2:
-            await asyncio.sleep(0.3)
+            await until(lambda: arrived(sub, 504) == 1, "arrived")  # before any channel
+            assert not sub._channels
             msg = await sub.channel(504).recv(timeout=5.0)
             assert (msg.src, msg.data) == (0, "early")
         await sub.barrier()
@@ -721,8 +769,15 @@ async def check_end_of_stream(comm: Comm, n: int) -> None:
     ch = comm.channel(800)
     if comm.rank == 0:
         got: dict[int, list[Any]] = {1: [], 2: []}
+
+        async def tell_rank_2() -> None:  # rank 1's end of stream is in (private)
+            await until(lambda: 1 in ch._box.ended, "ended")
+            await comm.channel(801).send("rank 1 closed", 2)
+
+        telling = asyncio.ensure_future(tell_rank_2())
         async for msg in ch:
             got[msg.src].append(msg.data)
+        await telling
         for src in (1, 2):
             assert [d if isinstance(d, int) else int(d[-1]) for d in got[src]] == list(range(n))
         for peer in (None, 1, 2):
@@ -734,8 +789,8 @@ async def check_end_of_stream(comm: Comm, n: int) -> None:
     else:
         for i in range(n - 1):
             await ch.send(i, 0)
-            if comm.rank == 2 and i == n // 2:
-                await asyncio.sleep(0.3)  # rank 1 has closed by now: iteration goes on
+            if comm.rank == 2 and i == n // 2:  # iteration goes on once rank 1 has closed
+                await comm.channel(801).recv(src=0)
         await ch.send(torch.full((MiB,), float(n - 1)), 0)  # data messages, then the end
         await ch.close()
         with pytest.raises(asyncomm.CommClosedError):

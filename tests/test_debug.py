@@ -92,16 +92,38 @@ def test_shape_and_dtype_mismatches_fail_instead_of_crashing(world: World) -> No
 
 
 STALL = """
-import os, time, asyncomm
+import os, sys, threading, time, asyncomm
 
-def stall_here():
-    time.sleep(0.8)  # holds the event loop
+reported = threading.Event()
+
+
+class Watch:
+    # stderr, telling ``reported`` once the watchdog has spoken
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        if "the event loop has been blocked" in text:
+            reported.set()
+        return self.stream.write(text)
+
+    def flush(self):
+        self.stream.flush()
+
+
+def stall_here(until_reported):
+    if until_reported:  # holds the event loop until the watchdog said so (or 30 s)
+        assert reported.wait(30.0), "the watchdog never spoke"
+    else:
+        time.sleep(0.8)  # holds the event loop, with nobody watching
 
 async def main(comm):
     if comm.rank == 1:
-        stall_here()
+        stall_here(os.environ.get("ASYNCOMM_DEBUG") == "1")
     await comm.barrier()
 
+sys.stderr = Watch(sys.stderr)
 os.environ.pop("ASYNCOMM_DEBUG", None)
 asyncomm.run(main)  # without debug mode: nothing to say
 os.environ["ASYNCOMM_DEBUG"] = "1"
@@ -115,7 +137,7 @@ def test_a_blocked_loop_is_reported_with_its_stack(backend: str, tmp_path: Path)
     assert proc.returncode == 0, proc.stderr
     # once: the stall in debug mode; the one before it, without, says nothing
     assert proc.stderr.count("rank 1: the event loop has been blocked for") == 1, proc.stderr
-    assert "in stall_here" in proc.stderr and "time.sleep(0.8)" in proc.stderr
+    assert "in stall_here" in proc.stderr and "reported.wait(30.0)" in proc.stderr
     assert "rank 0: the event loop" not in proc.stderr
 
 

@@ -77,7 +77,9 @@ def test_communicator_default_timeout(world: World) -> None:
 async def cancel_an_await(handle: asyncomm.Handle[Any]) -> None:
     """Await ``handle`` in a task, then cancel that task (not the operation)."""
     task = asyncio.ensure_future(handle)
-    await asyncio.sleep(0.05)
+    for _ in range(3):  # the task starts, and waits on the handle
+        await asyncio.sleep(0)
+    assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -118,9 +120,11 @@ async def check_cancelled_collective_completes(comm: Comm) -> None:
         gc.collect()
         kept = alive()
         assert kept is not None
+        for peer in range(1, comm.size):  # the others join only now
+            await comm.channel(90).send("cancelled", peer)
         assert await handle is kept and kept[0].item() == comm.size
     else:
-        await asyncio.sleep(0.3)  # join late
+        assert (await comm.channel(90).recv(src=0)).data == "cancelled"  # join late
         await comm.all_reduce(torch.ones(500))
     after = torch.full((2,), float(comm.rank))
     await comm.all_reduce(after)
@@ -351,10 +355,13 @@ async def main():
         await ch.send("a", 0)
         await ch.send("b", 0)
     await comm.barrier()
+    ready = comm.channel(16)
     if comm.rank == 2:
-        await asyncio.sleep(0.5)  # the others are waiting on it by now
+        for _ in range(2):  # the others have issued what waits on it
+            await ready.recv()
         os._exit(3)
     in_flight = comm.all_reduce(torch.ones(4))  # rank 2 never joins it
+    await ready.send("waiting", 2)
     if comm.rank == 0:
         got = [(await ch.recv(src=2)).data for _ in range(2)]
         say("before dying:", got)  # what it sent is not lost

@@ -99,11 +99,13 @@ async def check_send_buffer_reusable_once_done(comm: Comm) -> None:
     for n in (2, 1 << 10, 1 << 16, 1 << 20):
         if comm.rank == 0:
             t = torch.arange(n, dtype=torch.float32)
-            await comm.send(t, 1, tag=n % 30000)
+            sent = comm.send(t, 1, tag=n % 30000)
+            await comm.send(torch.zeros(1), 1, tag=7)  # "issued": the receive comes after
+            await sent
             t.fill_(-1.0)
             await comm.recv(torch.zeros(1), 1, tag=1)  # the receiver is done
         else:
-            await asyncio.sleep(0.05)  # post the receive late
+            await comm.recv(torch.zeros(1), 0, tag=7)  # post the receive late
             got = torch.zeros(n)
             await comm.recv(got, 0, tag=n % 30000)
             assert torch.equal(got, torch.arange(n, dtype=torch.float32)), n

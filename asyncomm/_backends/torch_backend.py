@@ -13,7 +13,8 @@ thread hand-offs. A CPU send of at most ``ASYNCOMM_EAGER_BYTES`` (64 KiB)
 therefore sends a copy and completes at once, as MPI's eager protocol does;
 one reaper thread sees the copies off. At most 64 are in flight per
 communicator (later sends complete as usual). If a copy's transfer fails,
-the next operation on the communicator raises that error.
+the next point-to-point operation with that peer, and the next collective,
+raise that error (a failed send to one peer does not fail sends to others).
 
 Note on CUDA (nccl)
 -------------------
@@ -168,8 +169,12 @@ class TorchBackend(Backend):
     def _collective(self, sink: Sink, work: Any) -> None:
         self._bridge.watch(work.get_future(), sink, self._finish(work))
 
-    def _raise_if_failed(self) -> None:
-        failure = self._eager.failure
+    def _raise_if_failed(self, peer: int | None = None) -> None:
+        """Raise the failure of an earlier eager send: to ``peer``, or to anyone (collectives)."""
+        failures = self._eager.failures
+        if not failures:
+            return
+        failure = next(iter(failures.values())) if peer is None else failures.get(peer)
         if failure is not None:
             raise classify(failure)(f"an earlier eager send failed: {failure}") from failure
 
@@ -224,19 +229,19 @@ class TorchBackend(Backend):
 
     def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
              eager: bool = True) -> None:
-        self._raise_if_failed()
+        self._raise_if_failed(dst)
         if (eager and not self.cuda and tensor.nbytes <= self._eager_bytes
                 and self._eager.in_flight < _EAGER_IN_FLIGHT):
             # See the module note on eager sends.
             work = self._pg.send([tensor.clone()], dst, tag)
-            self._eager.watch(functools.partial(work.wait, _FOREVER))
+            self._eager.watch(functools.partial(work.wait, _FOREVER), dst)
             sink._succeed(None)
             return
         work = self._pg.send([tensor], dst, tag)
         self._p2p(sink, work, _none)
 
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
-        self._raise_if_failed()
+        self._raise_if_failed(src)
         if src is not None:
             work = self._pg.recv([tensor], src, tag)
             self._p2p(sink, work, lambda _: work._source_rank())
@@ -264,7 +269,7 @@ class TorchBackend(Backend):
 
     def release(self, peer: int, tag: int) -> None:
         work = self._pg.send([_NOTHING], peer, tag)
-        self._eager.watch(functools.partial(work.wait, _FOREVER))
+        self._eager.watch(functools.partial(work.wait, _FOREVER), peer)
 
     async def released(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

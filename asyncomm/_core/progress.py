@@ -255,33 +255,35 @@ class Reaper:
     ``watch(wait)`` queues a request; the thread wakes when ``batch`` are
     queued (or every ``period_s``) and calls ``wait()`` on each in turn, so
     it costs one wake-up per batch rather than one per request. A request
-    that raised is kept in ``failure`` for its owner to report.
+    that raised is kept in ``failures``, under the key it was watched with
+    (its destination), for its owner to report.
     """
 
     def __init__(self, batch: int = 16, period_s: float = 0.1) -> None:
         self._batch = batch
         self._period_s = period_s
-        self._jobs: collections.deque[Callable[[], object]] = collections.deque()
+        self._jobs: collections.deque[tuple[Callable[[], object], object]] = (
+            collections.deque())
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closing = False
         self.issued = 0  # written by the owner's thread only
         self.reaped = 0  # written by the reaper thread only
-        self.failure: BaseException | None = None
+        self.failures: dict[object, BaseException] = {}  # the first failure, per key
 
     @property
     def in_flight(self) -> int:
         """Return how many requests are not seen off yet."""
         return self.issued - self.reaped
 
-    def watch(self, wait: Callable[[], object]) -> None:
-        """Queue ``wait`` to be called on the reaper thread."""
+    def watch(self, wait: Callable[[], object], key: object = None) -> None:
+        """Queue ``wait`` to be called on the reaper thread; a failure is kept under ``key``."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name="asyncomm-reaper",
                                             daemon=True)
             self._thread.start()
         self.issued += 1
-        self._jobs.append(wait)
+        self._jobs.append((wait, key))
         if len(self._jobs) >= self._batch:
             with self._ready:
                 self._ready.notify()
@@ -293,10 +295,11 @@ class Reaper:
                                      self._period_s)
                 closing = self._closing
             while self._jobs:
+                wait, key = self._jobs.popleft()
                 try:
-                    self._jobs.popleft()()
+                    wait()
                 except BaseException as exc:
-                    self.failure = exc
+                    self.failures.setdefault(key, exc)
                 self.reaped += 1
             if closing:
                 return
