@@ -230,7 +230,7 @@ async def check_example(comm: Comm, name: str, argv: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("name", [*EXPECTED, *PATTERNS])
 def test_example(world4: World, name: str) -> None:
-    results = world4.run(check_example, name, ARGS.get(name, []), timeout=120.0)
+    results = world4.run(check_example, name, ARGS.get(name, []), timeout=90.0)
     lines = [line for rank_lines in results for line in rank_lines]
     check_output(world4.backend, name, lines)
 
@@ -249,7 +249,7 @@ def test_pipeline_digits(world2: World) -> None:
     if world2.backend != "gloo":
         pytest.skip("trained on gloo only")
     results = world2.run(check_example, "pipeline_digits", ARGS["pipeline_digits"],
-                         timeout=120.0)
+                         timeout=90.0)
     check_pipeline_digits(match_lines([line for lines in results for line in lines], DIGITS))
 
 

@@ -6,7 +6,6 @@ import asyncio
 import gc
 import math
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -275,15 +274,16 @@ def test_a_rank_that_never_joins_is_named_after_the_init_timeout(tmp_path: Path)
 
         asyncomm.run(main, backend="gloo", timeout=2)
     """))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    store, port = host_store()  # hosted here: no probe-then-bind race for a port
     env = {k: v for k, v in os.environ.items()
            if k not in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")}
     env.update(RANK="0", WORLD_SIZE="3", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(port), PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=60, env=env)  # a hang fails here
+               MASTER_PORT=str(port), ASYNCOMM_STORE="client", PYTHONPATH=str(ROOT))
+    try:
+        proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                              timeout=60, env=env)  # a hang fails here
+    finally:
+        del store
     assert proc.returncode != 0 and "joined" not in proc.stdout
     assert "CommTimeoutError: rank 0: init: ranks 1, 2 of 3 did not join within 2 s" in (
         proc.stderr), proc.stderr

@@ -212,7 +212,7 @@ def _run_traced(tmp_path: Path, backend: str) -> tuple[subprocess.CompletedProce
     done = subprocess.run(
         [sys.executable, "-m", "asyncomm", "run", "-n", "2", "--backend", backend,
          "--trace", str(out), script.name],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
     assert done.returncode == 0, done.stdout + done.stderr
     return done, out
 

@@ -272,7 +272,7 @@ async def fresh(comm: asyncomm.Comm,
 
 
 def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
-               timeout: float = 120.0, env: Mapping[str, str] | None = None
+               timeout: float = 90.0, env: Mapping[str, str] | None = None
                ) -> subprocess.CompletedProcess[str]:
     """Write ``source`` as a script in ``directory`` and run it with ``asyncomm run -n n``.
 
