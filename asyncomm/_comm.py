@@ -650,6 +650,9 @@ class Comm:
         if self._closed:
             return
         self._closed = True
+        closed = CommClosedError("the communicator was closed with this operation in flight")
+        for handle, _ in self._deadlines.pending():  # the backend may still hold the buffers
+            handle._abandon(CommClosedError, closed)
         self._deadlines.close()
         for child in list(self._children):
             await child._close(linger)

@@ -13,8 +13,9 @@ import asyncomm
 from asyncomm import Comm
 from asyncomm.testing import World
 
-DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
-          torch.bfloat16, torch.float32, torch.float64]
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+          torch.float16, torch.bfloat16, torch.float32, torch.float64]
+MOVED_ONLY = [torch.uint16, torch.uint32, torch.uint64]  # moved, not reduced
 OPS = ["sum", "avg", "product", "min", "max", "band", "bor", "bxor"]
 
 
@@ -97,10 +98,16 @@ async def check_all_reduce_matrix(comm: Comm, dtype_name: str) -> int:
     return checked
 
 
+# What each dtype reduces with, written out (not derived from ``applicable``).
+REDUCED_WITH = {"bool": OPS[:1] + OPS[2:], "float": ["sum", "avg", "product", "min", "max"],
+                "int": ["sum", "product", "min", "max", "band", "bor", "bxor"]}
+
+
 @pytest.mark.parametrize("dtype", [str(d).removeprefix("torch.") for d in DTYPES])
 def test_reductions_every_dtype_and_op(world: World, dtype: str) -> None:
+    kind = "bool" if dtype == "bool" else "float" if "float" in dtype else "int"
     counts = world.run(check_all_reduce_matrix, dtype)
-    assert counts[0] >= 5  # sum, product, min, max and at least avg or bitwise ran
+    assert counts == [len(REDUCED_WITH[kind])] * world.size, counts
 
 
 async def check_data_movement(comm: Comm, dtype_name: str) -> None:
@@ -137,10 +144,14 @@ async def check_data_movement(comm: Comm, dtype_name: str) -> None:
     for j in range(size):
         assert torch.equal(outputs[j], value(j * size + rank, dtype, n)), ("all_to_all", j)
 
+    right, left = (rank + 1) % size, (rank - 1) % size  # and point to point, in a ring
+    got = torch.zeros(n, dtype=dtype)
+    await asyncio.gather(comm.send(mine, right, tag=3), comm.recv(got, left, tag=3))
+    assert torch.equal(got, everyone[left]), "send/recv"
     await comm.barrier()
 
 
-@pytest.mark.parametrize("dtype", [str(d).removeprefix("torch.") for d in DTYPES])
+@pytest.mark.parametrize("dtype", [str(d).removeprefix("torch.") for d in DTYPES + MOVED_ONLY])
 def test_data_movement_every_dtype(world: World, dtype: str) -> None:
     world.run(check_data_movement, dtype)
 
@@ -166,9 +177,10 @@ def test_numpy_arrays(world: World) -> None:
 async def check_empty_and_large(comm: Comm) -> None:
     empty = torch.empty(0)
     await comm.all_reduce(empty)
-    big = torch.full((4 << 20,), float(comm.rank))  # 16 MiB
+    big = torch.arange(4 << 20, dtype=torch.float32) + comm.rank  # 16 MiB
     await comm.all_reduce(big)
-    assert big[0].item() == big[-1].item() == sum(range(comm.size))
+    expected = comm.size * torch.arange(4 << 20, dtype=torch.float32) + sum(range(comm.size))
+    assert torch.equal(big, expected)  # every element
 
 
 def test_empty_and_large_tensors(world: World) -> None:

@@ -146,11 +146,14 @@ async def check_handle_api(comm: Comm) -> None:
     with pytest.raises(RuntimeError, match="use await"):
         comm.barrier().wait()  # on the loop thread, wait() would deadlock
     await comm.barrier()
-    nothing = comm.all_reduce(torch.ones(1))
-    if not nothing.done():
-        with pytest.raises(asyncio.InvalidStateError):
-            nothing.result()
-    await nothing
+    left, right = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
+    waiting = comm.recv(torch.zeros(1), left, tag=44)  # nothing sent yet: it cannot be done
+    assert not waiting.done()
+    with pytest.raises(asyncio.InvalidStateError):
+        waiting.result()
+    await comm.barrier()  # every rank has looked: now send
+    await comm.send(torch.ones(1), right, tag=44)
+    assert await waiting == left and waiting.result() == left
 
 
 def test_handle_wait_done_and_result(world: World) -> None:
@@ -324,7 +327,7 @@ def by_hand(source: str, directory: Path, n: int) -> list[tuple[int, str, str]]:
 
 
 DYING = """
-import asyncio, os, threading, torch, asyncomm
+import asyncio, os, threading, time, torch, asyncomm
 from asyncomm import PeerFailedError, CommTimeoutError
 
 class Sleeper(asyncomm.Actor):
@@ -361,7 +364,9 @@ async def main():
             await ready.recv()
         os._exit(3)
     in_flight = comm.all_reduce(torch.ones(4))  # rank 2 never joins it
+    any_raw = comm.recv(torch.zeros(1), None, tag=77, timeout=3)  # from anyone: 1 may send
     await ready.send("waiting", 2)
+    died_at = time.monotonic()  # about now (rank 2 exits once both ranks said so)
     if comm.rank == 0:
         got = [(await ch.recv(src=2)).data for _ in range(2)]
         say("before dying:", got)  # what it sent is not lost
@@ -375,6 +380,8 @@ async def main():
         say("survivors:", (await comm.channel(13).recv()).data)
         await failed("call to 2:", comm.actor(2, "sleeper").nap())
         await failed("in flight:", in_flight)
+        say("in flight after", time.monotonic() - died_at, "s")
+        await failed("raw any-source recv:", any_raw)
         await failed("all_reduce:", comm.all_reduce(torch.ones(1), timeout=float("inf")))
     if comm.rank == 1:
         flood = comm.channel(11)
@@ -403,10 +410,13 @@ def test_a_dead_peer_fails_the_operations_that_need_it(tmp_path: Path) -> None:
                  "failed", "any-source recv: PeerFailedError rank 0: channel 12 recv from peer "
                  "any: rank 2 failed", "waits for the living", "survivors: still talking",
                  "call to 2: PeerFailedError rank 0: call sleeper.nap on rank 2: rank 2 failed",
-                 "all_reduce: PeerFailedError rank 0: all_reduce #3: a peer failed earlier"):
+                 "all_reduce: PeerFailedError rank 0: all_reduce #4: a peer failed earlier"):
         assert line in out0, out0 + err0
-    for out in (out0, out1):  # gloo sees the connection close; CommTimeoutError if it can't
-        assert "in flight: PeerFailedError" in out or "in flight: CommTimeoutError" in out, out
+    for out in (out0, out1):  # gloo sees the connection close, or a probe finds it gone
+        assert "in flight: PeerFailedError" in out, out
+    took = float(out0.split("in flight after ")[1].split()[0])
+    assert took < 15, out0  # found by probing (ASYNCOMM_PROBE_S), not at the 60 s deadline
+    assert "raw any-source recv: CommTimeoutError" in out0, out0  # rank 1 may still send
     for line in ("call to 2: PeerFailedError rank 1: call sleeper.nap on rank 2: rank 2 failed",
                  "credit from 2: PeerFailedError rank 1: channel 11 send to peer 2"):
         assert line in out1, out1 + err1
@@ -471,3 +481,75 @@ def test_closed_groups_are_let_go(world: World) -> None:
     # long as they ran (300 s): ten groups held 180 threads and 360 sockets per rank.
     for before, after in world.run(check_closed_groups_are_let_go):
         assert after <= before + 4, (before, after)
+
+
+async def check_a_timed_out_operation_stays_in_flight(comm: Comm) -> None:
+    note = comm.channel(60)
+    if comm.rank == 0:
+        buf = torch.zeros(100)
+        alive = weakref.ref(buf)
+        with pytest.raises(asyncomm.CommTimeoutError,
+                           match=r"rank 0: recv #\d+ peer 1 tag 21 timed out after 0.2 s"):
+            await comm.recv(buf, 1, tag=21, timeout=0.2)
+        del buf
+        gc.collect()
+        kept = alive()
+        assert kept is not None  # the backend may still write into it: the handle keeps it
+        await note.send("send it now", 1)
+        deadline = time.monotonic() + 30
+        while kept[0].item() != 7.0:  # the receive was never un-issued: the message lands
+            assert time.monotonic() < deadline, "the late message never arrived"
+            await asyncio.sleep(0.001)
+        assert bool((kept == 7.0).all())
+    elif comm.rank == 1:
+        assert (await note.recv(src=0)).data == "send it now"
+        await comm.send(torch.full((100,), 7.0), 0, tag=21)
+
+
+def test_a_timed_out_operation_stays_in_flight_with_its_buffer(world: World) -> None:
+    world.run(check_a_timed_out_operation_stays_in_flight)
+
+
+async def check_closing_fails_what_is_in_flight(comm: Comm) -> None:
+    sub = await comm.group(range(comm.size))
+    assert sub is not None
+    peer = (sub.rank + 1) % sub.size
+    in_flight = [sub.recv(torch.zeros(4), peer, tag=5), sub.recv(torch.zeros(4), None, tag=6),
+                 sub.send(torch.zeros(1 << 20), peer, tag=7)]  # 4 MiB: not sent eagerly
+    await sub.close()
+    for handle in in_flight:
+        assert handle.done()
+        with pytest.raises(asyncomm.CommClosedError, match="closed with this operation in flight"):
+            handle.result()
+
+
+def test_closing_fails_raw_operations_in_flight(world: World) -> None:
+    world.run(check_closing_fails_what_is_in_flight)
+
+
+ADOPTED = """
+import datetime, torch, torch.distributed as dist, asyncomm
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # the user's own
+world = dist.group.WORLD
+
+async def main(comm):
+    assert comm.raw is world  # adopted, not made again
+    t = torch.ones(1)
+    await comm.all_reduce(t)
+    return t.item()
+
+assert asyncomm.run(main) == 2.0
+assert dist.is_initialized() and dist.group.WORLD is world  # left alive at close
+t = torch.ones(1)
+dist.all_reduce(t)
+print("adopted and left alive", t.item(), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_process_group_the_user_made_is_adopted_and_left_alive(tmp_path: Path) -> None:
+    proc = run_script(ADOPTED, tmp_path, 2)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("adopted and left alive 2.0") == 2, proc.stdout
+

@@ -45,7 +45,7 @@ async def cycle(number):
                     pass
                 else:
                     raise AssertionError("no timeout")
-            comm.recv(torch.zeros(4), None, tag=9)  # posted, never matched
+            posted = comm.recv(torch.zeros(4), None, tag=9)  # posted, never matched
             await comm.barrier()
             if comm.rank == 1:
                 raise Leave
@@ -62,6 +62,12 @@ async def cycle(number):
         parked = ["asyncomm-listener"]
     left = [t for t in threads() if t not in parked]
     assert left == [], (number, left)
+    try:  # closing failed what was still in flight
+        posted.result()
+    except asyncomm.CommClosedError:
+        pass
+    else:
+        raise AssertionError("a receive in flight at close did not fail")
 
 async def main():
     for number in range(int(sys.argv[1])):

@@ -78,6 +78,10 @@ _OWN_TIMEOUT = 365 * 24 * 3600.0
 _FOREVER = datetime.timedelta(days=365)  # how long a point-to-point wait may take
 _NOTHING = torch.empty(0, dtype=torch.uint8)  # ends a peer's stuck receive (see release)
 
+# Dtypes gloo cannot move in collectives ("Invalid scalar type"; its point-to-point moves
+# any bytes): they travel as their bytes, and int16, which reduces, widened to int32.
+_GLOO_LACKS = frozenset({torch.int16, torch.uint16, torch.uint32, torch.uint64})
+
 _stores: dict[tuple[str, int, int, int], Any] = {}
 _generation = 0
 _store_lock = threading.Lock()
@@ -166,8 +170,34 @@ class TorchBackend(Backend):
 
     # -- collectives ------------------------------------------------------------
 
-    def _collective(self, sink: Sink, work: Any) -> None:
-        self._bridge.watch(work.get_future(), sink, self._finish(work))
+    def _collective(self, sink: Sink, work: Any,
+                    then: Callable[[], object] | None = None) -> None:
+        finish = self._finish(work)
+        if then is not None:  # a widened reduction copies its result back (see _GLOO_LACKS)
+            moved = finish
+
+            def finish(future: Any) -> object:
+                moved(future)
+                then()
+                return None
+
+        self._bridge.watch(work.get_future(), sink, finish)
+
+    def _moved(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Return ``tensor`` as gloo moves it: its bytes when gloo lacks its dtype."""
+        if tensor.dtype in _GLOO_LACKS and not self.cuda:
+            return tensor.reshape(-1).view(torch.uint8)
+        return tensor
+
+    def _all_moved(self, tensors: Tensors) -> list[torch.Tensor]:
+        return [self._moved(t) for t in tensors]
+
+    def _widened(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Callable[[], object] | None]:
+        """Return what gloo reduces for ``tensor``, and how its result comes back (or None)."""
+        if tensor.dtype is torch.int16 and not self.cuda:
+            wide = tensor.to(torch.int32)
+            return wide, functools.partial(tensor.copy_, wide)
+        return tensor, None
 
     def _raise_if_failed(self, peer: int | None = None) -> None:
         """Raise the failure of an earlier eager send: to ``peer``, or to anyone (collectives)."""
@@ -178,52 +208,53 @@ class TorchBackend(Backend):
         if failure is not None:
             raise classify(failure)(f"an earlier eager send failed: {failure}") from failure
 
-    def _futureless(self, sink: Sink, work: Any) -> None:
-        """Watch a work that has no future on CPU (gloo's reduce_scatter)."""
-        if self.cuda:
-            self._collective(sink, work)
-        else:
-            self._waiters.watch(work.wait, sink, _none)
-
     def barrier(self, sink: Sink) -> None:
         self._raise_if_failed()
         self._collective(sink, self._pg.barrier())
 
     def broadcast(self, sink: Sink, tensor: torch.Tensor, src: int) -> None:
-        self._collective(sink, self._pg.broadcast(tensor, src))
+        self._collective(sink, self._pg.broadcast(self._moved(tensor), src))
 
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
         self._raise_if_failed()
-        self._collective(sink, self._pg.allreduce([tensor], _TORCH_OPS[op]))
+        reduced, then = self._widened(tensor)
+        self._collective(sink, self._pg.allreduce([reduced], _TORCH_OPS[op]), then)
 
     def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
-        self._collective(sink, self._pg.reduce(tensor, dst, _TORCH_OPS[op]))
+        reduced, then = self._widened(tensor)
+        self._collective(sink, self._pg.reduce(reduced, dst, _TORCH_OPS[op]), then)
 
     def all_gather(self, sink: Sink, out: Tensors, tensor: torch.Tensor) -> None:
-        self._collective(sink, self._pg.allgather([list(out)], [tensor]))
+        self._collective(sink, self._pg.allgather([self._all_moved(out)], [self._moved(tensor)]))
 
     def gather(self, sink: Sink, out: Tensors | None, tensor: torch.Tensor, dst: int) -> None:
         opts = dist.GatherOptions()
         opts.rootRank = dst
-        self._collective(sink, self._pg.gather([list(out)] if out is not None else [],
-                                               [tensor], opts))
+        self._collective(sink, self._pg.gather([self._all_moved(out)] if out is not None else [],
+                                               [self._moved(tensor)], opts))
 
     def scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors | None,
                 src: int) -> None:
         opts = dist.ScatterOptions()
         opts.rootRank = src
-        self._collective(sink, self._pg.scatter([tensor],
-                                                [list(chunks)] if chunks is not None else [],
-                                                opts))
+        self._collective(sink, self._pg.scatter(
+            [self._moved(tensor)], [self._all_moved(chunks)] if chunks is not None else [], opts))
 
     def reduce_scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors,
                        op: ReduceOp) -> None:
         opts = dist.ReduceScatterOptions()
         opts.reduceOp = _TORCH_OPS[op]  # type: ignore[assignment]
-        self._futureless(sink, self._pg.reduce_scatter([tensor], [list(chunks)], opts))
+        reduced, then = self._widened(tensor)
+        parts = [self._widened(chunk)[0] for chunk in chunks]
+        work = self._pg.reduce_scatter([reduced], [parts], opts)
+        if self.cuda:
+            self._collective(sink, work)
+        else:  # no future on CPU
+            self._waiters.watch(work.wait, sink, _none if then is None else (lambda _: then()))
 
     def all_to_all(self, sink: Sink, outputs: Tensors, inputs: Tensors) -> None:
-        self._collective(sink, self._pg.alltoall(list(outputs), list(inputs)))
+        self._collective(sink, self._pg.alltoall(self._all_moved(outputs),
+                                                 self._all_moved(inputs)))
 
     # -- point to point -----------------------------------------------------------
 
