@@ -575,7 +575,7 @@ class Comm:
     def _expired(self, handle: Handle[Any], timeout: float) -> None:
         """A deadline passed: fail ``handle``, with the peers' state if it is a collective."""
         self._timed_out.append((handle._what, time.monotonic()))
-        if self.size == 1 or self._closed or not checked(handle._what[1]):
+        if self.size == 1 or self._closed or not checked(handle.op):
             handle._expire(timeout)
             return
 
@@ -591,7 +591,7 @@ class Comm:
 
     def _needs(self, handle: Handle[Any]) -> list[int]:
         """Return the peers ``handle`` waits for: its peer, or every other rank."""
-        peer = handle._what[3]
+        peer = handle.peer
         return [peer] if peer is not None else [r for r in range(self.size) if r != self.rank]
 
     def _check_peers(self, waiting: list[Handle[Any]]) -> None:
@@ -612,7 +612,7 @@ class Comm:
                 backend.lost = lost
         for handle, _ in self._deadlines.pending():
             needs = self._needs(handle)
-            if peer in needs and (handle._what[3] is not None or handle._what[1] != "recv"
+            if peer in needs and (handle.peer is not None or handle.op != "recv"
                                   or all(p in self._router.dead for p in needs)):
                 cause = PeerFailedError(f"rank {peer} failed ({gist(self._router.dead[peer])})")
                 cause.__cause__ = self._router.dead[peer]
@@ -621,7 +621,7 @@ class Comm:
     def _stalled(self, stalled: list[tuple[Handle[Any], float]]) -> None:
         """Warn, once each, of operations pending for ``ASYNCOMM_STALL_S`` or longer."""
         for handle, waited in stalled:
-            peer = handle._what[3]
+            peer = handle.peer
             peers = ([peer] if peer is not None else
                      [r for r in range(self.size) if r != self.rank])
 

@@ -20,6 +20,15 @@ BACKENDS = [
 ]
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Say the random order's seed even under ``-q`` (re-run an order with ``-p randomly
+    --randomly-seed=N``; ``-p no:randomly`` runs in file order)."""
+    seed = getattr(session.config.option, "randomly_seed", None)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if seed is not None and reporter is not None:
+        reporter.write_line(f"tests in random order: --randomly-seed={seed}")
+
+
 @pytest.fixture(scope="session")
 def worlds(asyncomm_worlds: WorldPool) -> Iterator[WorldPool]:
     yield asyncomm_worlds

@@ -135,7 +135,7 @@ async def check_gradients_match(comm: Comm, unused: bool) -> None:
             await backward(loss_of(model, comm.rank, step, micro, comm.rank in uses[1]), where)
             # Every bucket went during backward, in bucket order (unused parameters too: the
             # forward hook found them).
-            seqs = [b.handle._what[2] for b in sync._buckets if b.handle is not None]
+            seqs = [b.handle.seq for b in sync._buckets if b.handle is not None]
             assert len(seqs) == len(sync.buckets) and seqs == sorted(seqs), what
             await sync.wait()
             if ddp is not None:

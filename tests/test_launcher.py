@@ -175,6 +175,8 @@ def test_launch_returns_the_failed_rank_exit_code(
     assert summary(err).startswith("asyncomm run: rank 0 failed first (exited with code 7)")
 
 
+# A plain mpi4py program, not asyncomm's: the launcher runs any MPI program. (asyncomm.run's
+# own failure path under MPI is test_failures' test_a_failing_rank_is_reported_once...)
 MPI_SCRIPT = """
 import os, sys, time
 from mpi4py import MPI
@@ -190,8 +192,8 @@ if "fail" in sys.argv:
         except RuntimeError:
             import traceback
             traceback.print_exc()
-        time.sleep(0.5)  # as asyncomm.run does when a rank raises: Hydra forwards the
-        comm.Abort(3)    # traceback's last line, then the job ends
+        time.sleep(0.5)  # a careful program lets Hydra forward the traceback's last line
+        comm.Abort(3)    # before it ends the job
     time.sleep(60)
 if "die" in sys.argv:
     if rank == 1:

@@ -365,6 +365,8 @@ async def main():
         os._exit(3)
     in_flight = comm.all_reduce(torch.ones(4))  # rank 2 never joins it
     any_raw = comm.recv(torch.zeros(1), None, tag=77, timeout=3)  # from anyone: 1 may send
+    if comm.rank == 0:  # eager: done at once though rank 2 never receives it
+        say("eager send done:", comm.send(torch.ones(2), 2, tag=5).done())
     await ready.send("waiting", 2)
     died_at = time.monotonic()  # about now (rank 2 exits once both ranks said so)
     if comm.rank == 0:
@@ -382,6 +384,7 @@ async def main():
         await failed("in flight:", in_flight)
         say("in flight after", time.monotonic() - died_at, "s")
         await failed("raw any-source recv:", any_raw)
+        await failed("send to 2:", comm.send(torch.ones(2), 2, tag=6))
         await failed("all_reduce:", comm.all_reduce(torch.ones(1), timeout=float("inf")))
     if comm.rank == 1:
         flood = comm.channel(11)
@@ -410,13 +413,15 @@ def test_a_dead_peer_fails_the_operations_that_need_it(tmp_path: Path) -> None:
                  "failed", "any-source recv: PeerFailedError rank 0: channel 12 recv from peer "
                  "any: rank 2 failed", "waits for the living", "survivors: still talking",
                  "call to 2: PeerFailedError rank 0: call sleeper.nap on rank 2: rank 2 failed",
-                 "all_reduce: PeerFailedError rank 0: all_reduce #4: a peer failed earlier"):
+                 "all_reduce: PeerFailedError rank 0: all_reduce #6: a peer failed earlier"):
         assert line in out0, out0 + err0
     for out in (out0, out1):  # gloo sees the connection close, or a probe finds it gone
         assert "in flight: PeerFailedError" in out, out
     took = float(out0.split("in flight after ")[1].split()[0])
     assert took < 15, out0  # found by probing (ASYNCOMM_PROBE_S), not at the 60 s deadline
     assert "raw any-source recv: CommTimeoutError" in out0, out0  # rank 1 may still send
+    assert "eager send done: True" in out0, out0
+    assert "send to 2: PeerFailedError rank 0: send #5 peer 2 tag 6" in out0, out0
     for line in ("call to 2: PeerFailedError rank 1: call sleeper.nap on rank 2: rank 2 failed",
                  "credit from 2: PeerFailedError rank 1: channel 11 send to peer 2"):
         assert line in out1, out1 + err1

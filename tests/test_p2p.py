@@ -114,3 +114,32 @@ async def check_send_buffer_reusable_once_done(comm: Comm) -> None:
 
 def test_send_buffer_reusable_once_done(world2: World) -> None:
     world2.run(check_send_buffer_reusable_once_done)
+
+
+async def check_eager_sends_are_bounded(comm: Comm) -> tuple[int, list[float]]:
+    # gloo: a small CPU send completes at once (a copy is sent), at most 64 in flight;
+    # the 65th and later complete only when received. MPI: its own eager protocol.
+    n = 100
+    if comm.rank == 0:
+        sent = [comm.send(torch.full((2,), float(i)), 1, tag=3) for i in range(n)]
+        await asyncio.sleep(0)  # the loop turns once: whatever completed at once has
+        done_before = sum(h.done() for h in sent)
+        await comm.send(torch.zeros(1), 1, tag=4)  # rank 1 starts receiving only now
+        await asyncio.gather(*sent)
+        return done_before, []
+    await comm.recv(torch.zeros(1), 0, tag=4)
+    got = []
+    for _ in range(n):
+        t = torch.zeros(2)
+        await comm.recv(t, 0, tag=3)
+        got.append(t[0].item())
+    return 0, got
+
+
+def test_eager_sends_are_bounded(world2: World) -> None:
+    (done_before, _), (_, got) = world2.run(check_eager_sends_are_bounded)
+    assert got == [float(i) for i in range(100)]  # in order, nothing lost
+    if world2.backend == "gloo":
+        assert done_before == 64
+    else:  # MPI sends small messages eagerly too, bounded by its own buffers
+        assert done_before > 0

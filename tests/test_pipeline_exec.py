@@ -9,14 +9,13 @@ microbatches. One world run per backend and size checks every schedule.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+import asyncio
 
 import pytest
 import torch
 from torch import nn
 
-from asyncomm import Comm, RemoteError, pipeline
+from asyncomm import Comm, CommClosedError, GradSync, RemoteError, pipeline
 from asyncomm.testing import World
 
 WIDTH, MICROBATCHES, BATCH = 6, 4, 8
@@ -52,11 +51,14 @@ def reference(n_stages: int, data: list[tuple[torch.Tensor, torch.Tensor]]
 
 
 async def run_pipeline(comm: Comm, schedule: pipeline.Schedule,
-                       data: list[tuple[torch.Tensor, torch.Tensor]]
+                       data: list[tuple[torch.Tensor, torch.Tensor]], dp: Comm | None = None
                        ) -> tuple[pipeline.Pipeline, list[float | None]]:
+    """Run ``data`` through a pipeline on ``comm``; ``dp``: average its gradients with GradSync."""
     model = build(schedule.n_stages)
     pipe = pipeline.Pipeline(comm, schedule, pipeline.split(model, schedule.n_stages),
                              nn.functional.mse_loss)
+    if dp is not None:  # over this rank's stages: it needs their parameters
+        pipe.grad_sync = GradSync(nn.ModuleList(pipe.stages.values()), dp, bucket_mb=1e-4)
     losses = []
     for x, y in data:
         losses.append(await pipe.step(x if pipe.first else None, y if pipe.last_stage else None))
@@ -129,40 +131,6 @@ async def check_bad_arguments(comm: Comm) -> None:
         pipeline.split(build(2), 2, sizes=[1, 2])
 
 
-class RecordingSync:
-    """A stand-in for ``GradSync`` that records how the executor uses it."""
-
-    def __init__(self) -> None:
-        self.quiet = 0  # backward passes run inside no_sync()
-        self.waits = 0
-        self.inside = False
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        assert not self.inside
-        self.inside, self.quiet = True, self.quiet + 1
-        try:
-            yield
-        finally:
-            self.inside = False
-
-    async def wait(self) -> None:
-        assert not self.inside
-        self.waits += 1
-
-
-async def check_grad_sync_protocol(comm: Comm) -> None:
-    """Every backward but each stage's last runs inside no_sync(); wait() ends every step."""
-    schedule = pipeline.get("interleaved", comm.size, MICROBATCHES, stages_per_rank=2)
-    sync = RecordingSync()
-    pipe = pipeline.Pipeline(comm, schedule, pipeline.split(build(schedule.n_stages),
-                                                            schedule.n_stages),
-                             nn.functional.mse_loss, grad_sync=sync)
-    for x, y in batches(2):
-        await pipe.step(x, y)
-    assert (sync.quiet, sync.waits) == (2 * 2 * (MICROBATCHES - 1), 2)
-
-
 async def check_local_stages(comm: Comm) -> None:
     """A pipeline of one rank hands tensors over locally (here each rank alone)."""
     alone = [await comm.group([r]) for r in range(comm.size)][comm.rank]
@@ -175,7 +143,12 @@ async def check_local_stages(comm: Comm) -> None:
 
 
 async def check_with_data_parallel(comm: Comm) -> None:
-    """2 stages x 2 replicas: pipelines [0, 1] and [2, 3], data-parallel groups [0, 2], [1, 3]."""
+    """2 stages x 2 replicas: pipelines [0, 1] and [2, 3], data-parallel groups [0, 2], [1, 3].
+
+    The replicas' gradients are averaged by a GradSync the pipeline drives: each
+    stage's backward passes run inside ``no_sync()`` but its last (GradSync allows
+    one backward per synchronised step), and ``wait()`` ends the step.
+    """
     pipes = [await comm.group(ranks) for ranks in ([0, 1], [2, 3])]
     replicas = [await comm.group(ranks) for ranks in ([0, 2], [1, 3])]
     pp = pipes[comm.rank // 2]
@@ -185,10 +158,7 @@ async def check_with_data_parallel(comm: Comm) -> None:
     mine = data[comm.rank // 2::2]
     for name in ("1f1b", "interleaved"):
         schedule = pipeline.get(name, 2, MICROBATCHES)
-        pipe, losses = await run_pipeline(pp, schedule, mine)
-        for p in pipe.parameters():
-            assert p.grad is not None
-            await dp.all_reduce(p.grad, "avg")
+        pipe, losses = await run_pipeline(pp, schedule, mine, dp)
         # one process on the union: each step's batch is both replicas' batches, the
         # loss their mean
         ref = build(schedule.n_stages)
@@ -210,7 +180,6 @@ def test_every_schedule_matches_one_process_2_ranks(world2: World) -> None:
     world2.run(check_schedules)
     world2.run(check_bad_arguments)
     world2.run(check_local_stages)
-    world2.run(check_grad_sync_protocol)
 
 
 def test_every_schedule_matches_one_process_4_ranks(world4: World) -> None:
@@ -353,8 +322,72 @@ async def check_failure_told(comm: Comm) -> None:
         await pipe.close()
 
 
+class Announcing(nn.Module):
+    """A stage that tells the loop when its forward has run."""
+
+    def __init__(self, inner: nn.Module, ran: asyncio.Event) -> None:
+        super().__init__()
+        self.inner, self.ran = inner, ran
+        self.loop = asyncio.get_running_loop()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.loop.call_soon_threadsafe(self.ran.set)  # compute may run it on a thread
+        out: torch.Tensor = self.inner(x)
+        return out
+
+
+async def check_cancel_told(comm: Comm) -> None:
+    """A step cancelled on rank 0 mid-way makes rank 1's step raise RemoteError, not wait.
+
+    Rank 0 cancels its step once its first forward has run (rank 1 is then waiting
+    for activations or gradients that will not come, its comm's timeout far off).
+    """
+    schedule = pipeline.get("gpipe", comm.size, MICROBATCHES)
+    (x, y), = batches(1)
+    stages = pipeline.split(build(2), 2)
+    ran = asyncio.Event()
+    stages[0] = Announcing(stages[0], ran)
+    pipe = pipeline.Pipeline(comm, schedule, stages, nn.functional.mse_loss)
+    signals = comm.channel(77)
+    if comm.rank == 0:
+        step = asyncio.ensure_future(pipe.step(x, None))
+        await ran.wait()
+        step.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await step
+        await signals.recv(1)
+    else:
+        with pytest.raises(RemoteError, match=r"rank 1: pipeline 'gpipe' step 1: rank 0 "
+                           r"failed: CancelledError") as caught:
+            await pipe.step(None, y)
+        assert caught.value.rank == 0
+        await signals.send("raised", 0)
+    with pytest.raises(RuntimeError, match="an earlier step failed"):
+        await pipe.step(x, y)
+    await pipe.close()
+
+
+async def check_comm_close_closes_pipeline(comm: Comm) -> None:
+    """``comm.close()`` closes a pipeline made on it (its own communicator too)."""
+    schedule = pipeline.get("1f1b", comm.size, MICROBATCHES)
+    data = batches(2)
+    pipe = pipeline.Pipeline(comm, schedule, pipeline.split(build(2), 2),
+                             nn.functional.mse_loss)
+    for x, y in data:  # step 2 runs on the pipeline's own communicator
+        await pipe.step(x if pipe.first else None, y if pipe.last_stage else None)
+    await comm.close()
+    assert pipe._p2p is not None and pipe._p2p.closed  # internal on purpose: its own comm
+    with pytest.raises(CommClosedError):
+        await pipe.step(*data[0])
+
+
 def test_failure_told(world2: World) -> None:
     world2.run(check_failure_told)
+    world2.run(check_cancel_told)
+
+
+def test_comm_close_closes_the_pipeline(world2: World) -> None:
+    world2.run(check_comm_close_closes_pipeline)
 
 
 def test_bench_measurements_run(world2: World) -> None:

@@ -49,6 +49,29 @@ class Handle(Generic[T]):
         state = ("pending", "done", "failed")[self._state]
         return f"<Handle {describe(*self._what)} {state}>"
 
+    @property
+    def op(self) -> str:
+        """The operation's name (``"all_reduce"``, ``"recv"``, ...)."""
+        return str(self._what[1])
+
+    @property
+    def seq(self) -> int | None:
+        """The operation's number on its communicator: 1, 2, ... (errors name it, ``#3``)."""
+        seq = self._what[2]
+        return None if seq is None else int(seq)
+
+    @property
+    def peer(self) -> int | None:
+        """The peer of a point-to-point operation (``None``: a collective, or any source)."""
+        peer = self._what[3]
+        return None if peer is None else int(peer)
+
+    @property
+    def tag(self) -> int | None:
+        """The tag of a point-to-point operation (``None`` for a collective)."""
+        tag = self._what[4]
+        return None if tag is None else int(tag)
+
     def done(self) -> bool:
         """Return whether the operation has completed (or failed)."""
         return self._state != _PENDING

@@ -123,7 +123,7 @@ class Recorder:
             failed = "not started"
         else:
             failed = None
-            if handle._what[3] is None and handle._what[1] == "recv":  # any source: which
+            if handle.peer is None and handle.op == "recv":  # any source: which
                 peer = handle._value
         self.ends.append((index, end, failed, peer))
 
