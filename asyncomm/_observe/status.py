@@ -31,6 +31,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import socket
 import struct
 import weakref
@@ -150,12 +151,27 @@ def _operation(op: str, seq: int, peer: int | None, tag: int | None) -> str:
 
 
 def summary(states: Iterable[tuple[int, str]]) -> str:
-    """Join ``(rank, words)`` pairs, ranks that say the same grouped: ``ranks 1, 2: ...``."""
-    grouped: dict[str, list[int]] = {}
+    """Join ``(rank, words)`` pairs, ranks that say the same grouped: ``ranks 1, 2: ...``.
+
+    Words that differ only in their durations are the same: ``pending for 1.0-1.1 s``.
+    """
+    grouped: dict[str, tuple[list[int], list[list[float]]]] = {}
     for rank, words in sorted(states):
-        grouped.setdefault(words, []).append(rank)
-    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}: {words}"
-                     for words, ranks in grouped.items())
+        ranks, times = grouped.setdefault(_DURATION.sub("{}", words.replace("{", "{{")
+                                                        .replace("}", "}}")), ([], []))
+        ranks.append(rank)
+        times.append([float(t) for t in _DURATION.findall(words)])
+    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {_ranks(ranks)}: "
+                     + shape.format(*(_span(column) for column in zip(*times, strict=True)))
+                     for shape, (ranks, times) in grouped.items())
+
+
+_DURATION = re.compile(r"(\d+\.\d)(?= s\b)")
+
+
+def _span(times: Sequence[float]) -> str:
+    low, high = min(times), max(times)
+    return f"{low:.1f}" if low == high else f"{low:.1f}-{high:.1f}"
 
 
 def _ranks(ranks: Sequence[int]) -> str:
