@@ -441,6 +441,15 @@ class Comm:
         self._channels[tag] = made
         return made
 
+    def flush(self) -> None:
+        """Send the small channel messages and actor calls issued so far now.
+
+        They leave when the loop iteration ends, or when a task of this rank
+        begins to wait for a message; call this before blocking the loop (a
+        raw blocking call on ``comm.raw``) if a peer needs them meanwhile.
+        """
+        self._router.flush()
+
     def serve(self, actor: Actor, name: str) -> None:
         """Serve ``actor`` on this rank under ``name``; other ranks call it via ``actor()``."""
         self._open("serve")

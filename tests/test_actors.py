@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 import asyncomm
 from asyncomm import Comm
-from asyncomm.testing import World, run_script
+from asyncomm.testing import World, fresh, run_script
 
 
 class Ledger(asyncomm.Actor):
@@ -172,3 +173,28 @@ async def check_not_served_yet(comm: Comm) -> None:
 
 def test_an_actor_not_served_yet_is_a_lookup_error(world: World) -> None:
     world.run(check_not_served_yet)
+
+
+async def check_long_timeout(comm: Comm) -> float | None:
+    # A call's timeout beyond a couple of seconds has no timer of its own: the reply loop
+    # expires it, within a quarter second of its deadline.
+    async with fresh(comm) as sub:
+        if sub.rank == 1:
+            sub.serve(Ledger(), "patient")
+        await sub.barrier()
+        elapsed = None
+        if sub.rank == 0:
+            ref = sub.actor(1, "patient")
+            start = time.monotonic()
+            with pytest.raises(asyncomm.CommTimeoutError, match=r"patient\.slow on rank 1 timed "
+                               r"out after 2\.1 s"):
+                await ref.slow(3.0, timeout=2.1)
+            elapsed = time.monotonic() - start
+            assert await ref.double(2) == 4  # still serving, the late reply dropped
+        await sub.barrier()
+        return elapsed
+
+
+def test_a_long_call_timeout_fires_without_a_timer_of_its_own(world: World) -> None:
+    elapsed = world.run(check_long_timeout)[0]
+    assert elapsed is not None and 2.1 <= elapsed < 3.5, elapsed

@@ -73,6 +73,8 @@ def _check_channels(records: list[dict[str, Any]]) -> None:
         (b, test) for b in EXPECTED for test in channels.CHANNEL_TESTS}
     for r in records:
         compared, base, unit, target = channels.CHANNEL_TESTS[r["op"]]
+        target = channels.BACKEND_TARGETS.get((r["op"], r["size"], r["backend"]), target)
+        assert r["target"] == (None if target is None else f"{target[0]} {target[1]:g}"), r
         assert r["bench"] == "channels" and r["ranks"] == 2 and r["unit"] == unit
         assert (r["compared"], r["base"]) == (compared, base)
         assert r["value"] > 0 and r["base_value"] > 0, r

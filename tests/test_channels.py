@@ -23,7 +23,7 @@ import torch
 
 import asyncomm
 from asyncomm import Comm
-from asyncomm._core import tags, wire
+from asyncomm._core import small, tags, wire
 from asyncomm._core.wire import Kind
 from asyncomm._messaging.channels import Channel
 from asyncomm._messaging.router import frame_limits
@@ -631,6 +631,7 @@ async def check_oversized_message(comm: Comm) -> None:
         if sub.rank == 0:
             await ch.send("before", 1)
             link = sub._router._link
+            link.flush()  # "before" goes first (it waits for the loop iteration's end)
             handle = link._post(bytearray(MESSAGE_BYTES + 1), 1, tags.LINK_MESSAGE)
             if handle is not None:
                 await handle
@@ -893,3 +894,93 @@ async def check_send_to_self(comm: Comm, n: int) -> None:
 
 def test_send_to_self_keeps_order(world: World) -> None:
     world.run(check_send_to_self, 200)
+
+
+# -- 9. small messages travel together ------------------------------------------------
+
+
+def count_packets(comm: Comm) -> list[int]:
+    """Record the destination of every link message this rank posts (private)."""
+    link = comm._router._link
+    posted: list[int] = []
+    post = link._post
+
+    def counting(buffer: Any, dst: int, tag: int) -> Any:
+        if tag == tags.LINK_MESSAGE:
+            posted.append(dst)
+        return post(buffer, dst, tag)
+
+    link._post = counting  # type: ignore[method-assign]
+    return posted
+
+
+async def check_burst_is_one_message(comm: Comm, n: int) -> None:
+    async with fresh(comm) as sub:
+        ch = sub.channel(900)
+        if sub.rank == 0:
+            posted = count_packets(sub)
+            for i in range(n):  # issued within one loop iteration: they travel together
+                await ch.send(torch.full((2,), float(i)), 1)
+                await ch.send({"i": i}, 1)
+            assert posted == [], "a small message left before the loop iteration ended"
+            await asyncio.sleep(0)  # the iteration ends: one packet leaves
+            assert posted == [1], posted
+            await ch.send("lone", 1)  # a lone message waits for nothing but the iteration
+            await asyncio.sleep(0)
+            assert posted == [1, 1], posted
+            await ch.send("asked", 1)
+            reply = asyncio.ensure_future(ch.recv(1))
+            await asyncio.sleep(0)  # its receive began waiting: the question left at once
+            assert posted == [1, 1, 1], posted
+            assert (await reply).data == "answer"
+        elif sub.rank == 1:
+            for i in range(n):
+                assert torch.equal((await ch.recv(0)).data, torch.full((2,), float(i)))
+                assert (await ch.recv(0)).data == {"i": i}
+            assert (await ch.recv(0)).data == "lone"
+            assert (await ch.recv(0)).data == "asked"
+            await ch.send("answer", 0)
+        await sub.barrier()
+
+
+def test_a_burst_of_small_messages_travels_as_one_message(world: World) -> None:
+    world.run(check_burst_is_one_message, WINDOW // 4)  # within one window: no credit wait
+
+
+async def check_corrupt_small_frames(comm: Comm) -> None:
+    # Forged small frames: a malformed body fails its own channel (the next message goes on),
+    # a frame of an unknown kind too, and a packet cut short ends its source's stream.
+    async with fresh(comm) as sub:
+        ch, other = sub.channel(910), sub.channel(911)
+        link = sub._router._link
+        if sub.rank == 0:
+            await ch.send("v0", 1)
+            link.send_small(1, Kind.DATA, 910, 1, bytes([0xc1, 0, 99]))  # truncated tensor
+            link.send_small(1, Kind.REPLY, 910, 2, b"\xc0")  # not a kind a small frame has
+            sub._router._send_seq[(1, 910)] = 2
+            await ch.send("v1", 1)
+            await other.send("o0", 1)
+            await asyncio.sleep(0)
+            await sub.barrier()
+            await sub.barrier()
+        elif sub.rank == 1:
+            assert (await ch.recv(0)).data == "v0"
+            with pytest.raises(asyncomm.ProtocolError, match="channel 910: frame from rank 0"):
+                await ch.recv(0)
+            with pytest.raises(asyncomm.ProtocolError, match="small frame of kind 5"):
+                await ch.recv(0)
+            assert (await ch.recv(0)).data == "v1"
+            assert (await other.recv(0)).data == "o0"
+            await sub.barrier()
+            cut = struct.pack("<IIII", 0, 30, 0, 1) + small.HEAD.pack(1, 911, 1, 20)
+            link._arrive(0, bytearray(cut) + bytes(30 - small.HEAD.size))  # as if sent
+            with pytest.raises(asyncomm.ProtocolError, match="stream from rank 0 broken"):
+                await other.recv(0, timeout=10.0)
+            await sub.barrier()
+        else:
+            await sub.barrier()
+            await sub.barrier()
+
+
+def test_corrupt_small_frames_fail_their_channel_only(world: World) -> None:
+    world.run(check_corrupt_small_frames)

@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncomm._core import wire
+from asyncomm._core import small, wire
 from asyncomm._core.errors import ProtocolError
 from asyncomm._core.wire import (
     PREFIX_BYTES,
@@ -442,3 +442,88 @@ def test_fast_paths_keep_the_general_rules() -> None:
     assert type(out) is torch.Tensor and torch.equal(out, p.detach())
     for lone in [torch.arange(5, dtype=torch.uint8), torch.tensor(2.5), np.arange(3), big]:
         assert same(transfer(lone)[0], lone)
+
+
+# -- small frames --------------------------------------------------------------------------
+
+
+def small_transfer(obj: object) -> Any:
+    body = small.encode(obj)
+    assert body is not None, "fits a small frame"
+    return small.decode(bytes(body))
+
+
+@FUZZ
+@given(obj=plain_values)
+def test_small_frames_decode_as_frames_do(obj: object) -> None:
+    try:
+        expected, _ = transfer(obj)
+    except TypeError as refused:
+        with pytest.raises(TypeError, match=str(refused).split(" at ")[0]):
+            small.encode(obj)
+        return
+    assert same(small_transfer(obj), expected)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_small_frames_every_dtype_and_shape(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    t = sample(dtype, shape)
+    for obj in (t, [t, (t,)], {"t": t}):
+        assert same(small_transfer(obj), transfer(obj)[0])
+    if dtype is not torch.bfloat16:
+        assert same(small_transfer(t.numpy()), t.numpy())
+
+
+def test_small_frames_keep_the_general_rules() -> None:
+    msg: dict[object, object] = {
+        "t": torch.arange(6).reshape(2, 3), "a": np.ones((2, 2), np.float32), "b": b"\x00raw",
+        "tup": (1, (2, [3, (torch.zeros(0),)]), ()), "n": np.int64(3), "m": memoryview(b"ab"),
+        "x": msgpack.ExtType(2, bytes(4)), None: {2.5: "float key", False: b"", b"k": 0}}
+    assert same(small_transfer(msg), transfer(msg)[0])
+    z = torch.randn(3, 2, dtype=torch.complex64)
+    for t in [torch.arange(24.0).reshape(4, 6).T, z.conj(), torch.randn(3, requires_grad=True),
+              torch.nn.Parameter(torch.ones(2))]:
+        out = small_transfer(t)
+        assert type(out) is torch.Tensor and torch.equal(out, t.detach()) and not out.is_conj()
+    with pytest.raises(TypeError, match="cannot carry Timestamp at data"):
+        small.encode(msgpack.Timestamp(1, 0))
+    with pytest.raises(TypeError, match=r"cannot carry an int beyond 64 bits at data\[0\]"):
+        small.encode([2**64])
+    assert small.encode(torch.zeros(small.BYTES)) is None  # a frame, not small
+    assert small.encode(bytes(small.BYTES + 1)) is None
+    assert small.encode(torch.zeros((1,) * 17)) is None  # beyond the dims: encode says so
+
+
+LONE = bytes(small.encode(torch.zeros(2)) or b"")
+
+
+@pytest.mark.usefixtures("no_allocation_or_unpickling")
+@pytest.mark.parametrize(("body", "message"), [
+    (LONE[:3], "truncated"),
+    (LONE[:-1], "declares"),
+    (LONE[:2] + bytes([99]) + LONE[3:], "unknown dtype code"),
+    (LONE[:4] + bytes([17]) + LONE[5:], "too many dims"),
+    (LONE[:2] + struct.pack("<BBBQQ", 9, 0, 1, 1 << 40, 4 << 40), "declares"),  # 4 TiB claimed
+    (LONE[:2] + struct.pack("<BBBQQ", 9, 0, 1, 3, 8) + bytes(8), "shape and dtype make"),
+    (bytes([0xc1, 7]) + b"\x90", "unknown form"),
+    (msgpack.packb(msgpack.ExtType(3, b"")), "has an extension"),
+    (bytes([0xc1, 1]) + msgpack.packb([msgpack.ExtType(1, b""), msgpack.ExtType(1, b"")]),
+     "tuple marker"),
+    (bytes([0xc1, 1]) + msgpack.packb(msgpack.ExtType(9, b"")), "unknown extension"),
+    (b"\x92\x01", "not valid msgpack"),
+])
+def test_hostile_small_frames_are_refused_before_allocation(body: bytes, message: str) -> None:
+    with pytest.raises(ProtocolError, match=message):
+        small.decode(body)
+
+
+@pytest.mark.usefixtures("no_allocation_or_unpickling")
+@FUZZ
+@given(data=st.binary(max_size=200), marked=st.sampled_from([b"", b"\xc1\x00", b"\xc1\x01"]))
+def test_random_small_bodies_are_refused_or_plain(data: bytes, marked: bytes) -> None:
+    try:
+        out = small.decode(marked + data)
+    except ProtocolError:
+        return
+    assert plain(out)

@@ -13,7 +13,7 @@ from mpi4py import MPI
 from asyncomm._core import tags
 from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
-from asyncomm._core.link import PREAMBLE, Link, Transport
+from asyncomm._core.link import PACKET, PREAMBLE, Link, Transport
 from asyncomm._core.progress import Classify, Poller, Sink
 
 Watch = Callable[[Sink, Any], None]  # poll a request, settle a sink when it completes
@@ -43,6 +43,9 @@ def spec(tensor: torch.Tensor) -> list[Any]:
     return [memory, DATATYPES[tensor.dtype]]  # mpi4py divides counts among ranks itself
 
 MESSAGE_BYTES = 64 << 10  # the largest link message: frames up to about this travel in one
+# Messages this small are sent eagerly by every MPI library (a probe finds them whole): they
+# are received at once; a larger one may still be on its way, and is received without waiting.
+_AT_ONCE = 4 << 10
 
 
 class ProbeLink(Link):
@@ -80,7 +83,11 @@ class ProbeLink(Link):
     def expect(self) -> None:
         self._poller.kick()
 
-    def _post(self, buffer: bytearray | torch.Tensor, dst: int, tag: int) -> Handle[None] | None:
+    def _packet(self, pieces: list[bytes], nbytes: int) -> bytes:
+        return b"".join((PREAMBLE.pack(0, nbytes, 0, PACKET), *pieces))  # sized exactly
+
+    def _post(self, buffer: bytes | bytearray | torch.Tensor, dst: int,
+              tag: int) -> Handle[None] | None:
         message = spec(buffer) if isinstance(buffer, torch.Tensor) else [buffer, MPI.BYTE]
         handle: Handle[None]
         try:
@@ -121,8 +128,12 @@ class ProbeLink(Link):
                                                f"(the most is {MESSAGE_BYTES})"), None)
             return
         buffer = bytearray(nbytes)
-        before = self._behind.get(src)
+        before = self._behind.get(src) if self._behind else None
         try:
+            if nbytes <= _AT_ONCE and before is None:  # here whole already: take it now
+                message.Recv([buffer, MPI.BYTE])
+                self._arrive(src, buffer)
+                return
             request = message.Irecv([buffer, MPI.BYTE])
             if before is None and request.Test():
                 self._arrive(src, buffer)

@@ -29,8 +29,8 @@ class Handle(Generic[T]):
     alive until the backend has finished with them.
     """
 
-    __slots__ = ("__weakref__", "_callbacks", "_error", "_events", "_keep", "_loop", "_result",
-                 "_state", "_value", "_waiters", "_what")
+    __slots__ = ("__weakref__", "_callbacks", "_error", "_events", "_hurry", "_keep", "_loop",
+                 "_result", "_state", "_value", "_waiters", "_what")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, what: tuple[Any, ...],
                  result: Any = FROM_BACKEND, keep: object = None) -> None:
@@ -44,6 +44,8 @@ class Handle(Generic[T]):
         self._waiters: list[asyncio.Future[None]] | None = None
         self._events: list[threading.Event] | None = None
         self._callbacks: list[Callable[[Handle[T]], None]] | None = None
+        # set by an engine that can finish the request here and now (``Poller.hurry``)
+        self._hurry: tuple[Any, Any] | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self._state]
@@ -86,6 +88,9 @@ class Handle(Generic[T]):
         raise asyncio.InvalidStateError(f"{describe(*self._what)} is still in flight")
 
     def __await__(self) -> Generator[Any, None, T]:
+        if self._state == _PENDING and self._hurry is not None:
+            engine, request = self._hurry
+            engine.hurry(request)  # perhaps done within microseconds: then no loop iteration
         if self._state == _PENDING:
             waiter = self._loop.create_future()
             if self._waiters is None:

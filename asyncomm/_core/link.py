@@ -12,8 +12,13 @@ piece if it fits in the link's ``room``. If it does not, the message holds
 only the head (or nothing, for a head beyond the room) and the buffers follow
 as *data messages* on tag ``tags.LINK_DATA`` from the same source, in order: the
 receiver posts their receives as soon as the message arrives, so frames from
-one source never mix. The frame bytes are the same on every link; only how a
-message is found differs:
+one source never mix. Small frames (see ``small``) issued to one rank
+within one loop iteration travel together as one *packet*: a message on tag
+``tags.LINK_MESSAGE`` whose preamble says ``PACKET``, holding the frames one
+after the other, sent when the iteration ends (``flush``; no timer, so a lone
+frame waits for nothing). A frame sent the other way first flushes its
+destination's packet, so frames leave in the order they were issued. The
+frame bytes are the same on every link; only how a message is found differs:
 
 - gloo's receives must know their size: every message is padded to a fixed
   size, and a thread keeps an any-source receive posted (see ``_gloo``);
@@ -43,12 +48,16 @@ from typing import Any, Protocol
 
 import torch
 
-from asyncomm._core import tags, wire
-from asyncomm._core.errors import CommError, ProtocolError
+from asyncomm._core import small, tags, wire
+from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError, ProtocolError
 from asyncomm._core.handle import FROM_BACKEND, Handle
 from asyncomm._core.wire import Head
 
-PREAMBLE = struct.Struct("<IIII")  # head bytes, frame bytes inline (0: none), data messages, 0
+PREAMBLE = struct.Struct("<IIII")  # head bytes, frame bytes inline (0: none), data messages, form
+PACKET = 1  # the preamble's form of a packet of small frames (0: a frame)
+_PREAMBLE_AT = PREAMBLE.unpack_from
+_SMALL_HEAD_AT = small.HEAD.unpack_from
+_SMALL_HEAD_BYTES = small.HEAD.size
 _HEADS = 1024  # heads a link keeps decoded
 BYE: bytes = wire.encode(wire.Kind.EOS, tags.BYE, 0, None)[0]  # a link's goodbye (see close)
 
@@ -76,6 +85,9 @@ class Arrivals(Protocol):
 
     def frame(self, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> None:
         """A whole frame from ``src`` (``seq`` is its own: ``head`` may be a shared one)."""
+
+    def small(self, src: int, kind: int, tag: int, seq: int, body: memoryview) -> None:
+        """A small frame from ``src``: its head's fields, and its body (read it at once)."""
 
     def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are on their way (it comes before later ones)."""
@@ -114,6 +126,11 @@ class Link(ABC):
         self._limits = wire.Limits()
         self._held: dict[int, collections.deque[bytearray | torch.Tensor]] = {}
         self._heads: dict[bytes, Head] = {}
+        # the body of a small frame: what fits a packet with its head, up to small.BYTES
+        self.small_room = min(small.BYTES, room - small.HEAD.size)
+        self._packets: dict[int, list[bytes]] = {}  # small frames queued, per destination
+        self._packet_bytes: dict[int, int] = {}
+        self._flush_due = False
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         """Start receiving: every frame that arrives goes to ``arrivals``."""
@@ -159,8 +176,17 @@ class Link(ABC):
         """Return a zeroed message buffer of at least ``nbytes``."""
         return bytearray(nbytes)
 
+    def _packet(self, pieces: list[bytes], nbytes: int) -> bytes | bytearray:
+        """Return the message of a packet of ``nbytes`` laid out in ``pieces``."""
+        at = PREAMBLE.size
+        message = self._message(at + nbytes)
+        PREAMBLE.pack_into(message, 0, 0, nbytes, 0, PACKET)
+        message[at:at + nbytes] = b"".join(pieces)
+        return message
+
     @abstractmethod
-    def _post(self, buffer: bytearray | torch.Tensor, dst: int, tag: int) -> Handle[None] | None:
+    def _post(self, buffer: bytes | bytearray | torch.Tensor, dst: int,
+              tag: int) -> Handle[None] | None:
         """Send ``buffer``; return its handle, or ``None`` if it is done already."""
 
     def _fetch(self, tensor: torch.Tensor, src: int | None, tag: int) -> Handle[int]:
@@ -171,8 +197,62 @@ class Link(ABC):
 
     # -- sending -----------------------------------------------------------------------
 
+    def send_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
+        """Queue a small frame (``body`` at most ``small_room`` bytes) for ``dst``'s packet.
+
+        The packet goes when the loop iteration ends, or once it is full. A
+        failure to send it fails ``dst`` (``Arrivals.failed``), as a send to
+        a dead peer does.
+        """
+        head = small.HEAD.pack(kind, tag, seq, len(body))
+        nbytes = len(head) + len(body)
+        pieces = self._packets.get(dst)
+        if pieces is not None and self._packet_bytes[dst] + nbytes > self.room:
+            self._flush_to(dst)
+            pieces = None
+        if pieces is None:
+            self._packets[dst] = [head, body]
+            self._packet_bytes[dst] = nbytes
+            if not self._flush_due:
+                self._flush_due = True
+                self._loop.call_soon(self.flush)
+        else:
+            pieces += (head, body)
+            self._packet_bytes[dst] += nbytes
+
+    def flush(self) -> None:
+        """Send every packet queued (the loop calls this once an iteration ends)."""
+        self._flush_due = False
+        if self._packets:
+            for dst in list(self._packets):
+                self._flush_to(dst)
+
+    def _flush_to(self, dst: int) -> None:
+        pieces = self._packets.pop(dst, None)
+        if pieces is None:
+            return
+        message = self._packet(pieces, self._packet_bytes.pop(dst))
+        handle = self._post(message, dst, tags.LINK_MESSAGE)
+        if handle is not None:
+            handle.add_done_callback(self._packet_sent)
+
+    def _packet_sent(self, handle: Handle[None]) -> None:
+        try:
+            handle.result()
+        except PeerFailedError as exc:
+            if self._arrivals is not None and handle.peer is not None:
+                self._arrivals.failed(handle.peer, exc)
+        except CommClosedError:
+            pass  # the communicator closed: so did its channels
+        except CommError as exc:
+            self._loop.call_exception_handler({
+                "message": f"asyncomm: small messages to rank {handle.peer} were lost",
+                "exception": exc})
+
     def send(self, dst: int, head: bytes, buffers: list[torch.Tensor]) -> list[Handle[None]]:
         """Issue a frame (``buffers`` flat uint8); return the handles still in flight."""
+        if dst in self._packets:  # what was issued before goes first
+            self._flush_to(dst)
         at = PREAMBLE.size
         size = wire.frame_size(len(head), [b.numel() for b in buffers])
         inline = size <= self.room
@@ -198,18 +278,35 @@ class Link(ABC):
         """Take one message from ``src`` (perhaps padded), in its order."""
         arrivals = self._arrivals
         assert arrivals is not None
-        held = self._held.get(src)
-        if held is not None:  # a big head from src is still on its way: keep the order
-            held.append(message)
+        if self._held and src in self._held:  # a big head from src is on its way: keep order
+            self._held[src].append(message)
             return
         at = PREAMBLE.size
-        view = memoryview(message.numpy().data if isinstance(message, torch.Tensor) else message)
+        view = memoryview(message if isinstance(message, bytearray) else message.numpy().data)
         if len(view) < at:
             arrivals.refuse(src, ProtocolError(f"message of {len(view)} bytes from rank {src}"),
                             None)
             return
-        head_bytes, inline, follow, _ = PREAMBLE.unpack_from(view, 0)
-        if head_bytes > self._limits.max_head_bytes or inline > len(view) - at:
+        head_bytes, inline, follow, form = _PREAMBLE_AT(view, 0)
+        end = at + inline
+        if form == PACKET and not head_bytes and not follow and end <= len(view):
+            small = arrivals.small  # the hot path of small messages: their frames, in order
+            while at < end:
+                if end - at < _SMALL_HEAD_BYTES:
+                    arrivals.refuse(src, ProtocolError(f"packet from rank {src} truncated"),
+                                    None)
+                    return
+                kind, tag, seq, nbytes = _SMALL_HEAD_AT(view, at)
+                at += _SMALL_HEAD_BYTES
+                if nbytes > end - at:
+                    arrivals.refuse(src, ProtocolError(f"small frame from rank {src} declares "
+                                                       f"{nbytes} bytes, {end - at} left"), None)
+                    return
+                small(src, kind, tag, seq, view[at:at + nbytes])
+                at += nbytes
+            return
+        if (form or head_bytes > self._limits.max_head_bytes
+                or inline > len(view) - at):
             arrivals.refuse(src, ProtocolError(f"message from rank {src} declares a head of "
                                                f"{head_bytes} bytes, inline {inline}"), None)
             return

@@ -338,6 +338,15 @@ class Poller:
     (``probe``) are called at every poll, with or without requests in
     flight: the MPI channel link finds its messages so. ``kick`` resets the
     back-off when something is expected soon.
+
+    Note on hurrying
+    ----------------
+    A task that awaits a request first tests it ``hurry_tests`` times itself
+    (``hurry``, from ``Handle.__await__``): a request that completes within
+    microseconds (a collective its peers have entered, a reply on its way)
+    then costs no loop iteration, as in a busy-poll loop, while one that
+    takes longer parks the task and leaves the loop to others. The bound is
+    the loop's fairness: 32 tests hold the loop for about 10-20 µs at most.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
@@ -352,6 +361,7 @@ class Poller:
         self._spin_s = polling.spin_s
         self._active_spin_s = polling.active_spin_s
         self._max_backoff_s = polling.max_backoff_s
+        self._hurry_tests = polling.hurry_tests
         self._requests: list[Any] = []
         self._entries: list[tuple[Sink, Finish, bool]] = []
         self._active = 0  # pending requests that need polling to make progress
@@ -374,7 +384,33 @@ class Poller:
         self._requests.append(request)
         self._entries.append((sink, finish, active))
         self._active += active
+        if self._hurry_tests and hasattr(sink, "_hurry"):
+            sink._hurry = (self, request)
         self.kick()
+
+    def hurry(self, request: Any) -> None:
+        """Test ``request`` a bounded number of times; settle it now if it completes."""
+        test = self._test
+        for _ in range(self._hurry_tests):
+            try:
+                done, outcome = test(request)
+            except BaseException as exc:
+                done, outcome = True, exc
+            if done:
+                break
+        else:
+            return
+        try:
+            index = self._requests.index(request)
+        except ValueError:
+            return  # settled meanwhile (or drained)
+        del self._requests[index]
+        sink, finish, active = self._entries.pop(index)
+        self._active -= active
+        if isinstance(outcome, BaseException):
+            sink._fail(self._classify(outcome), outcome)
+        else:
+            _deliver(sink, finish, outcome, self._classify)
 
     def probe(self, probe: Callable[[], bool]) -> None:
         """Call ``probe()`` at every poll until ``unprobe``; it returns whether it found work.

@@ -17,6 +17,8 @@ Note: layout (integers little-endian; buffers hold little-endian elements)::
 Note: a structure larger than ``INLINE_BYTES`` travels as the last buffer
 (kind STRUCTURE) instead of in the head, so heads stay small whatever the
 message; ``bytes`` values larger than ``INLINE_BYTES`` go out of band too.
+
+Note: small messages travel in a layout of their own: see ``small``.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ _SEQ: Final = struct.Struct("<Q")
 _DESC: Final = struct.Struct("<BBB")
 PREFIX_BYTES: Final = _PREFIX.size
 _U64: Final = 1 << 64
-_EXT_TUPLE, _EXT_BUFFER = 1, 2  # msgpack extension codes of the DEFAULT codec
+_EXT_TUPLE, _EXT_BUFFER, _EXT_INLINE = 1, 2, 3  # msgpack extension codes of the DEFAULT codec
 _TUPLE_EXT: Final = msgpack.ExtType(_EXT_TUPLE, b"")  # first item of an array that is a tuple
 _INT_MIN: Final = -(1 << 63)
 # Precompiled layouts and references, so hot paths never build them per message.
@@ -174,6 +176,12 @@ class _Outgoing:
         self.buffers.append(buffer)
         return _REFS[i] if i < len(_REFS) else msgpack.ExtType(_EXT_BUFFER, struct.pack("<I", i))
 
+    def tensor(self, t: torch.Tensor) -> msgpack.ExtType:
+        return _tensor(t, self)
+
+    def mark_tuple(self) -> None:
+        """A tuple was lowered (its marker is an extension)."""
+
 
 def _tensor(t: torch.Tensor, out: _Outgoing) -> msgpack.ExtType:
     code = _CODES.get(t.dtype) if t.layout is torch.strided else None
@@ -228,8 +236,18 @@ def _plain(obj: object) -> bool:
     return _SCALARS.issuperset(map(type, items)) or all(map(_plain, items))
 
 
+_AS_IS: Final = frozenset({type(None), bool, float, str})  # exact types that lower to themselves
+
+
 def _lower(obj: object, out: _Outgoing) -> object:
     """Return ``obj`` in msgpack's own types; tensors, arrays, large bytes become references."""
+    kind = type(obj)
+    if kind in _AS_IS:
+        return obj
+    if kind is list or kind is tuple:  # exact types first: the commonest, and cheapest to tell
+        return _lower_items(obj, out, kind is tuple)  # type: ignore[arg-type]
+    if kind is torch.Tensor:
+        return out.tensor(obj)  # type: ignore[arg-type]
     if obj is None or isinstance(obj, (bool, float, str)):
         return obj
     if isinstance(obj, int):
@@ -242,31 +260,42 @@ def _lower(obj: object, out: _Outgoing) -> object:
             return view.tobytes()
         return out.add(_U8, (view.nbytes,), BufferKind.BYTES, view.cast("B"), view.nbytes)
     if isinstance(obj, torch.Tensor):
-        return _tensor(obj, out)
+        return out.tensor(obj)
     if type(obj) is np.ndarray:
         return _array(obj, out)
     if isinstance(obj, (np.bool_, np.integer, np.floating)) and obj.dtype in _NUMPY_CODES:
         return _lower(obj.item(), out)  # numpy scalars arrive as the Python scalar they hold
     if isinstance(obj, (list, tuple)):
-        items = [_TUPLE_EXT] if isinstance(obj, tuple) else []
-        for i, item in enumerate(obj):
-            try:
-                items.append(_lower(item, out))
-            except _Refused as e:
-                e.path.append(f"[{i}]")
-                raise
-        return items
+        return _lower_items(obj, out, isinstance(obj, tuple))
     if isinstance(obj, dict):
         lowered = {}
         for k, v in obj.items():
             key = _key(k)
             try:
-                lowered[key] = _lower(v, out)
+                lowered[key] = v if type(v) in _AS_IS else _lower(v, out)
             except _Refused as e:
                 e.path.append(f"[{k!r}]")
                 raise
         return lowered
     raise _Refused(type(obj).__qualname__)
+
+
+def _lower_items(obj: list[Any] | tuple[Any, ...], out: _Outgoing, is_tuple: bool) -> list[Any]:
+    items: list[Any] = []
+    if is_tuple:
+        items.append(_TUPLE_EXT)
+        out.mark_tuple()
+    for i, item in enumerate(obj):
+        kind = type(item)
+        if kind in _AS_IS or (kind is int and _INT_MIN <= item < _U64):
+            items.append(item)
+            continue
+        try:
+            items.append(_lower(item, out))
+        except _Refused as e:
+            e.path.append(f"[{i}]")
+            raise
+    return items
 
 
 def _structure(obj: object, out: _Outgoing) -> bytes:
@@ -297,6 +326,9 @@ class _Packers(threading.local):
 
     def __init__(self) -> None:
         self.packer = msgpack.Packer(use_bin_type=True)
+        # Refuses all but exact scalars, lists and dicts (tuples, subclasses, buffers): what
+        # it packs is its own lowering, as for ``_plain``.
+        self.strict = msgpack.Packer(use_bin_type=True, strict_types=True)
 
 
 _packers = _Packers()

@@ -4,7 +4,10 @@ Note on the protocol
 --------------------
 Requests and replies travel on two channels of asyncomm's own (tags above
 every user channel), with the default codec: arguments and results are what
-a default channel carries. A request is ``[call id, actor, method, args,
+a default channel carries. Their mailboxes hand each message over as it
+arrives (a listener): a request goes straight to its actor's inbox, a reply
+straight to its call's future, so an actor call costs the hops of a channel
+round trip and no more. A request is ``[call id, actor, method, args,
 kwargs, wants reply]``; a reply is ``[call id, ok, result]`` or ``[call id,
 ok=False, [type name, message, traceback]]``. Each rank sends its requests
 to one destination in call order (calls and tells alike), and each actor
@@ -21,12 +24,13 @@ call's deadline (``timeout=``, default the communicator's).
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import itertools
 import math
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from asyncomm._core import tags
@@ -37,14 +41,16 @@ from asyncomm._core.errors import (
     PeerFailedError,
     RemoteError,
 )
-from asyncomm._core.wire import Codec, Kind
+from asyncomm._core.wire import Codec
 from asyncomm._messaging.channels import Channel, Message
-from asyncomm._messaging.router import Encoded, Router
+from asyncomm._messaging.mailbox import Encoded, Frame
+from asyncomm._messaging.router import Router
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _ENDPOINT = "__asyncomm_endpoint__"
-_POLL_S = 0.25  # how often a caller's wait looks for ranks that closed
+_POLL_S = 0.25  # how often a caller's wait looks for ranks that closed, and expired calls
+_TIMER_S = 2.0  # calls with a timeout this short or shorter get a timer of their own
 _Outgoing = tuple[int, int, Encoded]  # channel tag, call id, encoded message
 
 
@@ -72,12 +78,19 @@ class Host:
         # They do not probe: every rank serves, and most wait for nothing in particular.
         self._requests = Channel(router, tags.ACTOR_REQUEST, Codec.DEFAULT, math.inf, probe=False)
         self._replies = Channel(router, tags.ACTOR_REPLY, Codec.DEFAULT, math.inf, probe=False)
-        self._actors: dict[str, asyncio.Queue[Message]] = {}
+        self._actors: dict[str, _Inbox] = {}
         self._workers: list[asyncio.Task[None]] = []
         self._calls: dict[int, tuple[int, asyncio.Future[Any], str]] = {}
+        # calls with a deadline too far for a timer of their own: (deadline, call id, error)
+        self._deadlines: collections.deque[tuple[float, int, CommTimeoutError]] = (
+            collections.deque())
         self._ids = itertools.count()
         self._outboxes: dict[int, asyncio.Queue[_Outgoing | None]] = {}
+        self._backlog: dict[int, int] = {}  # messages queued in an outbox, not sent yet
         loop = asyncio.get_running_loop()
+        self._loop = loop
+        router.mailbox(tags.ACTOR_REQUEST).listener = self._on_request
+        router.mailbox(tags.ACTOR_REPLY).listener = self._on_reply
         self._tasks = [loop.create_task(self._serve_requests()),
                        loop.create_task(self._serve_replies())]
         router.on_dead.append(self._fail_dead)
@@ -93,7 +106,7 @@ class Host:
             raise ValueError(f"rank {self.rank}: serve: name must be a non-empty str")
         if name in self._actors:
             raise ValueError(f"rank {self.rank}: serve: an actor named {name!r} is served here")
-        inbox: asyncio.Queue[Message] = asyncio.Queue()
+        inbox = _Inbox()
         self._actors[name] = inbox
         self._workers.append(asyncio.get_running_loop().create_task(self._run(actor, name,
                                                                              inbox)))
@@ -105,16 +118,35 @@ class Host:
             pass
 
     async def _route_requests(self) -> None:
-        async for message in self._requests:
-            name = message.data[1]
-            inbox = self._actors.get(name)
-            if inbox is None:
-                self._answer(message, False, ["LookupError",
-                                              f"no actor named {name!r} on rank {self.rank}", ""])
-            else:
-                inbox.put_nowait(message)
+        async for message in self._requests:  # the listener takes them; but errors, ends
+            self._route(message)
 
-    async def _run(self, actor: Actor, name: str, inbox: asyncio.Queue[Message]) -> None:
+    def _route(self, message: Message) -> None:
+        name = message.data[1]
+        inbox = self._actors.get(name)
+        if inbox is None:
+            self._answer(message, False, ["LookupError",
+                                          f"no actor named {name!r} on rank {self.rank}", ""])
+        else:
+            inbox.put(message)
+
+    def _on_request(self, frame: Frame) -> None:
+        """The requests' listener: route each to its actor as it arrives."""
+        self._listened(self._requests, frame, self._route)
+
+    def _on_reply(self, frame: Frame) -> None:
+        """The replies' listener: settle each call as its reply arrives."""
+        self._listened(self._replies, frame, lambda message: self._settle(*message.data))
+
+    def _listened(self, channel: Channel, frame: Frame, then: Callable[[Message], None]) -> None:
+        try:
+            then(channel._open(frame))
+        except Exception as exc:  # a malformed message: say so, and go on with the next
+            self._loop.call_exception_handler({
+                "message": f"asyncomm: rank {self.rank}: an actor message from rank "
+                           f"{frame.src} was refused", "exception": exc})
+
+    async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:
         while True:
             message = await inbox.get()
             _, _, method, args, kwargs, _ = message.data
@@ -130,6 +162,8 @@ class Host:
                                               traceback.format_exc()])
             else:
                 self._answer(message, True, result)
+            if inbox.empty():  # the last request in: its caller waits, send the answers now
+                self._router.flush()
 
     def _answer(self, request: Message, ok: bool, result: Any) -> None:
         call_id, wants_reply = request.data[0], request.data[5]
@@ -142,12 +176,17 @@ class Host:
 
     # -- calling -------------------------------------------------------------------
 
-    async def call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
-                   kwargs: dict[str, Any], timeout: float | None) -> Any:
-        """Call ``name.method(*args, **kwargs)`` on ``rank`` and return its result."""
+    def call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
+             kwargs: dict[str, Any], timeout: float | None) -> Awaitable[Any]:
+        """Call ``name.method(*args, **kwargs)`` on ``rank``; the awaitable gives its result."""
+        if self._router.probe.recording is None:
+            return self._call(rank, name, method, args, kwargs, timeout)  # no layer between
+        return self._traced_call(rank, name, method, args, kwargs, timeout)
+
+    async def _traced_call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
+                           kwargs: dict[str, Any], timeout: float | None) -> Any:
         trace = self._router.probe.recording
-        if trace is None:
-            return await self._call(rank, name, method, args, kwargs, timeout)
+        assert trace is not None
         start, error = time.perf_counter(), None
         try:
             return await self._call(rank, name, method, args, kwargs, timeout)
@@ -162,16 +201,24 @@ class Host:
                     kwargs: dict[str, Any], timeout: float | None) -> Any:
         self._check_open(rank, name, method)
         call_id = next(self._ids)
-        future = asyncio.get_running_loop().create_future()
+        future = self._loop.create_future()
         self._calls[call_id] = (rank, future, f"{name}.{method}")
         self._post(rank, self._requests, [call_id, name, method, list(args), kwargs, True])
+        self._router.expect()
         limit = self._timeout if timeout is None else timeout
+        timer = None
+        if limit != math.inf:
+            error = CommTimeoutError(f"rank {self.rank}: call {name}.{method} on rank {rank} "
+                                     f"timed out after {limit:g} s")
+            if limit <= _TIMER_S:
+                timer = self._loop.call_later(limit, _expire, future, error)
+            else:  # the reply loop expires it (a timer per call costs as much as a message)
+                self._deadline(time.monotonic() + limit, call_id, error)
         try:
-            ok, result = await asyncio.wait_for(future, None if limit == math.inf else limit)
-        except asyncio.TimeoutError:
-            raise CommTimeoutError(f"rank {self.rank}: call {name}.{method} on rank {rank} "
-                                   f"timed out after {limit:g} s") from None
+            ok, result = await future  # no task between the reply's arrival and this
         finally:
+            if timer is not None:
+                timer.cancel()
             self._calls.pop(call_id, None)
         if not ok:
             kind, text, remote_tb = result
@@ -199,11 +246,15 @@ class Host:
         Raises ``TypeError`` at once if the default codec cannot carry it: the
         message is encoded here, once, and sent as it is.
         """
-        frame = self._router.encode(Kind.DATA, channel.tag, message, Codec.DEFAULT)
+        frame = self._router.encode(channel.tag, message, Codec.DEFAULT)
+        if (not self._backlog.get(rank) and type(frame) is bytes
+                and self._router.post(frame, channel.tag, rank)):
+            return  # the common case: sent now (with the loop iteration's other messages)
         outbox = self._outboxes.get(rank)
         if outbox is None:
             outbox = self._outboxes[rank] = asyncio.Queue()
-            self._tasks.append(asyncio.get_running_loop().create_task(self._send(rank, outbox)))
+            self._tasks.append(self._loop.create_task(self._send(rank, outbox)))
+        self._backlog[rank] = self._backlog.get(rank, 0) + 1
         outbox.put_nowait((channel.tag, message[0], frame))
 
     async def _send(self, rank: int, outbox: asyncio.Queue[_Outgoing | None]) -> None:
@@ -217,6 +268,8 @@ class Host:
                     error = (self._router._gone(f"call {pending[2]} on rank {rank}", rank)
                              if rank in self._router.dead else exc)  # worded like a call's
                     pending[1].set_exception(error)
+            finally:
+                self._backlog[rank] -= 1
 
     async def _serve_replies(self) -> None:
         waited = 0.0
@@ -225,6 +278,7 @@ class Host:
                 message = await self._replies.recv(timeout=_POLL_S)
             except CommTimeoutError:
                 self._fail_closed()
+                self._expire_calls()
                 waited += _POLL_S
                 if waited >= self._router.probe_s:  # no reply for a while: are the callees there?
                     waited = 0.0
@@ -239,6 +293,28 @@ class Host:
             call_id, ok, result = message.data
             self._settle(call_id, ok, result)
             self._fail_closed()
+
+    def _deadline(self, at: float, call_id: int, error: CommTimeoutError) -> None:
+        """Expire call ``call_id`` at ``at`` (within ``_POLL_S``), unless it is over by then."""
+        deadlines = self._deadlines
+        if deadlines and deadlines[-1][0] > at:  # timeouts differ: keep the queue in order
+            ordered = sorted([*deadlines, (at, call_id, error)], key=lambda entry: entry[0])
+            deadlines.clear()
+            deadlines.extend(ordered)
+        else:
+            deadlines.append((at, call_id, error))
+
+    def _expire_calls(self) -> None:
+        now, deadlines = time.monotonic(), self._deadlines
+        while deadlines and deadlines[0][0] <= now:
+            _, call_id, error = deadlines.popleft()
+            pending = self._calls.get(call_id)
+            if pending is not None:
+                _expire(pending[1], error)
+        if len(deadlines) > 4096:  # calls long over: drop them
+            kept = [entry for entry in deadlines if entry[1] in self._calls]
+            deadlines.clear()
+            deadlines.extend(kept)
 
     def _fail_dead(self, rank: int) -> None:
         """``rank`` is gone: fail the calls in flight to it."""
@@ -274,6 +350,36 @@ class Host:
             if not future.done():
                 future.set_exception(CommClosedError(f"rank {self.rank}: the communicator "
                                                      "was closed with this call in flight"))
+
+
+class _Inbox:
+    """An actor's requests in arrival order, and the actor's wait for the next one."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[Message] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put(self, message: Message) -> None:
+        self._items.append(message)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    async def get(self) -> Message:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._items.popleft()
+
+
+def _expire(future: asyncio.Future[Any], error: CommTimeoutError) -> None:
+    if not future.done():
+        future.set_exception(error)
 
 
 class ActorRef:

@@ -12,19 +12,18 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from asyncomm._core import wire
 from asyncomm._core.errors import CommClosedError, CommTimeoutError, ProtocolError
 from asyncomm._core.wire import Codec, Kind
-from asyncomm._messaging.router import Router, _charge, _Frame, _wake
+from asyncomm._messaging.mailbox import Frame, size_of, wake
+from asyncomm._messaging.router import Router
 
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
 
 
-@dataclass(frozen=True, slots=True)
-class Message:
+class Message(NamedTuple):
     """A received message: who sent it, on which channel, and what."""
 
     src: int
@@ -63,17 +62,21 @@ class Channel:
         carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
         """
         router = self._router
-        if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < router.size:
-            raise ValueError(f"rank {router.rank}: channel {self.tag} send: dst={dst!r} is not "
-                             f"a rank in 0..{router.size - 1}")
+        if (type(dst) is not int or not 0 <= dst < router.size) and (
+                isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < router.size):
+            raise ValueError(f"rank {router.rank}: channel {self.tag} send: dst={dst!r} is "
+                                 f"not a rank in 0..{router.size - 1}")
         if self._closed:
             raise CommClosedError(f"rank {router.rank}: channel {self.tag} is closed")
-        limit = self._timeout if timeout is None else timeout
-        frame = router.encode(Kind.DATA, self.tag, obj, self.codec)
+        frame = router.encode(self.tag, obj, self.codec)
         trace = router.probe.recording if self._traced else None
         if trace is None:
+            if type(frame) is bytes and router.post(frame, self.tag, dst):
+                return  # a small message, sent with the loop iteration's others
+            limit = self._timeout if timeout is None else timeout
             await router.send(frame, self.tag, dst, None if limit == math.inf else limit)
             return
+        limit = self._timeout if timeout is None else timeout
         start, error = time.perf_counter(), None
         try:
             await router.send(frame, self.tag, dst, None if limit == math.inf else limit)
@@ -81,7 +84,7 @@ class Channel:
             error = exc
             raise
         finally:
-            nbytes = len(frame[0]) + sum(b.nbytes for b in frame[1])
+            nbytes = size_of(frame)
             trace.message("channel_send", nbytes, dst, self.tag, router.probe.id, start,
                           error)
 
@@ -93,16 +96,17 @@ class Channel:
         malformed frame (the next call goes on with the next message).
         """
         router = self._router
-        if src is not None and (isinstance(src, bool) or not isinstance(src, int)
-                                or not 0 <= src < router.size):
-            raise ValueError(f"rank {router.rank}: channel {self.tag} recv: src={src!r} is not "
-                             f"a rank in 0..{router.size - 1}")
-        trace = router.probe.recording if self._traced else None
-        if trace is None:
-            frame = self._take(src)
-            if frame is not None:
-                return self._open(frame)
+        if src is not None and (type(src) is not int or not 0 <= src < router.size) and (
+                isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < router.size):
+            raise ValueError(f"rank {router.rank}: channel {self.tag} recv: src={src!r} is "
+                             f"not a rank in 0..{router.size - 1}")
+        if not self._traced or router.probe.recording is None:
+            if self._box.frames:
+                frame = self._box.take(src)
+                if frame is not None:
+                    return self._open(frame)
             return await self._wait(src, self._timeout if timeout is None else timeout)
+        trace = router.probe.recording
         start, error, message = time.perf_counter(), None, None
         try:
             message = await self._recv(src, timeout)
@@ -117,17 +121,10 @@ class Channel:
         return message
 
     async def _recv(self, src: int | None, timeout: float | None) -> Message:
-        frame = self._take(src)
+        frame = self._box.take(src)
         if frame is not None:
             return self._open(frame)
         return await self._wait(src, self._timeout if timeout is None else timeout)
-
-    def _take(self, src: int | None) -> _Frame | None:
-        """Return the next frame from ``src`` (any if ``None``) already here, else None."""
-        frame = self._box.take(src)
-        if frame is None and self._router.pump():
-            frame = self._box.take(src)
-        return frame
 
     async def _wait(self, src: int | None, limit: float) -> Message:
         """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds."""
@@ -135,13 +132,13 @@ class Channel:
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + limit
         while True:  # ``recv`` found nothing just now: check, wait, then look again
-            if self._ended(src):
+            if box.ended and self._ended(src):
                 who = "every other rank" if src is None else f"rank {src}"
                 raise CommClosedError(f"rank {router.rank}: channel {self.tag}: {who} closed it")
             if router._closed:
                 raise CommClosedError(f"rank {router.rank}: channel {self.tag}: the "
                                       "communicator is closed")
-            gone = self._gone(src)
+            gone = self._gone(src) if router.dead else None
             if gone:
                 peer = "any" if src is None else src
                 raise router._gone(f"channel {self.tag} recv from peer {peer}", *gone)
@@ -150,19 +147,29 @@ class Channel:
                 peer = "any" if src is None else src
                 raise CommTimeoutError(f"rank {router.rank}: channel {self.tag} recv from peer "
                                        f"{peer} timed out after {limit:g} s")
-            router._link.expect()
-            waiter = loop.create_future()
-            box.waiters.append(waiter)
-            wake = min(deadline - now, router.probe_s) if self._probe else deadline - now
-            timer = None if wake == math.inf else loop.call_later(wake, _wake, waiter)
+            router.expect()
+            waiter: asyncio.Future[Frame | None] = loop.create_future()
+            entry = (src, waiter)
+            box.waiters.append(entry)
+            left, timer = deadline - now, None
+            if left <= router.probe_s or (not self._probe and left != math.inf):
+                timer = loop.call_later(left, wake, waiter)  # the deadline is near
+            elif self._probe:
+                router.patrol()  # woken within probe_s, to check the peers
             try:
-                await waiter  # woken by a frame, the end of a stream, a death, or a timer
+                frame = await waiter  # a frame, or woken (an end of stream, a death, a timer)
+            except BaseException:
+                handed = waiter.result() if waiter.done() and not waiter.cancelled() else None
+                if handed is not None:
+                    box.put_back(handed)  # handed over, but cancelled: lose nothing
+                raise
             finally:
                 if timer is not None:
                     timer.cancel()
-                if waiter in box.waiters:
-                    box.waiters.remove(waiter)
-            frame = self._take(src)
+                if box.waiters and entry in box.waiters:
+                    box.waiters.remove(entry)
+            if frame is None:
+                frame = box.take(src)
             if frame is not None:
                 return self._open(frame)
             if self._probe and time.monotonic() < deadline:  # nothing yet: are they there?
@@ -190,12 +197,18 @@ class Channel:
             return src in ended
         return len(ended - {self._router.rank}) >= self._router.size - 1
 
-    def _open(self, frame: _Frame) -> Message:
+    def _open(self, frame: Frame) -> Message:
         self._router.consumed(frame)
         if self._traced and self._router.probe.recording is not None:
-            self._received = _charge(frame.head)
+            self._received = max(frame.charge, 0)
         if frame.error is not None:
             raise frame.error
+        if frame.head is None:  # a small frame: decoded on arrival (the default codec's)
+            if self.codec is not Codec.DEFAULT:
+                raise ProtocolError(f"rank {self._router.rank}: channel {self.tag}: message "
+                                    f"from rank {frame.src}: frame of codec DEFAULT on a "
+                                    f"channel of codec {self.codec.name}; refused")
+            return Message(frame.src, self.tag, frame.data)
         try:
             data = wire.decode(frame.head, frame.buffers, self.codec)
         except ProtocolError as exc:

@@ -50,12 +50,11 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from asyncomm._core import instrument, settings, tags, wire
+from asyncomm._core import instrument, settings, small, tags, wire
 from asyncomm._core.errors import (
     CommClosedError,
     CommError,
@@ -66,11 +65,15 @@ from asyncomm._core.errors import (
 )
 from asyncomm._core.link import Link, Pending
 from asyncomm._core.wire import Codec, Head, Kind
-
-
-def _charge(head: Head) -> int:
-    """Return the bytes a frame holds of its window: its head and buffers, as its sender counts."""
-    return head.size + head.payload_bytes
+from asyncomm._messaging.mailbox import (
+    DATA,
+    NO_BUFFERS,
+    Encoded,
+    Frame,
+    Mailbox,
+    size_of,
+    wake,
+)
 
 
 def frame_limits() -> wire.Limits:
@@ -96,18 +99,6 @@ class Releasing(Protocol):
         """Wait (up to ``timeout``) until no receive is stuck any more."""
 
 
-Encoded = tuple[bytes, list[torch.Tensor]]  # a message ready to send: head and buffers
-
-
-@dataclass(slots=True)
-class _Frame:
-    src: int
-    head: Head
-    buffers: list[torch.Tensor]
-    seq: int = 0  # its own (its head may be shared by frames alike)
-    error: CommError | None = None  # a frame refused on arrival: raised by recv
-
-
 def _as_tensor(buffer: wire.Buffer) -> torch.Tensor:
     if isinstance(buffer, torch.Tensor):
         return buffer
@@ -118,7 +109,7 @@ def _as_tensor(buffer: wire.Buffer) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
-class _Window:
+class Window:
     """A sender's credit towards one (receiver, channel)."""
 
     __slots__ = ("bytes_out", "messages_out", "waiters")
@@ -127,35 +118,6 @@ class _Window:
         self.messages_out = 0
         self.bytes_out = 0
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-
-
-class Mailbox:
-    """Frames of one channel in arrival order, and who has closed their end."""
-
-    def __init__(self) -> None:
-        self.frames: collections.deque[_Frame] = collections.deque()
-        self.ended: set[int] = set()
-        self.waiters: list[asyncio.Future[None]] = []
-
-    def put(self, frame: _Frame) -> None:
-        self.frames.append(frame)
-        self.wake()
-
-    def wake(self) -> None:
-        for waiter in self.waiters:
-            _wake(waiter)
-        self.waiters.clear()
-
-    def take(self, src: int | None) -> _Frame | None:
-        """Pop the first frame (from ``src``, if given), or return ``None``."""
-        frames = self.frames
-        if src is None:
-            return frames.popleft() if frames else None
-        for i, frame in enumerate(frames):
-            if frame.src == src:
-                del frames[i]
-                return frame
-        return None
 
 
 class Router:
@@ -172,13 +134,14 @@ class Router:
         # credit comes back in batches of a quarter window (see ``consumed``)
         self._batch, self._batch_bytes = max(1, window // 4), window_bytes // 4
         self.limits = limits or frame_limits()
+        self._small_room = min(link.small_room, self.limits.max_message_bytes)
         self._mailboxes: dict[int, Mailbox] = {}
-        self._windows: dict[tuple[int, int], _Window] = {}
+        self._windows: dict[tuple[int, int], Window] = {}
         self._send_seq: dict[tuple[int, int], int] = collections.defaultdict(int)
-        self._recv_seq: dict[tuple[int, int], int] = collections.defaultdict(int)
+        self._recv_seq: dict[tuple[int, int], int] = {}
         self._consumed: dict[tuple[int, int], list[int]] = {}
         # frames of a source queued behind one whose buffers are on their way
-        self._queued: dict[int, collections.deque[_Frame | Pending]] = {}
+        self._queued: dict[int, collections.deque[Frame | Pending]] = {}
         self._broken: dict[int, CommError] = {}  # sources whose stream cannot be followed
         self._byes: set[int] = set()  # ranks whose router said goodbye
         self._all_byes: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -190,6 +153,7 @@ class Router:
         self._probed: dict[int, float] = {}  # when each peer was last probed
         self.on_dead: list[Callable[[int], None]] = []  # called with a rank once it is gone
         self._link = link
+        self._patrol: asyncio.TimerHandle | None = None
         if self.size > 1:
             self._link.open(self, self.limits)
         else:
@@ -203,29 +167,52 @@ class Router:
 
     # -- sending ----------------------------------------------------------------
 
-    def encode(self, kind: Kind, tag: int, obj: object, codec: Codec) -> Encoded:
-        """Encode ``obj`` as a frame of channel ``tag``; ``TypeError`` if the codec can't carry it.
+    def encode(self, tag: int, obj: object, codec: Codec) -> Encoded:
+        """Encode ``obj`` for channel ``tag``; ``TypeError`` if the codec can't carry it.
 
-        Its sequence number is set by ``send``, when it goes.
+        A small message of the default codec becomes a small frame's body;
+        any other, a frame. Its sequence number is set by ``send``, when it goes.
         """
-        head, buffers = wire.encode(kind, tag, 0, obj, codec, self.limits)
+        if codec is Codec.DEFAULT:
+            body = small.encode(obj, self._small_room, self.limits.max_ndim)
+            if body is not None:
+                return body
+        head, buffers = wire.encode(Kind.DATA, tag, 0, obj, codec, self.limits)
         return head, [_as_tensor(b) for b in buffers]
+
+    def post(self, body: bytes, tag: int, dst: int) -> bool:
+        """Send a small frame at once if its window has room; return whether it went.
+
+        The fast path of ``send``: nothing to wait for, so no coroutine.
+        """
+        if self._closed or dst == self.rank or dst in self.dead:
+            return False  # ``send`` says why, or delivers it here
+        key = (dst, tag)
+        window = self._windows.get(key)
+        if window is None:
+            window = self._windows[key] = Window()
+        nbytes = len(body)
+        if window.waiters or not self._fits(window, nbytes):
+            return False
+        window.messages_out += 1
+        window.bytes_out += nbytes
+        seq = self._send_seq[key]
+        self._send_seq[key] = seq + 1
+        self._link.send_small(dst, Kind.DATA, tag, seq, body)
+        return True
 
     async def send(self, frame: Encoded, tag: int, dst: int,
                    timeout: float | None = None) -> None:
-        """Send an encoded frame; wait for credit first, then until its buffers are free."""
+        """Send an encoded message; wait for credit first, then until its buffers are free."""
         if self._closed:
             raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
         if dst in self.dead:
             raise self._gone(f"channel {tag} send to peer {dst}", dst)
         key = (dst, tag)
-        head, buffers = frame
-        nbytes = len(head)
-        for b in buffers:
-            nbytes += b.numel()  # flat uint8
+        nbytes = size_of(frame)
         window = self._windows.get(key)
         if window is None:
-            window = self._windows[key] = _Window()
+            window = self._windows[key] = Window()
         if window.waiters or not self._fits(window, nbytes):
             await self._acquire(window, nbytes, tag, dst, timeout)
         window.messages_out += 1
@@ -234,6 +221,13 @@ class Router:
         # credit leaves no gap, and nothing can run between here and the transmit.
         seq = self._send_seq[key]
         self._send_seq[key] = seq + 1
+        if isinstance(frame, bytes):  # a small frame: its bytes are copied already
+            if dst == self.rank:
+                self.small(dst, Kind.DATA, tag, seq, memoryview(frame))
+            else:
+                self._link.send_small(dst, Kind.DATA, tag, seq, frame)
+            return
+        head, buffers = frame
         head = wire.with_seq(head, seq)
         try:
             for handle in self.transmit(dst, head, buffers):
@@ -274,7 +268,7 @@ class Router:
         for (dst, _), window in self._windows.items():
             if dst == peer:
                 for waiter in window.waiters:
-                    _wake(waiter)
+                    wake(waiter)
         self._count_byes()
         for callback in self.on_dead:
             callback(peer)
@@ -301,7 +295,7 @@ class Router:
         for peer in peers:
             self.alive(peer)
 
-    def _fits(self, window: _Window, nbytes: int) -> bool:
+    def _fits(self, window: Window, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` may go now."""
         out, out_bytes = window.messages_out, window.bytes_out
         # A message too large for the room left passes once all that is out may be
@@ -311,7 +305,7 @@ class Router:
                 or (out < self._batch and out_bytes < self._batch_bytes)
                 or (out < self.window and out_bytes + nbytes <= self.window_bytes))
 
-    async def _acquire(self, window: _Window, nbytes: int, tag: int, dst: int,
+    async def _acquire(self, window: Window, nbytes: int, tag: int, dst: int,
                        timeout: float | None) -> None:
         """Wait for credit for a message of ``nbytes``, in turn with other senders."""
         loop = asyncio.get_running_loop()
@@ -358,8 +352,8 @@ class Router:
         """Issue one frame to ``dst`` (itself included); return the handles of its sends."""
         if dst == self.rank:  # no transport: a private copy, delivered in order
             decoded = wire.decode_head(head, self.limits)
-            frame = _Frame(self.rank, decoded, [b.clone() for b in buffers], decoded.seq)
-            self._deliver(frame)
+            self._deliver(Frame.whole(self.rank, decoded, [b.clone() for b in buffers],
+                                       decoded.seq))
             return []
         return self._link.send(dst, head, buffers)
 
@@ -377,6 +371,35 @@ class Router:
     def pump(self) -> bool:
         """Take what has arrived, without waiting; return whether anything had."""
         return self._link.pump()
+
+    def expect(self) -> None:
+        """A task begins to wait for a frame: send what it issued, and watch closely.
+
+        Its small frames would leave when the loop iteration ends; a task that
+        waits for an answer adds nothing more, and the answer cannot come before
+        the question has left: they go now.
+        """
+        self._link.flush()
+        self._link.expect()
+
+    def flush(self) -> None:
+        """Send the small frames issued so far now, not when the loop iteration ends."""
+        self._link.flush()
+
+    def patrol(self) -> None:
+        """Wake every waiting receiver within ``probe_s`` (to check its peers, its deadline).
+
+        One timer for all of them, not one per wait (a timer costs as much as a small
+        message's delivery).
+        """
+        if self._patrol is None:
+            self._patrol = asyncio.get_running_loop().call_later(self.probe_s, self._tick)
+
+    def _tick(self) -> None:
+        self._patrol = None
+        for box in self._mailboxes.values():
+            if box.waiters:
+                box.wake()
 
     def bye(self, src: int, dead: int | None = None) -> None:
         """``src``'s router said goodbye, or said it for ``dead`` (see ``_backends._link``)."""
@@ -411,12 +434,50 @@ class Router:
     def frame(self, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> None:
         """A whole frame from ``src`` (the link calls this, in the order frames arrive)."""
         if src not in self._broken:
-            frame = _Frame(src, head, buffers, seq)
+            frame = Frame.whole(src, head, buffers, seq)
             queue = self._queued.get(src)
             if queue is None:
                 self._deliver(frame)  # the common case: nothing from src is on its way
             else:
                 queue.append(frame)
+
+    def small(self, src: int, kind: int, tag: int, seq: int, body: memoryview) -> None:
+        """A small frame from ``src`` (the link calls this, in the order frames arrive).
+
+        The hot path of every small message: decoded here, once, and put in
+        its mailbox (or handed to whoever waits there).
+        """
+        if kind != DATA or src in self._broken:
+            self._small_control(src, kind, tag, body)
+            return
+        try:
+            frame = Frame(src, DATA, tag, seq, None, NO_BUFFERS,
+                           small.decode(body, self.limits), len(body))
+        except ProtocolError as exc:
+            frame = Frame(src, DATA, tag, seq, None, NO_BUFFERS, None, len(body),
+                           ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank "
+                                         f"{src} refused: {exc}"))
+        if self._queued and src in self._queued:  # behind a frame still on its way
+            self._queued[src].append(frame)
+            return
+        box, key = self._mailboxes.get(tag), (src, tag)
+        if box is None or self._recv_seq.get(key, 0) != seq:
+            self._deliver(frame)  # all but the commonest case (``_deliver`` in short:)
+            return
+        self._recv_seq[key] = seq + 1
+        box.put(frame)
+
+    def _small_control(self, src: int, kind: int, tag: int, body: memoryview) -> None:
+        if src in self._broken:
+            return
+        if kind == Kind.CREDIT:  # not queued: credit may overtake what is on its way
+            try:
+                credit: Any = small.decode(body, self.limits)
+                self._credit(src, tag, int(credit[0]), int(credit[1]))
+            except (ProtocolError, TypeError, ValueError):
+                self._break(src, ProtocolError(f"malformed credit from rank {src}"))
+            return
+        self.refuse(src, ProtocolError(f"small frame of kind {kind}"), tag)
 
     def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are still on their way."""
@@ -433,7 +494,7 @@ class Router:
         queue = self._queued.get(src)
         while queue:
             item = queue[0]
-            if isinstance(item, _Frame):
+            if isinstance(item, Frame):
                 frame = item
             elif not item.done():
                 return
@@ -445,7 +506,7 @@ class Router:
                 return
             else:
                 assert item.head is not None
-                frame = _Frame(src, item.head, item.buffers, item.seq)
+                frame = Frame.whole(src, item.head, item.buffers, item.seq)
             queue.popleft()
             if src not in self._broken:
                 self._deliver(frame)
@@ -458,60 +519,76 @@ class Router:
             return
         wrapped = ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank {src} "
                                 f"refused: {error}")
-        self.mailbox(tag).put(_Frame(src, _EMPTY_HEAD, [], 0, wrapped))
+        self.mailbox(tag).put(Frame.refused(src, tag, wrapped))
 
     def _break(self, src: int, error: CommError) -> None:
         """Stop following ``src``'s stream: every channel waiting on it gets ``error``."""
         self._broken[src] = error
         for tag, box in self._mailboxes.items():
-            box.put(_Frame(src, _EMPTY_HEAD, [], 0, ProtocolError(
+            box.put(Frame.refused(src, tag, ProtocolError(
                 f"rank {self.rank}: channel {tag}: stream from rank {src} broken: {error}")))
 
-    def _deliver(self, frame: _Frame) -> None:
-        head = frame.head
-        key = (frame.src, head.tag)
-        if head.kind is Kind.CREDIT:
-            credit: Any = wire.decode(head, frame.buffers, Codec.DEFAULT)
-            self._credit(frame.src, head.tag, int(credit[0]), int(credit[1]))
+    def _deliver(self, frame: Frame) -> None:
+        tag = frame.tag
+        if frame.kind != DATA:
+            self._control(frame)
             return
-        if head.kind is Kind.EOS and head.tag >= tags.BYE:  # see close
-            if head.tag == tags.RELEASE:
-                stuck: Any = wire.decode(head, frame.buffers, Codec.DEFAULT)
-                for tag in stuck:
-                    self.peers.release(frame.src, int(tag))
-            elif head.tag == tags.LEAVING:
-                self._left.add(frame.src)
-            return
-        box = self.mailbox(head.tag)
-        if head.kind is Kind.EOS:
-            box.ended.add(frame.src)
-            box.wake()
-            return
-        expected = self._recv_seq[key]
+        box = self._mailboxes.get(tag) or self.mailbox(tag)
+        key = (frame.src, tag)
+        expected = self._recv_seq.get(key, 0)
         if frame.seq != expected:
             frame.error = ProtocolError(
-                f"rank {self.rank}: channel {head.tag}: frame {frame.seq} from rank "
+                f"rank {self.rank}: channel {tag}: frame {frame.seq} from rank "
                 f"{frame.src} where {expected} was due")
         self._recv_seq[key] = frame.seq + 1
         box.put(frame)
 
-    def consumed(self, frame: _Frame) -> None:
-        """Count a frame the user took; return credit to its sender in batches."""
-        if frame.error is not None and not frame.head.descriptors and not frame.head.structure:
+    def _control(self, frame: Frame) -> None:
+        """Take a frame that carries no message: credit, an end of stream, a request."""
+        head, tag = frame.head, frame.tag
+        assert head is not None  # control frames are whole frames (but small credit)
+        if frame.kind == Kind.CREDIT:
+            credit: Any = wire.decode(head, frame.buffers, Codec.DEFAULT)
+            self._credit(frame.src, tag, int(credit[0]), int(credit[1]))
+        elif frame.kind == Kind.EOS and tag >= tags.BYE:  # see close
+            if tag == tags.RELEASE:
+                stuck: Any = wire.decode(head, frame.buffers, Codec.DEFAULT)
+                for stuck_tag in stuck:
+                    self.peers.release(frame.src, int(stuck_tag))
+            elif tag == tags.LEAVING:
+                self._left.add(frame.src)
+        elif frame.kind == Kind.EOS:
+            box = self.mailbox(tag)
+            box.ended.add(frame.src)
+            box.wake()
+        else:
+            self.mailbox(tag).put(Frame.refused(frame.src, tag, ProtocolError(
+                f"rank {self.rank}: channel {tag}: frame of kind {frame.kind} from rank "
+                f"{frame.src} refused")))
+
+    def consumed(self, frame: Frame) -> None:
+        """Count a frame the user took; return credit to its sender in batches.
+
+        Credit travels as a small frame: with other traffic to the sender, if any.
+        """
+        if frame.charge < 0:
             return
-        key = (frame.src, frame.head.tag)
+        src, tag = frame.src, frame.tag
+        key = (src, tag)
         done = self._consumed.get(key)
         if done is None:
             done = self._consumed[key] = [0, 0]
         done[0] += 1
-        done[1] += _charge(frame.head)
+        done[1] += frame.charge
         if done[0] >= self._batch or done[1] >= self._batch_bytes:
             messages, nbytes = done
             done[0] = done[1] = 0
-            if frame.src == self.rank:
-                self._credit(self.rank, frame.head.tag, messages, nbytes)
-            else:
-                self.notify(Kind.CREDIT, frame.head.tag, frame.src, [messages, nbytes])
+            if src == self.rank:
+                self._credit(self.rank, tag, messages, nbytes)
+            elif not self._closed and src not in self.dead:
+                body = small.encode([messages, nbytes])
+                assert body is not None
+                self._link.send_small(src, Kind.CREDIT, tag, 0, body)
 
     async def close(self, timeout: float) -> None:
         """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
@@ -545,6 +622,8 @@ class Router:
             if self._released:
                 await self.peers.released(min(timeout, 2.0))
         self._link.stop()
+        if self._patrol is not None:
+            self._patrol.cancel()
         await self._link.join(1.0)
         for box in self._mailboxes.values():
             box.wake()
@@ -552,11 +631,3 @@ class Router:
             for waiter in window.waiters:
                 if not waiter.done():
                     waiter.set_result(None)
-
-
-_EMPTY_HEAD = Head(Kind.DATA, Codec.DEFAULT, 0, 0, (), b"")
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)

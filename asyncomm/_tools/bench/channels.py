@@ -11,6 +11,11 @@ Each row against a baseline, with the ratio (and the target it should meet):
   flight (into 64 buffers), wait all, ack (as osu_bw); target asyncomm/raw >= 0.8;
 - ``rate``: small dicts per second, sent one after the other, vs the backend's pickle path
   (mpi4py ``comm.send``/``recv``; gloo: torch's ``send_object_list``); target >= 1.0;
+- ``burst``: 8 B tensors per second, sent one after the other then acknowledged (they
+  travel together: see the note on packets in ``_core.link``), vs raw blocking sends of
+  the same bytes one after the other;
+- ``actor``: the round trip of an actor call (an echo) vs a channel round trip of the same
+  message; target actor/channel <= 1.3;
 - ``channels``: ping-pong latency with each exchange on the next of 1000 open channels, vs
   all on one channel; target 1000/1 <= 1.2.
 """
@@ -52,9 +57,17 @@ CHANNEL_TESTS: dict[str, tuple[str, str, str, tuple[str, float] | None]] = {
     "awaited": ("awaited", "raw", "us", None),  # the least any awaitable message costs
     "stream": ("asyncomm", "raw", "MiB/s", (">=", 0.8)),
     "rate": ("asyncomm", "pickle", "msg/s", (">=", 1.0)),
+    "burst": ("asyncomm", "raw", "msg/s", None),
+    "actor": ("actor call", "channel", "us", ("<=", 1.3)),
     "channels": (f"{OPEN_CHANNELS} channels", "1 channel", "us", ("<=", 1.2)),
 }
-_TAGS = {"pingpong": 1, "stream": 2, "rate": 3, "ack": 4, "one": 5, "many": 1 << 20}
+# Targets that hold for one backend and size only: (test, size, backend) -> target.
+BACKEND_TARGETS: dict[tuple[str, int, str], tuple[str, float]] = {
+    ("pingpong", 8, "mpi"): ("<=", 4.0),
+    ("stream", STREAM_BYTES, "mpi"): (">=", 0.9),
+}
+_TAGS = {"pingpong": 1, "stream": 2, "rate": 3, "ack": 4, "one": 5, "burst": 6, "echo": 7,
+         "many": 1 << 20}
 
 
 def _awaited(comm: Comm, t: torch.Tensor, peer: int) -> Calls:
@@ -273,6 +286,9 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
         "asyncomm": _burst(rank, small_send, small_recv, ack_send, ack_recv, blocking=False),
     }, max(1, iters // 10), iters, IN_FLIGHT))
 
+    cases.append(_burst_case(comm, rank, peer, ack_send, ack_recv, quick))
+    cases.append(_actor_case(comm, rank, peer, quick))
+
     one = comm.channel(_TAGS["one"])  # ping-pong over one channel vs rotating over many
     many = [comm.channel(_TAGS["many"] + i) for i in range(OPEN_CHANNELS)]
     turn = itertools.cycle(many)  # both ranks take the channels in the same order
@@ -299,6 +315,73 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
     # --quick, a smoke run, primes and times only a twentieth of them)
 
 
+def _burst_case(comm: Comm, rank: int, peer: int, ack_send: Callable[[], Any],
+                ack_recv: Callable[[], Any], quick: bool) -> Case:
+    """``IN_FLIGHT`` 8 B tensors one after the other, then an ack: raw vs a channel."""
+    import torch
+
+    t = torch.zeros(2)
+    burst = comm.channel(_TAGS["burst"])
+    raw = variants(comm, t, peer)["raw"]
+
+    def raw_send() -> None:
+        for _ in range(IN_FLIGHT):
+            raw.send()
+
+    def raw_recv() -> None:
+        for _ in range(IN_FLIGHT):
+            raw.recv()
+
+    async def ours_send() -> None:
+        for _ in range(IN_FLIGHT):
+            await burst.send(t, peer)
+
+    async def ours_recv() -> None:
+        for _ in range(IN_FLIGHT):
+            await burst.recv(peer)
+
+    raw_ack = variants(comm, torch.zeros(1), peer)["raw"]
+    iters = 2 if quick else 40
+    return Case("burst", t.nbytes, {
+        "raw": _burst(rank, raw_send, raw_recv, raw_ack.send, raw_ack.recv, blocking=True),
+        "asyncomm": _burst(rank, ours_send, ours_recv, ack_send, ack_recv, blocking=False),
+    }, max(1, iters // 10), iters, IN_FLIGHT)
+
+
+class _Echo:
+    """The actor of the ``actor`` row (made an ``Actor`` where asyncomm is imported)."""
+
+    def echo(self, x: Any) -> Any:
+        return x
+
+
+def _actor_case(comm: Comm, rank: int, peer: int, quick: bool) -> Case:
+    """Round trips of an actor call (rank 0 calls rank 1's echo) vs of a channel."""
+    import torch
+
+    import asyncomm
+
+    class Echo(asyncomm.Actor):
+        echo = asyncomm.endpoint(_Echo.echo)
+
+    t = torch.zeros(2)
+    if rank == 1:
+        comm.serve(Echo(), "bench-echo")
+    echo = comm.actor(1, "bench-echo").echo
+    ch = comm.channel(_TAGS["echo"])
+
+    async def call() -> None:
+        await echo(t)
+
+    warmup, iters = iterations(t.nbytes, quick)
+    iters = max(2, iters // 2)
+    return Case("actor", t.nbytes, {
+        "channel": _exchange(rank, functools.partial(ch.send, t, peer), lambda: ch.recv(peer),
+                             blocking=False),
+        "actor call": Timed(call if rank == 0 else None, False),
+    }, warmup, iters, 1.0)
+
+
 async def measure(comm: Comm, sizes: Sequence[int], rounds: int, quick: bool
                     ) -> list[Record]:
     """Measure channels beside their baselines; return rank 0's records (``[]`` elsewhere)."""
@@ -307,14 +390,15 @@ async def measure(comm: Comm, sizes: Sequence[int], rounds: int, quick: bool
         samples = await alternate(comm, case.variants, rounds, case.warmup, case.iters,
                                    case.prime)
         if comm.rank == 0:
-            records.append(record(case, samples))
+            records.append(record(case, samples, comm.backend))
             progress(records[-1])
     return records
 
 
-def record(case: Case, samples: dict[str, list[float]]) -> Record:
+def record(case: Case, samples: dict[str, list[float]], backend: str = "gloo") -> Record:
     """Rank 0's record of one case, from its seconds per call, per variant and round."""
     ours, base, unit, target = CHANNEL_TESTS[case.test]
+    target = BACKEND_TARGETS.get((case.test, case.size, backend), target)
     if unit == "us":  # lower is better
         values = {v: [s * case.per_call * 1e6 for s in samples[v]] for v in samples}
     else:
@@ -342,7 +426,8 @@ def table(records: Sequence[Record]) -> list[str]:
     m = records[0]
     lines = [f"channels: median of {m['rounds']} rounds; ping-pong: one-way latency; "
              f"stream: {IN_FLIGHT} x {size_text(STREAM_BYTES)} in flight; "
-             f"rate: {IN_FLIGHT} dicts one after the other",
+             f"rate: {IN_FLIGHT} dicts one after the other; burst: {IN_FLIGHT} x 8 B; "
+             "actor: round trips",
              f"{'test':<10}{'size':>8}{'unit':>7}{'baseline':>11}{'value':>10}"
              f"{'compared':>15}{'value':>10}{'ratio':>7}  target"]
     for r in records:

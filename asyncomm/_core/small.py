@@ -1,0 +1,265 @@
+"""Small frames: the layout of a small message, encoded and decoded in one step each.
+
+A message of the DEFAULT codec whose bytes all fit in ``BYTES`` may travel
+instead of a frame (``wire``) as a *small frame*: a fixed 21-byte head and one
+msgpack body with every buffer inline, as an extension (code 3) holding its
+descriptor (as in a frame's head), then its bytes::
+
+    small head  u8 kind | u64 tag | u64 seq | u32 body bytes
+    inline      ext 3: descriptor (as above) | the buffer's bytes
+
+A body is plain msgpack when the message holds no buffer and no tuple (no
+extension: one in it is refused); else it starts with the byte 0xc1 (which
+msgpack never writes) and a form: 0 for a message that is one tensor (the
+commonest: then its descriptor and its bytes follow, no msgpack), 1 for
+msgpack with extensions. It is encoded and decoded in one step each
+(``encode``, ``decode``), with the checks of a frame (a message decodes to
+what its frame would); small frames to one rank are laid one after the other
+in one transport message (see ``_core.link``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import re
+import struct
+from typing import Final
+
+import msgpack
+import torch
+
+from asyncomm._core.errors import ProtocolError
+from asyncomm._core.wire import (
+    _BUFFER_KINDS,
+    _CODES,
+    _DESC,
+    _DESCS,
+    _DTYPES,
+    _EXT_INLINE,
+    _EXT_TUPLE,
+    _TUPLE_EXT,
+    Buffer,
+    BufferKind,
+    Codec,
+    Descriptor,
+    Limits,
+    _descriptor,
+    _lower,
+    _misfit,
+    _Outgoing,
+    _pack,
+    _packers,
+    _rebuild,
+    _Refused,
+    _tensor,
+)
+
+__all__ = ["HEAD", "BYTES", "encode", "decode"]
+
+HEAD: Final = struct.Struct("<BQQI")  # a small frame's head: kind, tag, seq, body bytes
+BYTES: Final = 8 << 10  # the most bytes a small frame's body holds
+_LIMITS: Final = Limits()
+
+
+class _TooBig(Exception):
+    """Raised while encoding a small frame whose buffers exceed its bound."""
+
+
+class _Inline(_Outgoing):
+    """Buffers laid inline, as extensions: for small frames, within ``room`` bytes."""
+
+    __slots__ = ("extended", "max_ndim", "room")
+
+    def __init__(self, room: int, max_ndim: int) -> None:
+        super().__init__()
+        self.room, self.max_ndim = room, max_ndim
+        self.extended = False  # whether the lowered message holds an extension
+
+    def mark_tuple(self) -> None:
+        self.extended = True
+
+    def add(self, code: int, shape: tuple[int, ...], kind: BufferKind, buffer: Buffer,
+            nbytes: int) -> msgpack.ExtType:
+        self.room -= nbytes
+        if self.room < 0 or len(shape) > self.max_ndim:  # ``encode`` refuses the latter
+            raise _TooBig
+        self.extended = True
+        data = _bytes_of(buffer) if isinstance(buffer, torch.Tensor) else bytes(buffer)
+        return msgpack.ExtType(_EXT_INLINE, _laid(code, kind, shape, nbytes) + data)
+
+    def tensor(self, t: torch.Tensor) -> msgpack.ExtType:
+        """Lay a tensor inline, read where it lies (no flat view: the cheapest)."""
+        code = _CODES.get(t.dtype) if t.layout is torch.strided else None
+        if code is None:
+            return _tensor(t, self)  # which refuses it
+        if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
+            t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        nbytes, shape = t.nbytes, tuple(t.shape)
+        self.room -= nbytes
+        if self.room < 0 or len(shape) > self.max_ndim:
+            raise _TooBig
+        self.extended = True
+        return msgpack.ExtType(_EXT_INLINE, _laid(code, BufferKind.TENSOR, shape, nbytes)
+                               + _bytes_of(t))
+
+
+def _bytes_of(t: torch.Tensor) -> bytes:
+    """Return a copy of a contiguous CPU tensor's bytes (read where they lie: the cheapest)."""
+    return ctypes.string_at(t.data_ptr(), t.nbytes)
+
+
+@functools.lru_cache(maxsize=256)
+def _laid(code: int, kind: int, shape: tuple[int, ...], nbytes: int) -> bytes:
+    """Return a descriptor's bytes (as in a head)."""
+    return _DESCS[len(shape)].pack(code, kind, len(shape), *shape, nbytes)
+
+
+def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
+    """Return the body of a small frame (DEFAULT codec) carrying ``obj``, or ``None``.
+
+    ``None``: ``obj`` needs more than ``room`` bytes; it travels as a frame (``encode``).
+
+    Raises:
+        TypeError: the DEFAULT codec cannot carry something in ``obj`` (names it and where).
+    """
+    if type(obj) is torch.Tensor and obj.layout is torch.strided:
+        code = _CODES.get(obj.dtype)
+        if code is not None and obj.nbytes <= room - 256:  # a lone tensor: laid out here
+            t = obj
+            if not (t.is_cpu and t.is_contiguous()) or t.requires_grad or t.is_conj() or t.is_neg():
+                t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+            shape = tuple(t.shape)
+            if len(shape) <= max_ndim:
+                return _lone_small(code, shape, t.nbytes) + _bytes_of(t)
+    if type(obj) is not list:  # a list is likelier to hold a tensor: lowered at once
+        try:
+            body: bytes = _packers.strict.pack(obj)  # only exact scalars, lists and dicts pass
+        except (TypeError, OverflowError):
+            pass
+        else:  # ... and ExtType, Timestamp, which msgpack packs as they are: lowered instead
+            if _EXT_START.search(body) is None:
+                return body if len(body) <= room else None
+    try:
+        out = _Inline(room, max_ndim)
+        body = _pack(_lower(obj, out))
+        if out.extended:
+            body = _EXTENDED + body
+    except _TooBig:
+        return None
+    except _Refused as e:
+        where = "data" + "".join(reversed(e.path))
+        raise TypeError(f"the default codec cannot carry {e.what} at {where}; "
+                        f'use comm.channel(tag, codec="pickle")') from None
+    return body if len(body) <= room else None
+
+
+_MARK: Final = 0xc1  # the first byte of a body that is not plain msgpack (see the note)
+# The bytes that start a msgpack extension (fixext 1-16, ext 8/16/32): a body without any
+# holds none (one with some may, or may only hold them as data).
+_EXT_START: Final = re.compile(rb"[\xc7-\xc9\xd4-\xd8]")
+_EXTENDED: Final = bytes((_MARK, 1))  # ... of one with extensions
+
+
+@functools.lru_cache(maxsize=256)
+def _lone_small(code: int, shape: tuple[int, ...], nbytes: int) -> bytes:
+    return bytes((_MARK, 0)) + _laid(code, BufferKind.TENSOR, shape, nbytes)
+
+
+def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
+    """Rebuild the message of a small frame's body (tensors get memory of their own).
+
+    Raises:
+        ProtocolError: malformed, or a buffer that ``decode_head`` would refuse.
+    """
+    if not body or body[0] != _MARK:  # plain msgpack: no extension
+        try:
+            return msgpack.unpackb(body, ext_hook=_refuse_ext, raw=False, strict_map_key=False,
+                                   timestamp=1)
+        except ProtocolError:
+            raise
+        except Exception as e:
+            raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})") from e
+    form = body[1] if len(body) > 1 else None
+    if form == 0:  # a lone tensor: the commonest case (``_inline``, inline)
+        ndim = body[4] if len(body) > 4 else 255
+        if ndim <= limits.max_ndim and len(body) >= 2 + _DESCS[ndim].size:
+            at = 2 + _DESCS[ndim].size
+            raw = bytes(body[2:at])
+            d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
+            if (len(body) - at == d.nbytes and d.nbytes and d.kind is BufferKind.TENSOR
+                    and d.dtype is not torch.bool):
+                tensor = torch.frombuffer(bytearray(body[at:]), dtype=d.dtype)
+                return tensor if ndim == 1 else tensor.reshape(d.shape)
+        return _inline(memoryview(body)[2:], limits)
+    if form != 1:
+        raise ProtocolError(f"small frame body of unknown form {form}")
+    tuples = [0, 0]  # tuple markers seen, tuple markers consumed
+
+    def ext_hook(code: int, payload: bytes) -> object:
+        if code == _EXT_TUPLE and not payload:
+            tuples[0] += 1
+            return _TUPLE_EXT
+        if code == _EXT_INLINE:
+            return _inline(memoryview(payload), limits)
+        raise ProtocolError(f"frame structure has an unknown extension {code}")
+
+    def list_hook(items: list[object]) -> object:
+        if items and items[0] is _TUPLE_EXT:
+            tuples[1] += 1
+            return tuple(items[1:])
+        return items
+
+    try:
+        obj = msgpack.unpackb(memoryview(body)[2:], ext_hook=ext_hook, list_hook=list_hook,
+                              raw=False, strict_map_key=False, timestamp=1)
+    except ProtocolError:
+        raise
+    except Exception as e:
+        raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})") from e
+    if tuples[0] != tuples[1]:
+        raise ProtocolError("frame structure misplaces a tuple marker")
+    return obj
+
+
+def _refuse_ext(code: int, payload: bytes) -> object:
+    raise ProtocolError(f"a plain small frame has an extension {code}")
+
+
+def _inline(payload: memoryview, limits: Limits) -> object:
+    """Rebuild an inline buffer, checked as ``decode_head`` checks a descriptor."""
+    if len(payload) < _DESC.size or payload[2] > limits.max_ndim:
+        raise ProtocolError("inline buffer: truncated, or too many dims")
+    size = _DESCS[payload[2]].size
+    if len(payload) < size:
+        raise ProtocolError("inline buffer truncated")
+    raw = bytes(payload[:size])
+    d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
+    data = payload[size:]
+    if len(data) != d.nbytes:
+        raise ProtocolError(f"inline buffer of {len(data)} bytes declares {d.nbytes}")
+    if d.kind is BufferKind.TENSOR and d.nbytes and d.dtype is not torch.bool:  # the commonest
+        tensor = torch.frombuffer(bytearray(data), dtype=d.dtype)
+        return tensor if len(d.shape) == 1 else tensor.reshape(d.shape)
+    if d.kind is BufferKind.BYTES:
+        return data.tobytes()
+    return _rebuild(d, torch.frombuffer(bytearray(data), dtype=torch.uint8) if d.nbytes
+                    else torch.empty(0, dtype=torch.uint8))
+
+
+_INLINE_DESCRIPTORS: dict[bytes, Descriptor] = {}  # checked already (shapes repeat)
+
+
+def _inline_descriptor(raw: bytes) -> Descriptor:
+    """Return the descriptor of an inline buffer, checked; keep it (up to 1024 kept)."""
+    fields = _DESCS[raw[2]].unpack(raw)  # code, kind, ndim, *shape, nbytes
+    code, bkind, shape, nbytes = fields[0], fields[1], fields[3:-1], fields[-1]
+    dtype, kind = _DTYPES.get(code), _BUFFER_KINDS.get(bkind)
+    if dtype is None or kind is None or kind is BufferKind.STRUCTURE:
+        raise ProtocolError(f"inline buffer: unknown dtype code {code} or buffer kind {bkind}")
+    if problem := _misfit(dtype, shape, nbytes, kind, Codec.DEFAULT, True, False):
+        raise ProtocolError(f"inline buffer ({kind.name}, {dtype}, {shape}): {problem}")
+    if len(_INLINE_DESCRIPTORS) >= 1024:
+        _INLINE_DESCRIPTORS.clear()
+    d = _INLINE_DESCRIPTORS[raw] = _descriptor(code, bkind, shape, nbytes)
+    return d
