@@ -37,8 +37,6 @@ from asyncomm._core.wire import (
     _DESCS,
     _DTYPES,
     _EXT_INLINE,
-    _EXT_TUPLE,
-    _TUPLE_EXT,
     Buffer,
     BufferKind,
     Codec,
@@ -53,6 +51,7 @@ from asyncomm._core.wire import (
     _rebuild,
     _Refused,
     _tensor,
+    read_structure,
 )
 
 __all__ = ["HEAD", "BYTES", "encode", "decode"]
@@ -194,32 +193,13 @@ def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
         return _inline(memoryview(body)[2:], limits)
     if form != 1:
         raise ProtocolError(f"small frame body of unknown form {form}")
-    tuples = [0, 0]  # tuple markers seen, tuple markers consumed
 
-    def ext_hook(code: int, payload: bytes) -> object:
-        if code == _EXT_TUPLE and not payload:
-            tuples[0] += 1
-            return _TUPLE_EXT
+    def inline(code: int, payload: bytes) -> object:
         if code == _EXT_INLINE:
             return _inline(memoryview(payload), limits)
         raise ProtocolError(f"frame structure has an unknown extension {code}")
 
-    def list_hook(items: list[object]) -> object:
-        if items and items[0] is _TUPLE_EXT:
-            tuples[1] += 1
-            return tuple(items[1:])
-        return items
-
-    try:
-        obj = msgpack.unpackb(memoryview(body)[2:], ext_hook=ext_hook, list_hook=list_hook,
-                              raw=False, strict_map_key=False, timestamp=1)
-    except ProtocolError:
-        raise
-    except Exception as e:
-        raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})") from e
-    if tuples[0] != tuples[1]:
-        raise ProtocolError("frame structure misplaces a tuple marker")
-    return obj
+    return read_structure(memoryview(body)[2:], inline)
 
 
 def _refuse_ext(code: int, payload: bytes) -> object:

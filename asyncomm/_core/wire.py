@@ -31,6 +31,7 @@ import operator
 import pickle
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -578,12 +579,9 @@ def _no_ext(code: int, payload: bytes) -> object:
 
 def _unpack(structure: memoryview, descriptors: tuple[Descriptor, ...],
             data: list[torch.Tensor]) -> object:
-    used, tuples = [False] * len(data), [0, 0]  # tuple markers seen, tuple markers consumed
+    used = [False] * len(data)
 
-    def ext_hook(code: int, payload: bytes) -> object:
-        if code == _EXT_TUPLE and not payload:
-            tuples[0] += 1
-            return _TUPLE_EXT
+    def buffer(code: int, payload: bytes) -> object:
         if code == _EXT_BUFFER and len(payload) == 4:
             (i,) = struct.unpack("<I", payload)
             if i < len(data) and not used[i]:
@@ -591,21 +589,42 @@ def _unpack(structure: memoryview, descriptors: tuple[Descriptor, ...],
                 return _rebuild(descriptors[i], data[i])
         raise ProtocolError(f"frame structure has an unknown extension {code} or buffer reference")
 
+    obj = read_structure(structure, buffer)
+    if not all(used):
+        raise ProtocolError("frame structure leaves a buffer unused")
+    return obj
+
+
+def read_structure(data: bytes | memoryview, extension: Callable[[int, bytes], object]) -> object:
+    """Unpack a DEFAULT structure: tuples rebuilt, other extensions by ``extension``.
+
+    Raises:
+        ProtocolError: not valid msgpack, a misplaced tuple marker, or what ``extension``
+            raises.
+    """
+    seen, used = [0], [0]  # tuple markers seen, and consumed (as the first item of a list)
+
+    def ext_hook(code: int, payload: bytes) -> object:
+        if code == _EXT_TUPLE and not payload:
+            seen[0] += 1
+            return _TUPLE_EXT
+        return extension(code, payload)
+
     def list_hook(items: list[object]) -> object:
         if items and items[0] is _TUPLE_EXT:
-            tuples[1] += 1
+            used[0] += 1
             return tuple(items[1:])
         return items
 
     try:  # msgpack decodes its own ext -1 (timestamps) before any hook: make it a plain float
-        obj = msgpack.unpackb(structure, ext_hook=ext_hook, list_hook=list_hook, raw=False,
+        obj = msgpack.unpackb(data, ext_hook=ext_hook, list_hook=list_hook, raw=False,
                               strict_map_key=False, timestamp=1)
     except ProtocolError:
         raise
     except Exception as e:
         raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})") from e
-    if tuples[0] != tuples[1] or not all(used):
-        raise ProtocolError("frame structure misplaces a tuple marker or leaves a buffer unused")
+    if seen[0] != used[0]:
+        raise ProtocolError("frame structure misplaces a tuple marker")
     return obj
 
 
