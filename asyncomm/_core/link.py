@@ -254,14 +254,14 @@ class Link(ABC):
         if dst in self._packets:  # what was issued before goes first
             self._flush_to(dst)
         at = PREAMBLE.size
-        size = wire.frame_size(len(head), [b.numel() for b in buffers])
+        size = frame_size(len(head), [b.numel() for b in buffers])
         inline = size <= self.room
         follow = 0 if inline else len(buffers) + (len(head) > self.room)
         body = size if inline else len(head) if follow == len(buffers) else 0
         message = self._message(at + body)
         PREAMBLE.pack_into(message, 0, len(head), size if inline else 0, follow, 0)
         if inline:
-            wire.pack_frame(head, buffers, memoryview(message)[at:at + size])
+            pack_frame(head, buffers, memoryview(message)[at:at + size])
         elif follow == len(buffers):
             message[at:at + len(head)] = head
         posted = [self._post(message, dst, tags.LINK_MESSAGE)]
@@ -327,7 +327,7 @@ class Link(ABC):
             if inline:
                 if follow:
                     raise ProtocolError("a frame inline with data messages following")
-                buffers = wire.unpack_frame(view[at:at + inline], head_bytes, head)
+                buffers = unpack_frame(view[at:at + inline], head_bytes, head)
             else:
                 self._check_follow(head, head_bytes, follow)
         except ProtocolError as exc:  # its data messages cannot be skipped safely
@@ -359,7 +359,7 @@ class Link(ABC):
     def _check_follow(self, head: Head, head_bytes: int, follow: int) -> None:
         if follow != len(head.descriptors):
             raise ProtocolError("data message count does not match the head")
-        if wire.frame_size(head_bytes, [d.nbytes for d in head.descriptors]) <= self.room:
+        if frame_size(head_bytes, [d.nbytes for d in head.descriptors]) <= self.room:
             raise ProtocolError("a frame that fits its message came in pieces")
 
     def _data(self, src: int, head: Head, seq: int) -> Pending:
@@ -452,3 +452,52 @@ class Pending:
         if self.done() and self._then is not None:
             then, self._then = self._then, None
             then()
+
+
+# -- a frame in one piece (a link message's layout) ----------------------------------------
+
+ALIGN = 16  # buffers of a frame in one piece start at multiples of this
+
+
+def _aligned(at: int) -> int:
+    return (at + ALIGN - 1) & -ALIGN
+
+
+def frame_size(head_bytes: int, sizes: list[int]) -> int:
+    """Return the bytes of a frame in one piece: the head, then each buffer aligned."""
+    at = head_bytes
+    for n in sizes:
+        at = _aligned(at) + n
+    return at
+
+
+def pack_frame(head: bytes, buffers: list[torch.Tensor], out: memoryview) -> None:
+    """Lay out a frame in one piece into ``out`` (zeroed, ``frame_size`` bytes long).
+
+    ``buffers`` are flat uint8 tensors, as ``encode`` returns them.
+    """
+    at = len(head)
+    out[:at] = head
+    for b in buffers:
+        at = _aligned(at)
+        n = b.numel()
+        if n:
+            out[at:at + n] = b.numpy().data
+        at += n
+
+
+def unpack_frame(frame: memoryview, head_bytes: int, head: Head) -> list[torch.Tensor]:
+    """Return tensors over the buffers of a frame in one piece (flat uint8, no copies).
+
+    Raises:
+        ProtocolError: ``frame`` does not hold exactly the head and the buffers it describes.
+    """
+    at, spans = head_bytes, []
+    for d in head.descriptors:
+        at = _aligned(at)
+        spans.append((at, d.nbytes))
+        at += d.nbytes
+    if at != len(frame):
+        raise ProtocolError(f"frame of {len(frame)} bytes where its head describes {at}")
+    return [torch.frombuffer(frame, dtype=torch.uint8, count=n, offset=start) if n
+            else torch.empty(0, dtype=torch.uint8) for start, n in spans]

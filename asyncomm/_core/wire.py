@@ -639,55 +639,6 @@ def _rebuild(d: Descriptor, buffer: torch.Tensor) -> object:
     return tensor.numpy() if d.kind is BufferKind.NDARRAY else tensor
 
 
-# -- a frame in one piece ----------------------------------------------------------------
-
-ALIGN: Final = 16  # buffers of a frame in one piece start at multiples of this
-
-
-def _aligned(at: int) -> int:
-    return (at + ALIGN - 1) & -ALIGN
-
-
-def frame_size(head_bytes: int, sizes: list[int]) -> int:
-    """Return the bytes of a frame in one piece: the head, then each buffer aligned."""
-    at = head_bytes
-    for n in sizes:
-        at = _aligned(at) + n
-    return at
-
-
-def pack_frame(head: bytes, buffers: list[torch.Tensor], out: memoryview) -> None:
-    """Lay out a frame in one piece into ``out`` (zeroed, ``frame_size`` bytes long).
-
-    ``buffers`` are flat uint8 tensors, as ``encode`` returns them.
-    """
-    at = len(head)
-    out[:at] = head
-    for b in buffers:
-        at = _aligned(at)
-        n = b.numel()
-        if n:
-            out[at:at + n] = b.numpy().data
-        at += n
-
-
-def unpack_frame(frame: memoryview, head_bytes: int, head: Head) -> list[torch.Tensor]:
-    """Return tensors over the buffers of a frame in one piece (flat uint8, no copies).
-
-    Raises:
-        ProtocolError: ``frame`` does not hold exactly the head and the buffers it describes.
-    """
-    at, spans = head_bytes, []
-    for d in head.descriptors:
-        at = _aligned(at)
-        spans.append((at, d.nbytes))
-        at += d.nbytes
-    if at != len(frame):
-        raise ProtocolError(f"frame of {len(frame)} bytes where its head describes {at}")
-    return [torch.frombuffer(frame, dtype=torch.uint8, count=n, offset=start) if n
-            else torch.empty(0, dtype=torch.uint8) for start, n in spans]
-
-
 def legible_tag(head: bytes | memoryview) -> int | None:
     """Return the channel tag of a head that failed to decode, if its prefix holds one."""
     if len(head) < 16:
