@@ -984,3 +984,24 @@ async def check_corrupt_small_frames(comm: Comm) -> None:
 
 def test_corrupt_small_frames_fail_their_channel_only(world: World) -> None:
     world.run(check_corrupt_small_frames)
+
+
+async def check_flush_before_blocking(comm: Comm) -> None:
+    # A small message waits for the loop iteration's end; comm.flush() sends it now, so a
+    # rank may then block its loop in a raw call that its peer joins only once it has it.
+    async with fresh(comm) as sub:
+        ch = sub.channel(920)
+        if sub.rank == 0:
+            await ch.send("before the barrier", 1)
+            sub.flush()
+        elif sub.rank == 1:
+            assert (await ch.recv(0, timeout=10.0)).data == "before the barrier"
+        if sub.backend == "mpi":
+            sub.raw.Barrier()  # blocks the loop: without the flush, rank 1 never gets here
+        else:
+            sub.raw.barrier().wait()
+        await sub.barrier()
+
+
+def test_flush_sends_small_messages_before_the_loop_blocks(world: World) -> None:
+    world.run(check_flush_before_blocking)

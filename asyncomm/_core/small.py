@@ -85,7 +85,7 @@ class _Inline(_Outgoing):
             raise _TooBig
         self.extended = True
         data = _bytes_of(buffer) if isinstance(buffer, torch.Tensor) else bytes(buffer)
-        return msgpack.ExtType(_EXT_INLINE, _laid(code, kind, shape, nbytes) + data)
+        return _inline_ext(_laid(code, kind, shape, nbytes) + data)
 
     def tensor(self, t: torch.Tensor) -> msgpack.ExtType:
         """Lay a tensor inline, read where it lies (no flat view: the cheapest)."""
@@ -99,8 +99,13 @@ class _Inline(_Outgoing):
         if self.room < 0 or len(shape) > self.max_ndim:
             raise _TooBig
         self.extended = True
-        return msgpack.ExtType(_EXT_INLINE, _laid(code, BufferKind.TENSOR, shape, nbytes)
-                               + _bytes_of(t))
+        return _inline_ext(_laid(code, BufferKind.TENSOR, shape, nbytes) + _bytes_of(t))
+
+
+def _inline_ext(payload: bytes) -> msgpack.ExtType:
+    """Return ``ExtType(3, payload)``, made as the tuple it is (its checking ``__new__`` costs
+    as much as the rest of a small tensor's encoding)."""
+    return tuple.__new__(msgpack.ExtType, (_EXT_INLINE, payload))  # type: ignore[type-var]
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:

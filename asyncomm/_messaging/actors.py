@@ -80,9 +80,9 @@ class Host:
         self._replies = Channel(router, tags.ACTOR_REPLY, Codec.DEFAULT, math.inf, probe=False)
         self._actors: dict[str, _Inbox] = {}
         self._workers: list[asyncio.Task[None]] = []
-        self._calls: dict[int, tuple[int, asyncio.Future[Any], str]] = {}
-        # calls with a deadline too far for a timer of their own: (deadline, call id, error)
-        self._deadlines: collections.deque[tuple[float, int, CommTimeoutError]] = (
+        self._calls: dict[int, tuple[int, asyncio.Future[Any], str, str]] = {}
+        # calls with a deadline too far for a timer of their own: (deadline, call id, timeout)
+        self._deadlines: collections.deque[tuple[float, int, float]] = (
             collections.deque())
         self._ids = itertools.count()
         self._outboxes: dict[int, asyncio.Queue[_Outgoing | None]] = {}
@@ -147,13 +147,18 @@ class Host:
                            f"{frame.src} was refused", "exception": exc})
 
     async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:
+        endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far
         while True:
             message = await inbox.get()
             _, _, method, args, kwargs, _ = message.data
-            target = getattr(actor, method, None)
             try:
-                if target is None or not getattr(target, _ENDPOINT, False):
-                    raise AttributeError(f"{type(actor).__name__} has no endpoint {method!r}")
+                target = endpoints.get(method)
+                if target is None:
+                    target = getattr(actor, method, None)
+                    if target is None or not getattr(target, _ENDPOINT, False):
+                        raise AttributeError(f"{type(actor).__name__} has no endpoint "
+                                             f"{method!r}")
+                    endpoints[method] = target
                 result = target(*args, **kwargs)
                 if inspect.isawaitable(result):
                     result = await result
@@ -202,18 +207,15 @@ class Host:
         self._check_open(rank, name, method)
         call_id = next(self._ids)
         future = self._loop.create_future()
-        self._calls[call_id] = (rank, future, f"{name}.{method}")
+        self._calls[call_id] = (rank, future, name, method)
         self._post(rank, self._requests, [call_id, name, method, list(args), kwargs, True])
         self._router.expect()
         limit = self._timeout if timeout is None else timeout
         timer = None
-        if limit != math.inf:
-            error = CommTimeoutError(f"rank {self.rank}: call {name}.{method} on rank {rank} "
-                                     f"timed out after {limit:g} s")
-            if limit <= _TIMER_S:
-                timer = self._loop.call_later(limit, _expire, future, error)
-            else:  # the reply loop expires it (a timer per call costs as much as a message)
-                self._deadline(time.monotonic() + limit, call_id, error)
+        if limit <= _TIMER_S:
+            timer = self._loop.call_later(limit, self._expire, call_id, limit)
+        elif limit != math.inf:  # the reply loop expires it (a timer costs as much as a message)
+            self._deadline(time.monotonic() + limit, call_id, limit)
         try:
             ok, result = await future  # no task between the reply's arrival and this
         finally:
@@ -265,7 +267,8 @@ class Host:
             except CommError as exc:  # a local failure, not the endpoint's
                 pending = self._calls.get(call_id)
                 if pending is not None and not pending[1].done():
-                    error = (self._router._gone(f"call {pending[2]} on rank {rank}", rank)
+                    what = f"call {pending[2]}.{pending[3]} on rank {rank}"
+                    error = (self._router._gone(what, rank)
                              if rank in self._router.dead else exc)  # worded like a call's
                     pending[1].set_exception(error)
             finally:
@@ -282,7 +285,7 @@ class Host:
                 waited += _POLL_S
                 if waited >= self._router.probe_s:  # no reply for a while: are the callees there?
                     waited = 0.0
-                    self._router.check_peers({rank for rank, _, _ in self._calls.values()})
+                    self._router.check_peers({pending[0] for pending in self._calls.values()})
                 continue
             except (CommClosedError, PeerFailedError):  # nobody left to reply
                 self._fail_closed()
@@ -294,33 +297,41 @@ class Host:
             self._settle(call_id, ok, result)
             self._fail_closed()
 
-    def _deadline(self, at: float, call_id: int, error: CommTimeoutError) -> None:
+    def _deadline(self, at: float, call_id: int, timeout: float) -> None:
         """Expire call ``call_id`` at ``at`` (within ``_POLL_S``), unless it is over by then."""
         deadlines = self._deadlines
         if deadlines and deadlines[-1][0] > at:  # timeouts differ: keep the queue in order
-            ordered = sorted([*deadlines, (at, call_id, error)], key=lambda entry: entry[0])
+            ordered = sorted([*deadlines, (at, call_id, timeout)], key=lambda entry: entry[0])
             deadlines.clear()
             deadlines.extend(ordered)
         else:
-            deadlines.append((at, call_id, error))
+            deadlines.append((at, call_id, timeout))
 
     def _expire_calls(self) -> None:
         now, deadlines = time.monotonic(), self._deadlines
         while deadlines and deadlines[0][0] <= now:
-            _, call_id, error = deadlines.popleft()
-            pending = self._calls.get(call_id)
-            if pending is not None:
-                _expire(pending[1], error)
+            _, call_id, timeout = deadlines.popleft()
+            self._expire(call_id, timeout)
         if len(deadlines) > 4096:  # calls long over: drop them
             kept = [entry for entry in deadlines if entry[1] in self._calls]
             deadlines.clear()
             deadlines.extend(kept)
 
+    def _expire(self, call_id: int, timeout: float) -> None:
+        """Fail call ``call_id``, if still in flight: its ``timeout`` passed."""
+        pending = self._calls.get(call_id)
+        if pending is not None and not pending[1].done():
+            rank, future, name, method = pending
+            future.set_exception(CommTimeoutError(
+                f"rank {self.rank}: call {name}.{method} on rank {rank} timed out after "
+                f"{timeout:g} s"))
+
     def _fail_dead(self, rank: int) -> None:
         """``rank`` is gone: fail the calls in flight to it."""
-        for callee, future, what in self._calls.values():
+        for callee, future, name, method in self._calls.values():
             if callee == rank and not future.done():
-                future.set_exception(self._router._gone(f"call {what} on rank {rank}", rank))
+                future.set_exception(self._router._gone(f"call {name}.{method} on rank {rank}",
+                                                        rank))
 
     def _settle(self, call_id: int, ok: bool, result: Any) -> None:
         pending = self._calls.get(call_id)
@@ -329,7 +340,7 @@ class Host:
 
     def _fail_closed(self) -> None:
         ended = self._replies._box.ended | self._requests._box.ended
-        for rank, future, _ in self._calls.values():
+        for rank, future, _, _ in self._calls.values():
             if rank in ended and not future.done():
                 future.set_exception(CommClosedError(
                     f"rank {self.rank}: rank {rank} closed its communicator with a call "
@@ -346,7 +357,7 @@ class Host:
         await self._replies.close()
         for task in [*self._tasks, *self._workers]:
             task.cancel()
-        for _, future, _ in self._calls.values():
+        for _, future, _, _ in self._calls.values():
             if not future.done():
                 future.set_exception(CommClosedError(f"rank {self.rank}: the communicator "
                                                      "was closed with this call in flight"))
@@ -377,11 +388,6 @@ class _Inbox:
         return self._items.popleft()
 
 
-def _expire(future: asyncio.Future[Any], error: CommTimeoutError) -> None:
-    if not future.done():
-        future.set_exception(error)
-
-
 class ActorRef:
     """A handle on the actor ``name`` served on ``rank``: ``await ref.method(...)``."""
 
@@ -394,7 +400,9 @@ class ActorRef:
     def __getattr__(self, method: str) -> EndpointRef:
         if method.startswith("_"):
             raise AttributeError(method)
-        return EndpointRef(self._host, self.rank, self.name, method)
+        endpoint = EndpointRef(self._host, self.rank, self.name, method)
+        setattr(self, method, endpoint)  # kept: the next call finds it without this
+        return endpoint
 
 
 class EndpointRef:
