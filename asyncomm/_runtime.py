@@ -155,7 +155,8 @@ def _one_line(kind: type[BaseException], value: BaseException, tb: TracebackType
         assert _previous_hook is not None
         _previous_hook(kind, value, tb)
         return
-    print(f"{prefix}{kind.__name__}: {value}", file=sys.stderr, flush=True)
+    said = traceback.format_exception_only(kind, value)[-1].strip()  # as Python words it
+    print(f"{prefix}{said}", file=sys.stderr, flush=True)
 
 
 def run_loop(coro: Coroutine[Any, Any, T]) -> T:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
 import time
 from pathlib import Path
 
@@ -161,3 +162,16 @@ def test_ranks_that_differ_only_in_durations_are_grouped() -> None:
                            (3, "recv #2 peer 1 tag {7} pending for 2.0 s")])
     assert said == ("rank 0: finished; ranks 1, 2: broadcast #1 pending for 1.0-1.1 s; "
                     "rank 3: recv #2 peer 1 tag {7} pending for 2.0 s"), said
+
+
+def test_a_consequent_failure_is_said_in_one_line_as_python_words_it(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from asyncomm import _runtime
+
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # _quietly installs its own
+    monkeypatch.setattr(_runtime, "_previous_hook", None)
+    error = asyncomm.PeerFailedError("rank 2: all_reduce #2: rank 1 failed")
+    _runtime._quietly(error, "asyncomm: rank 2 stopped: ")
+    sys.excepthook(type(error), error, None)
+    assert capsys.readouterr().err == ("asyncomm: rank 2 stopped: asyncomm.PeerFailedError: "
+                                       "rank 2: all_reduce #2: rank 1 failed\n")

@@ -140,6 +140,14 @@ class Link(ABC):
         """Hand over what has arrived, without waiting; return whether anything had."""
         return False
 
+    def hurry(self) -> bool:
+        """A receiver is about to wait: look a few times now; return whether anything came.
+
+        Links that poll (MPI) look ``hurry_tests`` times, as an awaited request is
+        tested (see ``Poller``, the note on hurrying); the others never find anything.
+        """
+        return False
+
     def expect(self) -> None:  # noqa: B027
         """A receiver waits: watch closely for a while (where the link polls)."""
 

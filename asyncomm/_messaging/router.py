@@ -372,6 +372,10 @@ class Router:
         """Take what has arrived, without waiting; return whether anything had."""
         return self._link.pump()
 
+    def hurry(self) -> bool:
+        """A receiver is about to wait: look for frames a few times first (see ``Link.hurry``)."""
+        return self._link.hurry()
+
     def expect(self) -> None:
         """A task begins to wait for a frame: send what it issued, and watch closely.
 
