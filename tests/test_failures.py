@@ -35,8 +35,9 @@ async def check_a_mismatch_names_what_the_others_do(comm: Comm) -> str:
 
 def test_a_collective_timeout_says_what_every_other_rank_does(world: World) -> None:
     said = world.run(check_a_mismatch_names_what_the_others_do)
-    assert said[0].startswith("rank 0: all_reduce #1 timed out after 1 s. Meanwhile ranks "
-                              "1, 2: broadcast #1 pending for 1."), said[0]
+    # the others issued their broadcast a little after rank 0's all_reduce: 0.9 s, or 1.0-1.1 s
+    assert re.match(r"rank 0: all_reduce #1 timed out after 1 s\. Meanwhile ranks 1, 2: "
+                    r"broadcast #1 pending for \d\.\d(-\d\.\d)? s\.", said[0]), said[0]
     assert HINT in said[0] and said[0].endswith("(fingerprints)."), said[0]
     for rank in (1, 2):  # rank 0 gave up first, and closed the communicator
         assert said[rank].startswith(f"rank {rank}: broadcast #1 timed out after 3 s. "), said
