@@ -266,7 +266,7 @@ class GlooLink(Link):
     def _post(self, buffer: bytes | bytearray | torch.Tensor, dst: int,
               tag: int) -> Handle[None] | None:
         tensor = buffer if isinstance(buffer, torch.Tensor) else torch.frombuffer(
-            bytearray(buffer) if isinstance(buffer, bytes) else buffer, dtype=torch.uint8)
+            buffer, dtype=torch.uint8)
         handle: Handle[None] = Handle(self._loop, (self._backend.rank, "send", None, dst, tag),
                                       None, tensor)
         if tag == tags.LINK_MESSAGE:  # small: sent eagerly (a copy) by the backend

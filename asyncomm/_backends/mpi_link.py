@@ -43,9 +43,6 @@ def spec(tensor: torch.Tensor) -> list[Any]:
     return [memory, DATATYPES[tensor.dtype]]  # mpi4py divides counts among ranks itself
 
 MESSAGE_BYTES = 64 << 10  # the largest link message: frames up to about this travel in one
-# Messages this small are sent eagerly by every MPI library (a probe finds them whole): they
-# are received at once; a larger one may still be on its way, and is received without waiting.
-_AT_ONCE = 4 << 10
 
 
 class ProbeLink(Link):
@@ -135,10 +132,6 @@ class ProbeLink(Link):
         buffer = bytearray(nbytes)
         before = self._behind.get(src) if self._behind else None
         try:
-            if nbytes <= _AT_ONCE and before is None:  # here whole already: take it now
-                message.Recv([buffer, MPI.BYTE])
-                self._arrive(src, buffer)
-                return
             request = message.Irecv([buffer, MPI.BYTE])
             if before is None and request.Test():
                 self._arrive(src, buffer)

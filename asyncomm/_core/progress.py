@@ -407,7 +407,11 @@ class Poller:
         except ValueError:
             return  # settled meanwhile (or drained)
         del self._requests[index]
-        sink, finish, active = self._entries.pop(index)
+        self._settle(self._entries.pop(index), outcome)
+
+    def _settle(self, entry: tuple[Sink, Finish, bool], outcome: Any) -> None:
+        """Settle the sink of a request that completed (taken out of the lists already)."""
+        sink, finish, active = entry
         self._active -= active
         if isinstance(outcome, BaseException):
             sink._fail(self._classify(outcome), outcome)
@@ -457,12 +461,8 @@ class Poller:
             for index, outcome in sorted(completed, key=lambda pair: pair[0], reverse=True):
                 del requests[index]
                 finished.append((self._entries.pop(index), outcome))
-            for (sink, finish, active), outcome in reversed(finished):
-                self._active -= active
-                if isinstance(outcome, BaseException):
-                    sink._fail(self._classify(outcome), outcome)
-                else:
-                    _deliver(sink, finish, outcome, self._classify)
+            for entry, outcome in reversed(finished):
+                self._settle(entry, outcome)
         for probe in tuple(self._probes):  # a probe may unregister itself
             if probe():
                 self._last_busy = now

@@ -92,8 +92,7 @@ class _Inline(_Outgoing):
         code = _CODES.get(t.dtype) if t.layout is torch.strided else None
         if code is None:
             return _tensor(t, self)  # which refuses it
-        if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
-            t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+        t = _as_laid(t)
         nbytes, shape = t.nbytes, tuple(t.shape)
         self.room -= nbytes
         if self.room < 0 or len(shape) > self.max_ndim:
@@ -106,6 +105,13 @@ def _inline_ext(payload: bytes) -> msgpack.ExtType:
     """Return ``ExtType(3, payload)``, made as the tuple it is (its checking ``__new__`` costs
     as much as the rest of a small tensor's encoding)."""
     return tuple.__new__(msgpack.ExtType, (_EXT_INLINE, payload))  # type: ignore[type-var]
+
+
+def _as_laid(t: torch.Tensor) -> torch.Tensor:
+    """Return ``t`` as its bytes are laid out inline: contiguous host memory, conj/neg resolved."""
+    if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
+        return t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+    return t
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:
@@ -130,9 +136,7 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
     if type(obj) is torch.Tensor and obj.layout is torch.strided:
         code = _CODES.get(obj.dtype)
         if code is not None and obj.nbytes <= room - 256:  # a lone tensor: laid out here
-            t = obj
-            if not (t.is_cpu and t.is_contiguous()) or t.requires_grad or t.is_conj() or t.is_neg():
-                t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()
+            t = _as_laid(obj)
             shape = tuple(t.shape)
             if len(shape) <= max_ndim:
                 return _lone_small(code, shape, t.nbytes) + _bytes_of(t)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import heapq
 import inspect
 import itertools
 import math
@@ -81,9 +82,9 @@ class Host:
         self._actors: dict[str, _Inbox] = {}
         self._workers: list[asyncio.Task[None]] = []
         self._calls: dict[int, tuple[int, asyncio.Future[Any], str, str]] = {}
-        # calls with a deadline too far for a timer of their own: (deadline, call id, timeout)
-        self._deadlines: collections.deque[tuple[float, int, float]] = (
-            collections.deque())
+        # calls with a deadline too far for a timer of their own, a heap of
+        # (deadline, call id, timeout): the reply loop expires them (``_expire_calls``)
+        self._deadlines: list[tuple[float, int, float]] = []
         self._ids = itertools.count()
         self._outboxes: dict[int, asyncio.Queue[_Outgoing | None]] = {}
         self._backlog: dict[int, int] = {}  # messages queued in an outbox, not sent yet
@@ -215,7 +216,7 @@ class Host:
         if limit <= _TIMER_S:
             timer = self._loop.call_later(limit, self._expire, call_id, limit)
         elif limit != math.inf:  # the reply loop expires it (a timer costs as much as a message)
-            self._deadline(time.monotonic() + limit, call_id, limit)
+            heapq.heappush(self._deadlines, (time.monotonic() + limit, call_id, limit))
         try:
             ok, result = await future  # no task between the reply's arrival and this
         finally:
@@ -297,25 +298,15 @@ class Host:
             self._settle(call_id, ok, result)
             self._fail_closed()
 
-    def _deadline(self, at: float, call_id: int, timeout: float) -> None:
-        """Expire call ``call_id`` at ``at`` (within ``_POLL_S``), unless it is over by then."""
-        deadlines = self._deadlines
-        if deadlines and deadlines[-1][0] > at:  # timeouts differ: keep the queue in order
-            ordered = sorted([*deadlines, (at, call_id, timeout)], key=lambda entry: entry[0])
-            deadlines.clear()
-            deadlines.extend(ordered)
-        else:
-            deadlines.append((at, call_id, timeout))
-
     def _expire_calls(self) -> None:
+        """Expire the calls whose deadline (kept in ``_deadlines``) has passed."""
         now, deadlines = time.monotonic(), self._deadlines
         while deadlines and deadlines[0][0] <= now:
-            _, call_id, timeout = deadlines.popleft()
+            _, call_id, timeout = heapq.heappop(deadlines)
             self._expire(call_id, timeout)
         if len(deadlines) > 4096:  # calls long over: drop them
-            kept = [entry for entry in deadlines if entry[1] in self._calls]
-            deadlines.clear()
-            deadlines.extend(kept)
+            deadlines[:] = [entry for entry in deadlines if entry[1] in self._calls]
+            heapq.heapify(deadlines)
 
     def _expire(self, call_id: int, timeout: float) -> None:
         """Fail call ``call_id``, if still in flight: its ``timeout`` passed."""

@@ -62,10 +62,9 @@ class Channel:
         carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
         """
         router = self._router
-        if (type(dst) is not int or not 0 <= dst < router.size) and (
-                isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < router.size):
-            raise ValueError(f"rank {router.rank}: channel {self.tag} send: dst={dst!r} is "
-                                 f"not a rank in 0..{router.size - 1}")
+        if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < router.size:
+            raise ValueError(f"rank {router.rank}: channel {self.tag} send: dst={dst!r} is not "
+                             f"a rank in 0..{router.size - 1}")
         if self._closed:
             raise CommClosedError(f"rank {router.rank}: channel {self.tag} is closed")
         frame = router.encode(self.tag, obj, self.codec)
@@ -96,10 +95,10 @@ class Channel:
         malformed frame (the next call goes on with the next message).
         """
         router = self._router
-        if src is not None and (type(src) is not int or not 0 <= src < router.size) and (
-                isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < router.size):
-            raise ValueError(f"rank {router.rank}: channel {self.tag} recv: src={src!r} is "
-                             f"not a rank in 0..{router.size - 1}")
+        if src is not None and (isinstance(src, bool) or not isinstance(src, int)
+                                or not 0 <= src < router.size):
+            raise ValueError(f"rank {router.rank}: channel {self.tag} recv: src={src!r} is not "
+                             f"a rank in 0..{router.size - 1}")
         if not self._traced or router.probe.recording is None:
             if self._box.frames:
                 frame = self._box.take(src)

@@ -24,7 +24,7 @@ def charge_of(head: Head) -> int:
     return head.size + head.payload_bytes
 
 
-# A message ready to send: a small frame's body (see ``wire``), or a frame's head and buffers.
+# A message ready to send: a small frame's body (see ``small``), or a frame's head and buffers.
 Encoded = bytes | tuple[bytes, list[torch.Tensor]]
 
 
@@ -37,7 +37,7 @@ class Frame:
                  buffers: list[torch.Tensor], data: object, charge: int,
                  error: CommError | None = None) -> None:
         self.src, self.kind, self.tag, self.seq = src, kind, tag, seq
-        self.head = head  # None: a small frame (perhaps shared by frames alike: seq is its own)
+        self.head = head  # None for a small frame (else perhaps shared: ``seq`` is its own)
         self.buffers = buffers
         self.data = data  # a small frame's message
         self.charge = charge  # the bytes it holds of its window (-1: none, it was refused)

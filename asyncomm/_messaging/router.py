@@ -368,10 +368,6 @@ class Router:
 
     # -- receiving -----------------------------------------------------------------
 
-    def pump(self) -> bool:
-        """Take what has arrived, without waiting; return whether anything had."""
-        return self._link.pump()
-
     def hurry(self) -> bool:
         """A receiver is about to wait: look for frames a few times first (see ``Link.hurry``)."""
         return self._link.hurry()
@@ -463,13 +459,8 @@ class Router:
                                          f"{src} refused: {exc}"))
         if self._queued and src in self._queued:  # behind a frame still on its way
             self._queued[src].append(frame)
-            return
-        box, key = self._mailboxes.get(tag), (src, tag)
-        if box is None or self._recv_seq.get(key, 0) != seq:
-            self._deliver(frame)  # all but the commonest case (``_deliver`` in short:)
-            return
-        self._recv_seq[key] = seq + 1
-        box.put(frame)
+        else:
+            self._deliver(frame)
 
     def _small_control(self, src: int, kind: int, tag: int, body: memoryview) -> None:
         if src in self._broken:
