@@ -32,6 +32,8 @@ import atexit
 import collections
 import datetime
 import functools
+import gc
+import logging
 import os
 import sys
 import threading
@@ -43,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from asyncomm._backends import gloo_net, startup
 from asyncomm._backends.gloo_link import GlooLink
 from asyncomm._core import settings, tags
 from asyncomm._core.backend import Backend, Tensors, remembering
@@ -69,6 +72,9 @@ _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connectio
 
 _EAGER_IN_FLIGHT = 64
 
+# The global ranks at each gloo address of the world (see open_torch): errors name them.
+_hosts: dict[str, list[int]] = {}
+
 # gloo fails (and closes) a receive still waiting at its group's timeout. The twin's
 # standing channel receive may wait as long as the program runs, and the twin is made
 # only once every rank has joined, so its group never times out: asyncomm's own
@@ -93,6 +99,9 @@ def classify(exc: BaseException) -> type[CommError]:
     if "timed out" in text or "timeout" in text:
         return CommTimeoutError
     if any(sign in text for sign in _PEER_GONE):
+        named = gloo_net.hosts_named(exc, _hosts) if _hosts else None
+        if named is not None:
+            exc.args = (named,)  # its words name the ranks behind the address
         return PeerFailedError
     return CommError
 
@@ -112,12 +121,20 @@ _open: weakref.WeakSet[TorchBackend] = weakref.WeakSet()
 
 @atexit.register
 def _settle_at_exit() -> None:
-    """End what open groups still have in flight before the interpreter finalizes."""
+    """End what open groups still have in flight before the interpreter finalizes.
+
+    Then collect what reference cycles still hold (a closed communicator's
+    works and futures among them): left to the interpreter's finalization,
+    their destruction needs the GIL on threads that can no longer take it, and
+    gloo's threads end the process (std::terminate). Seen in 4 of 14 runs of
+    a program that destroys its own group after ``asyncomm.run``; 0 of 20 so.
+    """
     for backend in list(_open):
         try:
             backend._settle()
         except Exception:  # exiting: nothing left to tell
             pass
+    gc.collect()
 
 
 def _value(future: Any) -> object:
@@ -419,7 +436,12 @@ def _base_store(env: LaunchEnv, timeout: float) -> Any:
 
 async def open_torch(name: str, env: LaunchEnv, timeout: float,
                      loop: asyncio.AbstractEventLoop) -> tuple[Backend, Backend]:
-    """Join (or adopt) torch's default process group; return it and a private twin."""
+    """Join (or adopt) torch's default process group; return it and a private twin.
+
+    Across hosts, gloo is given the interface that reaches ``MASTER_ADDR``
+    when torch's default would be loopback (see ``gloo_net``); a rank that
+    fails to join tells the others, which stop waiting (see ``startup``).
+    """
     global _generation
     _generation += 1  # every rank opens as often as the others: labels agree
     if name == "nccl":
@@ -427,12 +449,23 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
             raise RuntimeError("backend 'nccl' needs CUDA, and no GPU is visible")
         local = int(os.environ.get("LOCAL_RANK", env.rank % torch.cuda.device_count()))
         torch.cuda.set_device(local)
+    if env.size > 1:
+        chosen = gloo_net.apply(os.environ, env.master_addr)
+        if chosen is not None:
+            logging.getLogger("asyncomm").info("rank %d: gloo uses %s: %s", env.rank,
+                                               chosen.interface, chosen.reason)
     owns = not dist.is_initialized()
+    watch: startup.Watch | None = None
     if owns:
         store = _base_store(env, timeout)
-        prefixed = dist.PrefixStore(f"asyncomm/{_generation}", store)  # type: ignore[attr-defined]
+        prefix = f"asyncomm/{_generation}"
+        prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
+        if env.size > 1:
+            watch = startup.Watch(env.rank, prefixed, env.master_addr,
+                                  env.master_port, prefix, timeout)
 
         def init() -> None:
+            prefixed.set(f"address/{env.rank}", gloo_net.own_address(os.environ))
             prefixed.set(f"joined/{env.rank}", "1")
             hook = sys.excepthook  # torch wraps it again at every init: "[rank1]: " per line
             try:
@@ -441,6 +474,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
                                         timeout=datetime.timedelta(seconds=timeout))
                 sys.excepthook = hook  # launchers label ranks' lines; see asyncomm._runtime
             except RuntimeError as exc:  # a store timeout: say who is missing
+                _explained(exc, env.rank)
                 missing = [r for r in range(env.size) if not prefixed.check([f"joined/{r}"])]
                 if not missing:
                     raise
@@ -449,7 +483,11 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
                     f"{', '.join(map(str, missing))} of {env.size} did not join within "
                     f"{timeout:g} s (the init timeout; ASYNCOMM_TIMEOUT)") from exc
 
-        await loop.run_in_executor(None, init)
+        if watch is None:
+            await loop.run_in_executor(None, init)
+        else:
+            await watch.run(init, "init")
+            _learn_hosts(prefixed, env.size)
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup)
     if owns:
@@ -457,12 +495,42 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
     ranks = list(range(world.size()))
     # asyncomm's own traffic (objects) is CPU bytes: always gloo.
     label = f"asyncomm{_generation}"
-    own_pg = await loop.run_in_executor(None, _make_group, ranks, "gloo", label + ".own",
-                                        datetime.timedelta(seconds=_OWN_TIMEOUT))
+    own_timeout = datetime.timedelta(seconds=_OWN_TIMEOUT)
+
+    def own_group() -> dist.ProcessGroup:
+        try:
+            return _make_group(ranks, "gloo", label + ".own", own_timeout)
+        except RuntimeError as exc:
+            _explained(exc, env.rank)
+            raise
+
+    if watch is None:
+        own_pg = await loop.run_in_executor(None, own_group)
+    else:
+        own_pg = await watch.run(own_group, "init")
     release = dist.destroy_process_group if owns else None
     user = TorchBackend(name, world, ranks, loop, timeout, release, label, name)
     own = TorchBackend("gloo", own_pg, ranks, loop, timeout, _destroyer(own_pg), label, name)
     return user, own
+
+
+def _learn_hosts(store: Any, size: int) -> None:
+    """Learn which ranks share each gloo address (every rank set its own before joining)."""
+    _hosts.clear()
+    try:
+        addresses = store.multi_get([f"address/{r}" for r in range(size)])
+    except (RuntimeError, AttributeError):
+        return  # errors will name addresses only
+    for rank, address in enumerate(addresses):
+        if address:
+            _hosts.setdefault(address.decode(), []).append(rank)
+
+
+def _explained(error: RuntimeError, rank: int) -> None:
+    """Raise a gloo connection failure as a ``PeerFailedError`` that says what to set."""
+    explanation = gloo_net.explain(error, rank)
+    if explanation is not None:
+        raise PeerFailedError(explanation) from error
 
 
 def _make_group(members: list[int], backend: str, label: str,

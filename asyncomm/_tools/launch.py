@@ -17,6 +17,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from typing import TextIO
 
 from asyncomm._core.env import _MPI_RANK_VARS
 from asyncomm._core.settings import BACKENDS
+from asyncomm._tools import network
 
 GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the world
 TAIL_LINES = 200  # stderr lines kept per rank for the failure summary
@@ -38,6 +40,7 @@ _LABEL = re.compile(rb"\[(?:\d+,)?(\d+)\](?:<std\w+>)?:? ?")
 # Hydra's -print-all-exitcodes: "[mpiexec@host] Exit codes: [host] 0,1280,0", wait statuses
 # in rank order (host after host).
 _EXIT_CODES = re.compile(rb"^\[mpiexec@[^\]]*\] Exit codes: (.*)$")
+_MORE_EXIT_CODES = re.compile(rb"^(\[[^\]]+\] [\d,]+)\s*$")
 # mpiexec labels each chunk a rank writes rather than each line, so make every rank write
 # whole lines: line-buffer both streams (even under PYTHONUNBUFFERED), then run as python does.
 _LINE_BUFFERED_MAIN = """\
@@ -74,6 +77,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "DIR/timeline.png and the overlap metrics",
     )
     parser.add_argument(
+        "--hosts",
+        type=int,
+        metavar="K",
+        help="run on K emulated hosts (network namespaces, N/K ranks each; needs root): "
+        "gloo ranks as torchrun's would be, MPI through mpiexec with a host list",
+    )
+    parser.add_argument(
+        "--rate",
+        metavar="RATE",
+        help="with --hosts: each host's link speed, as tc writes it (1gbit, 100mbit)",
+    )
+    parser.add_argument(
+        "--delay",
+        metavar="TIME",
+        help="with --hosts: one-way link latency (5ms), where the kernel has netem",
+    )
+    parser.add_argument(
         "-m", dest="module", action="store_true", help="SCRIPT names a module, as in python -m"
     )
     parser.add_argument("script", metavar="SCRIPT", help="the Python script every rank runs")
@@ -89,10 +109,14 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"asyncomm run: no such script: {args.script}", file=sys.stderr)
         return 2
     argv = ["-m", args.script] if args.module else [args.script]
+    if args.hosts is None and (args.rate or args.delay):
+        print("asyncomm run: --rate and --delay need --hosts", file=sys.stderr)
+        return 2
     try:
         code = launch([*argv, *args.script_args], args.nproc, args.backend,
-                      timeout=args.timeout, trace=args.trace)
-    except (ValueError, FileNotFoundError) as err:
+                      timeout=args.timeout, trace=args.trace, hosts=args.hosts,
+                      rate=args.rate, delay=args.delay)
+    except (ValueError, FileNotFoundError, PermissionError) as err:
         print(f"asyncomm run: {err}", file=sys.stderr)
         return 2
     if args.trace is not None:
@@ -121,6 +145,9 @@ def launch(
     env: Mapping[str, str] | None = None,
     timeout: float | None = None,
     trace: str | os.PathLike[str] | None = None,
+    hosts: int | None = None,
+    rate: str | None = None,
+    delay: str | None = None,
 ) -> int:
     """Run ``python *script_argv`` (a script or ``-m module``, then its arguments) on n ranks.
 
@@ -128,10 +155,14 @@ def launch(
     exported as ``ASYNCOMM_BACKEND`` when given (``"mpi"`` starts the ranks with mpiexec),
     ``env`` is added to every rank's environment and ``timeout`` becomes ``ASYNCOMM_TIMEOUT``.
     ``trace`` becomes ``ASYNCOMM_TRACE`` (the directory is made, and emptied of an earlier
-    run's rank files so that they cannot be merged with this run's).
+    run's rank files so that they cannot be merged with this run's). ``hosts``
+    spreads the ranks over that many emulated hosts (see ``network``), their
+    links shaped by ``rate`` and ``delay``.
     """
     if n < 1:
         raise ValueError(f"-n must be at least 1, not {n}")
+    if hosts is not None and (hosts < 1 or n % hosts):
+        raise ValueError(f"--hosts {hosts}: -n {n} ranks must split evenly over the hosts")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
     base = dict(os.environ)
@@ -145,6 +176,11 @@ def launch(
         for stale in directory.glob("rank*.json"):
             stale.unlink()
         base["ASYNCOMM_TRACE"] = str(directory)
+    if hosts is not None:
+        with network.Network(hosts, rate, delay) as net:
+            if backend == "mpi":
+                return _launch_mpi(script_argv, n, {**base, **(env or {})}, net)
+            return _launch_hosts(script_argv, n, {**base, **(env or {})}, net)
     if backend == "mpi":
         return _launch_mpi(script_argv, n, {**base, **(env or {})})
     base["GLOO_SOCKET_IFNAME"] = loopback_interface()
@@ -168,6 +204,30 @@ def _launch_local(script_argv: list[str], n: int, base: dict[str, str]) -> int:
     envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
     world = asyncio.run(_supervise([[sys.executable, *script_argv]] * n, envs, labeled=False,
                                    serve=lambda: _serve_store(listening)))
+    return _ended(world, n)
+
+
+def _launch_hosts(script_argv: list[str], n: int, base: dict[str, str],
+                  net: network.Network) -> int:
+    """Start n ranks spread over the hosts of ``net``, as torchrun on each host would.
+
+    Rank 0 hosts the store on the first host; nothing says which interface gloo
+    should use (asyncomm finds it, as it does under torchrun).
+    """
+    per_host = n // net.count
+    for name in (*_MPI_RANK_VARS, "GLOO_SOCKET_IFNAME", "ASYNCOMM_STORE",
+                 "TORCHELASTIC_USE_AGENT_STORE"):
+        base.pop(name, None)
+    shared = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(per_host),
+              "MASTER_ADDR": net.addresses[0], "MASTER_PORT": "29500", "PYTHONUNBUFFERED": "1"}
+    envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r % per_host)}
+            for r in range(n)]
+    cmds = [net.command(r // per_host, [sys.executable, *script_argv]) for r in range(n)]
+    return _ended(asyncio.run(_supervise(cmds, envs, labeled=False)), n)
+
+
+def _ended(world: _World, n: int) -> int:
+    """Say how a world of ranks started here ended; return its exit code."""
     if world.signal is not None:
         _say(f"interrupted by {signal.Signals(world.signal).name}; stopped {n} ranks")
         return 128 + world.signal
@@ -179,14 +239,29 @@ def _launch_local(script_argv: list[str], n: int, base: dict[str, str]) -> int:
     return code if code > 0 else 1
 
 
-def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str]) -> int:
-    """Run the ranks under mpiexec, passing its rank-labelled output through."""
+def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
+                net: network.Network | None = None) -> int:
+    """Run the ranks under mpiexec, passing its rank-labelled output through.
+
+    With ``net``: mpiexec runs on its first host and reaches the others as it
+    would through ssh (Hydra's ssh launcher, with a stand-in for ssh), N/K ranks each.
+    """
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise FileNotFoundError("mpiexec not found; pip install 'asyncomm[mpi]' provides one")
     python = [sys.executable, "-c", _LINE_BUFFERED_MAIN, *script_argv]
-    cmd = [mpiexec, "-n", str(n), *_label_flag(mpiexec), *python]
-    world = asyncio.run(_supervise([cmd], [{**env, "ASYNCOMM_BACKEND": "mpi"}], labeled=True))
+    with tempfile.TemporaryDirectory() as folder:
+        spread: list[str] = []
+        if net is not None:
+            env = {**network.MPI_OVER_THE_LINK, **env}  # see network's note on MPI
+            spread = ["-launcher", "ssh", "-launcher-exec", str(net.ssh_stand_in(Path(folder))),
+                      "-hosts", ",".join(net.addresses), "-ppn", str(n // net.count),
+                      "-iface", "eth0"]
+        cmd = [mpiexec, "-n", str(n), *spread, *_label_flag(mpiexec), *python]
+        if net is not None:
+            cmd = net.command(0, cmd)
+        world = asyncio.run(_supervise([cmd], [{**env, "ASYNCOMM_BACKEND": "mpi"}],
+                                       labeled=True))
     code = world.codes[0] or 0
     if world.signal is not None:
         _say(f"interrupted by {signal.Signals(world.signal).name}; stopped mpiexec")
@@ -390,8 +465,10 @@ async def _pump(
 
     def emit(line: bytes) -> None:
         statuses = _EXIT_CODES.match(line) if rank is None else None
+        if statuses is None and world.statuses and rank is None:
+            statuses = _MORE_EXIT_CODES.match(line)  # the next host's, on a line of its own
         if statuses is not None:  # mpiexec's own report: read, not shown
-            world.statuses = [int(s) for s in re.findall(rb"\d+", re.sub(
+            world.statuses += [int(s) for s in re.findall(rb"\d+", re.sub(
                 rb"\[[^\]]*\]", b" ", statuses[1]))]
             return
         if rank is None and is_err:

@@ -1,0 +1,144 @@
+"""Start-up of a torch world: a rank that fails to join says so, and the others stop waiting.
+
+Note on failing fast
+--------------------
+Joining a gloo group blocks in torch until every rank has connected to
+every other; a rank that cannot (a wrong interface, a refused connection)
+raises, while its peers -- on other hosts, where no launcher sees the
+failure -- would wait for it until the group's timeout. So each joining
+step runs on a daemon thread (a thread blocked in gloo's connect cannot be
+interrupted, and must not keep the process from exiting), a rank whose step
+fails appends a line saying why to the rendezvous store's key ``failed``,
+and every rank that waits looks for that key every ``POLL_S``, from a daemon
+thread and on a store client of its own (the joining thread's client may be
+blocked in a wait; a store that stops answering holds nobody up): once it is
+there, the wait ends with ``PeerFailedError`` naming the failed ranks and
+their reasons.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import re
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from asyncomm._core.errors import PeerFailedError
+
+T = TypeVar("T")
+
+POLL_S = 0.2  # how often a waiting rank looks for a peer's failure
+_FAILED = "failed"
+
+
+def announce(store: Any, rank: int, why: str) -> None:
+    """Tell the other ranks (through ``store``) that ``rank`` failed to join, and why."""
+    line = why.replace("\n", " ").replace("\t", " ")
+    try:
+        store.append(_FAILED, f"{rank}\t{line}\n")
+    except Exception:  # the store itself may be what failed
+        pass
+
+
+def failures(store: Any) -> dict[int, str]:
+    """Return the ranks that announced a failure, with their reasons (asks without waiting)."""
+    if not store.check([_FAILED]):
+        return {}
+    found = {}
+    for line in store.get(_FAILED).decode(errors="replace").splitlines():
+        rank, _, why = line.partition("\t")
+        if rank.isdigit():
+            found[int(rank)] = why
+    return found
+
+
+_MINE = re.compile(r"^rank \d+: ")  # how an error of asyncomm's starts: the rank is said anyway
+
+
+def _said(failed: dict[int, str]) -> str:
+    """Word the failures of ``failed`` ranks, ranks that said the same thing together."""
+    by_reason: dict[str, list[int]] = {}
+    for rank, why in sorted(failed.items()):
+        by_reason.setdefault(why, []).append(rank)
+    return "; ".join(f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                     f"failed to join: {why}" for why, ranks in by_reason.items())
+
+
+class Watch:
+    """Run joining steps of one rank, failing fast when a peer announces a failure."""
+
+    def __init__(self, rank: int, store: Any, host: str, port: int, prefix: str,
+                 timeout: float) -> None:
+        self.rank = rank
+        self.store = store  # the joining steps' store (prefixed)
+        self._host, self._port, self._prefix = host, port, prefix
+        self._timeout = timeout
+        self._own: Any = None  # the watcher's own client, made on first use
+
+    async def run(self, step: Callable[[], T], what: str) -> T:
+        """Run ``step`` on a daemon thread; raise as soon as a peer announces a failure.
+
+        A failure of ``step`` itself is announced and re-raised. The peers are
+        watched from a daemon thread too: a store that stops answering holds
+        nobody up.
+        """
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
+        failed: asyncio.Future[dict[int, str]] = loop.create_future()
+        finished = threading.Event()
+
+        def settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+        def hand(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+            try:
+                loop.call_soon_threadsafe(settle, future, value, error)
+            except RuntimeError:
+                pass  # the loop is gone: nobody waits any more
+
+        def body() -> None:
+            try:
+                value, error = step(), None
+            except BaseException as exc:  # handed to the loop
+                value, error = None, exc
+                said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                announce(self.store, self.rank, _MINE.sub("", said, count=1)[:500])
+            finished.set()
+            hand(done, value, error)
+
+        def watch() -> None:
+            while not finished.wait(POLL_S):
+                others = {r: why for r, why in self._failures().items() if r != self.rank}
+                if others:
+                    hand(failed, others, None)
+                    return
+
+        threading.Thread(target=body, name=f"asyncomm-{what}", daemon=True).start()
+        threading.Thread(target=watch, name=f"asyncomm-{what}-watch", daemon=True).start()
+        try:
+            await asyncio.wait((done, failed), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            finished.set()
+        if done.done():
+            return done.result()
+        raise PeerFailedError(f"rank {self.rank}: {what}: {_said(failed.result())}")
+
+    def _failures(self) -> dict[int, str]:
+        try:
+            if self._own is None:
+                client = dist.TCPStore(  # type: ignore[attr-defined]
+                    self._host, self._port, is_master=False,
+                    timeout=datetime.timedelta(seconds=min(self._timeout, 10.0)))
+                self._own = dist.PrefixStore(self._prefix, client)  # type: ignore[attr-defined]
+            return failures(self._own)
+        except Exception:  # no store to ask: the launcher will tell
+            return {}

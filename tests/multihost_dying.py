@@ -1,0 +1,35 @@
+"""A world whose second host dies (run by tests/test_hosts.py, 4 ranks on 2 hosts).
+
+Every rank joins and all-reduces once; then the second host's ranks say
+``ready`` and sleep (the test kills them), while the first host's ranks wait
+for them: rank 0 in an all-reduce, rank 1 in a channel receive from rank 2.
+"""
+
+import time
+
+import torch
+
+import asyncomm
+
+
+async def main(comm: asyncomm.Comm) -> None:
+    t = torch.ones(4)
+    await comm.all_reduce(t)
+    await comm.barrier()
+    if comm.rank >= 2:
+        print(f"ready {comm.rank}", flush=True)
+        time.sleep(600)  # killed here
+    started = time.monotonic()
+    try:
+        if comm.rank == 0:
+            await comm.all_reduce(t)
+        else:
+            await comm.channel(5).recv(2)
+    except asyncomm.PeerFailedError as exc:
+        print(f"rank {comm.rank} stopped after {time.monotonic() - started:.1f} s: {exc}",
+              flush=True)
+        raise
+
+
+if __name__ == "__main__":
+    asyncomm.run(main)

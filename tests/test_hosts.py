@@ -1,0 +1,165 @@
+"""Several hosts: two network-namespace hosts on one switch, real launchers on each.
+
+torchrun on each host (no environment variables beyond torchrun's own), mpiexec
+across both through Hydra's ssh launcher, a host that dies mid-run and one
+that cannot connect at start-up, and ``asyncomm run --hosts`` with a shaped
+link. Needs root, iproute2 and torchrun: skipped where they are missing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from asyncomm._tools import launch, network
+
+HERE = Path(__file__).parent
+SCENARIOS = str(HERE / "multihost_scenarios.py")
+DYING = str(HERE / "multihost_dying.py")
+LIMIT_S = 120  # a run that takes longer has hung
+
+pytestmark = pytest.mark.skipif(
+    network.missing() is not None or shutil.which("torchrun") is None,
+    reason=network.missing() or "torchrun not on PATH")
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[network.Network]:
+    with network.Network(2) as made:
+        yield made
+
+
+_ports = iter(range(29400, 29500))
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("GLOO_", "MASTER_", "ASYNCOMM_", "PMI_", "TORCHELASTIC_"))
+           and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    return {**env, **extra}
+
+
+def _torchrun(net: network.Network, script: str, port: int, host: int,
+              env: dict[str, str]) -> subprocess.Popen[str]:
+    cmd = ["torchrun", "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(host),
+           "--master-addr", net.addresses[0], "--master-port", str(port), script]
+    return net.run(host, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                   text=True)
+
+
+def _finish(procs: list[subprocess.Popen[str]]) -> list[tuple[int, str]]:
+    return [(p.wait(LIMIT_S), p.stdout.read() if p.stdout else "") for p in procs]
+
+
+def test_torchrun_on_two_hosts_runs_every_scenario(net: network.Network) -> None:
+    sent = [net.bytes_sent(h) for h in range(2)]
+    port = next(_ports)
+    procs = [_torchrun(net, SCENARIOS, port, h, _env()) for h in range(2)]
+    results = _finish(procs)
+    for code, out in results:
+        assert code == 0, out[-3000:]
+    said = "".join(out for _, out in results)
+    for rank in range(4):
+        assert f"scenarios ok {rank} host{rank // 2 + 1}" in said, said[-3000:]
+    for host in range(2):  # the 4 MiB each way went over the link, not loopback
+        assert net.bytes_sent(host) - sent[host] > 4 << 20
+
+
+def test_mpiexec_with_a_host_list_runs_every_scenario(net: network.Network,
+                                                      tmp_path: Path) -> None:
+    mpiexec = launch.find_mpiexec()
+    if mpiexec is None:
+        pytest.skip("mpiexec not installed")
+    sent = [net.bytes_sent(h) for h in range(2)]
+    ssh = net.ssh_stand_in(tmp_path)
+    cmd = [mpiexec, "-launcher", "ssh", "-launcher-exec", str(ssh),
+           "-hosts", ",".join(net.addresses), "-ppn", "2", "-n", "4", "-iface", "eth0",
+           sys.executable, SCENARIOS]
+    done = subprocess.run(net.command(0, cmd), env=_env(**network.MPI_OVER_THE_LINK),
+                          capture_output=True, text=True, timeout=LIMIT_S)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    for rank in range(4):
+        assert f"scenarios ok {rank} host{rank // 2 + 1}" in done.stdout, done.stdout
+    for host in range(2):  # over the link, not shared memory (see network's note on MPI)
+        assert net.bytes_sent(host) - sent[host] > 4 << 20
+
+
+def test_a_dead_host_ends_the_other_hosts_ranks_within_seconds(net: network.Network) -> None:
+    port = next(_ports)
+    procs = [_torchrun(net, DYING, port, h, _env()) for h in range(2)]
+    second = procs[1]
+    assert second.stdout is not None
+    ready = 0
+    for line in second.stdout:  # both of host 2's ranks are up and past the all-reduce
+        ready += line.startswith("ready")
+        if ready == 2:
+            break
+    time.sleep(0.5)  # host 1's ranks are waiting for them by now
+    killed = time.monotonic()
+    for pid in subprocess.run(["ip", "netns", "pids", net.namespaces[1]], capture_output=True,
+                              text=True, check=True).stdout.split():
+        os.kill(int(pid), 9)  # the host goes down: every process on it
+    code = procs[0].wait(LIMIT_S)
+    took = time.monotonic() - killed
+    out = procs[0].stdout.read() if procs[0].stdout else ""
+    second.wait(LIMIT_S)
+    assert code != 0, out[-3000:]
+    assert took < 20, f"host 1 took {took:.1f} s to end"
+    stops = re.findall(r"rank (\d) stopped after [\d.]+ s: (.*)", out)
+    assert sorted(rank for rank, _ in stops) == ["0", "1"], out[-3000:]
+    for _, why in stops:  # the failed ranks are named
+        assert re.search(r"rank 2\b|ranks 2, 3", why), why
+
+
+def test_a_host_that_cannot_connect_ends_both_hosts_fast(net: network.Network) -> None:
+    port = next(_ports)
+    # Both hosts keep torch's default interface: every rank advertises a loopback address
+    # (one host alone doing so is not enough to fail: gloo connects pairs either way).
+    procs = [_torchrun(net, SCENARIOS, port, h, _env(ASYNCOMM_GLOO_IFNAME="0"))
+             for h in range(2)]
+    started = time.monotonic()
+    results = _finish(procs)
+    took = time.monotonic() - started
+    assert all(code != 0 for code, _ in results), [out[-2000:] for _, out in results]
+    assert took < 60, f"the job took {took:.1f} s to end"
+    said = "".join(out for _, out in results)
+    assert "a loopback address" in said and "GLOO_SOCKET_IFNAME" in said, said[-3000:]
+    assert "failed to join" in said, said[-3000:]  # the waiting ranks were told, not timed out
+
+
+def test_asyncomm_run_on_emulated_hosts_with_a_shaped_link(tmp_path: Path) -> None:
+    script = tmp_path / "shaped.py"
+    script.write_text(
+        "import asyncomm, socket, subprocess, torch\n"
+        "async def main(comm):\n"
+        "    t = torch.ones(1 << 16)\n"
+        "    await comm.all_reduce(t)\n"
+        "    assert t[0].item() == comm.size\n"
+        "    qdisc = subprocess.run(['tc', 'qdisc', 'show', 'dev', 'eth0'],\n"
+        "                           capture_output=True, text=True).stdout\n"
+        "    print('shaped', comm.rank, socket.gethostname(), qdisc.split()[1], flush=True)\n"
+        "asyncomm.run(main)\n")
+    done = subprocess.run([sys.executable, "-m", "asyncomm", "run", "--hosts", "2", "-n", "2",
+                           "--rate", "200mbit", str(script)], env=_env(), capture_output=True,
+                          text=True, timeout=LIMIT_S)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    assert "shaped 0 host1 tbf" in done.stdout and "shaped 1 host2 tbf" in done.stdout, \
+        done.stdout
+
+
+def test_each_host_gives_gloo_the_interface_that_reaches_the_first(net: network.Network) -> None:
+    probe = ("from asyncomm._backends import gloo_net; "
+             f"c = gloo_net.choose({{'WORLD_SIZE': '4', 'LOCAL_WORLD_SIZE': '2'}}, "
+             f"'{net.addresses[0]}'); print(c.interface, c.address)")
+    for host in range(2):
+        done = subprocess.run(net.command(host, [sys.executable, "-c", probe]), env=_env(),
+                              capture_output=True, text=True, timeout=LIMIT_S)
+        assert done.stdout.split() == ["eth0", net.addresses[host]], done.stderr
