@@ -16,7 +16,6 @@ from torch import nn
 import asyncomm
 from asyncomm import pipeline
 
-
 HOSTS = 1 if "--one-host" in sys.argv else 2  # how many hosts the ranks are on
 
 
