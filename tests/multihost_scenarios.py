@@ -1,14 +1,19 @@
 """What every rank of a multi-host world checks (run by tests/test_hosts.py, 4 ranks on 2 hosts).
 
-Collectives, any-source point-to-point, channels, an actor, GradSync against a
-local reference, and a pipeline step; then a 4 MiB message from each host to
+Collectives, the tutorial's examples (and those of channels and actors), any-source
+point-to-point, channels, an actor, GradSync against a local reference, and a
+pipeline step; then a 4 MiB message from each host to
 the other (so the test can see traffic cross the link). Prints
 ``scenarios ok RANK HOSTNAME`` at the end. Arguments: a backend name (else
 the automatic choice), ``--one-host`` where all ranks share one host (Slurm's test).
 """
 
+import contextlib
+import importlib.util
+import io
 import socket
 import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -111,9 +116,26 @@ async def across(comm: asyncomm.Comm) -> None:
         await ch.send(got, 0)
 
 
+TUTORIAL = ("broadcast", "all_reduce", "reduce", "scatter", "gather", "all_gather",
+            "send_recv", "nonblocking_all_reduce", "channel_pingpong", "parameter_server")
+
+
+async def tutorial(comm: asyncomm.Comm) -> None:
+    """The examples of the torch.distributed tutorial, and of channels and actors, in turn."""
+    examples = Path(__file__).resolve().parent.parent / "examples"
+    for name in TUTORIAL:
+        spec = importlib.util.spec_from_file_location(f"example_{name}", examples / f"{name}.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        with contextlib.redirect_stdout(io.StringIO()):  # their words: checked by test_examples
+            await module.main(comm)
+        await comm.barrier()
+
+
 async def main(comm: asyncomm.Comm) -> None:
-    for scenario in (collectives, point_to_point, channels, actors, gradsync, pipeline_step,
-                     across):
+    for scenario in (collectives, tutorial, point_to_point, channels, actors, gradsync,
+                     pipeline_step, across):
         await scenario(comm)
         await comm.barrier()
     print(f"scenarios ok {comm.rank} {socket.gethostname()}", flush=True)

@@ -87,7 +87,8 @@ def assert_matches(pipe: pipeline.Pipeline, losses: list[float | None], ref: nn.
 
 async def check_schedules(comm: Comm) -> None:
     data = batches(2)
-    cases = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"stages_per_rank": 2})]
+    cases = [("gpipe", {}), ("1f1b", {}), ("interleaved", {"stages_per_rank": 2}),
+             ("zbh1", {}), ("zbv", {})]
     for name, kw in cases:
         schedule = pipeline.get(name, comm.size, MICROBATCHES, **kw)
         pipe, losses = await run_pipeline(comm, schedule, data)
@@ -156,7 +157,7 @@ async def check_with_data_parallel(comm: Comm) -> None:
     assert pp is not None and dp is not None
     data = batches(4)  # replica r trains on batches r and r + 2
     mine = data[comm.rank // 2::2]
-    for name in ("1f1b", "interleaved"):
+    for name in ("1f1b", "interleaved", "zbh1", "zbv"):
         schedule = pipeline.get(name, 2, MICROBATCHES)
         pipe, losses = await run_pipeline(pp, schedule, mine, dp)
         # one process on the union: each step's batch is both replicas' batches, the

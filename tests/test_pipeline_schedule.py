@@ -146,7 +146,7 @@ def test_interleaving_divides_the_bubble_by_the_stages_per_rank(
 
 def test_messages_cost_time_on_the_critical_path() -> None:
     # F on rank 0, message, F and B on rank 1, message, B on rank 0.
-    simulation = pipeline.simulate(pipeline.gpipe(2, 1), f_cost=1, b_cost=2, comm_cost=0.5)
+    simulation = pipeline.simulate(pipeline.gpipe(2, 1), f_cost=1, b_cost=1, comm_cost=0.5)
     assert simulation.makespan == pytest.approx(7.0)
     spans = {str(span.action): (span.start, span.end) for span in simulation.timelines[1]}
     assert spans["F0@s1"] == (1.5, 2.5)
@@ -171,7 +171,7 @@ def test_the_grid_has_one_row_per_time_step_and_blanks_for_idle_ranks() -> None:
     ]
     assert simulation.bubble == pytest.approx(1 / 3)
     # Costs with no common step of reasonable size: one row per forward's time.
-    assert len(pipeline.simulate(pipeline.gpipe(2, 2), b_cost=1.001).grid()) == 7
+    assert len(pipeline.simulate(pipeline.gpipe(2, 2), b_cost=1.001, w_cost=0).grid()) == 7
     interleaved = pipeline.simulate(pipeline.interleaved_1f1b(2, 2, 2))
     assert interleaved.grid()[:3] == [["F0@s0", ""], ["F1@s0", "F0@s1"], ["F0@s2", "F1@s1"]]
 
@@ -294,6 +294,80 @@ def test_every_built_in_schedule_is_valid() -> None:
             pipeline.validate(pipeline.one_f_one_b(ranks, microbatches + 1))
             for per_rank in (1, 2, 3):
                 pipeline.validate(pipeline.interleaved_1f1b(ranks, microbatches, per_rank))
+            pipeline.validate(pipeline.zbh1(ranks, microbatches + 1))
+            pipeline.validate(pipeline.zbv(ranks, microbatches + 1))
+
+
+# -- zero-bubble schedules ------------------------------------------------------------------------
+
+
+def test_zero_bubble_schedules_split_every_backward_in_b_and_w() -> None:
+    for schedule in (pipeline.zbh1(4, 8), pipeline.zbv(4, 8)):
+        assert schedule.splits_backward
+        computes = [a for rank in schedule.actions for a in rank if a.op.is_compute]
+        for op in (Op.F, Op.B, Op.W):  # one of each per stage and microbatch
+            assert sorted((a.stage, a.microbatch) for a in computes if a.op is op) == [
+                (s, m) for s in range(schedule.n_stages) for m in range(8)]
+    assert not pipeline.one_f_one_b(4, 8).splits_backward
+    assert Action.parse("W3@s1") == Action(Op.W, 1, 3) and Op.W.is_compute
+
+
+def test_zbv_places_two_stages_per_rank_in_a_v() -> None:
+    schedule = pipeline.get("zbv", 4, 8)
+    assert schedule.n_stages == 8 and schedule.placement == (0, 1, 2, 3, 3, 2, 1, 0)
+    assert schedule.stages_of(0) == (0, 7) and schedule.stages_of(3) == (3, 4)
+    assert schedule.rank_of(7) == 0 and schedule.rank_of(4) == 3
+    assert pipeline.v_placement(2) == (0, 1, 1, 0)
+    # the boundary inside rank 3 is a hand-over on that rank: both ends in its list
+    assert {"SEND_F0@s3", "RECV_F0@s4"} <= set(_words(schedule, 3))
+
+
+def test_zero_bubble_halves_1f1b_bubble_or_better_with_equal_costs() -> None:
+    one_f_one_b = pipeline.simulate(pipeline.get("1f1b", 4, 8))  # backward = B + W = 2
+    zbh1 = pipeline.simulate(pipeline.get("zbh1", 4, 8))
+    zbv = pipeline.simulate(pipeline.get("zbv", 4, 8))
+    assert one_f_one_b.bubble == pytest.approx(9 / 33)  # 27.3%
+    assert zbh1.bubble == pytest.approx(3 / 27)  # a third of 1F1B's idle time: (p - 1)
+    assert zbv.bubble < zbh1.bubble <= one_f_one_b.bubble / 2
+    # ZB-H1 keeps 1F1B's peak (rank 0's p), held from F until W
+    assert max(zbh1.peak_activations) == max(one_f_one_b.peak_activations) == 4
+    assert zbv.peak_activations == (8, 8, 8, 8)  # 2p half-size stages: the same memory
+
+
+def test_w_costs_its_own_time_and_unsplit_backwards_cost_b_plus_w() -> None:
+    zbh1 = pipeline.simulate(pipeline.zbh1(2, 2), f_cost=1, b_cost=1, w_cost=2)
+    spans = {str(span.action): span.end - span.start for span in zbh1.timelines[0]}
+    assert spans["W0@s0"] == 2 and spans["B0@s0"] == 1
+    gpipe = pipeline.simulate(pipeline.gpipe(2, 1), f_cost=1, b_cost=1, w_cost=2)
+    assert {str(s.action): s.end - s.start for s in gpipe.timelines[0]}["B0@s0"] == 3
+    assert pipeline.simulate(pipeline.zbh1(2, 2)).grid()[-1] == ["W1", "W1"]  # both end on a W
+
+
+def test_a_w_must_follow_its_b_once_on_its_stages_rank() -> None:
+    schedule = pipeline.zbh1(2, 2)
+    words = _words(schedule, 1)
+    missing = _edit(schedule, 1, [w for w in words if w != "W1@s1"])
+    _rejected(missing, r"rank 1 has no W1@s1 \(a schedule with W actions needs one W")
+    early = [w for w in words if w != "W0@s1"]
+    early.insert(early.index("B0@s1"), "W0@s1")
+    _rejected(_edit(schedule, 1, early), r"W0@s1\): weight gradient before its B")
+    twice = _edit(schedule, 1, [*words, "W0@s1"])
+    _rejected(twice, "duplicate of index")
+    elsewhere = _edit(schedule, 0, [*_words(schedule, 0), "W0@s1"])
+    _rejected(elsewhere, "stage 1 lives on rank 1, not 0")
+
+
+def test_hand_written_schedules_with_w_and_a_placement() -> None:
+    # two stages on one rank, in the order 1 then 0: a placement of one's own
+    schedule = pipeline.from_compute(
+        [["F0@s0", "B0@s0", "W0@s0"], ["F0@s1", "B0@s1", "W0@s1"]], placement=[1, 0])
+    assert schedule.rank_of(0) == 1 and schedule.stages_of(0) == (1,)
+    with pytest.raises(ValueError, match="placement"):
+        pipeline.from_compute([["F0@s0", "B0@s0"], ["F0@s1", "B0@s1"]], placement=[0, 0])
+    text = "F0@s0 SEND_F0@s0 RECV_B0@s0 B0@s0 W0@s0\nRECV_F0@s1 F0@s1 B0@s1 SEND_B0@s1 W0@s1"
+    parsed = pipeline.parse(text)
+    assert parsed.splits_backward and parsed.format() == text
+    pipeline.validate(parsed)
 
 
 # -- asyncomm pipeline show ----------------------------------------------------------------------
@@ -321,6 +395,20 @@ def test_show_interleaved_names_the_stages(capsys: pytest.CaptureFixture[str]) -
     assert "bubble: 7.7%" in out  # (p - 1) / (m * v + p - 1) = 1 / 13
 
 
+def test_show_zero_bubble_schedules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["pipeline", "show", "zbh1"]) == 0  # 4 ranks, 8 microbatches by default
+    out = capsys.readouterr().out
+    assert "zbh1: 4 ranks, 4 stages, 8 microbatches; costs F=1 B=1 W=1" in out
+    assert "bubble: 11.1% of rank time idle" in out
+    path = tmp_path / "zbv.png"
+    assert main(["pipeline", "show", "zbv", "--png", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "zbv: 4 ranks, 8 stages, 8 microbatches" in out and "W0@s7" in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["pipeline", "show", "1f1b"]) == 0
+    assert "costs F=1 B+W=2" in capsys.readouterr().out
+
+
 def test_show_writes_a_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "gpipe.png"
     assert main(["pipeline", "show", "gpipe", "--stages", "2", "--microbatches", "2",
@@ -340,8 +428,8 @@ def test_show_reads_a_schedule_file_and_reports_what_is_wrong(
     assert main(["pipeline", "show", str(path)]) == 2
     err = capsys.readouterr().err
     assert "rank 0 index 2 (RECV_B0@s0): receive with no matching send: no SEND_B0@s1" in err
-    assert main(["pipeline", "show", "1f1b", "--stages", "2"]) == 2
-    assert "needs --stages and --microbatches" in capsys.readouterr().err
+    assert main(["pipeline", "show", "1f1b", "--stages", "2"]) == 0  # 8 microbatches
+    assert "1f1b: 2 ranks, 2 stages, 8 microbatches" in capsys.readouterr().out
     argv = ["pipeline", "show", "gpipe", "--stages", "2", "--microbatches", "2",
             "--stages-per-rank", "2"]
     assert main(argv) == 2

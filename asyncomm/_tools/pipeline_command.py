@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from asyncomm.pipeline._schedule import SCHEDULES, Schedule, get, parse
+from asyncomm.pipeline._catalog import SCHEDULES, get
+from asyncomm.pipeline._schedule import Schedule, parse
 from asyncomm.pipeline._show import plot, render
 from asyncomm.pipeline._simulate import simulate
 
@@ -34,10 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stages",
         type=int,
         metavar="S",
-        help="pipeline ranks; for gpipe and 1f1b also the stages (one per rank); for "
-        "interleaved the ranks, each hosting --stages-per-rank virtual stages",
+        help="pipeline ranks (default 4); for gpipe, 1f1b and zbh1 also the stages (one per "
+        "rank); for interleaved the ranks, each hosting --stages-per-rank virtual stages; "
+        "zbv puts two stages on each rank, in a V",
     )
-    show.add_argument("--microbatches", type=int, metavar="M", help="microbatches per step")
+    show.add_argument("--microbatches", type=int, metavar="M",
+                      help="microbatches per step (default 8)")
     show.add_argument(
         "--stages-per-rank",
         type=int,
@@ -45,7 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="interleaved only: virtual stages per rank (default 2)",
     )
     show.add_argument("--f-cost", type=float, default=1.0, help="time of a forward (1)")
-    show.add_argument("--b-cost", type=float, default=2.0, help="time of a backward (2)")
+    show.add_argument("--b-cost", type=float, default=1.0,
+                      help="time of a B, the input-gradient half of a backward (1)")
+    show.add_argument("--w-cost", type=float, default=1.0,
+                      help="time of a W, the weight-gradient half (1); a backward that is not "
+                      "split (gpipe, 1f1b, interleaved) costs B + W")
     show.add_argument("--comm-cost", type=float, default=0.0, help="time of a message (0)")
     show.add_argument("--png", metavar="PATH", help="also write a Gantt chart to this PNG file")
     show.set_defaults(func=show_command)
@@ -53,14 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _schedule(args: argparse.Namespace) -> Schedule:
     if args.name.lower() in SCHEDULES:
-        if args.stages is None or args.microbatches is None:
-            raise ValueError(f"{args.name} needs --stages and --microbatches")
+        stages = 4 if args.stages is None else args.stages
+        microbatches = 8 if args.microbatches is None else args.microbatches
         options = {}
         if args.stages_per_rank is not None:
             if args.name.lower() != "interleaved":
                 raise ValueError("--stages-per-rank applies to the interleaved schedule only")
             options["stages_per_rank"] = args.stages_per_rank
-        return get(args.name, args.stages, args.microbatches, **options)
+        return get(args.name, stages, microbatches, **options)
     if not os.path.isfile(args.name):
         raise ValueError(f"{args.name!r} is neither a schedule ({', '.join(SCHEDULES)}) nor a file")
     with open(args.name, encoding="utf-8") as file:
@@ -78,7 +85,8 @@ def _schedule(args: argparse.Namespace) -> Schedule:
 def show_command(args: argparse.Namespace) -> int:
     """Run ``asyncomm pipeline show`` as parsed; return its exit code."""
     try:
-        simulation = simulate(_schedule(args), args.f_cost, args.b_cost, args.comm_cost)
+        simulation = simulate(_schedule(args), args.f_cost, args.b_cost, args.comm_cost,
+                              args.w_cost)
     except (ValueError, TypeError) as error:
         # ScheduleError is a ValueError: it names the rank, index and action at fault.
         print(f"asyncomm pipeline show: {error}", file=sys.stderr)

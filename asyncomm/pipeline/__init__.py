@@ -2,19 +2,20 @@
 
 A schedule is a list of actions per rank (forward, backward, send, receive of a microbatch
 on a stage). Build one (:func:`gpipe`, :func:`one_f_one_b`, :func:`interleaved_1f1b`,
-:func:`get`), write your own (:func:`from_compute`, :func:`parse`, or :class:`Schedule`
-from action lists), and check it before anything runs. :class:`Pipeline` runs one on
+the zero-bubble :func:`zbh1` and :func:`zbv`, :func:`get`), write your own
+(:func:`from_compute`, :func:`parse`, or :class:`Schedule` from action lists), and check
+it before anything runs. :class:`Pipeline` runs one on
 real ranks (:func:`split` cuts an ``nn.Sequential`` into stages).
 """
 
-from asyncomm.pipeline._execute import GradSyncLike, Pipeline, StepStats, split
+from asyncomm.pipeline._catalog import SCHEDULES, get
+from asyncomm.pipeline._execute import GradSyncLike, Pipeline
+from asyncomm.pipeline._passes import StepStats, split
 from asyncomm.pipeline._schedule import (
-    SCHEDULES,
     Action,
     Op,
     Schedule,
     from_compute,
-    get,
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
@@ -22,6 +23,7 @@ from asyncomm.pipeline._schedule import (
 )
 from asyncomm.pipeline._show import plot, render
 from asyncomm.pipeline._simulate import Interval, ScheduleError, Simulation, simulate, validate
+from asyncomm.pipeline._zero_bubble import v_placement, zbh1, zbv
 
 __all__ = [
     "Action",
@@ -44,5 +46,8 @@ __all__ = [
     "render",
     "simulate",
     "split",
+    "v_placement",
     "validate",
+    "zbh1",
+    "zbv",
 ]

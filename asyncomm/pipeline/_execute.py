@@ -56,13 +56,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import math
 import time
 import traceback
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
@@ -70,6 +70,13 @@ from torch import nn
 
 from asyncomm._core.errors import CommError, RemoteError
 from asyncomm._overlap.compute import compute
+from asyncomm.pipeline._passes import (
+    Slot,
+    StepStats,
+    input_gradient,
+    weight_gradient,
+    whole_backward,
+)
 from asyncomm.pipeline._schedule import Action, Op, Schedule
 from asyncomm.pipeline._simulate import validate
 
@@ -96,86 +103,6 @@ class GradSyncLike(Protocol):
 
     def wait(self) -> Awaitable[Any]:
         """Return an awaitable that is done once every gradient is reduced."""
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """Times of one step on this rank.
-
-    ``busy_s`` is the time spent in this rank's forward and backward computes,
-    ``wall_s`` the step from its start to its last send's completion;
-    ``bubble`` is ``1 - busy_s / wall_s``, the fraction of the step this rank
-    waited. ``start`` and ``end`` are ``time.perf_counter()`` readings: on one
-    host they are comparable between ranks, so ``1 - sum(busy_s) / (n_ranks *
-    (max(end) - min(start)))`` is the simulator's bubble, idle tails included.
-    """
-
-    wall_s: float
-    busy_s: float
-    forward_s: float
-    backward_s: float
-    start: float = 0.0
-    end: float = 0.0
-
-    @property
-    def bubble(self) -> float:
-        """Return the fraction of the step this rank spent not computing."""
-        return 1.0 - self.busy_s / self.wall_s if self.wall_s > 0 else 0.0
-
-
-def split(model: nn.Sequential, n_stages: int,
-          sizes: Sequence[int] | None = None) -> list[nn.Sequential]:
-    """Cut ``model`` into ``n_stages`` consecutive ``nn.Sequential`` stages.
-
-    Args:
-        model: the layers, in order; the stages share its modules (no copy).
-        n_stages: how many stages.
-        sizes: layers per stage (sum ``len(model)``); default: as even as
-            possible, earlier stages taking the extra layers.
-
-    Returns:
-        All ``n_stages`` stages; give them all to ``Pipeline``, which keeps
-        the ones this rank hosts.
-
-    Raises:
-        TypeError: ``model`` is not an ``nn.Sequential``.
-        ValueError: fewer layers than stages, or ``sizes`` that do not fit.
-    """
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(f"split: model must be an nn.Sequential, not {type(model).__name__}")
-    if isinstance(n_stages, bool) or not isinstance(n_stages, int) or n_stages < 1:
-        raise ValueError(f"split: n_stages must be an int >= 1, not {n_stages!r}")
-    layers = list(model)
-    if sizes is None:
-        if len(layers) < n_stages:
-            raise ValueError(f"split: {len(layers)} layers cannot make {n_stages} stages")
-        base, extra = divmod(len(layers), n_stages)
-        sizes = [base + (1 if s < extra else 0) for s in range(n_stages)]
-    sizes = list(sizes)
-    if (len(sizes) != n_stages or any(isinstance(k, bool) or not isinstance(k, int) or k < 1
-                                      for k in sizes) or sum(sizes) != len(layers)):
-        raise ValueError(f"split: sizes={sizes} must be {n_stages} ints >= 1 summing to "
-                         f"{len(layers)} (the model's layers)")
-    stages, at = [], 0
-    for k in sizes:
-        stages.append(nn.Sequential(*layers[at:at + k]))
-        at += k
-    return stages
-
-
-@dataclass
-class _Slot:
-    """What one (stage, microbatch) keeps from its F until its B."""
-
-    inputs: torch.Tensor | None = None
-    output: torch.Tensor | None = None  # in the autograd graph, until the B
-    loss: torch.Tensor | None = None
-    to_send: torch.Tensor | None = None  # the output, detached, until its SEND_F
-    grad_input: torch.Tensor | None = None  # from the B until its SEND_B
-    backward_done: bool = False
-
-    def finished(self) -> bool:
-        return self.backward_done and self.to_send is None and self.grad_input is None
 
 
 class Pipeline:
@@ -276,11 +203,15 @@ class Pipeline:
         self._notices = comm.channel(self._tag(_NOTICES, 0, 0)) if comm.size > 1 else None
         self.actions: tuple[Action, ...] = schedule.actions[comm.rank]
         self.last: StepStats | None = None  # the latest step's times
+        # The last pass of each stage that accumulates weight gradients (W where backwards
+        # are split, else B) runs outside grad_sync's no_sync: it starts the reduction.
+        self._split = schedule.splits_backward
+        accumulates = Op.W if self._split else Op.B
         last_b: dict[int, int] = {}
         for i, action in enumerate(self.actions):
-            if action.op is Op.B:
+            if action.op is accumulates:
                 last_b[action.stage] = i
-        self._last_backward = frozenset(last_b.values())  # indices outside no_sync
+        self._last_backward = frozenset(last_b.values())
 
     # -- public --------------------------------------------------------------------
 
@@ -340,7 +271,7 @@ class Pipeline:
 
     async def _step(self, xs: list[Any] | None, ys: list[Any] | None) -> float | None:
         n = self.schedule.n_microbatches
-        slots: dict[tuple[int, int], _Slot] = {}
+        slots: dict[tuple[int, int], Slot] = {}
         inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]] = {}
         sends: list[Awaitable[None]] = []  # channel sends' tasks, point-to-point handles
         times = [0.0, 0.0]  # forward, backward compute seconds
@@ -349,12 +280,14 @@ class Pipeline:
         try:
             self._post_receives(inbox)
             for index, action in enumerate(self.actions):
-                slot = slots.setdefault((action.stage, action.microbatch), _Slot())
+                slot = slots.setdefault((action.stage, action.microbatch), Slot())
                 op = action.op
                 if op is Op.F:
                     await self._forward(index, action, slot, xs, ys, inbox, times, losses)
                 elif op is Op.B:
                     await self._backward(index, action, slot, inbox, times, n)
+                elif op is Op.W:
+                    await self._weights(index, action, slot, times, n)
                 elif op is Op.SEND_F:
                     self._send(index, action, _FORWARD, slot.to_send, inbox, sends)
                     slot.to_send = None
@@ -614,7 +547,7 @@ class Pipeline:
                 "fixed_shapes=False) for shapes that change)")
         sends.append(self._p2p.send(tensor.contiguous(), peer, self._offset(*key)))
 
-    async def _forward(self, index: int, action: Action, slot: _Slot, xs: list[Any] | None,
+    async def _forward(self, index: int, action: Action, slot: Slot, xs: list[Any] | None,
                        ys: list[Any] | None,
                        inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
                        times: list[float], losses: list[torch.Tensor]) -> None:
@@ -652,38 +585,53 @@ class Pipeline:
             slot.loss = loss
             losses.append(loss.detach())
 
-    async def _backward(self, index: int, action: Action, slot: _Slot,
+    async def _backward(self, index: int, action: Action, slot: Slot,
                         inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
                         times: list[float], n: int) -> None:
         stage, mb = action.stage, action.microbatch
-        if slot.output is None:
+        if slot.output is None or slot.backward_done:
             raise RuntimeError(f"{self._what(index, action)}: backward before its forward")
-        out, x, loss = slot.output, slot.inputs, slot.loss
         grad = None
-        if loss is None:
+        if slot.loss is None:
             grad = await self._take(index, action, (_BACKWARD, stage + 1, mb), inbox)
-
-        def run() -> tuple[torch.Tensor | None, float]:
-            begin = time.perf_counter()
-            if loss is not None:
-                (loss / n).backward()  # type: ignore[no-untyped-call]
-            else:
-                torch.autograd.backward(out, grad)
-            needs = stage != 0 and x is not None and x.requires_grad
-            grad_input = None
-            if stage != 0 and x is not None:
-                grad_input = x.grad if needs and x.grad is not None else torch.zeros_like(x)
-            return grad_input, time.perf_counter() - begin
-
-        sync = self.grad_sync
-        quiet = sync.no_sync() if sync is not None and index not in self._last_backward \
-            else contextlib.nullcontext()
-        with quiet:
-            grad_input, took = await compute(run, name=f"B{mb}@s{stage}")
+        if self._split:  # B: the input's gradient only; what W needs is kept
+            grad_input, took = await compute(functools.partial(
+                input_gradient, slot, grad, n, stage, self._weights_of(stage),
+                self.grad_sync is not None),
+                name=f"B{mb}@s{stage}")
+            slot.weights_pending = True
+        else:
+            with self._quiet(index):
+                grad_input, took = await compute(functools.partial(
+                    whole_backward, slot, grad, n, stage), name=f"B{mb}@s{stage}")
+            slot.inputs = slot.output = slot.loss = None
         times[1] += took
-        slot.inputs = slot.output = slot.loss = None
         slot.grad_input = grad_input
         slot.backward_done = True
+
+    async def _weights(self, index: int, action: Action, slot: Slot, times: list[float],
+                       n: int) -> None:
+        """W: the weights' gradients of a split backward, from what its B kept; then free it."""
+        stage, mb = action.stage, action.microbatch
+        if not slot.weights_pending:
+            raise RuntimeError(f"{self._what(index, action)}: weight gradient before its B")
+        with self._quiet(index):
+            took = await compute(functools.partial(weight_gradient, slot, n,
+                                                   self._weights_of(stage)),
+                                 name=f"W{mb}@s{stage}")
+        times[1] += took
+        slot.inputs = slot.output = slot.loss = slot.grad_output = slot.param_groups = None
+        slot.weights_pending = False
+
+    def _weights_of(self, stage: int) -> list[nn.Parameter]:
+        return [p for p in self.stages[stage].parameters() if p.requires_grad]
+
+    def _quiet(self, index: int) -> AbstractContextManager[Any]:
+        """``grad_sync.no_sync()`` but for the last pass of a stage that accumulates weights."""
+        sync = self.grad_sync
+        if sync is not None and index not in self._last_backward:
+            return sync.no_sync()
+        return contextlib.nullcontext()
 
     def _check_output(self, out: Any, stage: int) -> torch.Tensor:
         if not isinstance(out, torch.Tensor):

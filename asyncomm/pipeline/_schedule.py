@@ -2,11 +2,17 @@
 
 A schedule is one list of actions per rank, in the order the rank runs them. Stage ``s``
 lives on rank ``s % n_ranks`` (the looping placement of interleaved 1F1B; with one stage per
-rank it is simply rank ``s``). Every stage boundary is a send on one side and a receive on
-the other, keyed by direction, stage and microbatch:
+rank it is simply rank ``s``) unless the schedule carries a placement of its own (ZB-V's V:
+rank ``r`` hosts stages ``r`` and ``2 * n_ranks - 1 - r``). Every stage boundary is a send on
+one side and a receive on the other (a hand-over, when both stages are on one rank), keyed by
+direction, stage and microbatch:
 
 - ``SEND_F`` of stage ``s`` pairs with ``RECV_F`` of stage ``s + 1`` (activations);
 - ``SEND_B`` of stage ``s`` pairs with ``RECV_B`` of stage ``s - 1`` (input gradients).
+
+A schedule with ``W`` actions splits every backward in two: ``B`` computes the gradient of
+the stage's input (which the previous stage waits for), ``W`` that of its weights (which
+nobody waits for, so it can fill a bubble), from what ``B`` kept.
 
 The builders only decide the order of the forwards and backwards on each rank;
 :func:`from_compute` then places the receives just before the compute that needs them and
@@ -18,16 +24,16 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 
 class Op(enum.Enum):
     """What an action does."""
 
     F = "F"  # forward of `microbatch` on `stage`
-    B = "B"  # backward of `microbatch` on `stage`
+    B = "B"  # backward of `microbatch` on `stage` (only its input's gradient if there are Ws)
+    W = "W"  # the weights' gradient of that backward, later (schedules that split it)
     SEND_F = "SEND_F"  # send stage's output activation of microbatch to stage + 1
     RECV_F = "RECV_F"  # receive stage's input activation of microbatch from stage - 1
     SEND_B = "SEND_B"  # send the gradient wrt stage's input of microbatch to stage - 1
@@ -36,10 +42,10 @@ class Op(enum.Enum):
     @property
     def is_compute(self) -> bool:
         """Whether this is a forward or a backward (as opposed to a send or a receive)."""
-        return self in (Op.F, Op.B)
+        return self in (Op.F, Op.B, Op.W)
 
 
-_ACTION = re.compile(r"(SEND_F|SEND_B|RECV_F|RECV_B|F|B)(\d+)@s(\d+)")
+_ACTION = re.compile(r"(SEND_F|SEND_B|RECV_F|RECV_B|F|B|W)(\d+)@s(\d+)")
 
 
 @dataclass(frozen=True)
@@ -85,9 +91,9 @@ class Schedule:
     """The action list of every rank of a pipeline, in execution order.
 
     ``n_stages`` is the total number of (virtual) stages, ``n_ranks * stages_per_rank``;
-    stage ``s`` lives on rank ``s % n_ranks``. Constructing a schedule checks only its
-    shape; :func:`asyncomm.pipeline.validate` checks that it is complete, consistent and
-    free of deadlocks.
+    stage ``s`` lives on rank ``placement[s]``, by default ``s % n_ranks``. Constructing a
+    schedule checks only its shape; :func:`asyncomm.pipeline.validate` checks that it is
+    complete, consistent and free of deadlocks.
     """
 
     name: str
@@ -95,6 +101,7 @@ class Schedule:
     n_stages: int
     n_microbatches: int
     actions: tuple[tuple[Action, ...], ...]
+    placement: tuple[int, ...] | None = None  # stage -> rank; None: s % n_ranks
 
     def __post_init__(self) -> None:
         _check_count("n_ranks", self.n_ranks)
@@ -119,23 +126,42 @@ class Schedule:
                         f"Action, got {action!r}"
                     )
         object.__setattr__(self, "actions", actions)
+        if self.placement is not None:
+            placement = tuple(self.placement)
+            if len(placement) != self.n_stages or any(
+                    isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < self.n_ranks
+                    for r in placement):
+                raise ValueError(f"schedule {self.name!r}: placement {placement!r} must give "
+                                 f"each of the {self.n_stages} stages a rank in "
+                                 f"0..{self.n_ranks - 1}")
+            if any(placement.count(r) != self.stages_per_rank for r in range(self.n_ranks)):
+                raise ValueError(f"schedule {self.name!r}: placement {placement!r} must put "
+                                 f"{self.stages_per_rank} stages on every rank")
+            object.__setattr__(self, "placement", placement)
 
     @property
     def stages_per_rank(self) -> int:
         """How many (virtual) stages each rank hosts."""
         return self.n_stages // self.n_ranks
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards are split into B (input gradient) and W (weight gradient)."""
+        return any(a.op is Op.W for rank_actions in self.actions for a in rank_actions)
+
     def rank_of(self, stage: int) -> int:
         """Return the rank that hosts ``stage``."""
         if not 0 <= stage < self.n_stages:
             raise ValueError(f"stage {stage} out of range 0..{self.n_stages - 1}")
-        return stage % self.n_ranks
+        return stage % self.n_ranks if self.placement is None else self.placement[stage]
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """Return the stages ``rank`` hosts, in increasing order."""
         if not 0 <= rank < self.n_ranks:
             raise ValueError(f"rank {rank} out of range 0..{self.n_ranks - 1}")
-        return tuple(range(rank, self.n_stages, self.n_ranks))
+        if self.placement is None:
+            return tuple(range(rank, self.n_stages, self.n_ranks))
+        return tuple(s for s, r in enumerate(self.placement) if r == rank)
 
     def format(self) -> str:
         """Return the compact text form: one line per rank, actions separated by spaces."""
@@ -163,6 +189,7 @@ def parse(
     name: str = "custom",
     n_stages: int | None = None,
     n_microbatches: int | None = None,
+    placement: Sequence[int] | None = None,
 ) -> Schedule:
     """Parse a schedule from its compact text form, one line per rank.
 
@@ -176,6 +203,7 @@ def parse(
         n_stages: total stages; default: one past the highest stage named, rounded up to
             a multiple of the number of ranks.
         n_microbatches: default: one past the highest microbatch named.
+        placement: the rank of each stage (default: stage ``s`` on rank ``s % n_ranks``).
 
     Raises:
         ValueError: a line holds something that is not an action, or no line holds any.
@@ -190,7 +218,7 @@ def parse(
             actions.append(tuple(Action.parse(word) for word in line.split()))
         except ValueError as error:
             raise ValueError(f"rank {rank} (line {rank + 1}): {error}") from None
-    return _assemble(name, actions, n_stages, n_microbatches)
+    return _assemble(name, actions, n_stages, n_microbatches, placement)
 
 
 def from_compute(
@@ -199,18 +227,21 @@ def from_compute(
     name: str = "custom",
     n_stages: int | None = None,
     n_microbatches: int | None = None,
+    placement: Sequence[int] | None = None,
 ) -> Schedule:
     """Build a schedule from the order of forwards and backwards on each rank.
 
-    This is the easy way to write a schedule by hand: give each rank's F and B actions in
-    the order it should run them; every receive is placed just before the forward or
-    backward that needs it and every send just after the one that produced it.
+    This is the easy way to write a schedule by hand: give each rank's F and B (and W)
+    actions in the order it should run them; every receive is placed just before the
+    forward or backward that needs it and every send just after the one that produced it
+    (a W neither sends nor receives).
 
     Args:
         compute: per rank, its F/B actions (``Action`` or text such as ``"F3@s1"``).
         name: the schedule's name.
         n_stages: total stages; default as in :func:`parse`.
         n_microbatches: default: one past the highest microbatch named.
+        placement: the rank of each stage (default: stage ``s`` on rank ``s % n_ranks``).
 
     Raises:
         ValueError: a rank's list holds a send or a receive, or text that is no action.
@@ -227,7 +258,7 @@ def from_compute(
                 )
     stages = n_stages if n_stages is not None else _default_stages(compute_actions)
     actions = [_with_communication(rank_items, stages) for rank_items in compute_actions]
-    return _assemble(name, actions, stages, n_microbatches)
+    return _assemble(name, actions, stages, n_microbatches, placement)
 
 
 def _default_stages(actions: Sequence[Sequence[Action]]) -> int:
@@ -241,6 +272,7 @@ def _assemble(
     actions: Sequence[Sequence[Action]],
     n_stages: int | None,
     n_microbatches: int | None,
+    placement: Sequence[int] | None = None,
 ) -> Schedule:
     if n_stages is None:
         n_stages = _default_stages(actions)
@@ -248,7 +280,8 @@ def _assemble(
         n_microbatches = 1 + max(
             (a.microbatch for rank_actions in actions for a in rank_actions), default=0
         )
-    return Schedule(name, len(actions), n_stages, n_microbatches, tuple(tuple(a) for a in actions))
+    return Schedule(name, len(actions), n_stages, n_microbatches, tuple(tuple(a) for a in actions),
+                    None if placement is None else tuple(placement))
 
 
 def _with_communication(compute: Iterable[Action], n_stages: int) -> tuple[Action, ...]:
@@ -263,6 +296,8 @@ def _with_communication(compute: Iterable[Action], n_stages: int) -> tuple[Actio
             out.append(action)
             if stage < last:
                 out.append(Action(Op.SEND_F, stage, microbatch))
+        elif action.op is Op.W:  # nobody waits for a weight gradient
+            out.append(action)
         else:
             # The last stage's backward starts from the loss, not from a received gradient.
             if stage < last:
@@ -367,30 +402,3 @@ def _one_f_one_b_order(
         order += [forwards[warmup + k], backwards[k]]
     order += backwards[total - warmup :]
     return order
-
-
-_BUILDERS: dict[str, Callable[..., Schedule]] = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved_1f1b,
-}
-
-SCHEDULES: tuple[str, ...] = tuple(_BUILDERS)
-"""The names :func:`get` knows."""
-
-
-def get(name: str, n_ranks: int, n_microbatches: int, **kw: Any) -> Schedule:
-    """Build the schedule called ``name``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
-
-    Keyword arguments go to the builder (``stages_per_rank`` for ``"interleaved"``).
-
-    Raises:
-        ValueError: unknown name, or the builder rejects its arguments.
-        TypeError: a keyword the builder does not take.
-    """
-    if not isinstance(name, str):
-        raise TypeError(f"schedule name must be a str, got {name!r}")
-    builder = _BUILDERS.get(name.lower())
-    if builder is None:
-        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
-    return builder(n_ranks, n_microbatches, **kw)

@@ -14,6 +14,13 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
+def _backward_costs(simulation: Simulation) -> str:
+    b, w = _number(simulation.b_cost), _number(simulation.w_cost)
+    if simulation.schedule.splits_backward:
+        return f"B={b} W={w}"
+    return f"B+W={_number(simulation.b_cost + simulation.w_cost)}"
+
+
 def render(simulation: Simulation, step: float | None = None) -> str:
     """Return the step x rank grid of ``simulation`` as text, with its bubble and peak.
 
@@ -29,7 +36,7 @@ def render(simulation: Simulation, step: float | None = None) -> str:
     lines = [
         f"{schedule.name}: {schedule.n_ranks} ranks, {schedule.n_stages} stages, "
         f"{schedule.n_microbatches} microbatches; costs F={_number(simulation.f_cost)} "
-        f"B={_number(simulation.b_cost)} message={_number(simulation.comm_cost)}; "
+        f"{_backward_costs(simulation)} message={_number(simulation.comm_cost)}; "
         f"one row per {_number(step)} time"
     ]
     for line in table:
@@ -56,7 +63,7 @@ def plot(simulation: Simulation, path: str | os.PathLike[str]) -> None:
     width = min(max(6.0, simulation.makespan * 0.35), 40.0)
     figure = Figure(figsize=(width, 1.2 + 0.55 * n_ranks))
     axes = figure.add_subplot()
-    colors = {Op.F: "tab:blue", Op.B: "tab:orange"}
+    colors = {Op.F: "tab:blue", Op.B: "tab:orange", Op.W: "tab:green"}
     per_rank = schedule.stages_per_rank
     for rank, timeline in enumerate(simulation.timelines):
         for span in timeline:
@@ -64,7 +71,7 @@ def plot(simulation: Simulation, path: str | os.PathLike[str]) -> None:
             if not action.op.is_compute or span.end <= span.start:
                 continue
             # Later virtual stages of a rank in lighter shades.
-            chunk = action.stage // n_ranks
+            chunk = schedule.stages_of(rank).index(action.stage)
             alpha = 1.0 - 0.5 * chunk / max(per_rank - 1, 1)
             axes.broken_barh(
                 [(span.start, span.end - span.start)],
@@ -93,11 +100,11 @@ def plot(simulation: Simulation, path: str | os.PathLike[str]) -> None:
         f"{schedule.name}: {n_ranks} ranks, {schedule.n_stages} stages, "
         f"{schedule.n_microbatches} microbatches; bubble {simulation.bubble:.1%}"
     )
+    kinds = [(Op.F, "forward"), (Op.B, "backward")]
+    if schedule.splits_backward:
+        kinds = [(Op.F, "forward"), (Op.B, "B: input gradient"), (Op.W, "W: weight gradient")]
     axes.legend(
-        handles=[
-            Patch(color=colors[Op.F], label="forward"),
-            Patch(color=colors[Op.B], label="backward"),
-        ],
+        handles=[Patch(color=colors[op], label=label) for op, label in kinds],
         loc="upper left",
         bbox_to_anchor=(1.0, 1.0),
         fontsize=7,

@@ -2,9 +2,10 @@
 
 :func:`validate` rejects a broken schedule with a :class:`ScheduleError` that names the
 rank, the index in its list and the action. :func:`simulate` also times it: every rank runs
-its list in order; a forward costs ``f_cost``, a backward ``b_cost``; a send never blocks
-and its message arrives ``comm_cost`` later; a receive blocks its rank until the message
-is there.
+its list in order; a forward costs ``f_cost``, a backward ``b_cost + w_cost`` -- or, in a
+schedule that splits backwards, a ``B`` ``b_cost`` and a ``W`` ``w_cost``; a send never
+blocks and its message arrives ``comm_cost`` later (at once between two stages of one
+rank); a receive blocks its rank until the message is there.
 
 Note on receives: the executor posts receives early and only the forward or backward that
 needs a message waits for it, which never waits longer than a receive that blocks where it
@@ -122,8 +123,10 @@ def _check_pairs(schedule: Schedule, position: dict[Action, tuple[int, int]]) ->
 
 
 def _check_complete(schedule: Schedule, position: dict[Action, tuple[int, int]]) -> None:
-    """Check one F and one B per hosted stage and microbatch, with their messages in order."""
+    """Check one F and one B per hosted stage and microbatch, with their messages in order;
+    and, in a schedule that splits backwards, one W after each B."""
     last = schedule.n_stages - 1
+    split = schedule.splits_backward
     for rank in range(schedule.n_ranks):
         for stage in schedule.stages_of(rank):
             for microbatch in range(schedule.n_microbatches):
@@ -143,6 +146,16 @@ def _check_complete(schedule: Schedule, position: dict[Action, tuple[int, int]])
                     raise _fail(
                         schedule, rank, b_index, f"backward before its forward (index {f_index})"
                     )
+                if split:
+                    weights = Action(Op.W, stage, microbatch)
+                    if weights not in position:
+                        raise ScheduleError(
+                            f"{schedule.name}: rank {rank} has no {weights} (a schedule with W "
+                            "actions needs one W after every B)", rank, None, weights)
+                    w_index = position[weights][1]
+                    if w_index < b_index:
+                        raise _fail(schedule, rank, w_index,
+                                    f"weight gradient before its B (index {b_index})")
                 _check_order(schedule, rank, position, Op.RECV_F, forward, stage > 0, True)
                 _check_order(schedule, rank, position, Op.SEND_F, forward, stage < last, False)
                 _check_order(schedule, rank, position, Op.RECV_B, backward, stage < last, True)
@@ -199,7 +212,8 @@ class Simulation:
         makespan: when the last action ended.
         bubble: fraction of rank time spent idle: ``1 - compute / (n_ranks * makespan)``.
         peak_activations: per rank, the most (stage, microbatch) pairs whose forward had
-            run and backward had not, i.e. activations held at once.
+            run and backward had not (its W, where backwards are split: what B keeps for
+            W is held too), i.e. activations held at once.
     """
 
     schedule: Schedule
@@ -210,6 +224,7 @@ class Simulation:
     makespan: float
     bubble: float
     peak_activations: tuple[int, ...]
+    w_cost: float = 1.0
 
     def step_size(self) -> float:
         """Return the grid's default step: the largest time all costs are multiples of.
@@ -218,7 +233,7 @@ class Simulation:
         the smaller of the forward and backward costs instead, and each row then shows
         what runs at its middle.
         """
-        costs = (self.f_cost, self.b_cost, self.comm_cost)
+        costs = (self.f_cost, self.b_cost, self.comm_cost, self.w_cost)
         step = Fraction(0)
         for cost in (Fraction(c).limit_denominator(1000) for c in costs):
             step = Fraction(
@@ -227,13 +242,14 @@ class Simulation:
             )
         if step > 0 and self.makespan / float(step) <= _MAX_ROWS:
             return float(step)
-        return min(c for c in (self.f_cost, self.b_cost) if c > 0)
+        return min(c for c in (self.f_cost, self.b_cost, self.w_cost) if c > 0)
 
     def grid(self, step: float | None = None) -> list[list[str]]:
         """Return the step x rank table: row k is time ``[k * step, (k + 1) * step)``.
 
         Each cell names the forward or backward running on that rank at the middle of the
-        step (``"F3"``, ``"B3"``; ``"F3@s5"`` when ranks host several stages), or is empty
+        step (``"F3"``, ``"B3"``, ``"W3"``; ``"F3@s5"`` when ranks host several stages), or
+        is empty
         when the rank is idle or communicating. A backward longer than a step fills
         several rows.
 
@@ -275,29 +291,35 @@ def validate(schedule: Schedule) -> None:
             or backward, a backward before its forward, a message on the wrong side of its
             compute, or a deadlock (which actions wait on which).
     """
-    _run(schedule, 1.0, 2.0, 0.0)
+    _run(schedule, 1.0, 1.0, 0.0, 1.0)
 
 
 def simulate(
-    schedule: Schedule, f_cost: float = 1.0, b_cost: float = 2.0, comm_cost: float = 0.0
+    schedule: Schedule, f_cost: float = 1.0, b_cost: float = 1.0, comm_cost: float = 0.0,
+    w_cost: float = 1.0,
 ) -> Simulation:
-    """Validate ``schedule`` and time it with the given costs per forward, backward, message.
+    """Validate ``schedule`` and time it with the given costs per forward, B, message and W.
+
+    A backward that is not split (a schedule without W actions) costs ``b_cost +
+    w_cost``: 2 by default, so that 1F1B and ZB-H1 compare with F = B = W.
 
     Raises:
         ScheduleError: as :func:`validate`.
-        ValueError: a cost is negative, or the forward and backward costs are both 0.
+        ValueError: a cost is negative, or the forward and backward costs are all 0.
     """
-    for what, cost in (("f_cost", f_cost), ("b_cost", b_cost), ("comm_cost", comm_cost)):
+    for what, cost in (("f_cost", f_cost), ("b_cost", b_cost), ("comm_cost", comm_cost),
+                       ("w_cost", w_cost)):
         if not isinstance(cost, (int, float)) or isinstance(cost, bool):
             raise TypeError(f"{what} must be a number, got {cost!r}")
         if not cost >= 0 or math.isinf(cost):
             raise ValueError(f"{what} must be finite and >= 0, got {cost}")
-    if f_cost + b_cost <= 0:
-        raise ValueError("f_cost and b_cost cannot both be 0")
-    return _run(schedule, float(f_cost), float(b_cost), float(comm_cost))
+    if f_cost + b_cost + w_cost <= 0:
+        raise ValueError("f_cost, b_cost and w_cost cannot all be 0")
+    return _run(schedule, float(f_cost), float(b_cost), float(comm_cost), float(w_cost))
 
 
-def _run(schedule: Schedule, f_cost: float, b_cost: float, comm_cost: float) -> Simulation:
+def _run(schedule: Schedule, f_cost: float, b_cost: float, comm_cost: float,
+         w_cost: float) -> Simulation:
     if not isinstance(schedule, Schedule):
         raise TypeError(f"expected a Schedule, got {schedule!r}")
     position = _check_actions(schedule)
@@ -306,7 +328,8 @@ def _run(schedule: Schedule, f_cost: float, b_cost: float, comm_cost: float) -> 
 
     n_ranks = schedule.n_ranks
     actions = schedule.actions
-    cost = {Op.F: f_cost, Op.B: b_cost}
+    split = schedule.splits_backward
+    cost = {Op.F: f_cost, Op.B: b_cost if split else b_cost + w_cost, Op.W: w_cost}
     clock = [0.0] * n_ranks
     cursor = [0] * n_ranks
     arrival: dict[Action, float] = {}  # receive -> when its message is there
@@ -325,7 +348,9 @@ def _run(schedule: Schedule, f_cost: float, b_cost: float, comm_cost: float) -> 
                         break
                     end = max(start, arrival[action])
                 elif action.op in (Op.SEND_F, Op.SEND_B):
-                    arrival[_matching(action)] = start + comm_cost
+                    peer = _matching(action)
+                    local = schedule.rank_of(peer.stage) == rank  # a hand-over: no message
+                    arrival[peer] = start + (0.0 if local else comm_cost)
                 else:
                     end = start + cost[action.op]
                 timelines[rank].append(Interval(start, end, action))
@@ -349,17 +374,19 @@ def _run(schedule: Schedule, f_cost: float, b_cost: float, comm_cost: float) -> 
         tuple(tuple(line) for line in timelines),
         makespan,
         bubble,
-        tuple(_peak(line) for line in actions),
+        tuple(_peak(line, Op.W if split else Op.B) for line in actions),
+        w_cost,
     )
 
 
-def _peak(actions: tuple[Action, ...]) -> int:
+def _peak(actions: tuple[Action, ...], frees: Op) -> int:
+    """The most activations held at once: from each F until the action that ``frees`` it."""
     live = peak = 0
     for action in actions:
         if action.op is Op.F:
             live += 1
             peak = max(peak, live)
-        elif action.op is Op.B:
+        elif action.op is frees:
             live -= 1
     return peak
 
