@@ -13,6 +13,8 @@ simulator's figure for the same schedule (forward 1, backward 2).
     asyncomm run -n 2 examples/pipeline_digits.py
     asyncomm run -n 4 --backend mpi examples/pipeline_digits.py
     asyncomm run -n 2 examples/pipeline_digits.py --schedule interleaved   # 2 stages per rank
+    asyncomm run -n 2 examples/pipeline_digits.py --schedule zbh1          # zero bubble
+    asyncomm run -n 2 examples/pipeline_digits.py --schedule zbv           # ZB-V: 2 per rank
 """
 
 import argparse

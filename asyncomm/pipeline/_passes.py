@@ -161,10 +161,10 @@ def input_gradient(slot: Slot, grad: torch.Tensor | None, n: int, stage: int,
     begin = time.perf_counter()
     x = slot.inputs
     grad_input = None
-    if stage != 0 and x is not None:
+    if x is not None and (stage != 0 or x.requires_grad):  # stage 0's, if the user asks
         if x.requires_grad:
             root, seed = _start(slot, grad, n)
-            if _split_input is not None and not hooked:
+            if _split_input is not None and not hooked and x.is_leaf:  # (it reads x.grad)
                 grads, slot.param_groups = _split_input(
                     [root], None if seed is None else [seed], [x], iter(weights))
                 grad_input = grads[0]
@@ -173,6 +173,8 @@ def input_gradient(slot: Slot, grad: torch.Tensor | None, n: int, stage: int,
                                                     allow_unused=True)
         if grad_input is None:
             grad_input = torch.zeros_like(x)
+    if stage == 0:
+        grad_input = None  # no stage before it to send it to
     slot.grad_output = grad  # what a W without torch's split starts from
     return grad_input, time.perf_counter() - begin
 

@@ -7,16 +7,20 @@ Two measurements, each rank running one stage (``measure``, run on every rank by
   the same MLP (one block of ``Linear(width, width)`` + ``Tanh`` per stage; the last
   block's output goes through an MSE loss) and the same microbatches, trained one step
   at a time by ``torch.distributed.pipelining`` (``PipelineStage`` with
-  ``ScheduleGPipe`` / ``Schedule1F1B``) and by ``asyncomm.pipeline.Pipeline`` with the
-  matching schedule. The variants alternate round by round (each round: a barrier, a
-  warm-up step, then timed steps); a step's time is the slowest rank's, the result the
-  median over rounds and the ratio asyncomm / torch (target <= 1.0).
-- ``bubble``: stages whose forward takes a fixed ``t`` and whose backward takes ``2t``
-  (they sleep: fixed cost, no CPU contention), run by every schedule. The measured bubble
-  of a step is the simulator's definition, ``1 - sum(busy) / (ranks x makespan)``, from
-  every rank's compute time and the first start and last end of the step (``Pipeline.last``;
-  the ranks share a host, so their ``perf_counter`` readings compare), against
-  ``simulate(schedule, 1, 2).bubble`` (target: measured / theory <= 1.15).
+  ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleavedZeroBubble`` (one stage per
+  rank, against zbh1) / ``ScheduleZBVZeroBubble`` (two per rank in a V)) and by
+  ``asyncomm.pipeline.Pipeline`` with the matching schedule. The variants alternate
+  round by round (each round: a barrier, a warm-up step, then timed steps); a step's
+  time is the slowest rank's, the result the median over rounds and the ratio
+  asyncomm / torch (target <= 1.0).
+- ``bubble``: stages whose forward takes a fixed ``t`` and whose backward takes ``2t``:
+  ``t`` for the input's gradient (B) and ``t`` for the weights' (W), apart where a
+  schedule splits them (they sleep: fixed cost, no CPU contention), run by every
+  schedule. The measured bubble of a step is the simulator's definition,
+  ``1 - sum(busy) / (ranks x makespan)``, from every rank's compute time and the first
+  start and last end of the step (``Pipeline.last``; the ranks share a host, so their
+  ``perf_counter`` readings compare), against ``simulate(schedule).bubble`` (F = B = W =
+  1; target: measured / theory <= 1.15).
 """
 
 from __future__ import annotations
@@ -34,8 +38,12 @@ from asyncomm import pipeline
 from asyncomm._comm import Comm
 
 Record = dict[str, Any]
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B"}
-BUBBLE_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# asyncomm's schedule -> torch.distributed.pipelining's counterpart (for zbh1: torch's
+# interleaved zero-bubble schedule with one stage per rank, the same F/B/W split)
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
+                   "zbh1": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+_TORCH_MULTI = ("zbh1", "zbv")  # torch's schedules that take a list of stages
+BUBBLE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 BUBBLE_TARGET = 1.15
 
 
@@ -48,23 +56,28 @@ def mlp(n_stages: int, width: int) -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_stages)]
 
 
-class _FixedCost(torch.autograd.Function):
-    """Identity whose forward sleeps ``t`` and backward ``2 t`` (the GIL is released)."""
+class _Sleeps(torch.autograd.Function):
+    """Identity that sleeps ``forward_s`` forward and ``backward_s`` backward (GIL released)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, t: float) -> torch.Tensor:
-        ctx.t = t
-        time.sleep(t)
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
         return x.clone()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        time.sleep(2 * ctx.t)
-        return grad, None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        time.sleep(ctx.backward_s)
+        return grad, None, None
 
 
 class FixedCost(nn.Module):
-    """A stage of fixed cost: a parameter is added (so a backward runs), then ``_FixedCost``."""
+    """A stage of fixed cost: forward ``t``; backward ``t`` to its input and ``t`` to its weight.
+
+    The two backward paths are apart (the input's through one node, the weight's through
+    another), so a split backward's B costs ``t`` and its W ``t``, a whole one ``2 t``.
+    Stage 0's input must require grad for its B to cost ``t`` too.
+    """
 
     def __init__(self, t: float, width: int) -> None:
         super().__init__()
@@ -72,8 +85,9 @@ class FixedCost(nn.Module):
         self.bias = nn.Parameter(torch.zeros(width))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = _FixedCost.apply(x + self.bias, self.t)  # type: ignore[no-untyped-call]
-        return out
+        through: torch.Tensor = _Sleeps.apply(x, self.t, self.t)  # type: ignore[no-untyped-call]
+        weight: torch.Tensor = _Sleeps.apply(self.bias, 0.0, self.t)  # type: ignore[no-untyped-call]
+        return through + weight
 
 
 # -- timing --------------------------------------------------------------------------
@@ -96,19 +110,25 @@ async def _timed(comm: Comm, step: Callable[[], Awaitable[Any]], steps: int) -> 
     return await _slowest(comm, (time.perf_counter() - start) / steps)
 
 
-def _torch_step(comm: Comm, name: str, stage_module: nn.Module, n_microbatches: int,
-                x: torch.Tensor, y: torch.Tensor) -> Callable[[], Awaitable[None]]:
-    """One step of torch.distributed.pipelining on this rank's stage (blocking calls)."""
+def _torch_step(comm: Comm, name: str, modules: dict[int, nn.Module], n_stages: int,
+                n_microbatches: int, x: torch.Tensor, y: torch.Tensor
+                ) -> Callable[[], Awaitable[None]]:
+    """One step of torch.distributed.pipelining on this rank's stages (blocking calls)."""
     from torch.distributed import pipelining
 
-    stage = pipelining.PipelineStage(stage_module, comm.rank, comm.size, torch.device("cpu"))
-    schedule = getattr(pipelining, TORCH_SCHEDULES[name])(
-        stage, n_microbatches, loss_fn=nn.functional.mse_loss)
-    first, last = comm.rank == 0, comm.rank == comm.size - 1
+    stages = [pipelining.PipelineStage(module, s, n_stages, torch.device("cpu"))
+              for s, module in sorted(modules.items())]
+    kind = getattr(pipelining, TORCH_SCHEDULES[name])
+    schedule = kind(stages if name in _TORCH_MULTI else stages[0], n_microbatches,
+                    loss_fn=nn.functional.mse_loss)
+    first, last = 0 in modules, n_stages - 1 in modules
 
     async def step() -> None:
-        stage_module.zero_grad()
-        if first:
+        for module in modules.values():
+            module.zero_grad()
+        if first and last:
+            schedule.step(x, target=y, losses=[])
+        elif first:
             schedule.step(x)
         elif last:
             schedule.step(target=y, losses=[])
@@ -118,14 +138,14 @@ def _torch_step(comm: Comm, name: str, stage_module: nn.Module, n_microbatches: 
     return step
 
 
-def _ours_step(comm: Comm, name: str, stage_module: nn.Module, n_microbatches: int,
+def _ours_step(comm: Comm, schedule: pipeline.Schedule, modules: dict[int, nn.Module],
                x: torch.Tensor, y: torch.Tensor
                ) -> tuple[Callable[[], Awaitable[None]], pipeline.Pipeline]:
-    schedule = pipeline.get(name, comm.size, n_microbatches)
-    pipe = pipeline.Pipeline(comm, schedule, {comm.rank: stage_module}, nn.functional.mse_loss)
+    pipe = pipeline.Pipeline(comm, schedule, modules, nn.functional.mse_loss)
 
     async def step() -> None:
-        stage_module.zero_grad()
+        for module in modules.values():
+            module.zero_grad()
         await pipe.step(x if pipe.first else None, y if pipe.last_stage else None)
 
     return step, pipe
@@ -137,12 +157,15 @@ async def versus_torch(comm: Comm, width: int, batch: int, n_microbatches: int,
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(batch, width, generator=gen)
     y = torch.randn(batch, width, generator=gen)
-    stage = mlp(comm.size, width)[comm.rank]
     records = []
     for name in TORCH_SCHEDULES:
-        ours, pipe = _ours_step(comm, name, copy.deepcopy(stage), n_microbatches, x, y)
-        variants = {"torch": _torch_step(comm, name, copy.deepcopy(stage), n_microbatches, x, y),
-                    "asyncomm": ours}
+        schedule = pipeline.get(name, comm.size, n_microbatches)
+        model = mlp(schedule.n_stages, width)
+        mine = {s: model[s] for s in schedule.stages_of(comm.rank)}
+        ours, pipe = _ours_step(comm, schedule, copy.deepcopy(mine), x, y)
+        theirs = _torch_step(comm, name, copy.deepcopy(mine), schedule.n_stages,
+                             n_microbatches, x, y)
+        variants = {"torch": theirs, "asyncomm": ours}
         samples: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(rounds):
             for variant, step in variants.items():
@@ -167,7 +190,7 @@ async def bubble(comm: Comm, t: float, n_microbatches: int, steps: int) -> list[
         schedule = pipeline.get(name, comm.size, n_microbatches, **kw)
         stages = [FixedCost(t, width) for _ in range(schedule.n_stages)]
         pipe = pipeline.Pipeline(comm, schedule, stages, lambda out, _: out.sum())
-        x = torch.zeros(n_microbatches, width)
+        x = torch.zeros(n_microbatches, width, requires_grad=True)  # stage 0's B costs t too
         measured = []
         for step in range(steps + 1):
             await comm.barrier()
@@ -182,7 +205,7 @@ async def bubble(comm: Comm, t: float, n_microbatches: int, steps: int) -> list[
                 makespan = ends[0].item() + ends[1].item()
                 measured.append(1.0 - busy.item() / (comm.size * makespan))
         await pipe.close()
-        theory = pipeline.simulate(schedule, 1.0, 2.0).bubble
+        theory = pipeline.simulate(schedule).bubble  # F = B = W = 1: a whole backward 2
         value = statistics.median(measured)
         records.append({
             "test": "bubble", "schedule": name, "stages": schedule.n_stages,
