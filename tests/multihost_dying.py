@@ -1,10 +1,13 @@
 """A world whose second host dies (run by tests/test_hosts.py, 4 ranks on 2 hosts).
 
 Every rank joins and all-reduces once; then the second host's ranks say
-``ready`` and sleep (the test kills them), while the first host's ranks wait
-for them: rank 0 in an all-reduce, rank 1 in a channel receive from rank 2.
+``ready`` (a file ``READY_DIR/ready-RANK``) and sleep (the test kills them),
+while the first host's ranks wait for them: rank 0 in an all-reduce, rank 1
+in a channel receive from rank 2.
 """
 
+import os
+import pathlib
 import time
 
 import torch
@@ -17,7 +20,7 @@ async def main(comm: asyncomm.Comm) -> None:
     await comm.all_reduce(t)
     await comm.barrier()
     if comm.rank >= 2:
-        print(f"ready {comm.rank}", flush=True)
+        pathlib.Path(os.environ["READY_DIR"], f"ready-{comm.rank}").touch()
         time.sleep(600)  # killed here
     started = time.monotonic()
     try:

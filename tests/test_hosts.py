@@ -92,16 +92,20 @@ def test_mpiexec_with_a_host_list_runs_every_scenario(net: network.Network,
         assert net.bytes_sent(host) - sent[host] > 4 << 20
 
 
-def test_a_dead_host_ends_the_other_hosts_ranks_within_seconds(net: network.Network) -> None:
+def test_a_dead_host_ends_the_other_hosts_ranks_within_seconds(net: network.Network,
+                                                                tmp_path: Path) -> None:
     port = next(_ports)
-    procs = [_torchrun(net, DYING, port, h, _env()) for h in range(2)]
-    second = procs[1]
-    assert second.stdout is not None
-    ready = 0
-    for line in second.stdout:  # both of host 2's ranks are up and past the all-reduce
-        ready += line.startswith("ready")
-        if ready == 2:
-            break
+    env = _env(READY_DIR=str(tmp_path))
+    procs = [_torchrun(net, DYING, port, h, env) for h in range(2)]
+    deadline = time.monotonic() + LIMIT_S / 2
+    while len(list(tmp_path.glob("ready-*"))) < 2:  # host 2's ranks are past the all-reduce
+        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+            for proc in procs:
+                proc.kill()
+            said = [proc.communicate()[0][-2000:] for proc in procs]
+            pytest.fail(f"host 2's ranks never got ready: host 1 said {said[0]!r}; "
+                        f"host 2 said {said[1]!r}")
+        time.sleep(0.1)
     time.sleep(0.5)  # host 1's ranks are waiting for them by now
     killed = time.monotonic()
     for pid in subprocess.run(["ip", "netns", "pids", net.namespaces[1]], capture_output=True,
@@ -110,7 +114,7 @@ def test_a_dead_host_ends_the_other_hosts_ranks_within_seconds(net: network.Netw
     code = procs[0].wait(LIMIT_S)
     took = time.monotonic() - killed
     out = procs[0].stdout.read() if procs[0].stdout else ""
-    second.wait(LIMIT_S)
+    procs[1].wait(LIMIT_S)
     assert code != 0, out[-3000:]
     assert took < 20, f"host 1 took {took:.1f} s to end"
     stops = re.findall(r"rank (\d) stopped after [\d.]+ s: (.*)", out)

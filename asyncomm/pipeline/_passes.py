@@ -31,15 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
-_split_input: Any = None
-_split_weight: Any = None
-try:  # see the note on splitting
-    from torch.distributed.pipelining import _backward as _torch_split
-
-    _split_input = _torch_split.stage_backward_input
-    _split_weight = _torch_split.stage_backward_weight
-except (ImportError, AttributeError):  # pragma: no cover - a torch without them
-    pass
+from asyncomm._backends.split_backward import split_input as _split_input
+from asyncomm._backends.split_backward import split_weight as _split_weight
 
 
 @dataclass(frozen=True)
