@@ -98,7 +98,7 @@ PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscr
         subprocess.run(["munged", f"--socket={sock}", "--stop"], capture_output=True)
 
 
-def test_srun_runs_every_scenario_on_four_tasks(slurm: dict[str, str]) -> None:
+def test_srun_runs_the_scenarios_on_four_tasks(slurm: dict[str, str]) -> None:
     # one node: the scenarios' check for two hosts is for the several-hosts tests
     done = subprocess.run(["srun", "-n", "4", "--overcommit", sys.executable, SCRIPT, "gloo",
                            "--one-host"], env=slurm, capture_output=True, text=True,
