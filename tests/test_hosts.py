@@ -81,7 +81,7 @@ def test_mpiexec_with_a_host_list_runs_every_scenario(net: network.Network,
     sent = [net.bytes_sent(h) for h in range(2)]
     ssh = net.ssh_stand_in(tmp_path)
     cmd = [mpiexec, "-launcher", "ssh", "-launcher-exec", str(ssh),
-           "-hosts", ",".join(net.addresses), "-ppn", "2", "-n", "4", "-iface", "eth0",
+           "-hosts", ",".join(net.addresses), "-ppn", "2", "-n", "4", "-iface", network.INTERFACE,
            sys.executable, SCENARIOS]
     done = subprocess.run(net.command(0, cmd), env=_env(**network.MPI_OVER_THE_LINK),
                           capture_output=True, text=True, timeout=LIMIT_S)
@@ -166,4 +166,4 @@ def test_each_host_gives_gloo_the_interface_that_reaches_the_first(net: network.
     for host in range(2):
         done = subprocess.run(net.command(host, [sys.executable, "-c", probe]), env=_env(),
                               capture_output=True, text=True, timeout=LIMIT_S)
-        assert done.stdout.split() == ["eth0", net.addresses[host]], done.stderr
+        assert done.stdout.split() == [network.INTERFACE, net.addresses[host]], done.stderr

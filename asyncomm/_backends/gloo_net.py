@@ -12,10 +12,13 @@ and the job fails (or waits out its timeout) in ``connectFullMesh``.
 
 So before it creates a gloo group, asyncomm checks: when
 ``GLOO_SOCKET_IFNAME`` is unset, the hostname resolves only to loopback
-addresses (or not at all), and ``MASTER_ADDR`` is not an address of this
-host, it picks the interface whose address routes to ``MASTER_ADDR`` (the
-address the kernel would send from) and sets ``GLOO_SOCKET_IFNAME`` to it
-for this process, so its own groups and torch's default group both use it.
+addresses (or not at all), and the world spans several hosts (``MASTER_ADDR``
+is not this host's, or the launcher says so: torchrun's ``LOCAL_WORLD_SIZE``
+below ``WORLD_SIZE``, Slurm's node count), it picks the interface whose
+address routes to ``MASTER_ADDR`` (the address the kernel would send from; on
+``MASTER_ADDR``'s own host, the interface that holds it) and sets
+``GLOO_SOCKET_IFNAME`` to it for this process, so its own groups and torch's
+default group both use it.
 An explicit ``GLOO_SOCKET_IFNAME`` always wins; ``ASYNCOMM_GLOO_IFNAME=0``
 turns the choice off. A connection that fails anyway is explained by
 ``explain``: the address dialed, and what to set.
@@ -144,7 +147,7 @@ def interfaces() -> Iterator[tuple[str, str]]:
 def explain(error: BaseException, rank: int) -> str | None:
     """Say what a gloo connection failure means and how to fix it; ``None`` if it is not one."""
     text = str(error)
-    if "connectFullMesh" not in text and "connect" not in text.lower():
+    if "connect" not in text.lower():
         return None
     found = re.search(r"remote=\[([^\]]+)\]:(\d+)", text)
     if found is None:

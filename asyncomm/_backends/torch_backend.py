@@ -40,7 +40,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -54,6 +54,8 @@ from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.progress import FutureBridge, Inbox, Reaper, Sink, Waiters
+
+T = TypeVar("T")
 
 _TORCH_OPS = {
     ReduceOp.SUM: dist.ReduceOp.SUM,
@@ -456,6 +458,13 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
                                                chosen.interface, chosen.reason)
     owns = not dist.is_initialized()
     watch: startup.Watch | None = None
+
+    async def joined(step: Callable[[], T]) -> T:
+        """Run a joining step off the loop; with a watch, failing fast (see ``startup``)."""
+        if watch is None:
+            return await loop.run_in_executor(None, step)
+        return await watch.run(step, "init")
+
     if owns:
         store = _base_store(env, timeout)
         prefix = f"asyncomm/{_generation}"
@@ -473,6 +482,8 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
                                         world_size=env.size,
                                         timeout=datetime.timedelta(seconds=timeout))
                 sys.excepthook = hook  # launchers label ranks' lines; see asyncomm._runtime
+                if env.size > 1:
+                    _learn_hosts(prefixed, env.size)
             except RuntimeError as exc:  # a store timeout: say who is missing
                 _explained(exc, env.rank)
                 missing = [r for r in range(env.size) if not prefixed.check([f"joined/{r}"])]
@@ -483,11 +494,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
                     f"{', '.join(map(str, missing))} of {env.size} did not join within "
                     f"{timeout:g} s (the init timeout; ASYNCOMM_TIMEOUT)") from exc
 
-        if watch is None:
-            await loop.run_in_executor(None, init)
-        else:
-            await watch.run(init, "init")
-            _learn_hosts(prefixed, env.size)
+        await joined(init)
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup)
     if owns:
@@ -504,10 +511,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
             _explained(exc, env.rank)
             raise
 
-    if watch is None:
-        own_pg = await loop.run_in_executor(None, own_group)
-    else:
-        own_pg = await watch.run(own_group, "init")
+    own_pg = await joined(own_group)
     release = dist.destroy_process_group if owns else None
     user = TorchBackend(name, world, ranks, loop, timeout, release, label, name)
     own = TorchBackend("gloo", own_pg, ranks, loop, timeout, _destroyer(own_pg), label, name)
@@ -515,7 +519,8 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
 
 
 def _learn_hosts(store: Any, size: int) -> None:
-    """Learn which ranks share each gloo address (every rank set its own before joining)."""
+    """Learn which ranks share each gloo address (every rank set its own before joining;
+    a store round trip: on the joining thread, never on the loop)."""
     _hosts.clear()
     try:
         addresses = store.multi_get([f"address/{r}" for r in range(size)])

@@ -256,7 +256,7 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
             env = {**network.MPI_OVER_THE_LINK, **env}  # see network's note on MPI
             spread = ["-launcher", "ssh", "-launcher-exec", str(net.ssh_stand_in(Path(folder))),
                       "-hosts", ",".join(net.addresses), "-ppn", str(n // net.count),
-                      "-iface", "eth0"]
+                      "-iface", network.INTERFACE]
         cmd = [mpiexec, "-n", str(n), *spread, *_label_flag(mpiexec), *python]
         if net is not None:
             cmd = net.command(0, cmd)

@@ -33,7 +33,6 @@ says what is lacking, and ``Network`` raises ``PermissionError`` then.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import subprocess
 from collections.abc import Sequence
@@ -43,6 +42,7 @@ from typing import Any
 
 _NETNS_ETC = Path("/etc/netns")  # ``ip netns exec`` mounts NAME/hosts here over /etc/hosts
 
+INTERFACE = "eth0"  # each host's link, as its namespace names it
 # MPI between emulated hosts: see the note on MPI.
 MPI_OVER_THE_LINK = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 
@@ -72,7 +72,7 @@ class Network:
         if count > 250:
             raise ValueError(f"at most 250 hosts on one network, not {count}")
         self.count, self.rate, self.delay = count, rate, delay
-        tag = random.randrange(1 << 20)
+        tag = int.from_bytes(os.urandom(3), "big") >> 4  # not ``random``: tests reseed it alike
         self._id = f"ac{tag:05x}"  # ≤ 7 characters: interface names have 15 at most
         self.subnet = f"10.{100 + tag % 150}.{tag // 150 % 256}"
         self.names = [f"host{k + 1}" for k in range(count)]
@@ -108,9 +108,9 @@ class Network:
             _sh("ip", "link", "add", inside, "type", "veth", "peer", "name", outside)
             _sh("ip", "link", "set", inside, "netns", ns)
             _sh("ip", "link", "set", outside, "netns", self._switch)
-            _sh("ip", "-n", ns, "link", "set", inside, "name", "eth0")
-            _sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", "eth0")
-            for up in (("-n", ns, "link", "set", "eth0", "up"),
+            _sh("ip", "-n", ns, "link", "set", inside, "name", INTERFACE)
+            _sh("ip", "-n", ns, "addr", "add", f"{address}/24", "dev", INTERFACE)
+            for up in (("-n", ns, "link", "set", INTERFACE, "up"),
                        ("-n", ns, "link", "set", "lo", "up"),
                        ("-n", self._switch, "link", "set", outside, "master", "br0"),
                        ("-n", self._switch, "link", "set", outside, "up")):
@@ -124,14 +124,14 @@ class Network:
             if self.rate is not None:
                 netem += ["rate", self.rate]
             try:
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root",
+                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", INTERFACE, "root",
                     "netem", *netem)
             except RuntimeError as exc:
                 raise ValueError(f"delay {self.delay}: this kernel has no netem ({exc}); "
                                  "only --rate (tbf) can be emulated here") from None
         elif self.rate is not None:
             try:
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "eth0", "root",
+                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", INTERFACE, "root",
                     "tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms")
             except RuntimeError as exc:
                 raise ValueError(f"rate {self.rate}: {exc}") from None
@@ -156,7 +156,7 @@ class Network:
 
     def bytes_sent(self, host: int) -> int:
         """Return the bytes host ``host`` has sent on its link (to check traffic crossed it)."""
-        path = "/sys/class/net/eth0/statistics/tx_bytes"
+        path = f"/sys/class/net/{INTERFACE}/statistics/tx_bytes"
         done = subprocess.run(["ip", "netns", "exec", self.namespaces[host], "cat", path],
                               capture_output=True, text=True, check=True)
         return int(done.stdout)

@@ -212,6 +212,9 @@ class Pipeline:
             if action.op is accumulates:
                 last_b[action.stage] = i
         self._last_backward = frozenset(last_b.values())
+        # what a split backward's W differentiates, per stage (B hands it to torch's split)
+        self._trainable = {s: [p for p in m.parameters() if p.requires_grad]
+                         for s, m in modules.items()}
 
     # -- public --------------------------------------------------------------------
 
@@ -590,13 +593,14 @@ class Pipeline:
                         times: list[float], n: int) -> None:
         stage, mb = action.stage, action.microbatch
         if slot.output is None or slot.backward_done:
-            raise RuntimeError(f"{self._what(index, action)}: backward before its forward")
+            raise RuntimeError(f"{self._what(index, action)}: backward before its forward, "
+                               "or twice")
         grad = None
         if slot.loss is None:
             grad = await self._take(index, action, (_BACKWARD, stage + 1, mb), inbox)
         if self._split:  # B: the input's gradient only; what W needs is kept
             grad_input, took = await compute(functools.partial(
-                input_gradient, slot, grad, n, stage, self._weights_of(stage),
+                input_gradient, slot, grad, n, stage, self._trainable[stage],
                 self.grad_sync is not None),
                 name=f"B{mb}@s{stage}")
             slot.weights_pending = True
@@ -617,14 +621,11 @@ class Pipeline:
             raise RuntimeError(f"{self._what(index, action)}: weight gradient before its B")
         with self._quiet(index):
             took = await compute(functools.partial(weight_gradient, slot, n,
-                                                   self._weights_of(stage)),
+                                                   self._trainable[stage]),
                                  name=f"W{mb}@s{stage}")
         times[1] += took
         slot.inputs = slot.output = slot.loss = slot.grad_output = slot.param_groups = None
         slot.weights_pending = False
-
-    def _weights_of(self, stage: int) -> list[nn.Parameter]:
-        return [p for p in self.stages[stage].parameters() if p.requires_grad]
 
     def _quiet(self, index: int) -> AbstractContextManager[Any]:
         """``grad_sync.no_sync()`` but for the last pass of a stage that accumulates weights."""

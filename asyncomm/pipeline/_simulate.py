@@ -249,9 +249,8 @@ class Simulation:
 
         Each cell names the forward or backward running on that rank at the middle of the
         step (``"F3"``, ``"B3"``, ``"W3"``; ``"F3@s5"`` when ranks host several stages), or
-        is empty
-        when the rank is idle or communicating. A backward longer than a step fills
-        several rows.
+        is empty when the rank is idle or communicating. A backward longer than a step
+        fills several rows.
 
         Args:
             step: the time per row; default: :meth:`step_size` (exact for costs such as

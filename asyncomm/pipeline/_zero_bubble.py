@@ -20,6 +20,7 @@ The orders go through :func:`from_compute`, which places the messages.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from asyncomm.pipeline._schedule import Action, Op, Schedule, _check_count, from_compute
 
@@ -65,13 +66,13 @@ def zbv(n_ranks: int, n_microbatches: int) -> Schedule:
     _check_count("n_ranks", n_ranks)
     _check_count("n_microbatches", n_microbatches)
     placement = v_placement(n_ranks)
-    orders = _greedy(n_ranks, n_microbatches, list(placement), [2 * n_ranks] * n_ranks)
+    orders = _greedy(n_ranks, n_microbatches, placement, 2 * n_ranks)
     return from_compute(orders, name="zbv", n_stages=2 * n_ranks,
                         n_microbatches=n_microbatches, placement=placement)
 
 
-def _greedy(n_ranks: int, n_microbatches: int, placement: list[int],
-            limits: list[int]) -> list[list[Action]]:
+def _greedy(n_ranks: int, n_microbatches: int, placement: Sequence[int],
+            limit: int) -> list[list[Action]]:
     """Return each rank's F/B/W order, list-scheduled with unit costs (see the module note)."""
     n_stages, last = len(placement), len(placement) - 1
     hosted = [[s for s in range(n_stages) if placement[s] == r] for r in range(n_ranks)]
@@ -86,7 +87,7 @@ def _greedy(n_ranks: int, n_microbatches: int, placement: list[int],
     while left:
         for rank in range(n_ranks):
             action = _pick(rank, time, hosted[rank], last, n_microbatches, f_end, b_end,
-                           next_f, next_b, waiting_w[rank], held[rank] < limits[rank])
+                           next_f, next_b, waiting_w[rank], held[rank] < limit)
             if action is None:
                 continue
             stage, mb = action.stage, action.microbatch
