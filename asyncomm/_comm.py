@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from asyncomm._core import instrument, settings, tags
-from asyncomm._core.backend import Backend
+from asyncomm._core.backend import Backend, Posted
 from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError, describe, gist
 from asyncomm._core.handle import FROM_BACKEND, Deadlines, Handle
 from asyncomm._core.ops import ReduceOp, check_reduce
@@ -238,8 +238,7 @@ class Comm:
         """Check the deadline, then start ``op`` on the backend: ``start(handle, *args)``."""
         if timeout is not None:
             timeout = self._deadline(timeout, op)
-        if self._closed:
-            raise CommClosedError(f"{self._what(op)}: the communicator is closed")
+        self._open(op)
         self._seq += 1
         self._last_op = op
         handle: Handle[Any] = Handle(self._loop, (self.rank, op, self._seq, peer, tag),
@@ -388,6 +387,21 @@ class Comm:
         tag = self._tag(tag, "recv")
         return self._issue("recv", self._backend.recv, (t, peer, tag), FROM_BACKEND, t, timeout,
                            peer=peer, tag=tag)
+
+    def post_send(self, tensor: Buffer, dst: int, tag: int = 0) -> Posted:
+        """On a thread that is not the loop's (see ``Posted``): send; ``wait()``, then reuse."""
+        return self._post("send", self._tensor(tensor, "send", writes=False), dst, tag)
+
+    def post_recv(self, tensor: Buffer, src: int, tag: int = 0) -> Posted:
+        """On a thread that is not the loop's: receive into ``tensor``, there once ``wait()``."""
+        return self._post("recv", self._tensor(tensor, "recv"), src, tag)
+
+    def _post(self, op: str, t: torch.Tensor, peer: int, tag: int) -> Posted:
+        name, post = ("dst", self._backend.post_send) if op == "send" else (
+            "src", self._backend.post_recv)
+        peer, tag = self._peer(peer, op, name, self_ok=False), self._tag(tag, op)
+        self._open(op)
+        return post(t, peer, tag, describe(self.rank, op, None, peer, tag))
 
     # -- objects and groups: multi-step operations on the private twin ----------------
 

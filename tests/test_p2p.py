@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 from test_collectives import DTYPES, value
 
-from asyncomm import Comm
+from asyncomm import Comm, CommClosedError
 from asyncomm.testing import World
 
 
@@ -143,3 +144,50 @@ def test_eager_sends_are_bounded(world2: World) -> None:
         assert done_before == 64
     else:  # MPI sends small messages eagerly too, bounded by its own buffers
         assert done_before > 0
+
+
+async def check_posted_from_threads(comm: Comm) -> None:
+    """``post_send``/``post_recv``: checked like ``send``/``recv``; used and waited on a thread."""
+    peer = 1 - comm.rank
+    for bad, kind in ((lambda: comm.post_send("x", peer), TypeError),  # type: ignore[arg-type]
+                      (lambda: comm.post_send(torch.zeros(1), comm.rank), ValueError),
+                      (lambda: comm.post_recv(torch.zeros(1), 5), ValueError),
+                      (lambda: comm.post_recv(torch.zeros(1), peer, tag=-1), ValueError)):
+        with pytest.raises(kind, match=f"rank {comm.rank}: (send|recv)"):
+            bad()
+
+    def exchange() -> list[float]:  # a thread of the program's own: no loop here
+        bufs = [torch.zeros(3) for _ in range(4)]
+        receives = [comm.post_recv(b, peer, tag=10 + i) for i, b in enumerate(bufs)]
+        sends = [comm.post_send(torch.full((3,), 10.0 * comm.rank + i), peer, tag=13 - i)
+                 for i in range(4)]  # sent in the other order: matched by tag
+        for posted in receives + sends:
+            posted.wait()
+        return [b[0].item() for b in bufs]
+
+    got = await asyncio.to_thread(exchange)
+    assert got == [10.0 * peer + 3 - i for i in range(4)], got
+    sub = await comm.group([0, 1])
+    assert sub is not None
+    await sub.close()
+    with pytest.raises(CommClosedError, match="closed"):
+        sub.post_send(torch.zeros(1), peer)
+
+
+async def check_posted_receive_cancelled(comm: Comm) -> None:
+    """A thread blocked in a posted receive returns when it is cancelled (MPI)."""
+    if comm.rank == 0:
+        posted = comm.post_recv(torch.zeros(2), 1, tag=21)
+        waiting = asyncio.ensure_future(asyncio.to_thread(posted.wait))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        posted.cancel()
+        with pytest.raises(CommClosedError, match=r"rank 0: recv peer 1 tag 21: cancelled"):
+            await asyncio.wait_for(waiting, 10)
+    await comm.barrier()
+
+
+def test_posted_from_threads(world2: World) -> None:
+    world2.run(check_posted_from_threads)
+    if world2.backend == "mpi":  # gloo cannot cancel a receive (see ``Posted.cancel``)
+        world2.run(check_posted_receive_cancelled)

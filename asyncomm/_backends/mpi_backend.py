@@ -9,6 +9,7 @@ go through one flat buffer unless they already are consecutive views of one.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,8 +20,14 @@ from mpi4py import MPI
 
 from asyncomm._backends.mpi_link import DATATYPES, ProbeLink, spec
 from asyncomm._core import tags
-from asyncomm._core.backend import Backend, Tensors, remembering
-from asyncomm._core.errors import CommError, MismatchError, PeerFailedError
+from asyncomm._core.backend import Backend, Posted, Tensors, remembering
+from asyncomm._core.errors import (
+    CommClosedError,
+    CommError,
+    MismatchError,
+    PeerFailedError,
+    gist,
+)
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.progress import Poller, Sink
@@ -147,6 +154,8 @@ class MpiBackend(Backend):
         self._status = MPI.Status()
         self._statuses: list[Any] = []
         self._closed = False
+        self._posted: set[_PostedRequest] = set()  # receives threads wait for (post_recv)
+        self._posted_lock = threading.Lock()
 
     def _op(self, dtype: torch.dtype, op: ReduceOp) -> Any:
         mpi_op = _op_cache.get((dtype, op))
@@ -285,6 +294,15 @@ class MpiBackend(Backend):
         source = MPI.ANY_SOURCE if src is None else src
         self._watch(sink, self._comm.Irecv(spec(tensor), source, tag), _source, active=False)
 
+    def post_send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> Posted:
+        return _PostedRequest(self._comm.Isend(spec(tensor), dst, tag), self, what)
+
+    def post_recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Posted:
+        posted = _PostedRequest(self._comm.Irecv(spec(tensor), src, tag), self, what)
+        with self._posted_lock:
+            self._posted.add(posted)
+        return posted
+
     # -- groups and lifecycle --------------------------------------------------------
 
     async def split(self, ranks: Sequence[int]) -> tuple[Backend, Backend] | None:
@@ -301,6 +319,7 @@ class MpiBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        self._cancel_posted()
         pending = self._poller.drain()
         for request, _, active in pending:
             if active:
@@ -313,6 +332,16 @@ class MpiBackend(Backend):
         _orphans.extend(pending)  # their sinks hold the buffers MPI may still write
         self._comm.Free()
 
+    def _cancel_posted(self, timeout: float = 2.0) -> None:
+        """End the receives threads wait for (``post_recv``) before the communicator goes."""
+        with self._posted_lock:
+            posted = list(self._posted)
+        for receive in posted:
+            receive.cancel()
+        deadline = time.monotonic() + timeout
+        while self._posted and time.monotonic() < deadline:  # their threads return
+            time.sleep(0.001)
+
     def link(self) -> Link:
         return ProbeLink(self, self._comm, self._loop, self._poller, self._watch, classify)
 
@@ -320,6 +349,37 @@ class MpiBackend(Backend):
         if MPI.COMM_WORLD.Get_size() > 1:
             time.sleep(0.5)  # let the launcher forward this rank's last output
             MPI.COMM_WORLD.Abort(code)
+
+
+class _PostedRequest(Posted):
+    """A send or receive a thread issued and waits for in ``MPI_Wait`` (the GIL released)."""
+
+    def __init__(self, request: Any, backend: MpiBackend, what: str) -> None:
+        super().__init__(what)
+        self._request = request
+        self._backend = backend
+
+    def wait(self) -> None:
+        status = MPI.Status()
+        try:
+            self._request.Wait(status)
+        except MPI.Exception as exc:
+            kind = remembering(self._backend, classify)(exc)
+            raise kind(f"{self.what}: {gist(exc)}") from exc
+        finally:
+            with self._backend._posted_lock:
+                self._backend._posted.discard(self)
+        if status.Is_cancelled():
+            raise CommClosedError(f"{self.what}: cancelled")
+
+    def cancel(self) -> None:
+        with self._backend._posted_lock:
+            if self not in self._backend._posted:
+                return  # a send, or waited for already
+        try:
+            self._request.Cancel()  # MPI ends the wait of the thread inside it
+        except MPI.Exception:
+            pass
 
 
 def _source(source: Any) -> object:

@@ -48,9 +48,9 @@ import torch.distributed as dist
 from asyncomm._backends import gloo_net, startup
 from asyncomm._backends.gloo_link import GlooLink
 from asyncomm._core import settings, tags
-from asyncomm._core.backend import Backend, Tensors, remembering
+from asyncomm._core.backend import Backend, Posted, Tensors, remembering
 from asyncomm._core.env import LaunchEnv
-from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError
+from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError, gist
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.progress import FutureBridge, Inbox, Reaper, Sink, Waiters
@@ -170,6 +170,7 @@ class TorchBackend(Backend):
         self._user_backend = user_backend  # what groups split from this one run on
         self._splits = 0
         self._eager = Reaper()
+        self._posted = _PostedWaits()  # threads inside a ``Posted.wait`` (see the teardown note)
         self._eager_bytes = settings.read().eager_bytes  # see the note on eager sends
         self.cuda = name == "nccl"
         self._inbox = Inbox(loop, remembering(self, classify))
@@ -314,6 +315,14 @@ class TorchBackend(Backend):
             # connection of the group when a receive the user gave up on stays unmatched.
             self._waiters.watch(functools.partial(work.wait, _FOREVER), sink, finish, endless)
 
+    def post_send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> Posted:
+        self._raise_if_failed(dst)
+        return _PostedWork(self._pg.send([tensor], dst, tag), self, what)
+
+    def post_recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Posted:
+        self._raise_if_failed(src)
+        return _PostedWork(self._pg.recv([tensor], src, tag), self, what)
+
     def stuck(self) -> list[int]:
         return [tag for tag, count in self._any_source.items() for _ in range(count)]
 
@@ -369,14 +378,15 @@ class TorchBackend(Backend):
         """Return whether gloo may still wake a thread or a callback of ours on this group."""
         link = self._link
         return bool(self._waiters.waiting(endless=False) or self._waiters.waiting(endless=True)
-                    or self._eager.running or self._bridge.pending
+                    or self._posted.count or self._eager.running or self._bridge.pending
                     or (link is not None and (link.listening or link.completing)))
 
     def _ending(self) -> bool:
         """Return whether something that closing the connections ends has not ended yet."""
         link = self._link
-        return bool(self._waiters.waiting(endless=False) or self._eager.running
-                    or self._bridge.pending or (link is not None and link.completing))
+        return bool(self._waiters.waiting(endless=False) or self._posted.count
+                    or self._eager.running or self._bridge.pending
+                    or (link is not None and link.completing))
 
     def _settle(self, timeout: float = 5.0) -> None:
         """End everything still in flight on the group, if asyncomm owns it (see the note).
@@ -384,8 +394,9 @@ class TorchBackend(Backend):
         Note on teardown
         ----------------
         A thread that wakes inside a gloo call -- a waiter returning from
-        ``wait()``, gloo's own thread running a future's Python callback --
-        once the interpreter has begun to exit is ended by ``pthread_exit``,
+        ``wait()``, a thread inside a ``Posted.wait``, gloo's own thread
+        running a future's Python callback -- once the interpreter has begun
+        to exit is ended by ``pthread_exit``,
         and the unwinding through gloo's C++ frames calls ``std::terminate``:
         the process dies of SIGABRT after the program succeeded. Such a late
         wake comes from an operation still pending at close (a timed-out
@@ -417,6 +428,42 @@ class TorchBackend(Backend):
         deadline = time.monotonic() + timeout
         while self._ending() and time.monotonic() < deadline:
             time.sleep(0.001)
+
+
+class _PostedWaits:
+    """How many threads are inside a ``_PostedWork.wait`` of one group."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.count = 0
+
+    def enter(self) -> None:
+        with self._lock:
+            self.count += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self.count -= 1
+
+
+class _PostedWork(Posted):
+    """A send or receive a thread issued and waits for itself (gloo cannot cancel it)."""
+
+    def __init__(self, work: Any, backend: TorchBackend, what: str) -> None:
+        super().__init__(what)
+        self._work = work
+        self._backend = backend
+
+    def wait(self) -> None:
+        waits = self._backend._posted
+        waits.enter()  # the group's close ends the wait before destroying it
+        try:
+            self._work.wait(_FOREVER)
+        except BaseException as exc:
+            kind = remembering(self._backend, classify)(exc)
+            raise kind(f"{self.what}: {gist(exc)}") from exc
+        finally:
+            waits.leave()
 
 
 def _base_store(env: LaunchEnv, timeout: float) -> Any:

@@ -25,6 +25,37 @@ if TYPE_CHECKING:
 Tensors = Sequence[torch.Tensor]
 
 
+class Posted(ABC):
+    """A point-to-point operation issued by a thread other than the loop's, for it to wait on.
+
+    ``Comm.post_send``/``post_recv`` give them, and take the same arguments as
+    ``send``/``recv`` (but a source must be named). No handle, no progress
+    engine, no loop hop: a thread that runs a fixed sequence of computes and
+    messages (a pipeline's steps) sends, and blocks on what it receives, as a
+    program written against the backend would. Raise ``ValueError``/``TypeError``
+    for bad arguments, ``CommClosedError`` on a closed communicator, before
+    anything is sent. The wait has no deadline of its own: it ends when the
+    operation does, when a peer's failure fails it (gloo sees a peer's exit at
+    once; under MPI the launcher ends the job), or when ``cancel`` or the
+    communicator's close ends it (where the backend can; see ``cancel``).
+    """
+
+    def __init__(self, what: str) -> None:
+        self.what = what  # "rank R: send peer P tag T": how its errors begin
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block the calling thread until the operation completes.
+
+        Raises:
+            CommError: (a subclass) it failed, or was cancelled (``CommClosedError``).
+        """
+
+    def cancel(self) -> None:  # noqa: B027
+        """From any thread: end a pending receive, whose ``wait`` then raises
+        ``CommClosedError``. Backends that cannot (gloo) leave it pending."""
+
+
 class Backend(ABC):
     """One communicator of one backend: non-blocking primitives over ``size`` ranks."""
 
@@ -90,6 +121,14 @@ class Backend(ABC):
     @abstractmethod
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
         """Issue a receive; the sink gets the source rank (``src=None``: any source)."""
+
+    @abstractmethod
+    def post_send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> Posted:
+        """From any thread: send ``tensor`` (not to be written until the wait returns)."""
+
+    @abstractmethod
+    def post_recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Posted:
+        """From any thread: receive into ``tensor`` from ``src``."""
 
     @abstractmethod
     async def split(self, ranks: Sequence[int]) -> tuple[Backend, Backend] | None:

@@ -14,7 +14,7 @@ the cores its peers and torch's own intra-op threads also use. The worker is
 made on first use and stopped by ``shutdown`` (``init`` calls it on leaving, so
 ``asyncomm.run`` does too), leaving no thread behind.
 
-On CUDA, each worker runs its computes on a side stream of its own and
+On CUDA, each worker thread runs its computes on a side stream of its own and
 synchronises that stream before the await resumes, so the result is ready
 on every stream.
 
@@ -86,7 +86,6 @@ class _Worker:
     def __init__(self, loop: asyncio.AbstractEventLoop, threads: int) -> None:
         self.inbox = Inbox(loop, _any_error)
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self.stream: Any = None  # a CUDA side stream, made on the first CUDA compute
         self.cuda = torch.cuda.is_available()  # asked once: it does not change in a process
         self.threads = [threading.Thread(target=self._serve, name=f"asyncomm-compute_{i}",
                                          daemon=True) for i in range(threads)]
@@ -112,24 +111,39 @@ class _Worker:
 
     def run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
             name: str) -> T:
-        start = time.perf_counter()
-        try:
-            # Initialised: the program uses CUDA (it may start to after the worker was made).
-            if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-                return self._run_cuda(fn, args, kwargs)
-            return fn(*args, **kwargs)
-        finally:
-            instrument.span(name, start, time.perf_counter())
+        return run_here(fn, args, kwargs, name, cuda=self.cuda)
 
-    def _run_cuda(self, fn: Callable[..., T], args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> T:  # pragma: no cover - needs a GPU
-        if self.stream is None:
-            self.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            result = fn(*args, **kwargs)
-        self.stream.synchronize()
-        return result
+
+_streams = threading.local()  # each thread's CUDA side stream, made on its first CUDA compute
+
+
+def run_here(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
+             cuda: bool = True) -> T:
+    """Run a compute on the calling thread (never the loop's) as a compute thread does.
+
+    Its span goes to the trace; on CUDA it runs on a side stream of the thread's own,
+    synchronised before it returns, so its result is ready on every stream.
+    """
+    start = time.perf_counter()
+    try:
+        # Initialised: the program uses CUDA (it may start to after the thread was made).
+        if cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return _run_cuda(fn, args, kwargs)
+        return fn(*args, **kwargs)
+    finally:
+        instrument.span(name, start, time.perf_counter())
+
+
+def _run_cuda(fn: Callable[..., T], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> T:  # pragma: no cover - needs a GPU
+    stream = getattr(_streams, "stream", None)
+    if stream is None:
+        stream = _streams.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        result = fn(*args, **kwargs)
+    stream.synchronize()
+    return result
 
 
 _workers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Worker] = (
