@@ -77,20 +77,32 @@ def _any_error(exc: BaseException) -> type[CommError]:
     return CommError  # unused: ``_Settle`` raises the compute's own exception
 
 
-_Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str, _Settle]
+_Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str | None, _Settle]
 
 
-class _Worker:
-    """The compute threads of one event loop."""
+class Worker:
+    """Compute threads of one event loop: the loop's own (``compute``), or a caller's."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, threads: int) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, threads: int,
+                 name: str = "asyncomm-compute") -> None:
+        self.loop = loop
         self.inbox = Inbox(loop, _any_error)
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.cuda = torch.cuda.is_available()  # asked once: it does not change in a process
-        self.threads = [threading.Thread(target=self._serve, name=f"asyncomm-compute_{i}",
+        self.threads = [threading.Thread(target=self._serve, name=f"{name}_{i}",
                                          daemon=True) for i in range(threads)]
         for thread in self.threads:
             thread.start()
+
+    def submit(self, fn: Callable[..., T], *args: Any, name: str | None = None,
+               **kwargs: Any) -> asyncio.Future[T]:
+        """On the loop: queue ``fn(*args, **kwargs)``; the future gets its result.
+
+        ``name`` labels its span in traces; ``None``: no span (``fn`` records its own).
+        """
+        future: asyncio.Future[T] = self.loop.create_future()
+        self.jobs.put((fn, args, kwargs, name, _Settle(future)))
+        return future
 
     def _serve(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -110,8 +122,15 @@ class _Worker:
             thread.join()
 
     def run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
-            name: str) -> T:
+            name: str | None) -> T:
+        if name is None:
+            return fn(*args, **kwargs)
         return run_here(fn, args, kwargs, name, cuda=self.cuda)
+
+    async def close(self) -> None:
+        """On the loop: end the threads once their queued jobs are done."""
+        await asyncio.to_thread(self.stop)
+        self.inbox.close()  # hands over what the last jobs returned
 
 
 _streams = threading.local()  # each thread's CUDA side stream, made on its first CUDA compute
@@ -146,7 +165,10 @@ def _run_cuda(fn: Callable[..., T], args: tuple[Any, ...],
     return result
 
 
-_workers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Worker] = (
+_workers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Worker] = (
+    weakref.WeakKeyDictionary())
+# the compute threads callers own (``own_worker``), per loop
+_own: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet[Worker]] = (
     weakref.WeakKeyDictionary())
 
 
@@ -176,11 +198,22 @@ async def compute(fn: Callable[..., T], *args: Any, name: str | None = None,
     loop = asyncio.get_running_loop()
     worker = _workers.get(loop)
     if worker is None:
-        worker = _workers[loop] = _Worker(loop, settings.read().compute_threads)
+        worker = _workers[loop] = Worker(loop, settings.read().compute_threads)
     label = name if name is not None else _name_of(fn)
-    future: asyncio.Future[T] = loop.create_future()
-    worker.jobs.put((fn, args, kwargs, label, _Settle(future)))
-    return await future
+    return await worker.submit(fn, *args, name=label, **kwargs)
+
+
+def own_worker(name: str) -> Worker:
+    """On a loop: a compute thread of the caller's own, called ``name``.
+
+    For work that must not queue behind the loop's other computes (nor they behind
+    it): a pipeline's steps. ``Worker.close`` ends it; ``shutdown`` ends it with the
+    loop's own.
+    """
+    loop = asyncio.get_running_loop()
+    worker = Worker(loop, 1, name)
+    _own.setdefault(loop, weakref.WeakSet()).add(worker)  # its thread keeps it alive
+    return worker
 
 
 async def shutdown(loop: asyncio.AbstractEventLoop) -> None:
@@ -188,7 +221,10 @@ async def shutdown(loop: asyncio.AbstractEventLoop) -> None:
 
     The loop keeps turning while they finish (a compute may be waiting on it).
     """
+    workers = list(_own.pop(loop, ()))
     worker = _workers.pop(loop, None)
     if worker is not None:
-        await asyncio.to_thread(worker.stop)
-        worker.inbox.close()  # hands over what the last computes returned
+        workers.append(worker)
+    for each in workers:
+        if each.threads[0].is_alive():
+            await each.close()

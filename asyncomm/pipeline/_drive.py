@@ -30,14 +30,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 if TYPE_CHECKING:
     from asyncomm._core.backend import Posted
 
-T = TypeVar("T")
 Key = tuple[int, int, int]  # (direction, boundary, microbatch)
 
 
@@ -116,35 +115,3 @@ class StepRun:
             send(*args)
         except BaseException as exc:  # e.g. the communicator closed: the step fails with it
             self.stop(exc)
-
-
-def on_thread(fn: Callable[[], T], name: str) -> asyncio.Future[T]:
-    """Start ``fn()`` on a new thread called ``name``; the future gets what it returns or raises.
-
-    Cancelling the future does not stop ``fn``: stop it through what it waits on.
-    """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(value: Any, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(value)
-
-    def body() -> None:
-        value: Any = None
-        error: BaseException | None = None
-        try:
-            value = fn()
-        except BaseException as exc:
-            error = exc
-        try:
-            loop.call_soon_threadsafe(settle, value, error)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-    threading.Thread(target=body, name=name, daemon=True).start()
-    return future

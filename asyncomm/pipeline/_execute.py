@@ -69,8 +69,8 @@ import torch
 from torch import nn
 
 from asyncomm._core.errors import CommError, RemoteError
-from asyncomm._overlap.compute import compute, run_here
-from asyncomm.pipeline._drive import StepRun, StepStopped, on_thread
+from asyncomm._overlap.compute import Worker, compute, own_worker, run_here
+from asyncomm.pipeline._drive import StepRun, StepStopped
 from asyncomm.pipeline._passes import (
     Slot,
     StepStats,
@@ -194,6 +194,7 @@ class Pipeline:
         # (direction, boundary, microbatch) -> the shape and dtype of its first-step message
         self._shapes: dict[tuple[int, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._p2p: Comm | None = None  # the pipeline's own communicator, from step 2 on
+        self._driver: Worker | None = None  # the thread that runs the steps' actions
         self._failed: str | None = None  # a step that raised: its messages may still come
         self._closed = False
         self._steps = 0  # steps started
@@ -290,7 +291,9 @@ class Pipeline:
         try:
             run.posted.update(self._receives)
             # the driver starts at once: the first actions need no receive, or wait for it
-            driver = on_thread(functools.partial(self._drive, run, xs, ys), "asyncomm-pipeline")
+            if self._driver is None:
+                self._driver = own_worker("asyncomm-pipeline")  # kept: its memory stays warm
+            driver = self._driver.submit(self._drive, run, xs, ys)
             self._post_receives(run)
             await driver
             if run.error is not None:  # a send the loop could not issue
@@ -352,6 +355,9 @@ class Pipeline:
         self._closed = True
         if self._telling is not None:
             await asyncio.wait((self._telling,), timeout=_NOTICE_S)
+        if self._driver is not None:
+            await self._driver.close()  # once a stopped step's driver has returned
+            self._driver = None
         if self._p2p is not None:
             await self._p2p.close()
 
