@@ -31,10 +31,6 @@ _log = logging.getLogger("asyncomm")
 Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)  # type: ignore[type-arg]
 
 
-def _nothing(handle: Handle[Any]) -> None:
-    """Start nothing: the handle of a multi-step operation is settled by its task."""
-
-
 class Comm:
     """A communicator: this rank's view of a group of ranks, with awaitable operations.
 
@@ -388,6 +384,9 @@ class Comm:
         return self._issue("recv", self._backend.recv, (t, peer, tag), FROM_BACKEND, t, timeout,
                            peer=peer, tag=tag)
 
+    thread_messages = property(lambda self: self._backend.thread_messages,
+                               doc="Whether a thread's fixed message sequence should use post_*.")
+
     def post_send(self, tensor: Buffer, dst: int, tag: int = 0) -> Posted:
         """On a thread that is not the loop's (see ``Posted``): send; ``wait()``, then reuse."""
         return self._post("send", self._tensor(tensor, "send", writes=False), dst, tag)
@@ -408,7 +407,8 @@ class Comm:
     def _steps(self, op: str, body: Callable[[], Awaitable[T]],
                timeout: float | None) -> Handle[T]:
         """Run ``body`` after the previous multi-step operation, as one ``Handle``."""
-        handle: Handle[T] = self._issue(op, _nothing, (), FROM_BACKEND, None, timeout)
+        # starts nothing: the handle of a multi-step operation is settled by its task
+        handle: Handle[T] = self._issue(op, lambda _: None, (), FROM_BACKEND, None, timeout)
         previous = self._chain
 
         async def run() -> None:

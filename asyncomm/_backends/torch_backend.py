@@ -170,7 +170,7 @@ class TorchBackend(Backend):
         self._user_backend = user_backend  # what groups split from this one run on
         self._splits = 0
         self._eager = Reaper()
-        self._posted = _PostedWaits()  # threads inside a ``Posted.wait`` (see the teardown note)
+        self._posted = _PostedWaits()  # ``Posted`` operations in flight (see the teardown note)
         self._eager_bytes = settings.read().eager_bytes  # see the note on eager sends
         self.cuda = name == "nccl"
         self._inbox = Inbox(loop, remembering(self, classify))
@@ -378,13 +378,13 @@ class TorchBackend(Backend):
         """Return whether gloo may still wake a thread or a callback of ours on this group."""
         link = self._link
         return bool(self._waiters.waiting(endless=False) or self._waiters.waiting(endless=True)
-                    or self._posted.count or self._eager.running or self._bridge.pending
+                    or self._posted.pending or self._eager.running or self._bridge.pending
                     or (link is not None and (link.listening or link.completing)))
 
     def _ending(self) -> bool:
         """Return whether something that closing the connections ends has not ended yet."""
         link = self._link
-        return bool(self._waiters.waiting(endless=False) or self._posted.count
+        return bool(self._waiters.waiting(endless=False) or self._posted.waiting
                     or self._eager.running or self._bridge.pending
                     or (link is not None and link.completing))
 
@@ -400,9 +400,10 @@ class TorchBackend(Backend):
         and the unwinding through gloo's C++ frames calls ``std::terminate``:
         the process dies of SIGABRT after the program succeeded. Such a late
         wake comes from an operation still pending at close (a timed-out
-        receive or send, a collective a peer never joined, an eager send
-        nobody receives), when the peer's exit closes the connection during
-        ours. gloo can neither cancel nor abort an operation, but a receive
+        receive or send, a posted one a thread may yet wait for, a collective
+        a peer never joined, an eager send nobody receives), when the peer's
+        exit closes the connection during ours. gloo can neither cancel nor
+        abort an operation, but a receive
         waited for with a short timeout makes it close every connection of
         the group ("application timeout"), which fails every pending
         operation tied to a connection at once, here and now. So an owned
@@ -431,19 +432,25 @@ class TorchBackend(Backend):
 
 
 class _PostedWaits:
-    """How many threads are inside a ``_PostedWork.wait`` of one group."""
+    """The ``Posted`` operations of one group not waited for yet, and the threads waiting."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.count = 0
+        self.pending: set[_PostedWork] = set()  # issued, not seen complete by a wait
+        self.waiting = 0  # threads inside a wait
+
+    def add(self, posted: _PostedWork) -> None:
+        with self._lock:
+            self.pending.add(posted)
 
     def enter(self) -> None:
         with self._lock:
-            self.count += 1
+            self.waiting += 1
 
-    def leave(self) -> None:
+    def leave(self, posted: _PostedWork) -> None:
         with self._lock:
-            self.count -= 1
+            self.waiting -= 1
+            self.pending.discard(posted)
 
 
 class _PostedWork(Posted):
@@ -453,17 +460,18 @@ class _PostedWork(Posted):
         super().__init__(what)
         self._work = work
         self._backend = backend
+        backend._posted.add(self)  # closing the group ends it (see the note on teardown)
 
     def wait(self) -> None:
         waits = self._backend._posted
-        waits.enter()  # the group's close ends the wait before destroying it
+        waits.enter()
         try:
             self._work.wait(_FOREVER)
         except BaseException as exc:
             kind = remembering(self._backend, classify)(exc)
             raise kind(f"{self.what}: {gist(exc)}") from exc
         finally:
-            waits.leave()
+            waits.leave(self)
 
 
 def _base_store(env: LaunchEnv, timeout: float) -> Any:

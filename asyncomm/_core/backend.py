@@ -37,7 +37,10 @@ class Posted(ABC):
     anything is sent. The wait has no deadline of its own: it ends when the
     operation does, when a peer's failure fails it (gloo sees a peer's exit at
     once; under MPI the launcher ends the job), or when ``cancel`` or the
-    communicator's close ends it (where the backend can; see ``cancel``).
+    communicator's close ends it (where the backend can; see ``cancel``). On gloo,
+    wait for every posted operation before closing the communicator: in tests, one
+    left pending at close (a failed pipeline step's) made the next group's creation
+    hang, 1 run in 3 to 5; so pipelines post only where ``thread_messages`` holds.
     """
 
     def __init__(self, what: str) -> None:
@@ -71,6 +74,11 @@ class Backend(ABC):
     # whether its link can tell that a peer is gone (``Link.probe``): else a dead peer
     # ends the whole job (MPI), and nobody is left to tell
     probes_peers: bool = False
+    # whether a thread that issues point-to-point operations itself (``post_send``) and
+    # blocks on them is the faster way for a thread's fixed sequence of messages (a
+    # pipeline's steps), and safe to leave pending at close: else such a thread hands
+    # its messages to the loop
+    thread_messages: bool = False
 
     def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027
         """Raise ``TypeError`` for reductions the backend lacks beyond the common rules."""

@@ -114,12 +114,16 @@ class Worker:
             else:
                 self.inbox.put(sink, _value, value)
 
-    def stop(self) -> None:
-        """On a thread: let the queued computes finish, then end the threads."""
+    def stop(self, timeout: float | None = None) -> None:
+        """On a thread: let the queued jobs finish, then end the threads.
+
+        ``timeout``: wait at most so long for them; a thread still busy then (a job
+        blocked on what may never come) ends when its job returns.
+        """
         for _ in self.threads:
             self.jobs.put(None)
         for thread in self.threads:
-            thread.join()
+            thread.join(timeout)
 
     def run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
             name: str | None) -> T:
@@ -127,9 +131,9 @@ class Worker:
             return fn(*args, **kwargs)
         return run_here(fn, args, kwargs, name, cuda=self.cuda)
 
-    async def close(self) -> None:
-        """On the loop: end the threads once their queued jobs are done."""
-        await asyncio.to_thread(self.stop)
+    async def close(self, timeout: float | None = None) -> None:
+        """On the loop: end the threads once their queued jobs are done (see ``stop``)."""
+        await asyncio.to_thread(self.stop, timeout)
         self.inbox.close()  # hands over what the last jobs returned
 
 
@@ -167,6 +171,7 @@ def _run_cuda(fn: Callable[..., T], args: tuple[Any, ...],
 
 _workers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Worker] = (
     weakref.WeakKeyDictionary())
+_OWN_STOP_S = 5.0  # how long shutting down waits for a thread of a caller's own (see stop)
 # the compute threads callers own (``own_worker``), per loop
 _own: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet[Worker]] = (
     weakref.WeakKeyDictionary())
@@ -221,10 +226,9 @@ async def shutdown(loop: asyncio.AbstractEventLoop) -> None:
 
     The loop keeps turning while they finish (a compute may be waiting on it).
     """
-    workers = list(_own.pop(loop, ()))
+    for own in list(_own.pop(loop, ())):
+        if own.threads[0].is_alive():
+            await own.close(_OWN_STOP_S)
     worker = _workers.pop(loop, None)
     if worker is not None:
-        workers.append(worker)
-    for each in workers:
-        if each.threads[0].is_alive():
-            await each.close()
+        await worker.close()

@@ -84,6 +84,7 @@ from asyncomm.pipeline._simulate import validate
 if TYPE_CHECKING:
     from asyncomm._comm import Comm
     from asyncomm._core.backend import Posted
+    from asyncomm._core.handle import Handle
     from asyncomm._messaging.channels import Channel
 
 T = TypeVar("T")
@@ -290,12 +291,11 @@ class Pipeline:
         start = time.perf_counter()
         try:
             run.posted.update(self._receives)
-            # the driver starts at once: the first actions need no receive, or wait for it
+            # posted before the driver starts: only one thread at a time calls the backend
+            self._post_receives(run)
             if self._driver is None:
                 self._driver = own_worker("asyncomm-pipeline")  # kept: its memory stays warm
-            driver = self._driver.submit(self._drive, run, xs, ys)
-            self._post_receives(run)
-            await driver
+            await self._driver.submit(self._drive, run, xs, ys)
             if run.error is not None:  # a send the loop could not issue
                 raise run.error
             for sent in run.sends:
@@ -355,11 +355,13 @@ class Pipeline:
         self._closed = True
         if self._telling is not None:
             await asyncio.wait((self._telling,), timeout=_NOTICE_S)
-        if self._driver is not None:
-            await self._driver.close()  # once a stopped step's driver has returned
-            self._driver = None
         if self._p2p is not None:
+            # first: a failed step's driver may still wait there for a message that will
+            # not come (gloo cannot cancel it), and closing the communicator ends the wait
             await self._p2p.close()
+        if self._driver is not None:
+            await self._driver.close(timeout=_NOTICE_S)
+            self._driver = None
 
     async def forward(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None = None
                       ) -> torch.Tensor | None:
@@ -511,7 +513,12 @@ class Pipeline:
         for key, peer in self._receives.items():
             if peer == self.rank:
                 continue  # a local hand-over: the driver puts it in ``run.local``
-            if self._p2p is not None:  # the driver waits for it itself (see ``_drive``)
+            if self._p2p is not None and not self._p2p.thread_messages:
+                shape, dtype = self._shapes[key]
+                buffer = torch.empty(shape, dtype=dtype)
+                handle = self._p2p.recv(buffer, peer, self._offset(*key))
+                handle.add_done_callback(functools.partial(_arrived_into, run, key, buffer))
+            elif self._p2p is not None:  # the driver waits for it itself (see ``_drive``)
                 shape, dtype = self._shapes[key]
                 buffer = torch.empty(shape, dtype=dtype)
                 posted = self._p2p.post_recv(buffer, peer, self._offset(*key))
@@ -571,7 +578,15 @@ class Pipeline:
                 f"the first step it was {tuple(shape)} {dtype}: with fixed_shapes=True every "
                 "message keeps its first step's shape and dtype (use Pipeline(..., "
                 "fixed_shapes=False) for shapes that change)")
+        if not self._p2p.thread_messages:  # through the loop (see ``_drive``)
+            run.issue(self._send_p2p, run, key, tensor.contiguous(), peer)
+            return
         run.sent.append(self._p2p.post_send(tensor.contiguous(), peer, self._offset(*key)))
+
+    def _send_p2p(self, run: StepRun, key: tuple[int, int, int], tensor: torch.Tensor,
+                  peer: int) -> None:
+        assert self._p2p is not None
+        run.sends.append(self._p2p.send(tensor, peer, self._offset(*key)))
 
     # on the loop, from the driver's ``issue``
     def _send_on_channel(self, run: StepRun, key: tuple[int, int, int], tensor: torch.Tensor,
@@ -672,6 +687,17 @@ def _arrived(run: StepRun, key: tuple[int, int, int], task: asyncio.Future[torch
              ) -> None:
     """A channel receive's task ended: hand its tensor (or error) to the driver."""
     run.arrive(key, task.result)
+
+
+def _arrived_into(run: StepRun, key: tuple[int, int, int], buffer: torch.Tensor,
+                  handle: Handle[int]) -> None:
+    """On the loop: a point-to-point receive into ``buffer`` ended; hand it to the driver."""
+
+    def get() -> torch.Tensor:
+        handle.result()  # raises the receive's error
+        return buffer
+
+    run.arrive(key, get)
 
 
 def _received(posted: Posted, buffer: torch.Tensor) -> torch.Tensor:
