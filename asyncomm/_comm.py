@@ -384,9 +384,6 @@ class Comm:
         return self._issue("recv", self._backend.recv, (t, peer, tag), FROM_BACKEND, t, timeout,
                            peer=peer, tag=tag)
 
-    thread_messages = property(lambda self: self._backend.thread_messages,
-                               doc="Whether a thread's fixed message sequence should use post_*.")
-
     def post_send(self, tensor: Buffer, dst: int, tag: int = 0) -> Posted:
         """On a thread that is not the loop's (see ``Posted``): send; ``wait()``, then reuse."""
         return self._post("send", self._tensor(tensor, "send", writes=False), dst, tag)

@@ -10,7 +10,6 @@ microbatches. One world run per backend and size checks every schedule.
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 import torch
@@ -247,11 +246,7 @@ async def check_fixed_shapes(comm: Comm) -> None:
         for mb in range(2):
             await pipe._p2p.send(torch.zeros(2, width, dtype=torch.float64), 0,
                                  pipe._offset(1, 1, mb))
-    assert pipe._driver is not None
-    driver = pipe._driver.threads[0]  # internal on purpose: the thread its steps ran on
-    assert driver.name.startswith("asyncomm-pipeline") and driver.is_alive()
     await pipe.close()
-    assert not driver.is_alive()
 
 
 def test_fixed_shapes(world2: World) -> None:
@@ -387,30 +382,9 @@ async def check_comm_close_closes_pipeline(comm: Comm) -> None:
         await pipe.step(*data[0])
 
 
-async def check_close_after_failure(comm: Comm) -> None:
-    """After a failed step, ``close`` ends at once: a driver still waiting for a message
-    that will never come (gloo cannot cancel its receive) is ended with the communicator."""
-    schedule = pipeline.get("gpipe", comm.size, MICROBATCHES)
-    data = batches(1)
-    stages = pipeline.split(build(2), 2)
-    faulty = Faulty(stages[0])
-    pipe = pipeline.Pipeline(comm, schedule, [faulty, stages[1]], nn.functional.mse_loss)
-    await pipe.step(*data[0])  # step 2 runs on the driver's own sends and receives
-    faulty.fail = True
-    with pytest.raises((RuntimeError, RemoteError)):
-        await pipe.step(*data[0])
-    assert pipe._driver is not None
-    driver = pipe._driver.threads[0]
-    start = time.monotonic()
-    await pipe.close()
-    assert time.monotonic() - start < 3.0
-    assert not driver.is_alive()
-
-
 def test_failure_told(world2: World) -> None:
     world2.run(check_failure_told)
     world2.run(check_cancel_told)
-    world2.run(check_close_after_failure)
 
 
 def test_comm_close_closes_the_pipeline(world2: World) -> None:

@@ -140,7 +140,6 @@ class MpiBackend(Backend):
 
     name = "mpi"
     dtypes = frozenset(DATATYPES)
-    thread_messages = True  # MPI_THREAD_MULTIPLE; a pending receive can be cancelled
 
     def __init__(self, comm: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.raw = comm

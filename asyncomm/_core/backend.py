@@ -31,16 +31,14 @@ class Posted(ABC):
     ``Comm.post_send``/``post_recv`` give them, and take the same arguments as
     ``send``/``recv`` (but a source must be named). No handle, no progress
     engine, no loop hop: a thread that runs a fixed sequence of computes and
-    messages (a pipeline's steps) sends, and blocks on what it receives, as a
+    messages (a pipeline's driver, say) sends, and blocks on what it receives, as a
     program written against the backend would. Raise ``ValueError``/``TypeError``
     for bad arguments, ``CommClosedError`` on a closed communicator, before
     anything is sent. The wait has no deadline of its own: it ends when the
     operation does, when a peer's failure fails it (gloo sees a peer's exit at
     once; under MPI the launcher ends the job), or when ``cancel`` or the
     communicator's close ends it (where the backend can; see ``cancel``). On gloo,
-    wait for every posted operation before closing the communicator: in tests, one
-    left pending at close (a failed pipeline step's) made the next group's creation
-    hang, 1 run in 3 to 5; so pipelines post only where ``thread_messages`` holds.
+    wait for every posted operation before closing the communicator.
     """
 
     def __init__(self, what: str) -> None:
@@ -74,11 +72,6 @@ class Backend(ABC):
     # whether its link can tell that a peer is gone (``Link.probe``): else a dead peer
     # ends the whole job (MPI), and nobody is left to tell
     probes_peers: bool = False
-    # whether a thread that issues point-to-point operations itself (``post_send``) and
-    # blocks on them is the faster way for a thread's fixed sequence of messages (a
-    # pipeline's steps), and safe to leave pending at close: else such a thread hands
-    # its messages to the loop
-    thread_messages: bool = False
 
     def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027
         """Raise ``TypeError`` for reductions the backend lacks beyond the common rules."""

@@ -14,7 +14,7 @@ the cores its peers and torch's own intra-op threads also use. The worker is
 made on first use and stopped by ``shutdown`` (``init`` calls it on leaving, so
 ``asyncomm.run`` does too), leaving no thread behind.
 
-On CUDA, each worker thread runs its computes on a side stream of its own and
+On CUDA, each worker runs its computes on a side stream of its own and
 synchronises that stream before the await resumes, so the result is ready
 on every stream.
 
@@ -77,32 +77,21 @@ def _any_error(exc: BaseException) -> type[CommError]:
     return CommError  # unused: ``_Settle`` raises the compute's own exception
 
 
-_Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str | None, _Settle]
+_Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str, _Settle]
 
 
-class Worker:
-    """Compute threads of one event loop: the loop's own (``compute``), or a caller's."""
+class _Worker:
+    """The compute threads of one event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, threads: int,
-                 name: str = "asyncomm-compute") -> None:
-        self.loop = loop
+    def __init__(self, loop: asyncio.AbstractEventLoop, threads: int) -> None:
         self.inbox = Inbox(loop, _any_error)
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.stream: Any = None  # a CUDA side stream, made on the first CUDA compute
         self.cuda = torch.cuda.is_available()  # asked once: it does not change in a process
-        self.threads = [threading.Thread(target=self._serve, name=f"{name}_{i}",
+        self.threads = [threading.Thread(target=self._serve, name=f"asyncomm-compute_{i}",
                                          daemon=True) for i in range(threads)]
         for thread in self.threads:
             thread.start()
-
-    def submit(self, fn: Callable[..., T], *args: Any, name: str | None = None,
-               **kwargs: Any) -> asyncio.Future[T]:
-        """On the loop: queue ``fn(*args, **kwargs)``; the future gets its result.
-
-        ``name`` labels its span in traces; ``None``: no span (``fn`` records its own).
-        """
-        future: asyncio.Future[T] = self.loop.create_future()
-        self.jobs.put((fn, args, kwargs, name, _Settle(future)))
-        return future
 
     def _serve(self) -> None:
         while (job := self.jobs.get()) is not None:
@@ -114,66 +103,36 @@ class Worker:
             else:
                 self.inbox.put(sink, _value, value)
 
-    def stop(self, timeout: float | None = None) -> None:
-        """On a thread: let the queued jobs finish, then end the threads.
-
-        ``timeout``: wait at most so long for them; a thread still busy then (a job
-        blocked on what may never come) ends when its job returns.
-        """
+    def stop(self) -> None:
+        """On a thread: let the queued computes finish, then end the threads."""
         for _ in self.threads:
             self.jobs.put(None)
         for thread in self.threads:
-            thread.join(timeout)
+            thread.join()
 
     def run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
-            name: str | None) -> T:
-        if name is None:
+            name: str) -> T:
+        start = time.perf_counter()
+        try:
+            # Initialised: the program uses CUDA (it may start to after the worker was made).
+            if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+                return self._run_cuda(fn, args, kwargs)
             return fn(*args, **kwargs)
-        return run_here(fn, args, kwargs, name, cuda=self.cuda)
+        finally:
+            instrument.span(name, start, time.perf_counter())
 
-    async def close(self, timeout: float | None = None) -> None:
-        """On the loop: end the threads once their queued jobs are done (see ``stop``)."""
-        await asyncio.to_thread(self.stop, timeout)
-        self.inbox.close()  # hands over what the last jobs returned
-
-
-_streams = threading.local()  # each thread's CUDA side stream, made on its first CUDA compute
-
-
-def run_here(fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any], name: str,
-             cuda: bool = True) -> T:
-    """Run a compute on the calling thread (never the loop's) as a compute thread does.
-
-    Its span goes to the trace; on CUDA it runs on a side stream of the thread's own,
-    synchronised before it returns, so its result is ready on every stream.
-    """
-    start = time.perf_counter()
-    try:
-        # Initialised: the program uses CUDA (it may start to after the thread was made).
-        if cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-            return _run_cuda(fn, args, kwargs)
-        return fn(*args, **kwargs)
-    finally:
-        instrument.span(name, start, time.perf_counter())
+    def _run_cuda(self, fn: Callable[..., T], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> T:  # pragma: no cover - needs a GPU
+        if self.stream is None:
+            self.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            result = fn(*args, **kwargs)
+        self.stream.synchronize()
+        return result
 
 
-def _run_cuda(fn: Callable[..., T], args: tuple[Any, ...],
-              kwargs: dict[str, Any]) -> T:  # pragma: no cover - needs a GPU
-    stream = getattr(_streams, "stream", None)
-    if stream is None:
-        stream = _streams.stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        result = fn(*args, **kwargs)
-    stream.synchronize()
-    return result
-
-
-_workers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Worker] = (
-    weakref.WeakKeyDictionary())
-_OWN_STOP_S = 5.0  # how long shutting down waits for a thread of a caller's own (see stop)
-# the compute threads callers own (``own_worker``), per loop
-_own: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, weakref.WeakSet[Worker]] = (
+_workers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Worker] = (
     weakref.WeakKeyDictionary())
 
 
@@ -203,22 +162,11 @@ async def compute(fn: Callable[..., T], *args: Any, name: str | None = None,
     loop = asyncio.get_running_loop()
     worker = _workers.get(loop)
     if worker is None:
-        worker = _workers[loop] = Worker(loop, settings.read().compute_threads)
+        worker = _workers[loop] = _Worker(loop, settings.read().compute_threads)
     label = name if name is not None else _name_of(fn)
-    return await worker.submit(fn, *args, name=label, **kwargs)
-
-
-def own_worker(name: str) -> Worker:
-    """On a loop: a compute thread of the caller's own, called ``name``.
-
-    For work that must not queue behind the loop's other computes (nor they behind
-    it): a pipeline's steps. ``Worker.close`` ends it; ``shutdown`` ends it with the
-    loop's own.
-    """
-    loop = asyncio.get_running_loop()
-    worker = Worker(loop, 1, name)
-    _own.setdefault(loop, weakref.WeakSet()).add(worker)  # its thread keeps it alive
-    return worker
+    future: asyncio.Future[T] = loop.create_future()
+    worker.jobs.put((fn, args, kwargs, label, _Settle(future)))
+    return await future
 
 
 async def shutdown(loop: asyncio.AbstractEventLoop) -> None:
@@ -226,9 +174,7 @@ async def shutdown(loop: asyncio.AbstractEventLoop) -> None:
 
     The loop keeps turning while they finish (a compute may be waiting on it).
     """
-    for own in list(_own.pop(loop, ())):
-        if own.threads[0].is_alive():
-            await own.close(_OWN_STOP_S)
     worker = _workers.pop(loop, None)
     if worker is not None:
-        await worker.close()
+        await asyncio.to_thread(worker.stop)
+        worker.inbox.close()  # hands over what the last computes returned

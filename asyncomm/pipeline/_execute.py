@@ -2,14 +2,14 @@
 
 Note on how a step runs
 -----------------------
-Each rank executes its own action list of the ``Schedule`` in order, on a
-thread of the step's own (the *driver*, see ``_drive``), so that the loop keeps
-turning while stages compute and no action waits for a loop hop. Every receive
-of the step is posted when the step starts and waited for only by the F or B
-that needs its tensor. Sends are not waited for until the end of the step:
-their tensors (a stage's output, the gradient of its input) are never written
-again. Computes are traced as ``asyncomm.compute``'s are (one span each, on
-CUDA a side stream of the driver's own).
+Each rank executes its own action list of the ``Schedule`` in order. Every
+receive of the step is posted when the step starts (a channel receive costs a
+task, and the router buffers what arrives anyway), and awaited only by the F or
+B that needs its tensor. Sends are issued as tasks and not awaited until the
+end of the step: their tensors (a stage's output, the gradient of its input)
+are never written again. Forward and backward passes run through
+``asyncomm.compute``, on the loop's compute thread, so messages keep moving
+while a stage computes.
 
 Note on messages
 ----------------
@@ -69,8 +69,7 @@ import torch
 from torch import nn
 
 from asyncomm._core.errors import CommError, RemoteError
-from asyncomm._overlap.compute import Worker, compute, own_worker, run_here
-from asyncomm.pipeline._drive import StepRun, StepStopped
+from asyncomm._overlap.compute import compute
 from asyncomm.pipeline._passes import (
     Slot,
     StepStats,
@@ -83,8 +82,6 @@ from asyncomm.pipeline._simulate import validate
 
 if TYPE_CHECKING:
     from asyncomm._comm import Comm
-    from asyncomm._core.backend import Posted
-    from asyncomm._core.handle import Handle
     from asyncomm._messaging.channels import Channel
 
 T = TypeVar("T")
@@ -195,7 +192,6 @@ class Pipeline:
         # (direction, boundary, microbatch) -> the shape and dtype of its first-step message
         self._shapes: dict[tuple[int, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._p2p: Comm | None = None  # the pipeline's own communicator, from step 2 on
-        self._driver: Worker | None = None  # the thread that runs the steps' actions
         self._failed: str | None = None  # a step that raised: its messages may still come
         self._closed = False
         self._steps = 0  # steps started
@@ -216,15 +212,6 @@ class Pipeline:
             if action.op is accumulates:
                 last_b[action.stage] = i
         self._last_backward = frozenset(last_b.values())
-        # every receive of this rank's list, in order: (direction, boundary, microbatch) -> peer
-        self._receives: dict[tuple[int, int, int], int] = {}
-        for action in self.actions:
-            if action.op is Op.RECV_F:
-                self._receives[_FORWARD, action.stage - 1, action.microbatch] = (
-                    schedule.rank_of(action.stage - 1))
-            elif action.op is Op.RECV_B:
-                self._receives[_BACKWARD, action.stage + 1, action.microbatch] = (
-                    schedule.rank_of(action.stage + 1))
         # what a split backward's W differentiates, per stage (B hands it to torch's split)
         self._trainable = {s: [p for p in m.parameters() if p.requires_grad]
                          for s, m in modules.items()}
@@ -287,64 +274,48 @@ class Pipeline:
 
     async def _step(self, xs: list[Any] | None, ys: list[Any] | None) -> float | None:
         n = self.schedule.n_microbatches
-        run = StepRun(asyncio.get_running_loop())
+        slots: dict[tuple[int, int], Slot] = {}
+        inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]] = {}
+        sends: list[Awaitable[None]] = []  # channel sends' tasks, point-to-point handles
+        times = [0.0, 0.0]  # forward, backward compute seconds
+        losses: list[torch.Tensor] = []
         start = time.perf_counter()
         try:
-            run.posted.update(self._receives)
-            # posted before the driver starts: only one thread at a time calls the backend
-            self._post_receives(run)
-            if self._driver is None:
-                self._driver = own_worker("asyncomm-pipeline")  # kept: its memory stays warm
-            await self._driver.submit(self._drive, run, xs, ys)
-            if run.error is not None:  # a send the loop could not issue
-                raise run.error
-            for sent in run.sends:
+            self._post_receives(inbox)
+            for index, action in enumerate(self.actions):
+                slot = slots.setdefault((action.stage, action.microbatch), Slot())
+                op = action.op
+                if op is Op.F:
+                    await self._forward(index, action, slot, xs, ys, inbox, times, losses)
+                elif op is Op.B:
+                    await self._backward(index, action, slot, inbox, times, n)
+                elif op is Op.W:
+                    await self._weights(index, action, slot, times, n)
+                elif op is Op.SEND_F:
+                    self._send(index, action, _FORWARD, slot.to_send, inbox, sends)
+                    slot.to_send = None
+                elif op is Op.SEND_B:
+                    self._send(index, action, _BACKWARD, slot.grad_input, inbox, sends)
+                    slot.grad_input = None
+                if slot.finished():
+                    del slots[action.stage, action.microbatch]  # nothing left to do: free it
+            for sent in sends:
                 await sent
             if self.grad_sync is not None:
                 await self.grad_sync.wait()
             if self.fixed_shapes and self._p2p is None:  # every rank ends its first step here
                 self._p2p = await self.comm.group(range(self.comm.size))
         finally:
-            run.stop(StepStopped(f"rank {self.rank}: pipeline {self.schedule.name!r}: the "
-                                 "step ended"))  # a driver still running stops
-            for posted in run.receives_posted:
-                posted.cancel()  # where the backend can: a driver waiting in one returns
-            for fut in run.receives:
+            for fut in inbox.values():
                 fut.cancel()  # a cancelled channel receive loses nothing
-            for sent in run.sends:
+            for sent in sends:
                 if isinstance(sent, asyncio.Task):
                     sent.cancel()  # a handle cannot be; nor need it: its buffer is kept
         end = time.perf_counter()
-        times = run.times
         self.last = StepStats(end - start, times[0] + times[1], times[0], times[1], start, end)
-        if not run.losses:
+        if not losses:
             return None
-        return float(torch.stack(run.losses).sum().item()) / n
-
-    def _drive(self, run: StepRun, xs: list[Any] | None, ys: list[Any] | None) -> None:
-        """Run this rank's actions in order (on the step's own thread: see ``_drive``)."""
-        n = self.schedule.n_microbatches
-        slots: dict[tuple[int, int], Slot] = {}
-        for index, action in enumerate(self.actions):
-            run.check()
-            slot = slots.setdefault((action.stage, action.microbatch), Slot())
-            op = action.op
-            if op is Op.F:
-                self._forward(index, action, slot, xs, ys, run)
-            elif op is Op.B:
-                self._backward(index, action, slot, run, n)
-            elif op is Op.W:
-                self._weights(index, action, slot, run, n)
-            elif op is Op.SEND_F:
-                self._send(index, action, _FORWARD, slot.to_send, run)
-                slot.to_send = None
-            elif op is Op.SEND_B:
-                self._send(index, action, _BACKWARD, slot.grad_input, run)
-                slot.grad_input = None
-            if slot.finished():
-                del slots[action.stage, action.microbatch]  # nothing left to do: free it
-        for sent in run.sent:  # point-to-point sends, issued from here
-            sent.wait()
+        return float(torch.stack(losses).sum().item()) / n
 
     async def close(self) -> None:
         """Close the pipeline's own communicator; every rank calls it (idempotent).
@@ -356,12 +327,7 @@ class Pipeline:
         if self._telling is not None:
             await asyncio.wait((self._telling,), timeout=_NOTICE_S)
         if self._p2p is not None:
-            # first: a failed step's driver may still wait there for a message that will
-            # not come (gloo cannot cancel it), and closing the communicator ends the wait
             await self._p2p.close()
-        if self._driver is not None:
-            await self._driver.close(timeout=_NOTICE_S)
-            self._driver = None
 
     async def forward(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None = None
                       ) -> torch.Tensor | None:
@@ -508,28 +474,30 @@ class Pipeline:
         raise TypeError(f"rank {self.rank}: Pipeline: {what} must be a tensor or a list of "
                         f"{n} microbatches, not {type(given).__name__}")
 
-    def _post_receives(self, run: StepRun) -> None:
-        """Post every receive of this rank's list; each hands its tensor to the driver."""
-        for key, peer in self._receives.items():
-            if peer == self.rank:
-                continue  # a local hand-over: the driver puts it in ``run.local``
-            if self._p2p is not None and not self._p2p.thread_messages:
-                shape, dtype = self._shapes[key]
-                buffer = torch.empty(shape, dtype=dtype)
-                handle = self._p2p.recv(buffer, peer, self._offset(*key))
-                handle.add_done_callback(functools.partial(_arrived_into, run, key, buffer))
-            elif self._p2p is not None:  # the driver waits for it itself (see ``_drive``)
-                shape, dtype = self._shapes[key]
-                buffer = torch.empty(shape, dtype=dtype)
-                posted = self._p2p.post_recv(buffer, peer, self._offset(*key))
-                run.receives_posted.append(posted)
-                run.arrive(key, functools.partial(_received, posted, buffer))
+    def _post_receives(self, inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]]
+                       ) -> None:
+        """Post every receive of this rank's list; a local hand-over waits for its send."""
+        loop = asyncio.get_running_loop()
+        for action in self.actions:
+            if action.op is Op.RECV_F:
+                key = (_FORWARD, action.stage - 1, action.microbatch)
+                peer = self.schedule.rank_of(action.stage - 1)
+            elif action.op is Op.RECV_B:
+                key = (_BACKWARD, action.stage + 1, action.microbatch)
+                peer = self.schedule.rank_of(action.stage + 1)
             else:
-                task = asyncio.ensure_future(self._receive(key, peer))
-                task.add_done_callback(functools.partial(_arrived, run, key))
-                run.receives.append(task)
+                continue
+            if peer == self.rank:
+                inbox[key] = loop.create_future()
+            else:
+                inbox[key] = asyncio.ensure_future(self._receive(key, peer))
 
     async def _receive(self, key: tuple[int, int, int], peer: int) -> torch.Tensor:
+        if self._p2p is not None:
+            shape, dtype = self._shapes[key]
+            buffer = torch.empty(shape, dtype=dtype)
+            await self._p2p.recv(buffer, peer, self._offset(*key))
+            return buffer
         msg = await self.comm.channel(self._tag(*key)).recv(peer)
         data = msg.data
         if not isinstance(data, torch.Tensor):
@@ -538,21 +506,21 @@ class Pipeline:
         self._shapes[key] = (data.shape, data.dtype)
         return data
 
-    def _take(self, index: int, action: Action, key: tuple[int, int, int], run: StepRun
-              ) -> torch.Tensor:
-        if key not in run.posted:
+    async def _take(self, index: int, action: Action, key: tuple[int, int, int],
+                    inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]]
+                    ) -> torch.Tensor:
+        fut = inbox.get(key)
+        if fut is None:
             raise RuntimeError(f"{self._what(index, action)}: no receive posted for it (a "
                                "RECV is missing from the schedule)")
-        if self.schedule.rank_of(key[1]) != self.rank:
-            return run.take(key)
-        tensor = run.local.pop(key, None)
-        if tensor is None:
+        if not fut.done() and not isinstance(fut, asyncio.Task):  # a local hand-over
             raise RuntimeError(f"{self._what(index, action)}: the local hand-over it needs "
                                "has not been sent yet (SEND after its use)")
-        return tensor
+        return await fut
 
     def _send(self, index: int, action: Action, direction: int, tensor: torch.Tensor | None,
-              run: StepRun) -> None:
+              inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
+              sends: list[Awaitable[None]]) -> None:
         if tensor is None:
             op = "F" if direction == _FORWARD else "B"
             raise RuntimeError(f"{self._what(index, action)}: nothing to send (its {op} has "
@@ -561,13 +529,15 @@ class Pipeline:
         peer = self.schedule.rank_of(dst_stage)
         key = (direction, action.stage, action.microbatch)
         if peer == self.rank:
-            if key not in run.posted:
+            fut = inbox.get(key)
+            if fut is None:
                 raise RuntimeError(f"{self._what(index, action)}: no matching RECV on this rank")
-            run.local[key] = tensor
+            fut.set_result(tensor)
             return
         if self._p2p is None:
             self._shapes[key] = (tensor.shape, tensor.dtype)
-            run.issue(self._send_on_channel, run, key, tensor.contiguous(), peer)
+            channel = self.comm.channel(self._tag(*key))
+            sends.append(asyncio.ensure_future(channel.send(tensor.contiguous(), peer)))
             return
         shape, dtype = self._shapes[key]
         if tensor.shape != shape or tensor.dtype != dtype:
@@ -578,24 +548,12 @@ class Pipeline:
                 f"the first step it was {tuple(shape)} {dtype}: with fixed_shapes=True every "
                 "message keeps its first step's shape and dtype (use Pipeline(..., "
                 "fixed_shapes=False) for shapes that change)")
-        if not self._p2p.thread_messages:  # through the loop (see ``_drive``)
-            run.issue(self._send_p2p, run, key, tensor.contiguous(), peer)
-            return
-        run.sent.append(self._p2p.post_send(tensor.contiguous(), peer, self._offset(*key)))
+        sends.append(self._p2p.send(tensor.contiguous(), peer, self._offset(*key)))
 
-    def _send_p2p(self, run: StepRun, key: tuple[int, int, int], tensor: torch.Tensor,
-                  peer: int) -> None:
-        assert self._p2p is not None
-        run.sends.append(self._p2p.send(tensor, peer, self._offset(*key)))
-
-    # on the loop, from the driver's ``issue``
-    def _send_on_channel(self, run: StepRun, key: tuple[int, int, int], tensor: torch.Tensor,
-                         peer: int) -> None:
-        run.sends.append(asyncio.ensure_future(self.comm.channel(self._tag(*key)).send(
-            tensor, peer)))
-
-    def _forward(self, index: int, action: Action, slot: Slot, xs: list[Any] | None,
-                 ys: list[Any] | None, run: StepRun) -> None:
+    async def _forward(self, index: int, action: Action, slot: Slot, xs: list[Any] | None,
+                       ys: list[Any] | None,
+                       inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
+                       times: list[float], losses: list[torch.Tensor]) -> None:
         stage, mb = action.stage, action.microbatch
         module = self.stages.get(stage)
         if module is None:
@@ -606,20 +564,20 @@ class Pipeline:
             assert xs is not None
             x = xs[mb]
         else:
-            x = self._take(index, action, (_FORWARD, stage - 1, mb), run).detach()
+            x = (await self._take(index, action, (_FORWARD, stage - 1, mb), inbox)).detach()
             if x.is_floating_point() or x.is_complex():
                 x.requires_grad_(True)
         target = ys[mb] if ys is not None and stage == self.schedule.n_stages - 1 else None
         last = stage == self.schedule.n_stages - 1
 
-        def forward() -> tuple[torch.Tensor, torch.Tensor | None, float]:
+        def run() -> tuple[torch.Tensor, torch.Tensor | None, float]:
             begin = time.perf_counter()
             out = self._check_output(module(x), stage)
             loss = self.loss_fn(out, target) if last else None
             return out, loss, time.perf_counter() - begin
 
-        out, loss, took = run_here(forward, (), {}, f"F{mb}@s{stage}")
-        run.times[0] += took
+        out, loss, took = await compute(run, name=f"F{mb}@s{stage}")
+        times[0] += took
         slot.inputs, slot.output = x, out
         if not last:
             slot.to_send = out.detach()
@@ -628,39 +586,44 @@ class Pipeline:
                 raise TypeError(f"{self._what(index, action)}: loss_fn must return a scalar "
                                 "tensor")
             slot.loss = loss
-            run.losses.append(loss.detach())
+            losses.append(loss.detach())
 
-    def _backward(self, index: int, action: Action, slot: Slot, run: StepRun, n: int) -> None:
+    async def _backward(self, index: int, action: Action, slot: Slot,
+                        inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
+                        times: list[float], n: int) -> None:
         stage, mb = action.stage, action.microbatch
         if slot.output is None or slot.backward_done:
             raise RuntimeError(f"{self._what(index, action)}: backward before its forward, "
                                "or twice")
         grad = None
         if slot.loss is None:
-            grad = self._take(index, action, (_BACKWARD, stage + 1, mb), run)
-        name = f"B{mb}@s{stage}"
+            grad = await self._take(index, action, (_BACKWARD, stage + 1, mb), inbox)
         if self._split:  # B: the input's gradient only; what W needs is kept
-            grad_input, took = run_here(input_gradient, (
-                slot, grad, n, stage, self._trainable[stage], self.grad_sync is not None),
-                {}, name)
+            grad_input, took = await compute(functools.partial(
+                input_gradient, slot, grad, n, stage, self._trainable[stage],
+                self.grad_sync is not None),
+                name=f"B{mb}@s{stage}")
             slot.weights_pending = True
         else:
             with self._quiet(index):
-                grad_input, took = run_here(whole_backward, (slot, grad, n, stage), {}, name)
+                grad_input, took = await compute(functools.partial(
+                    whole_backward, slot, grad, n, stage), name=f"B{mb}@s{stage}")
             slot.inputs = slot.output = slot.loss = None
-        run.times[1] += took
+        times[1] += took
         slot.grad_input = grad_input
         slot.backward_done = True
 
-    def _weights(self, index: int, action: Action, slot: Slot, run: StepRun, n: int) -> None:
+    async def _weights(self, index: int, action: Action, slot: Slot, times: list[float],
+                       n: int) -> None:
         """W: the weights' gradients of a split backward, from what its B kept; then free it."""
         stage, mb = action.stage, action.microbatch
         if not slot.weights_pending:
             raise RuntimeError(f"{self._what(index, action)}: weight gradient before its B")
         with self._quiet(index):
-            took = run_here(weight_gradient, (slot, n, self._trainable[stage]), {},
-                            f"W{mb}@s{stage}")
-        run.times[1] += took
+            took = await compute(functools.partial(weight_gradient, slot, n,
+                                                   self._trainable[stage]),
+                                 name=f"W{mb}@s{stage}")
+        times[1] += took
         slot.inputs = slot.output = slot.loss = slot.grad_output = slot.param_groups = None
         slot.weights_pending = False
 
@@ -681,26 +644,3 @@ class Pipeline:
 def _gist(exc: BaseException) -> str:
     """An error in one line: its type and message."""
     return f"{type(exc).__name__}: {exc}"
-
-
-def _arrived(run: StepRun, key: tuple[int, int, int], task: asyncio.Future[torch.Tensor]
-             ) -> None:
-    """A channel receive's task ended: hand its tensor (or error) to the driver."""
-    run.arrive(key, task.result)
-
-
-def _arrived_into(run: StepRun, key: tuple[int, int, int], buffer: torch.Tensor,
-                  handle: Handle[int]) -> None:
-    """On the loop: a point-to-point receive into ``buffer`` ended; hand it to the driver."""
-
-    def get() -> torch.Tensor:
-        handle.result()  # raises the receive's error
-        return buffer
-
-    run.arrive(key, get)
-
-
-def _received(posted: Posted, buffer: torch.Tensor) -> torch.Tensor:
-    """On the driver: wait for a receive it posted; return its buffer."""
-    posted.wait()
-    return buffer
