@@ -10,6 +10,7 @@ microbatches. One world run per backend and size checks every schedule.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import pytest
 import torch
@@ -382,9 +383,60 @@ async def check_comm_close_closes_pipeline(comm: Comm) -> None:
         await pipe.step(*data[0])
 
 
+class _FailsBackward(torch.autograd.Function):
+    """Identity forward; its backward raises."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("backward boom")
+
+
+class FailingBackward(nn.Module):
+    """A stage whose backward raises."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _FailsBackward.apply(self.inner(x))  # type: ignore[no-untyped-call]
+        return out
+
+
+async def check_groups_agree_after_a_failed_first_step(comm: Comm) -> None:
+    """Rank 0's first step fails in its backwards, after rank 1 has all it needs: rank 1
+    ends its own step while rank 0's notice comes. The ranks still agree on the groups
+    they make later (the pipeline's own group was made at the end of the first step,
+    where the notice could stop it on rank 1 alone: then the next group hung)."""
+    schedule = pipeline.get("gpipe", comm.size, MICROBATCHES)
+    (x, y), = batches(1)
+    stages = pipeline.split(build(2), 2)
+    stages[0] = FailingBackward(stages[0])
+    pipe = pipeline.Pipeline(comm, schedule, stages, nn.functional.mse_loss)
+    try:
+        await pipe.step(x if pipe.first else None, y if pipe.last_stage else None)
+    except (RuntimeError, RemoteError):
+        pass
+    if comm.rank == 1:  # rank 1 may have finished its step: its next one hears of rank 0
+        with pytest.raises((RemoteError, RuntimeError)):
+            await asyncio.wait_for(pipe.step(None, y), 30)
+    await pipe.close()
+    group = await asyncio.wait_for(comm.group(range(comm.size)), 30)
+    assert group is not None
+    await group.close()
+
+
 def test_failure_told(world2: World) -> None:
     world2.run(check_failure_told)
     world2.run(check_cancel_told)
+
+
+def test_groups_agree_after_a_failed_first_step(world2: World) -> None:
+    world2.run(check_groups_agree_after_a_failed_first_step)
 
 
 def test_comm_close_closes_the_pipeline(world2: World) -> None:

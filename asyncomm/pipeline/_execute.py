@@ -22,7 +22,7 @@ k's. Both ends note each message's shape and dtype. From the second step on,
 with ``fixed_shapes`` (the default), every message is one point-to-point
 send into a receive posted at the step's start with that shape, on a
 communicator of the pipeline's own (``comm.group`` over every rank, made at
-the end of the first step, closed with ``comm``), tag = the channel's offset
+the start of the first step, closed with ``comm``), tag = the channel's offset
 from ``tag_base``: no envelope, no listener thread, no decoding, which on gloo
 is most of a small message's cost. That needs every message to keep its first
 step's shape and dtype, as ``torch.distributed.pipelining`` does; a sender
@@ -191,7 +191,8 @@ class Pipeline:
         self.rank = comm.rank
         # (direction, boundary, microbatch) -> the shape and dtype of its first-step message
         self._shapes: dict[tuple[int, int, int], tuple[torch.Size, torch.dtype]] = {}
-        self._p2p: Comm | None = None  # the pipeline's own communicator, from step 2 on
+        self._group: Comm | None = None  # the pipeline's own communicator (first step on)
+        self._p2p: Comm | None = None  # ... once its messages' shapes are known (step 2 on)
         self._failed: str | None = None  # a step that raised: its messages may still come
         self._closed = False
         self._steps = 0  # steps started
@@ -262,6 +263,11 @@ class Pipeline:
         ys = self._microbatches(targets, "targets") if self.last_stage else None
         self._check_usable()
         self._steps += 1
+        if self.fixed_shapes and self._group is None:
+            # Made where every rank is, before any can fail mid-step: made at the end of
+            # the first step, it was left half made on a rank whose step a failure notice
+            # stopped there, and the ranks then disagreed on every later group's name.
+            self._group = await self.comm.group(range(self.comm.size))
         return await self._guarded(f"step {self._steps}", self._step(xs, ys))
 
     def _check_usable(self, closed_too: bool = True) -> None:
@@ -303,8 +309,8 @@ class Pipeline:
                 await sent
             if self.grad_sync is not None:
                 await self.grad_sync.wait()
-            if self.fixed_shapes and self._p2p is None:  # every rank ends its first step here
-                self._p2p = await self.comm.group(range(self.comm.size))
+            if self.fixed_shapes and self._p2p is None:  # from the next step on
+                self._p2p = self._group
         finally:
             for fut in inbox.values():
                 fut.cancel()  # a cancelled channel receive loses nothing
@@ -326,8 +332,8 @@ class Pipeline:
         self._closed = True
         if self._telling is not None:
             await asyncio.wait((self._telling,), timeout=_NOTICE_S)
-        if self._p2p is not None:
-            await self._p2p.close()
+        if self._group is not None:
+            await self._group.close()
 
     async def forward(self, inputs: torch.Tensor | Sequence[torch.Tensor] | None = None
                       ) -> torch.Tensor | None:
