@@ -397,7 +397,7 @@ class Comm:
             "src", self._backend.post_recv)
         peer, tag = self._peer(peer, op, name, self_ok=False), self._tag(tag, op)
         self._open(op)
-        return post(t, peer, tag, describe(self.rank, op, None, peer, tag))
+        return post(t, peer, tag)
 
     # -- objects and groups: multi-step operations on the private twin ----------------
 

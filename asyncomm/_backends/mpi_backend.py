@@ -9,7 +9,6 @@ go through one flat buffer unless they already are consecutive views of one.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,14 +19,8 @@ from mpi4py import MPI
 
 from asyncomm._backends.mpi_link import DATATYPES, ProbeLink, spec
 from asyncomm._core import tags
-from asyncomm._core.backend import Backend, Posted, Tensors, remembering
-from asyncomm._core.errors import (
-    CommClosedError,
-    CommError,
-    MismatchError,
-    PeerFailedError,
-    gist,
-)
+from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
+from asyncomm._core.errors import CommClosedError, CommError, MismatchError, PeerFailedError
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.progress import Poller, Sink
@@ -154,8 +147,7 @@ class MpiBackend(Backend):
         self._status = MPI.Status()
         self._statuses: list[Any] = []
         self._closed = False
-        self._posted: set[_PostedRequest] = set()  # receives threads wait for (post_recv)
-        self._posted_lock = threading.Lock()
+        self.posted = InFlight()  # ``Posted`` operations (cancelled at close)
 
     def _op(self, dtype: torch.dtype, op: ReduceOp) -> Any:
         mpi_op = _op_cache.get((dtype, op))
@@ -294,14 +286,13 @@ class MpiBackend(Backend):
         source = MPI.ANY_SOURCE if src is None else src
         self._watch(sink, self._comm.Irecv(spec(tensor), source, tag), _source, active=False)
 
-    def post_send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> Posted:
-        return _PostedRequest(self._comm.Isend(spec(tensor), dst, tag), self, what)
+    def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Posted:
+        return _PostedRequest(self._comm.Isend(spec(tensor), dst, tag), self,
+                              (self.rank, "send", dst, tag))
 
-    def post_recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Posted:
-        posted = _PostedRequest(self._comm.Irecv(spec(tensor), src, tag), self, what)
-        with self._posted_lock:
-            self._posted.add(posted)
-        return posted
+    def post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Posted:
+        return _PostedRequest(self._comm.Irecv(spec(tensor), src, tag), self,
+                              (self.rank, "recv", src, tag))
 
     # -- groups and lifecycle --------------------------------------------------------
 
@@ -319,7 +310,9 @@ class MpiBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        self._cancel_posted()
+        for posted in self.posted.pending():  # the threads waiting for receives return
+            posted.cancel()
+        self.posted.settle(timeout=2.0)
         pending = self._poller.drain()
         for request, _, active in pending:
             if active:
@@ -331,16 +324,6 @@ class MpiBackend(Backend):
                 pass
         _orphans.extend(pending)  # their sinks hold the buffers MPI may still write
         self._comm.Free()
-
-    def _cancel_posted(self, timeout: float = 2.0) -> None:
-        """End the receives threads wait for (``post_recv``) before the communicator goes."""
-        with self._posted_lock:
-            posted = list(self._posted)
-        for receive in posted:
-            receive.cancel()
-        deadline = time.monotonic() + timeout
-        while self._posted and time.monotonic() < deadline:  # their threads return
-            time.sleep(0.001)
 
     def link(self) -> Link:
         return ProbeLink(self, self._comm, self._loop, self._poller, self._watch, classify)
@@ -354,32 +337,24 @@ class MpiBackend(Backend):
 class _PostedRequest(Posted):
     """A send or receive a thread issued and waits for in ``MPI_Wait`` (the GIL released)."""
 
-    def __init__(self, request: Any, backend: MpiBackend, what: str) -> None:
-        super().__init__(what)
+    def __init__(self, request: Any, backend: MpiBackend, what: tuple[int, str, int, int]
+                 ) -> None:
+        super().__init__(what, backend.posted, remembering(backend, classify))
         self._request = request
-        self._backend = backend
 
-    def wait(self) -> None:
+    def _block(self) -> None:
         status = MPI.Status()
-        try:
-            self._request.Wait(status)
-        except MPI.Exception as exc:
-            kind = remembering(self._backend, classify)(exc)
-            raise kind(f"{self.what}: {gist(exc)}") from exc
-        finally:
-            with self._backend._posted_lock:
-                self._backend._posted.discard(self)
+        self._request.Wait(status)
         if status.Is_cancelled():
-            raise CommClosedError(f"{self.what}: cancelled")
+            raise CommClosedError(f"{self.describe()}: cancelled")
 
     def cancel(self) -> None:
-        with self._backend._posted_lock:
-            if self not in self._backend._posted:
-                return  # a send, or waited for already
+        if self._what[1] != "recv":
+            return  # cancelling a send is erroneous in MPI
         try:
             self._request.Cancel()  # MPI ends the wait of the thread inside it
         except MPI.Exception:
-            pass
+            pass  # completed (and freed by its wait) meanwhile
 
 
 def _source(source: Any) -> object:

@@ -48,9 +48,9 @@ import torch.distributed as dist
 from asyncomm._backends import gloo_net, startup
 from asyncomm._backends.gloo_link import GlooLink
 from asyncomm._core import settings, tags
-from asyncomm._core.backend import Backend, Posted, Tensors, remembering
+from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
 from asyncomm._core.env import LaunchEnv
-from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError, gist
+from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.progress import FutureBridge, Inbox, Reaper, Sink, Waiters
@@ -170,7 +170,7 @@ class TorchBackend(Backend):
         self._user_backend = user_backend  # what groups split from this one run on
         self._splits = 0
         self._eager = Reaper()
-        self._posted = _PostedWaits()  # ``Posted`` operations in flight (see the teardown note)
+        self.posted = InFlight()  # ``Posted`` operations (see the note on teardown)
         self._eager_bytes = settings.read().eager_bytes  # see the note on eager sends
         self.cuda = name == "nccl"
         self._inbox = Inbox(loop, remembering(self, classify))
@@ -315,13 +315,13 @@ class TorchBackend(Backend):
             # connection of the group when a receive the user gave up on stays unmatched.
             self._waiters.watch(functools.partial(work.wait, _FOREVER), sink, finish, endless)
 
-    def post_send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> Posted:
+    def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Posted:
         self._raise_if_failed(dst)
-        return _PostedWork(self._pg.send([tensor], dst, tag), self, what)
+        return _PostedWork(self._pg.send([tensor], dst, tag), self, (self.rank, "send", dst, tag))
 
-    def post_recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Posted:
+    def post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Posted:
         self._raise_if_failed(src)
-        return _PostedWork(self._pg.recv([tensor], src, tag), self, what)
+        return _PostedWork(self._pg.recv([tensor], src, tag), self, (self.rank, "recv", src, tag))
 
     def stuck(self) -> list[int]:
         return [tag for tag, count in self._any_source.items() for _ in range(count)]
@@ -378,13 +378,13 @@ class TorchBackend(Backend):
         """Return whether gloo may still wake a thread or a callback of ours on this group."""
         link = self._link
         return bool(self._waiters.waiting(endless=False) or self._waiters.waiting(endless=True)
-                    or self._posted.pending or self._eager.running or self._bridge.pending
+                    or self.posted.pending() or self._eager.running or self._bridge.pending
                     or (link is not None and (link.listening or link.completing)))
 
     def _ending(self) -> bool:
         """Return whether something that closing the connections ends has not ended yet."""
         link = self._link
-        return bool(self._waiters.waiting(endless=False) or self._posted.waiting
+        return bool(self._waiters.waiting(endless=False) or self.posted.waiting
                     or self._eager.running or self._bridge.pending
                     or (link is not None and link.completing))
 
@@ -396,16 +396,16 @@ class TorchBackend(Backend):
         A thread that wakes inside a gloo call -- a waiter returning from
         ``wait()``, a thread inside a ``Posted.wait``, gloo's own thread
         running a future's Python callback -- once the interpreter has begun
-        to exit is ended by ``pthread_exit``,
-        and the unwinding through gloo's C++ frames calls ``std::terminate``:
+        to exit is ended by ``pthread_exit``, and the unwinding through
+        gloo's C++ frames calls ``std::terminate``:
         the process dies of SIGABRT after the program succeeded. Such a late
         wake comes from an operation still pending at close (a timed-out
         receive or send, a posted one a thread may yet wait for, a collective
         a peer never joined, an eager send nobody receives), when the peer's
         exit closes the connection during ours. gloo can neither cancel nor
-        abort an operation, but a receive
-        waited for with a short timeout makes it close every connection of
-        the group ("application timeout"), which fails every pending
+        abort an operation, but a receive waited for with a short timeout
+        makes it close every connection of the group ("application
+        timeout"), which fails every pending
         operation tied to a connection at once, here and now. So an owned
         group with anything in flight is ended that way, and the threads and
         callbacks it wakes are waited for, before it is destroyed. Peers see
@@ -431,47 +431,16 @@ class TorchBackend(Backend):
             time.sleep(0.001)
 
 
-class _PostedWaits:
-    """The ``Posted`` operations of one group not waited for yet, and the threads waiting."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.pending: set[_PostedWork] = set()  # issued, not seen complete by a wait
-        self.waiting = 0  # threads inside a wait
-
-    def add(self, posted: _PostedWork) -> None:
-        with self._lock:
-            self.pending.add(posted)
-
-    def enter(self) -> None:
-        with self._lock:
-            self.waiting += 1
-
-    def leave(self, posted: _PostedWork) -> None:
-        with self._lock:
-            self.waiting -= 1
-            self.pending.discard(posted)
-
-
 class _PostedWork(Posted):
     """A send or receive a thread issued and waits for itself (gloo cannot cancel it)."""
 
-    def __init__(self, work: Any, backend: TorchBackend, what: str) -> None:
-        super().__init__(what)
+    def __init__(self, work: Any, backend: TorchBackend, what: tuple[int, str, int, int]
+                 ) -> None:
+        super().__init__(what, backend.posted, remembering(backend, classify))
         self._work = work
-        self._backend = backend
-        backend._posted.add(self)  # closing the group ends it (see the note on teardown)
 
-    def wait(self) -> None:
-        waits = self._backend._posted
-        waits.enter()
-        try:
-            self._work.wait(_FOREVER)
-        except BaseException as exc:
-            kind = remembering(self._backend, classify)(exc)
-            raise kind(f"{self.what}: {gist(exc)}") from exc
-        finally:
-            waits.leave(self)
+    def _block(self) -> None:
+        self._work.wait(_FOREVER)
 
 
 def _base_store(env: LaunchEnv, timeout: float) -> Any:

@@ -9,13 +9,15 @@ are contiguous, on the backend's device, with matching shapes.
 
 from __future__ import annotations
 
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from asyncomm._core.errors import CommError, PeerFailedError
+from asyncomm._core.errors import CommError, PeerFailedError, describe, gist
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.progress import Classify, Sink
 
@@ -31,30 +33,90 @@ class Posted(ABC):
     ``Comm.post_send``/``post_recv`` give them, and take the same arguments as
     ``send``/``recv`` (but a source must be named). No handle, no progress
     engine, no loop hop: a thread that runs a fixed sequence of computes and
-    messages (a pipeline's driver, say) sends, and blocks on what it receives, as a
-    program written against the backend would. Raise ``ValueError``/``TypeError``
+    messages (a pipeline's driver, say) sends, and blocks on what it receives, as
+    a program written against the backend would. Raise ``ValueError``/``TypeError``
     for bad arguments, ``CommClosedError`` on a closed communicator, before
     anything is sent. The wait has no deadline of its own: it ends when the
     operation does, when a peer's failure fails it (gloo sees a peer's exit at
     once; under MPI the launcher ends the job), or when ``cancel`` or the
     communicator's close ends it (where the backend can; see ``cancel``). On gloo,
     wait for every posted operation before closing the communicator.
+
+    A backend implements ``_block`` (and ``cancel`` where it can); ``wait`` keeps
+    the communicator's ``InFlight`` count and words the backend's errors.
     """
 
-    def __init__(self, what: str) -> None:
-        self.what = what  # "rank R: send peer P tag T": how its errors begin
+    def __init__(self, what: tuple[int, str, int, int], in_flight: InFlight,
+                 classify: Classify) -> None:
+        self._what = what  # (rank, op, peer, tag): worded only on error
+        self._in_flight = in_flight
+        self._classify = classify
+        in_flight.add(self)
 
-    @abstractmethod
     def wait(self) -> None:
         """Block the calling thread until the operation completes.
 
         Raises:
             CommError: (a subclass) it failed, or was cancelled (``CommClosedError``).
         """
+        self._in_flight.enter()
+        try:
+            self._block()
+        except CommError:
+            raise
+        except BaseException as exc:
+            raise self._classify(exc)(f"{self.describe()}: {gist(exc)}") from exc
+        finally:
+            self._in_flight.leave(self)
+
+    def describe(self) -> str:
+        """Return who did what with whom: how its errors begin."""
+        rank, op, peer, tag = self._what
+        return describe(rank, op, None, peer, tag)
+
+    @abstractmethod
+    def _block(self) -> None:
+        """Wait in the backend; raise its error, or ``CommError`` of asyncomm's own."""
 
     def cancel(self) -> None:  # noqa: B027
         """From any thread: end a pending receive, whose ``wait`` then raises
         ``CommClosedError``. Backends that cannot (gloo) leave it pending."""
+
+
+class InFlight:
+    """One communicator's ``Posted`` operations not waited for yet, and threads inside a wait.
+
+    Closing the communicator ends what it can of them first (and waits for the threads).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: set[Posted] = set()
+        self.waiting = 0  # threads inside a wait
+
+    def add(self, posted: Posted) -> None:
+        with self._lock:
+            self._pending.add(posted)
+
+    def enter(self) -> None:
+        with self._lock:
+            self.waiting += 1
+
+    def leave(self, posted: Posted) -> None:
+        with self._lock:
+            self.waiting -= 1
+            self._pending.discard(posted)
+
+    def pending(self) -> list[Posted]:
+        """Return the operations no wait has seen complete yet."""
+        with self._lock:
+            return list(self._pending)
+
+    def settle(self, timeout: float) -> None:
+        """Wait (up to ``timeout``) until no thread is inside a wait."""
+        deadline = time.monotonic() + timeout
+        while self.waiting and time.monotonic() < deadline:
+            time.sleep(0.001)
 
 
 class Backend(ABC):
@@ -124,11 +186,11 @@ class Backend(ABC):
         """Issue a receive; the sink gets the source rank (``src=None``: any source)."""
 
     @abstractmethod
-    def post_send(self, tensor: torch.Tensor, dst: int, tag: int, what: str) -> Posted:
+    def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Posted:
         """From any thread: send ``tensor`` (not to be written until the wait returns)."""
 
     @abstractmethod
-    def post_recv(self, tensor: torch.Tensor, src: int, tag: int, what: str) -> Posted:
+    def post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Posted:
         """From any thread: receive into ``tensor`` from ``src``."""
 
     @abstractmethod
