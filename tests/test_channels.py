@@ -957,7 +957,7 @@ async def check_corrupt_small_frames(comm: Comm) -> None:
             await ch.send("v0", 1)
             link.send_small(1, Kind.DATA, 910, 1, bytes([0xc1, 0, 99]))  # truncated tensor
             link.send_small(1, Kind.REPLY, 910, 2, b"\xc0")  # not a kind a small frame has
-            sub._router._send_seq[(1, 910)] = 2
+            sub._router._windows[(1, 910)].seq = 2
             await ch.send("v1", 1)
             await other.send("o0", 1)
             await asyncio.sleep(0)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from asyncomm._core import settings, tags
+from asyncomm._core import tags
 from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
 from asyncomm._core.link import PACKET, PREAMBLE, Link, Transport
@@ -65,7 +65,6 @@ class ProbeLink(Link):
         self._watch = watch
         self._classify = classify
         self._status = MPI.Status()
-        self._hurry_tests = settings.read().hurry_tests
         self._behind: dict[int, asyncio.Task[None]] = {}  # last pending message per source
         self._open = False
 
@@ -78,9 +77,8 @@ class ProbeLink(Link):
         self._open = False
         self._poller.unprobe(self.pump)
 
-    def hurry(self) -> bool:
-        pump = self.pump
-        return any(pump() for _ in range(self._hurry_tests))
+    def hurry(self, done: Callable[[], bool]) -> bool:
+        return self._poller.hurry_until(done)
 
     def expect(self) -> None:
         self._poller.kick()

@@ -56,8 +56,6 @@ from asyncomm._core.wire import Head
 PREAMBLE = struct.Struct("<IIII")  # head bytes, frame bytes inline (0: none), data messages, form
 PACKET = 1  # the preamble's form of a packet of small frames (0: a frame)
 _PREAMBLE_AT = PREAMBLE.unpack_from
-_SMALL_HEAD_AT = small.HEAD.unpack_from
-_SMALL_HEAD_BYTES = small.HEAD.size
 _HEADS = 1024  # heads a link keeps decoded
 BYE: bytes = wire.encode(wire.Kind.EOS, tags.BYE, 0, None)[0]  # a link's goodbye (see close)
 
@@ -88,6 +86,13 @@ class Arrivals(Protocol):
 
     def small(self, src: int, kind: int, tag: int, seq: int, body: memoryview) -> None:
         """A small frame from ``src``: its head's fields, and its body (read it at once)."""
+
+    def packet(self, src: int, view: memoryview, at: int, end: int) -> None:
+        """The small frames of a packet from ``src``, laid in ``view[at:end]`` (read it at once).
+
+        Each is a ``small.HEAD`` and its body; a packet that does not hold
+        whole frames is refused (``refuse``) from the first one that is not.
+        """
 
     def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are on their way (it comes before later ones)."""
@@ -136,15 +141,11 @@ class Link(ABC):
         """Start receiving: every frame that arrives goes to ``arrivals``."""
         self._arrivals, self._limits = arrivals, limits
 
-    def pump(self) -> bool:
-        """Hand over what has arrived, without waiting; return whether anything had."""
-        return False
+    def hurry(self, done: Callable[[], bool]) -> bool:
+        """A task is about to wait for ``done()``: look for frames now; return whether it is.
 
-    def hurry(self) -> bool:
-        """A receiver is about to wait: look a few times now; return whether anything came.
-
-        Links that poll (MPI) look ``hurry_tests`` times, as an awaited request is
-        tested (see ``Poller``, the note on hurrying); the others never find anything.
+        Links that poll (MPI) look for a while, as an awaited request is
+        tested (see ``progress.Hurry``); the others never find anything.
         """
         return False
 
@@ -221,16 +222,19 @@ class Link(ABC):
         if pieces is None:
             self._packets[dst] = [head, body]
             self._packet_bytes[dst] = nbytes
-            if not self._flush_due:
+            if not self._flush_due:  # one call per loop iteration, however often flushed
                 self._flush_due = True
-                self._loop.call_soon(self.flush)
+                self._loop.call_soon(self._flush_due_now)
         else:
             pieces += (head, body)
             self._packet_bytes[dst] += nbytes
 
+    def _flush_due_now(self) -> None:
+        self._flush_due = False
+        self.flush()
+
     def flush(self) -> None:
         """Send every packet queued (the loop calls this once an iteration ends)."""
-        self._flush_due = False
         if self._packets:
             for dst in list(self._packets):
                 self._flush_to(dst)
@@ -298,20 +302,7 @@ class Link(ABC):
         head_bytes, inline, follow, form = _PREAMBLE_AT(view, 0)
         end = at + inline
         if form == PACKET and not head_bytes and not follow and end <= len(view):
-            small = arrivals.small  # the hot path of small messages: their frames, in order
-            while at < end:
-                if end - at < _SMALL_HEAD_BYTES:
-                    arrivals.refuse(src, ProtocolError(f"packet from rank {src} truncated"),
-                                    None)
-                    return
-                kind, tag, seq, nbytes = _SMALL_HEAD_AT(view, at)
-                at += _SMALL_HEAD_BYTES
-                if nbytes > end - at:
-                    arrivals.refuse(src, ProtocolError(f"small frame from rank {src} declares "
-                                                       f"{nbytes} bytes, {end - at} left"), None)
-                    return
-                small(src, kind, tag, seq, view[at:at + nbytes])
-                at += nbytes
+            arrivals.packet(src, view, at, end)  # the hot path of small messages
             return
         if (form or head_bytes > self._limits.max_head_bytes
                 or inline > len(view) - at):

@@ -318,6 +318,75 @@ class Reaper:
             self._thread.join(timeout)
 
 
+FAIR_S = 1e-3  # tasks that hurry hold the loop from its other work at most about so long
+
+
+class Hurry:
+    """How long a task about to wait looks for what it waits for itself, learnt from its waits.
+
+    Note on learning
+    ----------------
+    A task first looks ``tests`` times (a request done within microseconds
+    then costs no loop iteration). Beyond that it looks for up to
+    ``budget_s``, learnt: when a task parked after looking and what it
+    waited for came within ``max_s`` of its first look (an answer to a
+    question, in a ping-pong or an actor call), the budget grows to cover
+    that wait half again; when it came later (an idle wait), the budget
+    halves. So request-response traffic is caught without parking, while a
+    rank whose waits are long looks ``tests`` times and parks: the loop is
+    never held more than ``max_s`` by one look, and only while looking paid
+    off recently.
+
+    A task that finds what it looks for goes on without a loop iteration,
+    so tasks that hurry with success one after the other (a ping-pong)
+    could keep the loop from everything else. Each look therefore asks the
+    loop for a turn, and no task looks while a turn asked for more than
+    ``FAIR_S`` ago has not come: it parks, and the loop turns.
+    """
+
+    __slots__ = ("_loop", "_since", "_turn", "budget_s", "max_s", "tests")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tests: int, max_s: float) -> None:
+        self._loop = loop
+        self.tests = tests
+        self.max_s = max_s
+        self.budget_s = 0.0
+        self._since = 0.0  # when the look that gave up began (0: no parked look pending)
+        self._turn = 0.0  # when the loop was asked for a turn that has not come yet (0: none)
+
+    def run(self, look: Callable[[], bool]) -> bool:
+        """Call ``look()`` until it returns true (return true) or the budget is spent."""
+        start = time.perf_counter()
+        if not self._turn:
+            self._turn = start
+            self._loop.call_soon(self._turned)
+        elif start - self._turn > FAIR_S:  # tasks that found what they looked for kept the
+            return False  # loop from its other work for a while: park, so that it turns
+        for _ in range(self.tests):
+            if look():
+                return True
+        if self.budget_s:
+            clock, end = time.perf_counter, start + self.budget_s
+            while clock() < end:
+                if look():
+                    return True
+        self._since = start
+        return False
+
+    def _turned(self) -> None:
+        self._turn = 0.0
+
+    def came(self) -> None:
+        """What a task that gave up looking waits for may have come: learn how long it took."""
+        if self._since:
+            waited = time.perf_counter() - self._since
+            self._since = 0.0
+            if waited <= self.max_s:
+                self.budget_s = min(self.max_s, max(self.budget_s, 1.5 * waited))
+            else:
+                self.budget_s = self.budget_s / 2 if self.budget_s > 1e-6 else 0.0
+
+
 class Poller:
     """Complete requests by testing them from the event loop: spin while busy, back off when idle.
 
@@ -364,6 +433,7 @@ class Poller:
         self._active_spin_s = polling.active_spin_s
         self._max_backoff_s = polling.max_backoff_s
         self._hurry_tests = polling.hurry_tests
+        self._hurry = Hurry(loop, polling.hurry_tests, polling.hurry_max_s)
         self._requests: list[Any] = []
         self._entries: list[tuple[Sink, Finish, bool]] = []
         self._active = 0  # pending requests that need polling to make progress
@@ -391,17 +461,21 @@ class Poller:
         self.kick()
 
     def hurry(self, request: Any) -> None:
-        """Test ``request`` a bounded number of times; settle it now if it completes."""
-        test = self._test
-        for _ in range(self._hurry_tests):
+        """Test ``request`` while hurrying (see ``Hurry``); settle it now if it completes."""
+        test, result = self._test, []
+
+        def look() -> bool:
             try:
                 done, outcome = test(request)
             except BaseException as exc:
                 done, outcome = True, exc
             if done:
-                break
-        else:
+                result.append(outcome)
+            return done
+
+        if not self._hurry.run(look):
             return
+        outcome = result[0]
         try:
             index = self._requests.index(request)
         except ValueError:
@@ -441,32 +515,48 @@ class Poller:
             self._spinning = True
             self._timer = self._loop.call_soon(self._poll)
 
+    def sweep(self) -> bool:
+        """Test the requests in flight and call the probes, once; return whether any had news."""
+        requests = self._requests
+        news = False
+        if requests:
+            if len(requests) == 1:  # the common case: one request, no index bookkeeping
+                try:
+                    done, outcome = self._test(requests[0])
+                except BaseException as exc:
+                    done, outcome = True, exc
+                completed = [(0, outcome)] if done else []
+            else:
+                completed = self._testsome(requests)
+            if completed:
+                news = True
+                finished = []
+                for index, outcome in sorted(completed, key=lambda pair: pair[0], reverse=True):
+                    del requests[index]
+                    finished.append((self._entries.pop(index), outcome))
+                for entry, outcome in reversed(finished):
+                    self._settle(entry, outcome)
+        for probe in tuple(self._probes) if len(self._probes) > 1 else self._probes:
+            if probe():  # (a probe may unregister itself: a copy of several)
+                news = True
+        return news
+
+    def hurry_until(self, done: Callable[[], bool]) -> bool:
+        """A task is about to wait for ``done()``: sweep while hurrying (see ``Hurry``).
+
+        Return whether ``done()`` became true.
+        """
+        sweep = self.sweep
+        return self._hurry.run(lambda: sweep() and done())
+
     def _poll(self) -> None:
         self._timer = None
         self._spinning = True  # what is issued from here on is polled when this poll ends
-        requests = self._requests
-        if len(requests) == 1:  # the common case: one request, no index bookkeeping
-            try:
-                done, outcome = self._test(requests[0])
-            except BaseException as exc:
-                done, outcome = True, exc
-            completed = [(0, outcome)] if done else []
-        else:
-            completed = self._testsome(requests) if requests else []
         now = time.monotonic()
-        if completed:
+        if self.sweep():
             self._last_busy = now
             self._delay = 0.0
-            finished = []
-            for index, outcome in sorted(completed, key=lambda pair: pair[0], reverse=True):
-                del requests[index]
-                finished.append((self._entries.pop(index), outcome))
-            for entry, outcome in reversed(finished):
-                self._settle(entry, outcome)
-        for probe in tuple(self._probes):  # a probe may unregister itself
-            if probe():
-                self._last_busy = now
-                self._delay = 0.0
+            self._hurry.came()
         if not self._requests and not self._probes:
             self._spinning = False
             return

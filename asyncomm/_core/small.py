@@ -133,13 +133,25 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
     Raises:
         TypeError: the DEFAULT codec cannot carry something in ``obj`` (names it and where).
     """
-    if type(obj) is torch.Tensor and obj.layout is torch.strided:
-        code = _CODES.get(obj.dtype)
-        if code is not None and obj.nbytes <= room - 256:  # a lone tensor: laid out here
-            t = _as_laid(obj)
-            shape = tuple(t.shape)
-            if len(shape) <= max_ndim:
-                return _lone_small(code, shape, t.nbytes) + _bytes_of(t)
+    if type(obj) is torch.Tensor:  # a lone tensor, the commonest: laid out here
+        known = _LONE_LAID.get((obj.dtype, obj.shape))
+        if (known is not None and known[1] <= room - 256 and known[3] <= max_ndim
+                and obj.layout is _STRIDED
+                and obj.is_contiguous() and obj.is_cpu and not obj.is_neg()
+                and (known[2] or not obj.is_conj())):
+            return known[0] + ctypes.string_at(obj.data_ptr(), known[1])
+        if obj.layout is torch.strided:
+            code = _CODES.get(obj.dtype)
+            if code is not None and obj.nbytes <= room - 256:
+                t = _as_laid(obj)
+                shape = tuple(t.shape)
+                if len(shape) <= max_ndim:
+                    prefix = _lone_small(code, shape, t.nbytes)
+                    if len(_LONE_LAID) >= 256:
+                        _LONE_LAID.clear()
+                    _LONE_LAID[(obj.dtype, obj.shape)] = (prefix, t.nbytes,
+                                                          not obj.is_complex(), len(shape))
+                    return prefix + _bytes_of(t)
     if type(obj) is not list:  # a list is likelier to hold a tensor: lowered at once
         try:
             body: bytes = _packers.strict.pack(obj)  # only exact scalars, lists and dicts pass
@@ -162,6 +174,10 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
     return body if len(body) <= room else None
 
 
+_STRIDED: Final = torch.strided
+# a lone tensor's prefix by (dtype, shape): its bytes, whether it cannot be a conj view, ndim;
+# a tensor found here still has its memory checked (contiguous, host, no neg or conj bit)
+_LONE_LAID: dict[tuple[torch.dtype, torch.Size], tuple[bytes, int, bool, int]] = {}
 _MARK: Final = 0xc1  # the first byte of a body that is not plain msgpack (see the note)
 # The bytes that start a msgpack extension (fixext 1-16, ext 8/16/32): a body without any
 # holds none (one with some may, or may only hold them as data).
@@ -194,9 +210,16 @@ def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
         if ndim <= limits.max_ndim and len(body) >= 2 + _DESCS[ndim].size:
             at = 2 + _DESCS[ndim].size
             raw = bytes(body[2:at])
+            seen = _LONE_SEEN.get(raw)
+            if seen is not None and len(body) - at == seen[1]:  # checked before: as below
+                tensor = torch.frombuffer(bytearray(body[at:]), dtype=seen[0])
+                return tensor if seen[2] is None else tensor.reshape(seen[2])
             d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
             if (len(body) - at == d.nbytes and d.nbytes and d.kind is BufferKind.TENSOR
                     and d.dtype is not torch.bool):
+                if len(_LONE_SEEN) >= 1024:
+                    _LONE_SEEN.clear()
+                _LONE_SEEN[raw] = (d.dtype, d.nbytes, None if ndim == 1 else d.shape)
                 tensor = torch.frombuffer(bytearray(body[at:]), dtype=d.dtype)
                 return tensor if ndim == 1 else tensor.reshape(d.shape)
         return _inline(memoryview(body)[2:], limits)
@@ -237,6 +260,8 @@ def _inline(payload: memoryview, limits: Limits) -> object:
 
 
 _INLINE_DESCRIPTORS: dict[bytes, Descriptor] = {}  # checked already (shapes repeat)
+# lone tensors' descriptors checked already: dtype, bytes, shape (None: flat as it comes)
+_LONE_SEEN: dict[bytes, tuple[torch.dtype, int, tuple[int, ...] | None]] = {}
 
 
 def _inline_descriptor(raw: bytes) -> Descriptor:

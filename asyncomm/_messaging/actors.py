@@ -150,6 +150,8 @@ class Host:
     async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:
         endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far
         while True:
+            if inbox.empty():  # its next request may be microseconds away: look first
+                self._router.hurry(inbox.nonempty)
             message = await inbox.get()
             _, _, method, args, kwargs, _ = message.data
             try:
@@ -211,6 +213,7 @@ class Host:
         self._calls[call_id] = (rank, future, name, method)
         self._post(rank, self._requests, [call_id, name, method, list(args), kwargs, True])
         self._router.expect()
+        self._router.hurry(future.done)  # an answer within microseconds costs no loop turn
         limit = self._timeout if timeout is None else timeout
         timer = None
         if limit <= _TIMER_S:
@@ -371,6 +374,9 @@ class _Inbox:
 
     def empty(self) -> bool:
         return not self._items
+
+    def nonempty(self) -> bool:
+        return bool(self._items)
 
     async def get(self) -> Message:
         while not self._items:

@@ -9,6 +9,7 @@ stream are the router's (see ``router``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import time
 from collections.abc import AsyncIterator
@@ -16,8 +17,9 @@ from typing import Any, NamedTuple
 
 from asyncomm._core import wire
 from asyncomm._core.errors import CommClosedError, CommTimeoutError, ProtocolError
+from asyncomm._core.small import encode as small_encode
 from asyncomm._core.wire import Codec, Kind
-from asyncomm._messaging.mailbox import Frame, size_of, wake
+from asyncomm._messaging.mailbox import Encoded, Frame, size_of, wake
 from asyncomm._messaging.router import Router
 
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
@@ -50,6 +52,9 @@ class Channel:
         self._closed = False
         self._traced = traced  # the user's channels are traced; the actors' own are not
         self._received = 0  # bytes of the last message opened, for the trace
+        # small messages of the default codec: the most bytes of one (0: none are small)
+        self._small_room = router.small_room if codec is Codec.DEFAULT else 0
+        self._max_ndim = router.limits.max_ndim
 
     def __repr__(self) -> str:
         return f"<Channel {self.tag} rank {self._router.rank} {self.codec.name.lower()}>"
@@ -62,20 +67,29 @@ class Channel:
         carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
         """
         router = self._router
-        if isinstance(dst, bool) or not isinstance(dst, int) or not 0 <= dst < router.size:
+        if ((type(dst) is not int and (isinstance(dst, bool) or not isinstance(dst, int)))
+                or not 0 <= dst < router.size):
             raise ValueError(f"rank {router.rank}: channel {self.tag} send: dst={dst!r} is not "
                              f"a rank in 0..{router.size - 1}")
         if self._closed:
             raise CommClosedError(f"rank {router.rank}: channel {self.tag} is closed")
-        frame = router.encode(self.tag, obj, self.codec)
+        if self._small_room:  # the fast path: a small message, sent with the iteration's others
+            body = small_encode(obj, self._small_room, self._max_ndim)
+            if body is not None:
+                if (not self._traced or router.probe.recording is None) and router.post(
+                        body, self.tag, dst):
+                    return
+                await self._send(body, dst, timeout)
+                return
+        await self._send(router.encode(self.tag, obj, self.codec), dst, timeout)
+
+    async def _send(self, frame: Encoded, dst: int, timeout: float | None) -> None:
+        router = self._router
+        limit = self._timeout if timeout is None else timeout
         trace = router.probe.recording if self._traced else None
         if trace is None:
-            if type(frame) is bytes and router.post(frame, self.tag, dst):
-                return  # a small message, sent with the loop iteration's others
-            limit = self._timeout if timeout is None else timeout
             await router.send(frame, self.tag, dst, None if limit == math.inf else limit)
             return
-        limit = self._timeout if timeout is None else timeout
         start, error = time.perf_counter(), None
         try:
             await router.send(frame, self.tag, dst, None if limit == math.inf else limit)
@@ -146,8 +160,8 @@ class Channel:
                 peer = "any" if src is None else src
                 raise CommTimeoutError(f"rank {router.rank}: channel {self.tag} recv from peer "
                                        f"{peer} timed out after {limit:g} s")
-            router.expect()  # what this rank issued leaves now: then look a few times
-            if router.hurry():
+            router.expect()  # what this rank issued leaves now: then look a while
+            if router.hurry(box.has_frames if src is None else functools.partial(box.has, src)):
                 frame = box.take(src)
                 if frame is not None:
                     return self._open(frame)

@@ -105,6 +105,13 @@ class Mailbox:
                 waiter.set_result(None)
         self.waiters.clear()
 
+    def has_frames(self) -> bool:
+        return bool(self.frames)
+
+    def has(self, src: int) -> bool:
+        """Return whether a frame from ``src`` is here."""
+        return any(frame.src == src for frame in self.frames)
+
     def take(self, src: int | None) -> Frame | None:
         """Pop the first frame (from ``src``, if given), or return ``None``."""
         frames = self.frames

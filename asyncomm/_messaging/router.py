@@ -75,6 +75,10 @@ from asyncomm._messaging.mailbox import (
     wake,
 )
 
+_DATA_KIND = int(Kind.DATA)
+_SMALL_HEAD_AT = small.HEAD.unpack_from
+_SMALL_HEAD_BYTES = small.HEAD.size
+
 
 def frame_limits() -> wire.Limits:
     """Return the frame limits: the defaults, with ``ASYNCOMM_MAX_MESSAGE_BYTES`` if set.
@@ -112,11 +116,12 @@ def _as_tensor(buffer: wire.Buffer) -> torch.Tensor:
 class Window:
     """A sender's credit towards one (receiver, channel)."""
 
-    __slots__ = ("bytes_out", "messages_out", "waiters")
+    __slots__ = ("bytes_out", "messages_out", "seq", "waiters")
 
     def __init__(self) -> None:
         self.messages_out = 0
         self.bytes_out = 0
+        self.seq = 0  # of the next message
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
 
 
@@ -134,10 +139,10 @@ class Router:
         # credit comes back in batches of a quarter window (see ``consumed``)
         self._batch, self._batch_bytes = max(1, window // 4), window_bytes // 4
         self.limits = limits or frame_limits()
-        self._small_room = min(link.small_room, self.limits.max_message_bytes)
+        # the most bytes of a small frame's body (see ``small``)
+        self.small_room = min(link.small_room, self.limits.max_message_bytes)
         self._mailboxes: dict[int, Mailbox] = {}
         self._windows: dict[tuple[int, int], Window] = {}
-        self._send_seq: dict[tuple[int, int], int] = collections.defaultdict(int)
         self._recv_seq: dict[tuple[int, int], int] = {}
         self._consumed: dict[tuple[int, int], list[int]] = {}
         # frames of a source queued behind one whose buffers are on their way
@@ -174,7 +179,7 @@ class Router:
         any other, a frame. Its sequence number is set by ``send``, when it goes.
         """
         if codec is Codec.DEFAULT:
-            body = small.encode(obj, self._small_room, self.limits.max_ndim)
+            body = small.encode(obj, self.small_room, self.limits.max_ndim)
             if body is not None:
                 return body
         head, buffers = wire.encode(Kind.DATA, tag, 0, obj, codec, self.limits)
@@ -187,18 +192,20 @@ class Router:
         """
         if self._closed or dst == self.rank or dst in self.dead:
             return False  # ``send`` says why, or delivers it here
-        key = (dst, tag)
-        window = self._windows.get(key)
+        window = self._windows.get((dst, tag))
         if window is None:
-            window = self._windows[key] = Window()
+            window = self._windows[(dst, tag)] = Window()
         nbytes = len(body)
-        if window.waiters or not self._fits(window, nbytes):
+        out = window.messages_out
+        if window.waiters or not ((out < self.window
+                                  and window.bytes_out + nbytes <= self.window_bytes)
+                                  or self._fits(window, nbytes)):
             return False
-        window.messages_out += 1
+        window.messages_out = out + 1
         window.bytes_out += nbytes
-        seq = self._send_seq[key]
-        self._send_seq[key] = seq + 1
-        self._link.send_small(dst, Kind.DATA, tag, seq, body)
+        seq = window.seq
+        window.seq = seq + 1
+        self._link.send_small(dst, _DATA_KIND, tag, seq, body)
         return True
 
     async def send(self, frame: Encoded, tag: int, dst: int,
@@ -219,8 +226,8 @@ class Router:
         window.bytes_out += nbytes
         # The seq is taken only now: a send that timed out or was cancelled waiting for
         # credit leaves no gap, and nothing can run between here and the transmit.
-        seq = self._send_seq[key]
-        self._send_seq[key] = seq + 1
+        seq = window.seq
+        window.seq = seq + 1
         if isinstance(frame, bytes):  # a small frame: its bytes are copied already
             if dst == self.rank:
                 self.small(dst, Kind.DATA, tag, seq, memoryview(frame))
@@ -368,9 +375,9 @@ class Router:
 
     # -- receiving -----------------------------------------------------------------
 
-    def hurry(self) -> bool:
-        """A receiver is about to wait: look for frames a few times first (see ``Link.hurry``)."""
-        return self._link.hurry()
+    def hurry(self, done: Callable[[], bool]) -> bool:
+        """A task is about to wait for ``done()``: look for frames first (see ``Link.hurry``)."""
+        return self._link.hurry(done)
 
     def expect(self) -> None:
         """A task begins to wait for a frame: send what it issued, and watch closely.
@@ -461,6 +468,45 @@ class Router:
             self._queued[src].append(frame)
         else:
             self._deliver(frame)
+
+    def packet(self, src: int, view: memoryview, at: int, end: int) -> None:
+        """The small frames of a packet from ``src`` (the link calls this, in arrival order).
+
+        The hot path of every small message: each frame decoded here, once, and
+        put in its mailbox (or handed to whoever waits there), with no call
+        between but the decoding.
+        """
+        recv_seq, boxes, limits, decode = self._recv_seq, self._mailboxes, self.limits, small.decode
+        broken, queued = self._broken, self._queued
+        while at < end:
+            if end - at < _SMALL_HEAD_BYTES:
+                self.refuse(src, ProtocolError(f"packet from rank {src} truncated"), None)
+                return
+            kind, tag, seq, nbytes = _SMALL_HEAD_AT(view, at)
+            at += _SMALL_HEAD_BYTES
+            if nbytes > end - at:
+                self.refuse(src, ProtocolError(f"small frame from rank {src} declares {nbytes} "
+                                               f"bytes, {end - at} left"), None)
+                return
+            body = view[at:at + nbytes]
+            at += nbytes
+            if kind != DATA or (broken and src in broken) or (queued and src in queued):
+                self.small(src, kind, tag, seq, body)
+                continue
+            try:
+                frame = Frame(src, DATA, tag, seq, None, NO_BUFFERS, decode(body, limits), nbytes)
+            except ProtocolError as exc:
+                frame = Frame(src, DATA, tag, seq, None, NO_BUFFERS, None, nbytes,
+                              ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank "
+                                            f"{src} refused: {exc}"))
+            key = (src, tag)
+            expected = recv_seq.get(key, 0)
+            if seq != expected:
+                frame.error = ProtocolError(f"rank {self.rank}: channel {tag}: frame {seq} "
+                                            f"from rank {src} where {expected} was due")
+            recv_seq[key] = seq + 1
+            box = boxes.get(tag)
+            (box or self.mailbox(tag)).put(frame)
 
     def _small_control(self, src: int, kind: int, tag: int, body: memoryview) -> None:
         if src in self._broken:
