@@ -24,6 +24,7 @@ import ctypes
 import functools
 import re
 import struct
+from collections.abc import Callable
 from typing import Final
 
 import msgpack
@@ -89,6 +90,13 @@ class _Inline(_Outgoing):
 
     def tensor(self, t: torch.Tensor) -> msgpack.ExtType:
         """Lay a tensor inline, read where it lies (no flat view: the cheapest)."""
+        known = _known(t, self.max_ndim)
+        if known is not None:
+            self.room -= known[2]
+            if self.room < 0:
+                raise _TooBig
+            self.extended = True
+            return _inline_ext(known[0] + known[5].from_address(t.data_ptr()).raw)
         code = _CODES.get(t.dtype) if t.layout is torch.strided else None
         if code is None:
             return _tensor(t, self)  # which refuses it
@@ -98,6 +106,7 @@ class _Inline(_Outgoing):
         if self.room < 0 or len(shape) > self.max_ndim:
             raise _TooBig
         self.extended = True
+        _keep_known(t, code, shape, nbytes)
         return _inline_ext(_laid(code, BufferKind.TENSOR, shape, nbytes) + _bytes_of(t))
 
 
@@ -134,24 +143,17 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
         TypeError: the DEFAULT codec cannot carry something in ``obj`` (names it and where).
     """
     if type(obj) is torch.Tensor:  # a lone tensor, the commonest: laid out here
-        known = _LONE_LAID.get((obj.dtype, obj.shape))
-        if (known is not None and known[1] <= room - 256 and known[3] <= max_ndim
-                and obj.layout is _STRIDED
-                and obj.is_contiguous() and obj.is_cpu and not obj.is_neg()
-                and (known[2] or not obj.is_conj())):
-            return known[0] + ctypes.string_at(obj.data_ptr(), known[1])
+        known = _known(obj, max_ndim)
+        if known is not None and known[2] <= room - 256:
+            return known[1] + known[5].from_address(obj.data_ptr()).raw
         if obj.layout is torch.strided:
             code = _CODES.get(obj.dtype)
             if code is not None and obj.nbytes <= room - 256:
                 t = _as_laid(obj)
                 shape = tuple(t.shape)
                 if len(shape) <= max_ndim:
-                    prefix = _lone_small(code, shape, t.nbytes)
-                    if len(_LONE_LAID) >= 256:
-                        _LONE_LAID.clear()
-                    _LONE_LAID[(obj.dtype, obj.shape)] = (prefix, t.nbytes,
-                                                          not obj.is_complex(), len(shape))
-                    return prefix + _bytes_of(t)
+                    _keep_known(obj, code, shape, t.nbytes)
+                    return _lone_small(code, shape, t.nbytes) + _bytes_of(t)
     if type(obj) is not list:  # a list is likelier to hold a tensor: lowered at once
         try:
             body: bytes = _packers.strict.pack(obj)  # only exact scalars, lists and dicts pass
@@ -160,6 +162,19 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
         else:  # ... and ExtType, Timestamp, which msgpack packs as they are: lowered instead
             if _EXT_START.search(body) is None:
                 return body if len(body) <= room else None
+    if type(obj) is list and _FLAT_ITEMS.issuperset(map(type, obj)):  # (a C-level pass)
+        # Scalars and tensors side by side (an actor's request or reply): one pass, the
+        # scalars as they are; an int beyond 64 bits leaves msgpack to the full lowering.
+        out = _Inline(room, max_ndim)
+        try:
+            body = _pack([out.tensor(x) if type(x) is torch.Tensor else x for x in obj])
+        except _TooBig:
+            return None
+        except OverflowError:
+            pass
+        else:
+            body = _EXTENDED + body if out.extended else body
+            return body if len(body) <= room else None
     try:
         out = _Inline(room, max_ndim)
         body = _pack(_lower(obj, out))
@@ -175,9 +190,31 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
 
 
 _STRIDED: Final = torch.strided
-# a lone tensor's prefix by (dtype, shape): its bytes, whether it cannot be a conj view, ndim;
-# a tensor found here still has its memory checked (contiguous, host, no neg or conj bit)
-_LONE_LAID: dict[tuple[torch.dtype, torch.Size], tuple[bytes, int, bool, int]] = {}
+_FLAT_ITEMS: Final = frozenset({type(None), bool, int, float, str, torch.Tensor})
+# Tensors laid out before, by (dtype, shape): the descriptor's bytes, a lone tensor's body
+# prefix, the bytes, whether it cannot be a conj view (not complex), ndim, and a ctypes
+# array of its bytes (to copy them: half the cost of ``ctypes.string_at``). A tensor found
+# here still has its memory checked (strided, contiguous, host, no neg or conj bit).
+_Known = tuple[bytes, bytes, int, bool, int, type[ctypes.Array[ctypes.c_char]]]
+_KNOWN: dict[tuple[torch.dtype, torch.Size], _Known] = {}
+
+
+def _known(t: torch.Tensor, max_ndim: int) -> _Known | None:
+    """Return what ``_KNOWN`` keeps of ``t``'s kind if ``t`` is laid out as it lies, else None."""
+    known = _KNOWN.get((t.dtype, t.shape))
+    if (known is not None and known[4] <= max_ndim and t.layout is _STRIDED
+            and t.is_contiguous() and t.is_cpu and not t.is_neg()
+            and (known[3] or not t.is_conj())):
+        return known
+    return None
+
+
+def _keep_known(t: torch.Tensor, code: int, shape: tuple[int, ...], nbytes: int) -> None:
+    if len(_KNOWN) >= 256:
+        _KNOWN.clear()
+    _KNOWN[(t.dtype, t.shape)] = (_laid(code, BufferKind.TENSOR, shape, nbytes),
+                                  _lone_small(code, shape, nbytes), nbytes, not t.is_complex(),
+                                  len(shape), ctypes.c_char * nbytes)
 _MARK: Final = 0xc1  # the first byte of a body that is not plain msgpack (see the note)
 # The bytes that start a msgpack extension (fixext 1-16, ext 8/16/32): a body without any
 # holds none (one with some may, or may only hold them as data).
@@ -210,28 +247,38 @@ def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
         if ndim <= limits.max_ndim and len(body) >= 2 + _DESCS[ndim].size:
             at = 2 + _DESCS[ndim].size
             raw = bytes(body[2:at])
-            seen = _LONE_SEEN.get(raw)
+            seen = _TENSORS_SEEN.get(raw)
             if seen is not None and len(body) - at == seen[1]:  # checked before: as below
                 tensor = torch.frombuffer(bytearray(body[at:]), dtype=seen[0])
                 return tensor if seen[2] is None else tensor.reshape(seen[2])
             d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
             if (len(body) - at == d.nbytes and d.nbytes and d.kind is BufferKind.TENSOR
                     and d.dtype is not torch.bool):
-                if len(_LONE_SEEN) >= 1024:
-                    _LONE_SEEN.clear()
-                _LONE_SEEN[raw] = (d.dtype, d.nbytes, None if ndim == 1 else d.shape)
+                _seen(raw, d)
                 tensor = torch.frombuffer(bytearray(body[at:]), dtype=d.dtype)
                 return tensor if ndim == 1 else tensor.reshape(d.shape)
         return _inline(memoryview(body)[2:], limits)
     if form != 1:
         raise ProtocolError(f"small frame body of unknown form {form}")
+    hook = _HOOKS.get(limits)
+    if hook is None:
+        hook = _HOOKS[limits] = functools.partial(_extension, limits=limits)
+    return read_structure(body[2:], hook)
 
-    def inline(code: int, payload: bytes) -> object:
-        if code == _EXT_INLINE:
-            return _inline(memoryview(payload), limits)
-        raise ProtocolError(f"frame structure has an unknown extension {code}")
 
-    return read_structure(memoryview(body)[2:], inline)
+_HOOKS: dict[Limits, Callable[[int, bytes], object]] = {}  # ``_extension`` per limits
+
+
+def _extension(code: int, payload: bytes, limits: Limits) -> object:
+    if code == _EXT_INLINE:
+        if len(payload) > 2 and payload[2] <= limits.max_ndim:  # a tensor checked before?
+            size = _DESCS[payload[2]].size
+            seen = _TENSORS_SEEN.get(payload[:size])
+            if seen is not None and len(payload) - size == seen[1]:
+                tensor = torch.frombuffer(bytearray(payload[size:]), dtype=seen[0])  # aligned
+                return tensor if seen[2] is None else tensor.reshape(seen[2])
+        return _inline(memoryview(payload), limits)
+    raise ProtocolError(f"frame structure has an unknown extension {code}")
 
 
 def _refuse_ext(code: int, payload: bytes) -> object:
@@ -246,11 +293,16 @@ def _inline(payload: memoryview, limits: Limits) -> object:
     if len(payload) < size:
         raise ProtocolError("inline buffer truncated")
     raw = bytes(payload[:size])
+    seen = _TENSORS_SEEN.get(raw)
+    if seen is not None and len(payload) - size == seen[1]:  # checked before: as below
+        tensor = torch.frombuffer(bytearray(payload[size:]), dtype=seen[0])
+        return tensor if seen[2] is None else tensor.reshape(seen[2])
     d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
     data = payload[size:]
     if len(data) != d.nbytes:
         raise ProtocolError(f"inline buffer of {len(data)} bytes declares {d.nbytes}")
     if d.kind is BufferKind.TENSOR and d.nbytes and d.dtype is not torch.bool:  # the commonest
+        _seen(raw, d)
         tensor = torch.frombuffer(bytearray(data), dtype=d.dtype)
         return tensor if len(d.shape) == 1 else tensor.reshape(d.shape)
     if d.kind is BufferKind.BYTES:
@@ -260,8 +312,15 @@ def _inline(payload: memoryview, limits: Limits) -> object:
 
 
 _INLINE_DESCRIPTORS: dict[bytes, Descriptor] = {}  # checked already (shapes repeat)
-# lone tensors' descriptors checked already: dtype, bytes, shape (None: flat as it comes)
-_LONE_SEEN: dict[bytes, tuple[torch.dtype, int, tuple[int, ...] | None]] = {}
+# tensors' descriptors checked already (non-empty, not bool): dtype, bytes, shape (None: flat
+# as it comes)
+_TENSORS_SEEN: dict[bytes, tuple[torch.dtype, int, tuple[int, ...] | None]] = {}
+
+
+def _seen(raw: bytes, d: Descriptor) -> None:
+    if len(_TENSORS_SEEN) >= 1024:
+        _TENSORS_SEEN.clear()
+    _TENSORS_SEEN[raw] = (d.dtype, d.nbytes, None if len(d.shape) == 1 else d.shape)
 
 
 def _inline_descriptor(raw: bytes) -> Descriptor:

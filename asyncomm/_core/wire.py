@@ -55,6 +55,7 @@ PREFIX_BYTES: Final = _PREFIX.size
 _U64: Final = 1 << 64
 _EXT_TUPLE, _EXT_BUFFER, _EXT_INLINE = 1, 2, 3  # msgpack extension codes of the DEFAULT codec
 _TUPLE_EXT: Final = msgpack.ExtType(_EXT_TUPLE, b"")  # first item of an array that is a tuple
+_TUPLE_BYTES: Final = msgpack.packb(_TUPLE_EXT)
 _INT_MIN: Final = -(1 << 63)
 # Precompiled layouts and references, so hot paths never build them per message.
 _DESCS: Final = [struct.Struct(f"<BBB{ndim + 1}Q") for ndim in range(256)]  # [ndim]
@@ -249,6 +250,8 @@ def _lower(obj: object, out: _Outgoing) -> object:
         return _lower_items(obj, out, kind is tuple)  # type: ignore[arg-type]
     if kind is torch.Tensor:
         return out.tensor(obj)  # type: ignore[arg-type]
+    if kind is dict and _SCALARS.issuperset(map(type, obj)):  # type: ignore[call-overload]
+        return _lower_dict(obj, out)  # type: ignore[arg-type]
     if obj is None or isinstance(obj, (bool, float, str)):
         return obj
     if isinstance(obj, int):
@@ -269,16 +272,20 @@ def _lower(obj: object, out: _Outgoing) -> object:
     if isinstance(obj, (list, tuple)):
         return _lower_items(obj, out, isinstance(obj, tuple))
     if isinstance(obj, dict):
-        lowered = {}
-        for k, v in obj.items():
-            key = _key(k)
-            try:
-                lowered[key] = v if type(v) in _AS_IS else _lower(v, out)
-            except _Refused as e:
-                e.path.append(f"[{k!r}]")
-                raise
-        return lowered
+        return _lower_dict(obj, out)
     raise _Refused(type(obj).__qualname__)
+
+
+def _lower_dict(obj: dict[Any, Any], out: _Outgoing) -> dict[Any, Any]:
+    lowered = {}
+    for k, v in obj.items():
+        key = _key(k)
+        try:
+            lowered[key] = v if type(v) in _AS_IS else _lower(v, out)
+        except _Refused as e:
+            e.path.append(f"[{k!r}]")
+            raise
+    return lowered
 
 
 def _lower_items(obj: list[Any] | tuple[Any, ...], out: _Outgoing, is_tuple: bool) -> list[Any]:
@@ -292,7 +299,7 @@ def _lower_items(obj: list[Any] | tuple[Any, ...], out: _Outgoing, is_tuple: boo
             items.append(item)
             continue
         try:
-            items.append(_lower(item, out))
+            items.append(out.tensor(item) if kind is torch.Tensor else _lower(item, out))
         except _Refused as e:
             e.path.append(f"[{i}]")
             raise
@@ -314,12 +321,12 @@ def _structure(obj: object, out: _Outgoing) -> bytes:
             _tensor(obj, out)
             return _LONE_REF
         lowered = _lower(obj, out)
+        # A lone tensor (or array, or large bytes) always has the same structure.
+        return _LONE_REF if lowered is _REFS[0] else _pack(lowered)
     except _Refused as e:
         where = "data" + "".join(reversed(e.path))
         raise TypeError(f"the default codec cannot carry {e.what} at {where}; "
                         f'use comm.channel(tag, codec="pickle")') from None
-    # A lone tensor (or array, or large bytes) always has the same structure.
-    return _LONE_REF if lowered is _REFS[0] else _pack(lowered)
 
 
 class _Packers(threading.local):
@@ -602,6 +609,17 @@ def read_structure(data: bytes | memoryview, extension: Callable[[int, bytes], o
         ProtocolError: not valid msgpack, a misplaced tuple marker, or what ``extension``
             raises.
     """
+    if type(data) is not bytes:
+        data = bytes(data)  # (a memoryview's ``in`` compares items, not bytes)
+    if _TUPLE_BYTES not in data:  # no tuple: no hook per list, and ``extension`` as it is
+        try:
+            return msgpack.unpackb(data, ext_hook=extension, raw=False, strict_map_key=False,
+                                   timestamp=1)
+        except ProtocolError:
+            raise
+        except Exception as e:
+            raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})"
+                                ) from e
     seen, used = [0], [0]  # tuple markers seen, and consumed (as the first item of a list)
 
     def ext_hook(code: int, payload: bytes) -> object:

@@ -7,9 +7,12 @@ every user channel), with the default codec: arguments and results are what
 a default channel carries. Their mailboxes hand each message over as it
 arrives (a listener): a request goes straight to its actor's inbox, a reply
 straight to its call's future, so an actor call costs the hops of a channel
-round trip and no more. A request is ``[call id, actor, method, args,
-kwargs, wants reply]``; a reply is ``[call id, ok, result]`` or ``[call id,
-ok=False, [type name, message, traceback]]``. Each rank sends its requests
+round trip and no more. A request is ``[call id, actor, method, wants
+reply, kwargs or None, *args]`` (flat: a list level less to encode and
+decode); a reply is ``[call id, ok, result]`` or ``[call id, ok=False,
+[type name, message, traceback]]``. A caller and an actor about to wait
+look for what they wait for a while first (``Router.hurry``): an answer
+that comes within microseconds then costs no loop turn. Each rank sends its requests
 to one destination in call order (calls and tells alike), and each actor
 handles one request at a time, in arrival order.
 
@@ -33,6 +36,8 @@ import time
 import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
+
+import torch
 
 from asyncomm._core import tags
 from asyncomm._core.errors import (
@@ -59,6 +64,11 @@ def endpoint(method: F) -> F:
     """Mark a method of an ``Actor`` as callable from other ranks."""
     setattr(method, _ENDPOINT, True)
     return method
+
+
+# results that are never awaitable (``inspect.isawaitable`` costs as much as a small message)
+_NOT_AWAITABLE = frozenset({type(None), bool, int, float, str, bytes, list, tuple, dict,
+                            torch.Tensor})
 
 
 class Actor:
@@ -133,11 +143,25 @@ class Host:
 
     def _on_request(self, frame: Frame) -> None:
         """The requests' listener: route each to its actor as it arrives."""
+        data = frame.data
+        if (frame.head is None and type(data) is list and len(data) >= 5
+                and type(data[1]) is str):
+            self._router.consumed(frame)  # a small frame, decoded already (what _open does)
+            self._route(Message(frame.src, tags.ACTOR_REQUEST, data))
+            return
         self._listened(self._requests, frame, self._route)
 
     def _on_reply(self, frame: Frame) -> None:
         """The replies' listener: settle each call as its reply arrives."""
-        self._listened(self._replies, frame, lambda message: self._settle(*message.data))
+        data = frame.data
+        if frame.head is None and type(data) is list and len(data) == 3 and type(data[0]) is int:
+            self._router.consumed(frame)  # a small frame, decoded already (what _open does)
+            self._settle(data[0], data[1], data[2])
+            return
+        self._listened(self._replies, frame, self._settle_message)
+
+    def _settle_message(self, message: Message) -> None:
+        self._settle(*message.data)
 
     def _listened(self, channel: Channel, frame: Frame, then: Callable[[Message], None]) -> None:
         try:
@@ -153,7 +177,7 @@ class Host:
             if inbox.empty():  # its next request may be microseconds away: look first
                 self._router.hurry(inbox.nonempty)
             message = await inbox.get()
-            _, _, method, args, kwargs, _ = message.data
+            method, kwargs, args = message.data[2], message.data[4], message.data[5:]
             try:
                 target = endpoints.get(method)
                 if target is None:
@@ -162,8 +186,8 @@ class Host:
                         raise AttributeError(f"{type(actor).__name__} has no endpoint "
                                              f"{method!r}")
                     endpoints[method] = target
-                result = target(*args, **kwargs)
-                if inspect.isawaitable(result):
+                result = target(*args, **kwargs) if kwargs else target(*args)
+                if type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result):
                     result = await result
             except Exception as exc:
                 self._answer(message, False, [type(exc).__name__, str(exc),
@@ -174,7 +198,7 @@ class Host:
                 self._router.flush()
 
     def _answer(self, request: Message, ok: bool, result: Any) -> None:
-        call_id, wants_reply = request.data[0], request.data[5]
+        call_id, wants_reply = request.data[0], request.data[3]
         if wants_reply:
             try:
                 self._post(request.src, self._replies, [call_id, ok, result])
@@ -211,7 +235,7 @@ class Host:
         call_id = next(self._ids)
         future = self._loop.create_future()
         self._calls[call_id] = (rank, future, name, method)
-        self._post(rank, self._requests, [call_id, name, method, list(args), kwargs, True])
+        self._post(rank, self._requests, [call_id, name, method, True, kwargs or None, *args])
         self._router.expect()
         self._router.hurry(future.done)  # an answer within microseconds costs no loop turn
         limit = self._timeout if timeout is None else timeout
@@ -236,8 +260,8 @@ class Host:
              kwargs: dict[str, Any]) -> None:
         """Send ``name.method(*args, **kwargs)`` to ``rank`` without waiting for a reply."""
         self._check_open(rank, name, method)
-        self._post(rank, self._requests, [next(self._ids), name, method, list(args), kwargs,
-                                          False])
+        self._post(rank, self._requests, [next(self._ids), name, method, False, kwargs or None,
+                                          *args])
 
     def _check_open(self, rank: int, name: str, method: str) -> None:
         if rank in self._router.dead:
