@@ -236,8 +236,22 @@ class Host:
         future = self._loop.create_future()
         self._calls[call_id] = (rank, future, name, method)
         self._post(rank, self._requests, [call_id, name, method, True, kwargs or None, *args])
-        self._router.expect()
-        self._router.hurry(future.done)  # an answer within microseconds costs no loop turn
+        router = self._router
+        router.expect()
+        if router.hurry(future.done):  # an answer within microseconds: no loop turn, no timer
+            del self._calls[call_id]
+            ok, result = future.result()
+        else:
+            ok, result = await self._answer_of(call_id, future, timeout)
+        if not ok:
+            kind, text, remote_tb = result
+            raise RemoteError(f"rank {rank}: {name}.{method} raised {kind}: {text}", rank,
+                              remote_tb)
+        return result
+
+    async def _answer_of(self, call_id: int, future: asyncio.Future[Any],
+                         timeout: float | None) -> Any:
+        """Wait for call ``call_id``'s reply (up to its deadline); forget the call then."""
         limit = self._timeout if timeout is None else timeout
         timer = None
         if limit <= _TIMER_S:
@@ -245,16 +259,11 @@ class Host:
         elif limit != math.inf:  # the reply loop expires it (a timer costs as much as a message)
             heapq.heappush(self._deadlines, (time.monotonic() + limit, call_id, limit))
         try:
-            ok, result = await future  # no task between the reply's arrival and this
+            return await future  # no task between the reply's arrival and this
         finally:
             if timer is not None:
                 timer.cancel()
             self._calls.pop(call_id, None)
-        if not ok:
-            kind, text, remote_tb = result
-            raise RemoteError(f"rank {rank}: {name}.{method} raised {kind}: {text}", rank,
-                              remote_tb)
-        return result
 
     def tell(self, rank: int, name: str, method: str, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> None:

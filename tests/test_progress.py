@@ -1,0 +1,124 @@
+"""Hurrying: a task about to wait looks for what it waits for itself, as learnt, and fairly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from asyncomm import Comm
+from asyncomm._core.progress import FAIR_S, Hurry
+from asyncomm.testing import World, fresh
+
+
+class Looks:
+    """A look that finds something from its ``found``-th call on (never, if 0)."""
+
+    def __init__(self, found: int = 0) -> None:
+        self.calls, self.found = 0, found
+
+    def __call__(self) -> bool:
+        self.calls += 1
+        return self.found > 0 and self.calls >= self.found
+
+
+async def test_a_look_that_finds_ends_the_hurry() -> None:
+    hurry = Hurry(asyncio.get_running_loop(), tests=8, max_s=1e-3)
+    look = Looks(found=3)
+    assert hurry.run(look)
+    assert look.calls == 3
+    assert hurry.budget_s == 0.0
+
+
+async def test_an_unlearnt_hurry_looks_its_tests_and_gives_up() -> None:
+    hurry = Hurry(asyncio.get_running_loop(), tests=8, max_s=1e-3)
+    look = Looks()
+    assert not hurry.run(look)
+    assert look.calls == 8
+
+
+async def test_a_wait_that_came_soon_teaches_the_hurry_to_cover_it() -> None:
+    hurry = Hurry(asyncio.get_running_loop(), tests=4, max_s=50e-3)
+    assert not hurry.run(Looks())
+    start = time.perf_counter()
+    while time.perf_counter() - start < 2e-3:  # what the task waited for comes 2 ms later
+        pass
+    hurry.came()
+    assert 3e-3 <= hurry.budget_s <= 50e-3  # 1.5 times the wait (and a little more)
+    await asyncio.sleep(0)  # the loop turns (see the fairness test)
+    look = Looks()
+    begun = time.perf_counter()
+    assert not hurry.run(look)
+    assert time.perf_counter() - begun >= hurry.budget_s  # it looked for its whole budget
+    assert look.calls > 4
+    hurry.came()  # once per given-up look: a second arrival teaches nothing more
+    hurry.came()
+
+
+async def test_long_waits_make_the_hurry_shrink_back() -> None:
+    hurry = Hurry(asyncio.get_running_loop(), tests=4, max_s=1e-3)
+    hurry.budget_s = 1e-3
+    for expected in (0.5e-3, 0.25e-3):
+        assert not hurry.run(Looks())
+        await asyncio.sleep(2e-3)  # longer than max_s: looking longer would not have helped
+        hurry.came()
+        assert hurry.budget_s == pytest.approx(expected)
+    hurry.budget_s = 1e-7
+    assert not hurry.run(Looks())
+    await asyncio.sleep(2e-3)
+    hurry.came()
+    assert hurry.budget_s == 0.0
+
+
+async def test_no_hurry_while_the_loop_is_kept_from_its_turn() -> None:
+    # Tasks whose looks find what they wait for never yield: once the loop's turn, asked
+    # for by the first look, is overdue by FAIR_S, looks are refused until it comes.
+    hurry = Hurry(asyncio.get_running_loop(), tests=8, max_s=1e-3)
+    start = time.perf_counter()
+    assert hurry.run(Looks(found=1))
+    while time.perf_counter() - start < 2 * FAIR_S:  # the task goes on, never yielding
+        assert hurry.run(Looks(found=1)) or time.perf_counter() - start > FAIR_S
+    look = Looks(found=1)
+    assert not hurry.run(look)
+    assert look.calls == 0
+    await asyncio.sleep(0)  # the loop turns
+    assert hurry.run(Looks(found=1))
+
+
+async def check_ping_pong_lets_the_loop_turn(comm: Comm) -> int:
+    # A ping-pong whose answers come within the hurry never parks; a task beside it must
+    # still run, at least every millisecond or so (FAIR_S): count the most exchanges
+    # between two of its turns.
+    async with fresh(comm) as sub:
+        ch, peer, t = sub.channel(1), 1 - sub.rank, torch.zeros(2)
+        ticks = [0]
+
+        async def beside() -> None:
+            while True:
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.get_running_loop().create_task(beside())
+        await asyncio.sleep(0)
+        longest, run, last = 0, 0, ticks[0]
+        for _ in range(3000):
+            if sub.rank == 0:
+                await ch.send(t, peer)
+                await ch.recv(peer)
+            else:
+                await ch.recv(peer)
+                await ch.send(t, peer)
+            run = 0 if ticks[0] != last else run + 1
+            last, longest = ticks[0], max(longest, run)
+        task.cancel()
+        return longest
+
+
+def test_a_hurried_ping_pong_lets_other_tasks_run(world2: World) -> None:
+    if world2.backend != "mpi":
+        pytest.skip("only MPI hurries (its requests are tested; gloo's complete on threads)")
+    longest = world2.run(check_ping_pong_lets_the_loop_turn)
+    # An exchange takes 20 us or more here: FAIR_S (1 ms) allows 50 between turns.
+    assert max(longest) <= 200, longest
