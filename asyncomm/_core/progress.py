@@ -354,8 +354,11 @@ class Hurry:
         self._since = 0.0  # when the look that gave up began (0: no parked look pending)
         self._turn = 0.0  # when the loop was asked for a turn that has not come yet (0: none)
 
-    def run(self, look: Callable[[], bool]) -> bool:
-        """Call ``look()`` until it returns true (return true) or the budget is spent."""
+    def run(self, look: Callable[[], bool], learnt: bool = True) -> bool:
+        """Call ``look()`` until it returns true (return true) or the budget is spent.
+
+        ``learnt=False``: ``tests`` looks only (see ``Poller.hurry``).
+        """
         start = time.perf_counter()
         if not self._turn:
             self._turn = start
@@ -365,12 +368,13 @@ class Hurry:
         for _ in range(self.tests):
             if look():
                 return True
-        if self.budget_s:
+        if self.budget_s and learnt:
             clock, end = time.perf_counter, start + self.budget_s
             while clock() < end:
                 if look():
                     return True
-        self._since = start
+        if learnt:
+            self._since = start
         return False
 
     def _turned(self) -> None:
@@ -461,7 +465,11 @@ class Poller:
         self.kick()
 
     def hurry(self, request: Any) -> None:
-        """Test ``request`` while hurrying (see ``Hurry``); settle it now if it completes."""
+        """Test ``request`` a bounded number of times; settle it now if it completes.
+
+        Only ``tests`` times, never for a learnt while: tasks that await requests are
+        often many at once (a gather of sends), and each would hold the others back.
+        """
         test, result = self._test, []
 
         def look() -> bool:
@@ -473,7 +481,7 @@ class Poller:
                 result.append(outcome)
             return done
 
-        if not self._hurry.run(look):
+        if not self._hurry.run(look, learnt=False):
             return
         outcome = result[0]
         try:
