@@ -1030,3 +1030,32 @@ async def check_flush_before_blocking(comm: Comm) -> None:
 
 def test_flush_sends_small_messages_before_the_loop_blocks(world: World) -> None:
     world.run(check_flush_before_blocking)
+
+
+async def check_large_messages_keep_their_memory(comm: Comm) -> None:
+    # The buffers of large messages are lent again once nothing refers to them: the
+    # messages a receiver keeps (whole, or a view) stay intact while later ones arrive
+    # into recycled memory, and the dropped ones' memory is used again.
+    async with fresh(comm) as sub:
+        ch, n, count = sub.channel(930), 1 << 18, 24  # 1 MiB each
+        if sub.rank == 0:
+            for i in range(count):
+                await ch.send(torch.full((n,), float(i)), 1)
+        elif sub.rank == 1:
+            kept: dict[int, torch.Tensor] = {}
+            for i in range(count):
+                t = (await ch.recv(0)).data
+                assert bool(torch.all(t == i)), i
+                if i % 3 == 0:
+                    kept[i] = t
+                elif i % 3 == 1:
+                    kept[i] = t[100:200]
+            for i, t in kept.items():
+                assert bool(torch.all(t == i)), i
+            assert 0 < sub._router._link._buffers.kept < count * n * 4
+        await sub.barrier()
+
+
+def test_large_messages_kept_are_intact_and_the_dropped_ones_memory_is_reused(
+        world: World) -> None:
+    world.run(check_large_messages_keep_their_memory)

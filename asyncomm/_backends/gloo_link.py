@@ -244,6 +244,7 @@ class GlooLink(Link):
         self._stopped = True
         self._frames.put(None)
         self._sends.put(None)
+        self._buffers.clear()
 
     async def join(self, timeout: float) -> None:
         """Join the threads off the loop, up to ``timeout`` in all.
@@ -357,7 +358,7 @@ class GlooLink(Link):
             self._refuse(src, exc if isinstance(exc, ProtocolError)
                          else ProtocolError(f"frame head from rank {src} lost: {exc}"))
             return
-        pending = Pending(head, wire.allocate(head), head.seq)
+        pending = Pending(head, self._allocate(head), head.seq)
         works = [self._pg.recv([b], src, tags.LINK_DATA) for b in pending.buffers]
         assert self._arrivals is not None
         self._on_loop(self._arrivals.later, src, pending)

@@ -80,6 +80,7 @@ class ProbeLink(Link):
     def stop(self) -> None:
         self._open = False
         self._poller.unprobe(self.pump)
+        self._buffers.clear()
 
     def hurry(self, done: Callable[[], bool]) -> bool:
         return self._poller.hurry_until(done)

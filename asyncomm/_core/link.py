@@ -49,6 +49,7 @@ from typing import Any, Protocol
 import torch
 
 from asyncomm._core import small, tags, wire
+from asyncomm._core.buffers import Buffers
 from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError, ProtocolError
 from asyncomm._core.handle import FROM_BACKEND, Handle
 from asyncomm._core.wire import Head
@@ -131,6 +132,7 @@ class Link(ABC):
         self._limits = wire.Limits()
         self._held: dict[int, collections.deque[bytearray | torch.Tensor]] = {}
         self._heads: dict[bytes, Head] = {}
+        self._buffers = Buffers()  # large frames' receive buffers, lent again once free
         # the body of a small frame: what fits a packet with its head, up to small.BYTES
         self.small_room = min(small.BYTES, room - small.HEAD.size)
         self._packets: dict[int, list[bytes]] = {}  # small frames queued, per destination
@@ -198,6 +200,10 @@ class Link(ABC):
     def _post(self, buffer: bytes | bytearray | torch.Tensor, dst: int,
               tag: int) -> Handle[None] | None:
         """Send ``buffer``; return its handle, or ``None`` if it is done already."""
+
+    def _allocate(self, head: Head) -> list[torch.Tensor]:
+        """Return the buffers to receive a frame's into (see ``buffers``)."""
+        return [self._buffers.take(d.nbytes) for d in head.descriptors]
 
     def _fetch(self, tensor: torch.Tensor, src: int | None, tag: int) -> Handle[int]:
         handle: Handle[int] = Handle(self._loop, (self._backend.rank, "recv", None, src, tag),
@@ -376,7 +382,7 @@ class Link(ABC):
 
     def _data(self, src: int, head: Head, seq: int) -> Pending:
         """Post a frame's data receives now, in order; return the frame they complete."""
-        pending = Pending(head, wire.allocate(head), seq)
+        pending = Pending(head, self._allocate(head), seq)
         for b in pending.buffers:
             self._fetch(b, src, tags.LINK_DATA).add_done_callback(pending.received)
         return pending
