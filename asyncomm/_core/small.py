@@ -53,6 +53,7 @@ from asyncomm._core.wire import (
     _Refused,
     _tensor,
     read_structure,
+    unpack,
 )
 
 __all__ = ["HEAD", "BYTES", "encode", "decode"]
@@ -234,13 +235,7 @@ def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
         ProtocolError: malformed, or a buffer that ``decode_head`` would refuse.
     """
     if not body or body[0] != _MARK:  # plain msgpack: no extension
-        try:
-            return msgpack.unpackb(body, ext_hook=_refuse_ext, raw=False, strict_map_key=False,
-                                   timestamp=1)
-        except ProtocolError:
-            raise
-        except Exception as e:
-            raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})") from e
+        return unpack(body, _refuse_ext)
     form = body[1] if len(body) > 1 else None
     if form == 0:  # a lone tensor: the commonest case (``_inline``, inline)
         ndim = body[4] if len(body) > 4 else 255

@@ -565,12 +565,9 @@ def decode(head: Head, buffers: list[torch.Tensor], expect: Codec) -> object:
             raise ProtocolError(f"could not unpickle a frame: {type(e).__name__}") from e
     if not data:  # nothing to rebuild: skip the per-frame hooks unless there is a tuple marker
         try:
-            return msgpack.unpackb(structure, ext_hook=_no_ext, raw=False, strict_map_key=False,
-                                   timestamp=1)
+            return unpack(structure, _no_ext, passing=_HasExt)
         except _HasExt:
             pass
-        except Exception as e:
-            raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})") from e
     elif len(data) == 1 and structure == _LONE_REF:  # a lone tensor: what msgpack would return
         return _rebuild(descriptors[0], data[0])
     return _unpack(structure, descriptors, data)
@@ -602,6 +599,23 @@ def _unpack(structure: memoryview, descriptors: tuple[Descriptor, ...],
     return obj
 
 
+def unpack(data: bytes | memoryview, ext_hook: Callable[[int, bytes], object],
+           list_hook: Callable[[list[object]], object] | None = None,
+           passing: type[Exception] = ProtocolError) -> object:
+    """Unpack msgpack as the DEFAULT codec does; ``ProtocolError`` if it is not valid.
+
+    msgpack decodes its own extension -1 (timestamps) before any hook: to a plain
+    float here. Errors of type ``passing`` (and ``ProtocolError``) pass unchanged.
+    """
+    try:
+        return msgpack.unpackb(data, ext_hook=ext_hook, list_hook=list_hook, raw=False,
+                               strict_map_key=False, timestamp=1)
+    except (ProtocolError, passing):
+        raise
+    except Exception as e:
+        raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})") from e
+
+
 def read_structure(data: bytes | memoryview, extension: Callable[[int, bytes], object]) -> object:
     """Unpack a DEFAULT structure: tuples rebuilt, other extensions by ``extension``.
 
@@ -612,14 +626,7 @@ def read_structure(data: bytes | memoryview, extension: Callable[[int, bytes], o
     if type(data) is not bytes:
         data = bytes(data)  # (a memoryview's ``in`` compares items, not bytes)
     if _TUPLE_BYTES not in data:  # no tuple: no hook per list, and ``extension`` as it is
-        try:
-            return msgpack.unpackb(data, ext_hook=extension, raw=False, strict_map_key=False,
-                                   timestamp=1)
-        except ProtocolError:
-            raise
-        except Exception as e:
-            raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})"
-                                ) from e
+        return unpack(data, extension)
     seen, used = [0], [0]  # tuple markers seen, and consumed (as the first item of a list)
 
     def ext_hook(code: int, payload: bytes) -> object:
@@ -634,13 +641,7 @@ def read_structure(data: bytes | memoryview, extension: Callable[[int, bytes], o
             return tuple(items[1:])
         return items
 
-    try:  # msgpack decodes its own ext -1 (timestamps) before any hook: make it a plain float
-        obj = msgpack.unpackb(data, ext_hook=ext_hook, list_hook=list_hook, raw=False,
-                              strict_map_key=False, timestamp=1)
-    except ProtocolError:
-        raise
-    except Exception as e:
-        raise ProtocolError(f"frame structure is not valid msgpack ({type(e).__name__})") from e
+    obj = unpack(data, ext_hook, list_hook)
     if seen[0] != used[0]:
         raise ProtocolError("frame structure misplaces a tuple marker")
     return obj
