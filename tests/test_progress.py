@@ -39,6 +39,14 @@ async def test_an_unlearnt_hurry_looks_its_tests_and_gives_up() -> None:
     assert look.calls == 8
 
 
+async def test_no_tests_no_hurry_even_when_learnt() -> None:
+    hurry = Hurry(asyncio.get_running_loop(), tests=0, max_s=1e-3)
+    hurry.budget_s = 1e-3
+    look = Looks(found=1)
+    assert not hurry.run(look)
+    assert look.calls == 0
+
+
 async def test_a_wait_that_came_soon_teaches_the_hurry_to_cover_it() -> None:
     hurry = Hurry(asyncio.get_running_loop(), tests=4, max_s=50e-3)
     assert not hurry.run(Looks())

@@ -357,8 +357,11 @@ class Hurry:
     def run(self, look: Callable[[], bool], learnt: bool = True) -> bool:
         """Call ``look()`` until it returns true (return true) or the budget is spent.
 
-        ``learnt=False``: ``tests`` looks only (see ``Poller.hurry``).
+        ``learnt=False``: ``tests`` looks only (see ``Poller.hurry``). With no tests
+        (``ASYNCOMM_HURRY_TESTS=0``) there is no hurrying at all.
         """
+        if not self.tests:
+            return False
         start = time.perf_counter()
         if not self._turn:
             self._turn = start
@@ -419,9 +422,10 @@ class Poller:
     microseconds (a collective its peers have entered, a reply on its way)
     then costs no loop iteration, as in a busy-poll loop, while one that
     takes longer parks the task and leaves the loop to others. The bound is
-    the loop's fairness: 32 tests hold the loop for about 10-20 µs at most.
-    A channel receive about to wait does the same with the MPI link's probe
-    (``Link.hurry``).
+    the loop's fairness: 32 tests hold the loop for about 10 µs at most. A
+    channel receive, an actor call or an idle actor about to wait sweeps
+    (``hurry_until``: the requests and the probes, so the MPI link finds its
+    messages) for as long as ``Hurry`` has learnt pays off.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
