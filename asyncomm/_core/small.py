@@ -166,16 +166,25 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
     if type(obj) is list and _FLAT_ITEMS.issuperset(map(type, obj)):  # (a C-level pass)
         # Scalars and tensors side by side (an actor's request or reply): one pass, the
         # scalars as they are; an int beyond 64 bits leaves msgpack to the full lowering.
-        out = _Inline(room, max_ndim)
-        try:
-            body = _pack([out.tensor(x) if type(x) is torch.Tensor else x for x in obj])
-        except _TooBig:
-            return None
-        except OverflowError:
-            pass
+        items, laid = obj, 0
+        for i, x in enumerate(obj):
+            if type(x) is torch.Tensor:
+                known = _known(x, max_ndim)
+                if known is None:  # not laid out before, or not as it lies: the full lowering
+                    break
+                if items is obj:
+                    items = list(obj)
+                items[i] = _inline_ext(known[0] + known[5].from_address(x.data_ptr()).raw)
+                laid += known[2]
         else:
-            body = _EXTENDED + body if out.extended else body
-            return body if len(body) <= room else None
+            try:
+                body = _pack(items)
+            except OverflowError:
+                pass
+            else:
+                if items is not obj:
+                    body = _EXTENDED + body
+                return body if len(body) <= room and laid <= room else None
     try:
         out = _Inline(room, max_ndim)
         body = _pack(_lower(obj, out))

@@ -119,9 +119,6 @@ class Channel:
                 first = frames[0]
                 if src is None or first.src == src:  # the commonest: the first is the one
                     frames.popleft()
-                    if first.head is None and first.error is None and self._small_room:
-                        router.consumed(first)  # a small frame, decoded already (as _open)
-                        return Message(first.src, self.tag, first.data)
                     return self._open(first)
                 frame = self._box.take(src)
                 if frame is not None:
@@ -223,7 +220,12 @@ class Channel:
         return len(ended - {self._router.rank}) >= self._router.size - 1
 
     def _open(self, frame: Frame) -> Message:
-        self._router.consumed(frame)
+        router = self._router
+        if (frame.head is None and frame.error is None and self._small_room
+                and (not self._traced or router.probe.recording is None)):
+            router.consumed(frame)  # a small frame, decoded already: the commonest
+            return Message(frame.src, self.tag, frame.data)
+        router.consumed(frame)
         if self._traced and self._router.probe.recording is not None:
             self._received = max(frame.charge, 0)
         if frame.error is not None:

@@ -110,7 +110,10 @@ class Mailbox:
 
     def has(self, src: int) -> bool:
         """Return whether a frame from ``src`` is here."""
-        return any(frame.src == src for frame in self.frames)
+        frames = self.frames
+        if not frames:
+            return False
+        return frames[0].src == src or any(frame.src == src for frame in frames)
 
     def take(self, src: int | None) -> Frame | None:
         """Pop the first frame (from ``src``, if given), or return ``None``."""
