@@ -149,7 +149,9 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
             return known[1] + known[5].from_address(obj.data_ptr()).raw
         if obj.layout is torch.strided:
             code = _CODES.get(obj.dtype)
-            if code is not None and obj.nbytes <= room - 256:
+            if code is not None and obj.nbytes > room - 256:
+                return None  # too large for a small frame: it travels as a frame
+            if code is not None:
                 t = _as_laid(obj)
                 shape = tuple(t.shape)
                 if len(shape) <= max_ndim:

@@ -81,7 +81,7 @@ class Channel:
                     return
                 await self._send(body, dst, timeout)
                 return
-        await self._send(router.encode(self.tag, obj, self.codec), dst, timeout)
+        await self._send(router.frame_of(self.tag, obj, self.codec), dst, timeout)
 
     async def _send(self, frame: Encoded, dst: int, timeout: float | None) -> None:
         router = self._router

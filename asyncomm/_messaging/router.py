@@ -182,6 +182,10 @@ class Router:
             body = small.encode(obj, self.small_room, self.limits.max_ndim)
             if body is not None:
                 return body
+        return self.frame_of(tag, obj, codec)
+
+    def frame_of(self, tag: int, obj: object, codec: Codec) -> tuple[bytes, list[torch.Tensor]]:
+        """Encode ``obj`` for channel ``tag`` as a frame (for a message known not small)."""
         head, buffers = wire.encode(Kind.DATA, tag, 0, obj, codec, self.limits)
         return head, [_as_tensor(b) for b in buffers]
 
