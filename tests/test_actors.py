@@ -164,6 +164,43 @@ def test_a_tell_just_before_closing_is_delivered(tmp_path: Path, backend: str) -
     assert "released" in proc.stdout
 
 
+class Notes(asyncomm.Actor):
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    @asyncomm.endpoint
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+    @asyncomm.endpoint
+    def read(self) -> list[str]:
+        return self.notes
+
+
+async def check_tells_before_serve(comm: Comm) -> list[str] | None:
+    # Tells that reach a rank before it serves their actor are kept for it, in order, and
+    # handed to it once it is served (a call then would fail at once: nothing to keep).
+    async with fresh(comm) as sub:
+        if sub.rank == 1:
+            late = sub.actor(0, "late")
+            late.note.tell("first")
+            late.note.tell("second")
+        elif sub.rank == 0:
+            start = time.monotonic()
+            while sum(map(len, sub._host._unserved.values())) < 2:  # both are here, held
+                assert time.monotonic() - start < 20, "the tells never came"
+                await asyncio.sleep(0.01)
+            sub.serve(Notes(), "late")
+        await sub.barrier()
+        notes = await sub.actor(0, "late").read(timeout=20) if sub.rank == 1 else None
+        await sub.barrier()
+        return notes
+
+
+def test_tells_before_their_actor_is_served_are_kept_for_it(world2: World) -> None:
+    assert world2.run(check_tells_before_serve)[1] == ["first", "second"]
+
+
 async def check_not_served_yet(comm: Comm) -> None:
     # Every rank answers a call to an actor it does not serve (yet) in the same way.
     with pytest.raises(asyncomm.RemoteError, match="no actor named 'later'"):

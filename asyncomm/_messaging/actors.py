@@ -16,6 +16,14 @@ that comes within microseconds then costs no loop turn. Each rank sends its requ
 to one destination in call order (calls and tells alike), and each actor
 handles one request at a time, in arrival order.
 
+A call to an actor its rank does not serve (yet) fails at once with
+``RemoteError`` (``LookupError``). A tell cannot fail back, and may well
+come before its actor is served (its sender started first): it is kept
+for that actor, and handed to it, before anything later, when it is
+served. At most 1024 are kept per name (an older one dropped beyond that
+is reported), and those never served are reported when the communicator
+closes: none is lost silently.
+
 A call to a rank that closed its communicator fails with ``CommClosedError``
 as soon as its end-of-stream arrives. A call to a rank that died fails with
 ``PeerFailedError`` once the router knows (the caller's reply loop probes
@@ -66,6 +74,7 @@ def endpoint(method: F) -> F:
     return method
 
 
+_UNSERVED = 1024  # tells kept for an actor not served yet, per name (see the note)
 # results that are never awaitable (``inspect.isawaitable`` costs as much as a small message)
 _NOT_AWAITABLE = frozenset({type(None), bool, int, float, str, bytes, list, tuple, dict,
                             torch.Tensor})
@@ -98,6 +107,7 @@ class Host:
         self._ids = itertools.count()
         self._outboxes: dict[int, asyncio.Queue[_Outgoing | None]] = {}
         self._backlog: dict[int, int] = {}  # messages queued in an outbox, not sent yet
+        self._unserved: dict[str, collections.deque[Message]] = {}  # tells before their actor
         loop = asyncio.get_running_loop()
         self._loop = loop
         router.mailbox(tags.ACTOR_REQUEST).listener = self._on_request
@@ -118,6 +128,8 @@ class Host:
         if name in self._actors:
             raise ValueError(f"rank {self.rank}: serve: an actor named {name!r} is served here")
         inbox = _Inbox()
+        for message in self._unserved.pop(name, ()):  # tells that came first, in order
+            inbox.put(message)
         self._actors[name] = inbox
         self._workers.append(asyncio.get_running_loop().create_task(self._run(actor, name,
                                                                              inbox)))
@@ -135,11 +147,19 @@ class Host:
     def _route(self, message: Message) -> None:
         name = message.data[1]
         inbox = self._actors.get(name)
-        if inbox is None:
+        if inbox is not None:
+            inbox.put(message)
+        elif message.data[3]:  # a call: its caller learns at once
             self._answer(message, False, ["LookupError",
                                           f"no actor named {name!r} on rank {self.rank}", ""])
-        else:
-            inbox.put(message)
+        else:  # a tell may come before its actor is served: kept for it (see the note)
+            held = self._unserved.setdefault(name, collections.deque())
+            if len(held) >= _UNSERVED:
+                lost = held.popleft()
+                self._loop.call_exception_handler({"message": (
+                    f"asyncomm: rank {self.rank}: a tell to {name}.{lost.data[2]} from rank "
+                    f"{lost.src} was dropped: {_UNSERVED} are kept for an actor not served")})
+            held.append(message)
 
     def _on_request(self, frame: Frame) -> None:
         """The requests' listener: route each to its actor as it arrives."""
@@ -384,6 +404,11 @@ class Host:
         await self._replies.close()
         for task in [*self._tasks, *self._workers]:
             task.cancel()
+        for name, held in self._unserved.items():  # said, not lost silently
+            self._loop.call_exception_handler({"message": (
+                f"asyncomm: rank {self.rank}: {len(held)} tell(s) to actor {name!r} were "
+                "dropped at close: it was never served here")})
+        self._unserved.clear()
         for _, future, _, _ in self._calls.values():
             if not future.done():
                 future.set_exception(CommClosedError(f"rank {self.rank}: the communicator "
