@@ -136,7 +136,7 @@ class Link(ABC):
         # the body of a small frame: what fits a packet with its head, up to small.BYTES
         self.small_room = min(small.BYTES, room - small.HEAD.size)
         self._packets: dict[int, list[bytes]] = {}  # small frames queued, per destination
-        self._packet_pieces = 1 << 62  # see ``send_small``: 2 pieces (head, body) a frame
+        self.packet_frames = 1 << 61  # the most frames a packet holds (see ``send_small``)
         self._packet_bytes: dict[int, int] = {}
         self._flush_due = False
 
@@ -219,14 +219,15 @@ class Link(ABC):
         The packet goes when the loop iteration ends, or once the frame does
         not fit in it: beyond the link's room, or its ``packet_frames`` frames
         (where the link sets that: so that a long burst reaches its receiver
-        in pieces, which it decodes while later ones are issued). A failure to send it fails ``dst``
-        (``Arrivals.failed``), as a send to a dead peer does.
+        in pieces, which it decodes while later ones are issued). A failure to
+        send it fails ``dst`` (``Arrivals.failed``), as a send to a dead peer
+        does.
         """
         head = small.HEAD.pack(kind, tag, seq, len(body))
         nbytes = len(head) + len(body)
         pieces = self._packets.get(dst)
         if pieces is not None and (self._packet_bytes[dst] + nbytes > self.room
-                                   or len(pieces) >= self._packet_pieces):
+                                   or len(pieces) >= 2 * self.packet_frames):  # head, body
             self._flush_to(dst)
             pieces = None
         if pieces is None:
@@ -238,15 +239,6 @@ class Link(ABC):
         else:
             pieces += (head, body)
             self._packet_bytes[dst] += nbytes
-
-    @property
-    def packet_frames(self) -> int:
-        """The most small frames a packet holds before it goes (see ``send_small``)."""
-        return self._packet_pieces // 2
-
-    @packet_frames.setter
-    def packet_frames(self, frames: int) -> None:
-        self._packet_pieces = 2 * frames
 
     def _flush_due_now(self) -> None:
         self._flush_due = False

@@ -354,31 +354,35 @@ class Hurry:
         self._since = 0.0  # when the look that gave up began (0: no parked look pending)
         self._turn = 0.0  # when the loop was asked for a turn that has not come yet (0: none)
 
-    def run(self, look: Callable[[], bool], learnt: bool = True) -> bool:
+    def run(self, look: Callable[[], bool]) -> bool:
         """Call ``look()`` until it returns true (return true) or the budget is spent.
 
-        ``learnt=False``: ``tests`` looks only (see ``Poller.hurry``). With no tests
-        (``ASYNCOMM_HURRY_TESTS=0``) there is no hurrying at all.
+        With no tests (``ASYNCOMM_HURRY_TESTS=0``) there is no hurrying at all.
         """
-        if not self.tests:
+        if not self.allowed():
             return False
         start = time.perf_counter()
-        if not self._turn:
-            self._turn = start
-            self._loop.call_soon(self._turned)
-        elif start - self._turn > FAIR_S:  # tasks that found what they looked for kept the
-            return False  # loop from its other work for a while: park, so that it turns
         for _ in range(self.tests):
             if look():
                 return True
-        if self.budget_s and learnt:
+        if self.budget_s:
             clock, end = time.perf_counter, start + self.budget_s
             while clock() < end:
                 if look():
                     return True
-        if learnt:
-            self._since = start
+        self._since = start
         return False
+
+    def allowed(self) -> bool:
+        """Return whether a task may look now (see the note: never without tests, and not
+        while a loop turn asked for ``FAIR_S`` ago has not come); ask for a turn if none is."""
+        if not self.tests:
+            return False
+        if not self._turn:
+            self._turn = time.perf_counter()
+            self._loop.call_soon(self._turned)
+            return True
+        return time.perf_counter() - self._turn <= FAIR_S
 
     def _turned(self) -> None:
         self._turn = 0.0
@@ -440,7 +444,6 @@ class Poller:
         self._spin_s = polling.spin_s
         self._active_spin_s = polling.active_spin_s
         self._max_backoff_s = polling.max_backoff_s
-        self._hurry_tests = polling.hurry_tests
         self._hurry = Hurry(loop, polling.hurry_tests, polling.hurry_max_s)
         self._requests: list[Any] = []
         self._entries: list[tuple[Sink, Finish, bool]] = []
@@ -464,7 +467,7 @@ class Poller:
         self._requests.append(request)
         self._entries.append((sink, finish, active))
         self._active += active
-        if self._hurry_tests and hasattr(sink, "_hurry"):
+        if self._hurry.tests and hasattr(sink, "_hurry"):
             sink._hurry = (self, request)
         self.kick()
 
@@ -474,20 +477,18 @@ class Poller:
         Only ``tests`` times, never for a learnt while: tasks that await requests are
         often many at once (a gather of sends), and each would hold the others back.
         """
-        test, result = self._test, []
-
-        def look() -> bool:
+        hurry, test = self._hurry, self._test
+        if not hurry.allowed():
+            return
+        for _ in range(hurry.tests):
             try:
                 done, outcome = test(request)
             except BaseException as exc:
                 done, outcome = True, exc
             if done:
-                result.append(outcome)
-            return done
-
-        if not self._hurry.run(look, learnt=False):
+                break
+        else:
             return
-        outcome = result[0]
         try:
             index = self._requests.index(request)
         except ValueError:

@@ -25,7 +25,7 @@ import functools
 import re
 import struct
 from collections.abc import Callable
-from typing import Final
+from typing import Final, NamedTuple
 
 import msgpack
 import torch
@@ -93,11 +93,11 @@ class _Inline(_Outgoing):
         """Lay a tensor inline, read where it lies (no flat view: the cheapest)."""
         known = _known(t, self.max_ndim)
         if known is not None:
-            self.room -= known[2]
+            self.room -= known.nbytes
             if self.room < 0:
                 raise _TooBig
             self.extended = True
-            return _inline_ext(known[0] + known[5].from_address(t.data_ptr()).raw)
+            return _inline_ext(known.descriptor + known.data(t))
         code = _CODES.get(t.dtype) if t.layout is torch.strided else None
         if code is None:
             return _tensor(t, self)  # which refuses it
@@ -145,8 +145,8 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
     """
     if type(obj) is torch.Tensor:  # a lone tensor, the commonest: laid out here
         known = _known(obj, max_ndim)
-        if known is not None and known[2] <= room - 256:
-            return known[1] + known[5].from_address(obj.data_ptr()).raw
+        if known is not None and known.nbytes <= room - 256:
+            return known.lone + known.data(obj)
         if obj.layout is torch.strided:
             code = _CODES.get(obj.dtype)
             if code is not None and obj.nbytes > room - 256:
@@ -176,8 +176,8 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
                     break
                 if items is obj:
                     items = list(obj)
-                items[i] = _inline_ext(known[0] + known[5].from_address(x.data_ptr()).raw)
-                laid += known[2]
+                items[i] = _inline_ext(known.descriptor + known.data(x))
+                laid += known.nbytes
         else:
             try:
                 body = _pack(items)
@@ -207,16 +207,28 @@ _FLAT_ITEMS: Final = frozenset({type(None), bool, int, float, str, torch.Tensor}
 # prefix, the bytes, whether it cannot be a conj view (not complex), ndim, and a ctypes
 # array of its bytes (to copy them: half the cost of ``ctypes.string_at``). A tensor found
 # here still has its memory checked (strided, contiguous, host, no neg or conj bit).
-_Known = tuple[bytes, bytes, int, bool, int, type[ctypes.Array[ctypes.c_char]]]
+class _Known(NamedTuple):
+    descriptor: bytes  # as in a head
+    lone: bytes  # the body's prefix of a message that is this tensor alone
+    nbytes: int
+    real: bool  # not complex: it cannot be a conj view
+    ndim: int
+    array: type[ctypes.Array[ctypes.c_char]]  # its bytes, to copy them
+
+    def data(self, t: torch.Tensor) -> bytes:
+        """Return a copy of ``t``'s bytes (``t`` laid out as it lies)."""
+        return self.array.from_address(t.data_ptr()).raw
+
+
 _KNOWN: dict[tuple[torch.dtype, torch.Size], _Known] = {}
 
 
 def _known(t: torch.Tensor, max_ndim: int) -> _Known | None:
     """Return what ``_KNOWN`` keeps of ``t``'s kind if ``t`` is laid out as it lies, else None."""
     known = _KNOWN.get((t.dtype, t.shape))
-    if (known is not None and known[4] <= max_ndim and t.layout is _STRIDED
+    if (known is not None and known.ndim <= max_ndim and t.layout is _STRIDED
             and t.is_contiguous() and t.is_cpu and not t.is_neg()
-            and (known[3] or not t.is_conj())):
+            and (known.real or not t.is_conj())):
         return known
     return None
 
@@ -224,9 +236,9 @@ def _known(t: torch.Tensor, max_ndim: int) -> _Known | None:
 def _keep_known(t: torch.Tensor, code: int, shape: tuple[int, ...], nbytes: int) -> None:
     if len(_KNOWN) >= 256:
         _KNOWN.clear()
-    _KNOWN[(t.dtype, t.shape)] = (_laid(code, BufferKind.TENSOR, shape, nbytes),
-                                  _lone_small(code, shape, nbytes), nbytes, not t.is_complex(),
-                                  len(shape), ctypes.c_char * nbytes)
+    _KNOWN[(t.dtype, t.shape)] = _Known(_laid(code, BufferKind.TENSOR, shape, nbytes),
+                                        _lone_small(code, shape, nbytes), nbytes,
+                                        not t.is_complex(), len(shape), ctypes.c_char * nbytes)
 _MARK: Final = 0xc1  # the first byte of a body that is not plain msgpack (see the note)
 # The bytes that start a msgpack extension (fixext 1-16, ext 8/16/32): a body without any
 # holds none (one with some may, or may only hold them as data).
@@ -249,21 +261,7 @@ def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
         return unpack(body, _refuse_ext)
     form = body[1] if len(body) > 1 else None
     if form == 0:  # a lone tensor: the commonest case (``_inline``, inline)
-        ndim = body[4] if len(body) > 4 else 255
-        if ndim <= limits.max_ndim and len(body) >= 2 + _DESCS[ndim].size:
-            at = 2 + _DESCS[ndim].size
-            raw = bytes(body[2:at])
-            seen = _TENSORS_SEEN.get(raw)
-            if seen is not None and len(body) - at == seen[1]:  # checked before: as below
-                tensor = torch.frombuffer(bytearray(body[at:]), dtype=seen[0])
-                return tensor if seen[2] is None else tensor.reshape(seen[2])
-            d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
-            if (len(body) - at == d.nbytes and d.nbytes and d.kind is BufferKind.TENSOR
-                    and d.dtype is not torch.bool):
-                _seen(raw, d)
-                tensor = torch.frombuffer(bytearray(body[at:]), dtype=d.dtype)
-                return tensor if ndim == 1 else tensor.reshape(d.shape)
-        return _inline(memoryview(body)[2:], limits)
+        return _inline(body[2:], limits)
     if form != 1:
         raise ProtocolError(f"small frame body of unknown form {form}")
     hook = _HOOKS.get(limits)
@@ -277,13 +275,7 @@ _HOOKS: dict[Limits, Callable[[int, bytes], object]] = {}  # ``_extension`` per 
 
 def _extension(code: int, payload: bytes, limits: Limits) -> object:
     if code == _EXT_INLINE:
-        if len(payload) > 2 and payload[2] <= limits.max_ndim:  # a tensor checked before?
-            size = _DESCS[payload[2]].size
-            seen = _TENSORS_SEEN.get(payload[:size])
-            if seen is not None and len(payload) - size == seen[1]:
-                tensor = torch.frombuffer(bytearray(payload[size:]), dtype=seen[0])  # aligned
-                return tensor if seen[2] is None else tensor.reshape(seen[2])
-        return _inline(memoryview(payload), limits)
+        return _inline(payload, limits)
     raise ProtocolError(f"frame structure has an unknown extension {code}")
 
 
@@ -291,7 +283,7 @@ def _refuse_ext(code: int, payload: bytes) -> object:
     raise ProtocolError(f"a plain small frame has an extension {code}")
 
 
-def _inline(payload: memoryview, limits: Limits) -> object:
+def _inline(payload: bytes | memoryview, limits: Limits) -> object:
     """Rebuild an inline buffer, checked as ``decode_head`` checks a descriptor."""
     if len(payload) < _DESC.size or payload[2] > limits.max_ndim:
         raise ProtocolError("inline buffer: truncated, or too many dims")
@@ -299,34 +291,28 @@ def _inline(payload: memoryview, limits: Limits) -> object:
     if len(payload) < size:
         raise ProtocolError("inline buffer truncated")
     raw = bytes(payload[:size])
-    seen = _TENSORS_SEEN.get(raw)
-    if seen is not None and len(payload) - size == seen[1]:  # checked before: as below
-        tensor = torch.frombuffer(bytearray(payload[size:]), dtype=seen[0])
-        return tensor if seen[2] is None else tensor.reshape(seen[2])
-    d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
     data = payload[size:]
+    fast = _TENSORS.get(raw)
+    if fast is not None and len(data) == fast[1]:  # the commonest: a tensor checked before
+        tensor = torch.frombuffer(bytearray(data), dtype=fast[0])
+        return tensor if fast[2] is None else tensor.reshape(fast[2])
+    d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
     if len(data) != d.nbytes:
         raise ProtocolError(f"inline buffer of {len(data)} bytes declares {d.nbytes}")
-    if d.kind is BufferKind.TENSOR and d.nbytes and d.dtype is not torch.bool:  # the commonest
-        _seen(raw, d)
+    if d.kind is BufferKind.TENSOR and d.nbytes and d.dtype is not torch.bool:
+        _TENSORS[raw] = (d.dtype, d.nbytes, None if len(d.shape) == 1 else d.shape)
         tensor = torch.frombuffer(bytearray(data), dtype=d.dtype)
         return tensor if len(d.shape) == 1 else tensor.reshape(d.shape)
     if d.kind is BufferKind.BYTES:
-        return data.tobytes()
+        return bytes(data)
     return _rebuild(d, torch.frombuffer(bytearray(data), dtype=torch.uint8) if d.nbytes
                     else torch.empty(0, dtype=torch.uint8))
 
 
 _INLINE_DESCRIPTORS: dict[bytes, Descriptor] = {}  # checked already (shapes repeat)
-# tensors' descriptors checked already (non-empty, not bool): dtype, bytes, shape (None: flat
-# as it comes)
-_TENSORS_SEEN: dict[bytes, tuple[torch.dtype, int, tuple[int, ...] | None]] = {}
-
-
-def _seen(raw: bytes, d: Descriptor) -> None:
-    if len(_TENSORS_SEEN) >= 1024:
-        _TENSORS_SEEN.clear()
-    _TENSORS_SEEN[raw] = (d.dtype, d.nbytes, None if len(d.shape) == 1 else d.shape)
+# ... of those, the tensors a plain view rebuilds (non-empty, not bool): dtype, bytes, and
+# shape (None: flat as it comes), read without the descriptor's attributes
+_TENSORS: dict[bytes, tuple[torch.dtype, int, tuple[int, ...] | None]] = {}
 
 
 def _inline_descriptor(raw: bytes) -> Descriptor:
@@ -340,5 +326,6 @@ def _inline_descriptor(raw: bytes) -> Descriptor:
         raise ProtocolError(f"inline buffer ({kind.name}, {dtype}, {shape}): {problem}")
     if len(_INLINE_DESCRIPTORS) >= 1024:
         _INLINE_DESCRIPTORS.clear()
+        _TENSORS.clear()
     d = _INLINE_DESCRIPTORS[raw] = _descriptor(code, bkind, shape, nbytes)
     return d

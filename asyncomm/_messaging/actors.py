@@ -163,33 +163,23 @@ class Host:
 
     def _on_request(self, frame: Frame) -> None:
         """The requests' listener: route each to its actor as it arrives."""
-        data = frame.data
-        if (frame.head is None and type(data) is list and len(data) >= 5
-                and type(data[1]) is str):
-            self._router.consumed(frame)  # a small frame, decoded already (what _open does)
-            self._route(Message(frame.src, tags.ACTOR_REQUEST, data))
-            return
-        self._listened(self._requests, frame, self._route)
+        try:
+            self._route(Message(frame.src, tags.ACTOR_REQUEST, self._requests.opened(frame)))
+        except Exception as exc:  # a malformed message: say so, and go on with the next
+            self._refused(frame, exc)
 
     def _on_reply(self, frame: Frame) -> None:
         """The replies' listener: settle each call as its reply arrives."""
-        data = frame.data
-        if frame.head is None and type(data) is list and len(data) == 3 and type(data[0]) is int:
-            self._router.consumed(frame)  # a small frame, decoded already (what _open does)
-            self._settle(data[0], data[1], data[2])
-            return
-        self._listened(self._replies, frame, self._settle_message)
-
-    def _settle_message(self, message: Message) -> None:
-        self._settle(*message.data)
-
-    def _listened(self, channel: Channel, frame: Frame, then: Callable[[Message], None]) -> None:
         try:
-            then(channel._open(frame))
-        except Exception as exc:  # a malformed message: say so, and go on with the next
-            self._loop.call_exception_handler({
-                "message": f"asyncomm: rank {self.rank}: an actor message from rank "
-                           f"{frame.src} was refused", "exception": exc})
+            reply: Any = self._replies.opened(frame)
+            self._settle(*reply)
+        except Exception as exc:
+            self._refused(frame, exc)
+
+    def _refused(self, frame: Frame, exc: Exception) -> None:
+        self._loop.call_exception_handler({
+            "message": f"asyncomm: rank {self.rank}: an actor message from rank {frame.src} "
+                       "was refused", "exception": exc})
 
     async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:
         endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far

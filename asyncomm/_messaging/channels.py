@@ -220,28 +220,32 @@ class Channel:
         return len(ended - {self._router.rank}) >= self._router.size - 1
 
     def _open(self, frame: Frame) -> Message:
+        return Message(frame.src, self.tag, self.opened(frame))
+
+    def opened(self, frame: Frame) -> object:
+        """Count ``frame`` as taken from this channel; return its message's data.
+
+        Raises what the frame carries (``ProtocolError`` for one refused on
+        arrival, or of the wrong codec). Mailbox listeners (actors) take their
+        frames so.
+        """
         router = self._router
-        if (frame.head is None and frame.error is None and self._small_room
-                and (not self._traced or router.probe.recording is None)):
-            router.consumed(frame)  # a small frame, decoded already: the commonest
-            return Message(frame.src, self.tag, frame.data)
         router.consumed(frame)
-        if self._traced and self._router.probe.recording is not None:
+        if self._traced and router.probe.recording is not None:
             self._received = max(frame.charge, 0)
         if frame.error is not None:
             raise frame.error
         if frame.head is None:  # a small frame: decoded on arrival (the default codec's)
-            if self.codec is not Codec.DEFAULT:
-                raise ProtocolError(f"rank {self._router.rank}: channel {self.tag}: message "
-                                    f"from rank {frame.src}: frame of codec DEFAULT on a "
-                                    f"channel of codec {self.codec.name}; refused")
-            return Message(frame.src, self.tag, frame.data)
+            if not self._small_room:
+                raise ProtocolError(f"rank {router.rank}: channel {self.tag}: message from "
+                                    f"rank {frame.src}: frame of codec DEFAULT on a channel "
+                                    f"of codec {self.codec.name}; refused")
+            return frame.data
         try:
-            data = wire.decode(frame.head, frame.buffers, self.codec)
+            return wire.decode(frame.head, frame.buffers, self.codec)
         except ProtocolError as exc:
-            raise ProtocolError(f"rank {self._router.rank}: channel {self.tag}: message from "
+            raise ProtocolError(f"rank {router.rank}: channel {self.tag}: message from "
                                 f"rank {frame.src}: {exc}") from exc
-        return Message(frame.src, self.tag, data)
 
     def __aiter__(self) -> AsyncIterator[Message]:
         return self._iterate()

@@ -461,26 +461,28 @@ class Router:
         if kind != DATA or src in self._broken:
             self._small_control(src, kind, tag, body)
             return
-        try:
-            frame = Frame(src, DATA, tag, seq, None, NO_BUFFERS,
-                           small.decode(body, self.limits), len(body))
-        except ProtocolError as exc:
-            frame = Frame(src, DATA, tag, seq, None, NO_BUFFERS, None, len(body),
-                           ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank "
-                                         f"{src} refused: {exc}"))
+        frame = self._small_frame(src, tag, seq, body)
         if self._queued and src in self._queued:  # behind a frame still on its way
             self._queued[src].append(frame)
         else:
             self._deliver(frame)
 
+    def _small_frame(self, src: int, tag: int, seq: int, body: memoryview) -> Frame:
+        """A small DATA frame, decoded (or refused, on its channel, if it is malformed)."""
+        try:
+            return Frame(src, DATA, tag, seq, None, NO_BUFFERS, small.decode(body, self.limits),
+                         len(body))
+        except ProtocolError as exc:
+            return Frame(src, DATA, tag, seq, None, NO_BUFFERS, None, len(body),
+                         ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank "
+                                       f"{src} refused: {exc}"))
+
     def packet(self, src: int, view: memoryview, at: int, end: int) -> None:
         """The small frames of a packet from ``src`` (the link calls this, in arrival order).
 
         The hot path of every small message: each frame decoded here, once, and
-        put in its mailbox (or handed to whoever waits there), with no call
-        between but the decoding.
+        delivered to its mailbox (or to whoever waits there).
         """
-        recv_seq, boxes, limits, decode = self._recv_seq, self._mailboxes, self.limits, small.decode
         broken, queued = self._broken, self._queued
         while at < end:
             if end - at < _SMALL_HEAD_BYTES:
@@ -496,21 +498,8 @@ class Router:
             at += nbytes
             if kind != DATA or (broken and src in broken) or (queued and src in queued):
                 self.small(src, kind, tag, seq, body)
-                continue
-            try:
-                frame = Frame(src, DATA, tag, seq, None, NO_BUFFERS, decode(body, limits), nbytes)
-            except ProtocolError as exc:
-                frame = Frame(src, DATA, tag, seq, None, NO_BUFFERS, None, nbytes,
-                              ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank "
-                                            f"{src} refused: {exc}"))
-            key = (src, tag)
-            expected = recv_seq.get(key, 0)
-            if seq != expected:
-                frame.error = ProtocolError(f"rank {self.rank}: channel {tag}: frame {seq} "
-                                            f"from rank {src} where {expected} was due")
-            recv_seq[key] = seq + 1
-            box = boxes.get(tag)
-            (box or self.mailbox(tag)).put(frame)
+            else:
+                self._deliver(self._small_frame(src, tag, seq, body))
 
     def _small_control(self, src: int, kind: int, tag: int, body: memoryview) -> None:
         if src in self._broken:
