@@ -100,9 +100,16 @@ PartitionName=test Nodes={node} Default=YES MaxTime=INFINITE State=UP OverSubscr
 
 def test_srun_runs_the_scenarios_on_four_tasks(slurm: dict[str, str]) -> None:
     # one node: the scenarios' check for two hosts is for the several-hosts tests
-    done = subprocess.run(["srun", "-n", "4", "--overcommit", sys.executable, SCRIPT, "gloo",
-                           "--one-host"], env=slurm, capture_output=True, text=True,
-                          timeout=180)
+    # a task that fails ends the step (the others would wait for it); the step's own
+    # limit comes before the test's, so that a hang shows what the tasks said
+    try:
+        done = subprocess.run(["srun", "-n", "4", "--overcommit", "--kill-on-bad-exit=1",
+                               sys.executable, SCRIPT, "gloo", "--one-host"], env=slurm,
+                              capture_output=True, text=True, timeout=90)
+    except subprocess.TimeoutExpired as exc:
+        said = [(s.decode() if isinstance(s, bytes) else s or "")[-2000:]
+                for s in (exc.stdout, exc.stderr)]
+        pytest.fail(f"srun did not end within 90 s: {said[0]} {said[1]}")
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for rank in range(4):
         assert f"scenarios ok {rank} " in done.stdout, done.stdout + done.stderr[-2000:]

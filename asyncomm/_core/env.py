@@ -65,8 +65,9 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         launcher = "slurm"
         rank, size = _int(env, "SLURM_PROCID", 0), _int(env, "SLURM_NTASKS", 1)
         addr = env.get("MASTER_ADDR") or _first_slurm_host(env) or addr
-        if "MASTER_PORT" not in env:
-            port = 20000 + zlib.crc32(env.get("SLURM_JOB_ID", "0").encode()) % 20000
+        if "MASTER_PORT" not in env:  # one per job, below Linux's ephemeral ports (32768 on),
+            # which srun, slurmd and every connection take: a rank's store cannot collide
+            port = 20000 + zlib.crc32(env.get("SLURM_JOB_ID", "0").encode()) % 12000
         auto = "gloo"
     else:
         launcher, rank, size, auto = "none", 0, 1, "gloo"
