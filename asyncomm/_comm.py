@@ -187,6 +187,10 @@ class Comm:
         return tensors
 
     def _peer(self, value: object, op: str, name: str, self_ok: bool = True) -> int:
+        backend = self._backend
+        if type(value) is int and 0 <= value < backend.size and (self_ok
+                                                                 or value != backend.rank):
+            return value  # the commonest: a plain int in range
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{self._what(op)}: {name} must be an int rank, "
                             f"not {type(value).__name__}")
@@ -198,6 +202,8 @@ class Comm:
         return rank
 
     def _tag(self, value: object, op: str) -> int:
+        if type(value) is int and 0 <= value <= self._backend.max_tag:
+            return value  # the commonest: a plain int in range
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{self._what(op)}: tag must be an int, not {type(value).__name__}")
         tag = operator.index(value)
@@ -234,10 +240,11 @@ class Comm:
         """Check the deadline, then start ``op`` on the backend: ``start(handle, *args)``."""
         if timeout is not None:
             timeout = self._deadline(timeout, op)
-        self._open(op)
+        if self._closed:
+            self._open(op)  # raises
         self._seq += 1
         self._last_op = op
-        handle: Handle[Any] = Handle(self._loop, (self.rank, op, self._seq, peer, tag),
+        handle: Handle[Any] = Handle(self._loop, (self._backend.rank, op, self._seq, peer, tag),
                                      result, keep)
         trace = self._probe.recording
         if trace is not None:  # before starting: an eager send may finish inside

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from asyncomm import Comm
+from asyncomm import Comm, CommTimeoutError
 from asyncomm._core.progress import FAIR_S, Hurry
 from asyncomm.testing import World, fresh
 
@@ -130,3 +130,34 @@ def test_a_hurried_ping_pong_lets_other_tasks_run(world2: World) -> None:
     longest = world2.run(check_ping_pong_lets_the_loop_turn)
     # An exchange takes 20 us or more here: FAIR_S (1 ms) allows 50 between turns.
     assert max(longest) <= 200, longest
+
+
+async def check_unawaited_requests_complete_and_expire(comm: Comm) -> list[str]:
+    # A request its task may finish in ``await`` joins the polled ones (and its deadline
+    # the queues) only when the loop iteration that issued it ends: one never awaited
+    # must still complete, and one that never can must still time out on time.
+    seen = []
+    async with fresh(comm) as sub:
+        peer = 1 - sub.rank
+        for round_ in range(20):  # (a request left alone by a task that never yields)
+            got = torch.zeros(1)
+            late = sub.recv(torch.zeros(1), peer, tag=99, timeout=0.05)
+            handle = sub.recv(got, peer, tag=round_ + 1)
+            sent = sub.send(torch.ones(1) * round_, peer, tag=round_ + 1)
+            start = time.monotonic()
+            while not (handle.done() and sent.done() and late.done()):
+                await asyncio.sleep(0.001)
+                assert time.monotonic() - start < 5, "an unawaited request was never polled"
+            try:
+                late.result()
+                failed = "nothing"
+            except CommTimeoutError as exc:
+                failed = type(exc).__name__
+            seen.append(f"{got.item():g} {failed} {time.monotonic() - start < 1}")
+            await sub.barrier()
+    return seen
+
+
+def test_requests_never_awaited_complete_and_expire(world2: World) -> None:
+    for seen in world2.run(check_unawaited_requests_complete_and_expire):
+        assert seen == [f"{i} CommTimeoutError True" for i in range(20)], seen

@@ -108,10 +108,11 @@ def _flatten(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return flat if flat is not None else torch.cat([t.reshape(-1) for t in tensors])
 
 
-def _unflatten(flat: torch.Tensor, tensors: Sequence[torch.Tensor]) -> Callable[[Any], object]:
+def _unflatten(flat: torch.Tensor,
+               tensors: Sequence[torch.Tensor]) -> Callable[[Any], object] | None:
     """Return a finish step copying ``flat`` back into ``tensors`` unless it is their memory."""
     if _consecutive(tensors) is not None:
-        return _nothing
+        return None
 
     def copy_out(_: Any) -> object:
         offset = 0
@@ -161,9 +162,9 @@ class MpiBackend(Backend):
             _op_cache[(dtype, op)] = mpi_op
         return mpi_op
 
-    def _average(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[Any], object]:
+    def _average(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[Any], object] | None:
         if op is not ReduceOp.AVG:
-            return _nothing
+            return None
         size = self.size
 
         def divide(_: Any) -> object:
@@ -202,12 +203,13 @@ class MpiBackend(Backend):
                 completed.append((index, exc))
         return completed
 
-    def _watch(self, sink: Sink, request: Any, finish: Callable[[Any], object] = _nothing,
+    def _watch(self, sink: Sink, request: Any, finish: Callable[[Any], object] | None = None,
                keep: object = None, active: bool = True) -> None:
         # Buffers are raw addresses: the handle keeps the user's tensors alive, and
-        # ``keep`` the temporaries (flat copies) until the request is done.
+        # ``keep`` the temporaries (flat copies) until the request is done. No finish:
+        # the request's outcome (its source) is the value.
         if keep is not None:
-            request_finish = finish
+            request_finish = finish or _nothing
 
             def finish(outcome: Any, _keep: object = keep) -> object:
                 return request_finish(outcome)
@@ -223,8 +225,10 @@ class MpiBackend(Backend):
         self._watch(sink, self._comm.Ibcast(spec(tensor), root=src))
 
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
-        request = self._comm.Iallreduce(MPI.IN_PLACE, spec(tensor), self._op(tensor.dtype, op))
-        self._watch(sink, request, self._average(tensor, op))
+        dtype = tensor.dtype
+        mpi_op = _op_cache.get((dtype, op)) or self._op(dtype, op)  # (the hot path)
+        request = self._comm.Iallreduce(MPI.IN_PLACE, spec(tensor), mpi_op)
+        self._poller.watch(request, sink, self._average(tensor, op))
 
     def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
         mpi_op = self._op(tensor.dtype, op)
@@ -284,7 +288,7 @@ class MpiBackend(Backend):
 
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
         source = MPI.ANY_SOURCE if src is None else src
-        self._watch(sink, self._comm.Irecv(spec(tensor), source, tag), _source, active=False)
+        self._watch(sink, self._comm.Irecv(spec(tensor), source, tag), active=False)
 
     def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Posted:
         return _PostedRequest(self._comm.Isend(spec(tensor), dst, tag), self,
@@ -355,10 +359,6 @@ class _PostedRequest(Posted):
             self._request.Cancel()  # MPI ends the wait of the thread inside it
         except MPI.Exception:
             pass  # completed (and freed by its wait) meanwhile
-
-
-def _source(source: Any) -> object:
-    return source
 
 
 async def open_mpi(loop: asyncio.AbstractEventLoop) -> tuple[Backend, Backend]:

@@ -44,8 +44,9 @@ class Handle(Generic[T]):
         self._waiters: list[asyncio.Future[None]] | None = None
         self._events: list[threading.Event] | None = None
         self._callbacks: list[Callable[[Handle[T]], None]] | None = None
-        # set by an engine that can finish the request here and now (``Poller.hurry``)
-        self._hurry: tuple[Any, Any] | None = None
+        # set by an engine that can finish the request here and now (``Poller.hurry``):
+        # the engine first, then what it needs
+        self._hurry: tuple[Any, ...] | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self._state]
@@ -89,8 +90,7 @@ class Handle(Generic[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         if self._state == _PENDING and self._hurry is not None:
-            engine, request = self._hurry
-            engine.hurry(request)  # perhaps done within microseconds: then no loop iteration
+            self._hurry[0].hurry(self)  # perhaps done within microseconds: no loop iteration
         if self._state == _PENDING:
             waiter = self._loop.create_future()
             if self._waiters is None:
@@ -167,7 +167,10 @@ class Handle(Generic[T]):
             self._keep = None
             return
         self._value = value if self._result is FROM_BACKEND else self._result
-        self._settle(_DONE, None)
+        self._state = _DONE  # (``_settle``, inline: the hot path of every operation)
+        self._keep = None
+        if self._waiters or self._events or self._callbacks:
+            self._wake()
 
     def _fail(self, kind: type[CommError], cause: BaseException) -> None:
         if self._state != _PENDING:
@@ -221,7 +224,12 @@ class Deadlines:
 
     Note on cost
     ------------
-    Handles of one timeout are added in deadline order, so each timeout has
+    Most handles settle within the loop iteration that issued them (an
+    awaited request tested inline, an eager send): ``add`` only notes the
+    handle and when it was issued, and once the iteration ends (one loop
+    callback for all of them) those still pending join their queues, with
+    the time they were issued. Handles of one timeout are added in deadline
+    order, so each timeout has
     a FIFO queue whose head is the next to expire: adding is an append, and
     a single loop timer waits for the head (none for ``math.inf``). Settled
     handles leave lazily (only weak references are queued, so they never
@@ -256,17 +264,31 @@ class Deadlines:
         self._check_s = check_s if waiting is not None else 0.0
         self._waiting = waiting
         self._check_timer: asyncio.TimerHandle | None = None
+        # added in this loop iteration: (handle, timeout, issued at), queued when it ends
+        self._fresh: list[tuple[Handle[Any], float, float]] = []
 
     def add(self, handle: Handle[Any], timeout: float) -> None:
         """Fail ``handle`` (through ``expire``) if it is pending ``timeout`` s from now."""
-        queue = self._queues.get(timeout)
-        if queue is None:
-            queue = self._queues[timeout] = _Queue(self._loop, timeout, self._expire)
-        queue.add(handle)
-        if self._stall_s and self._stall_timer is None:
-            self._stall_timer = self._loop.call_later(self._stall_s, self._look_for_stalls)
-        if self._check_s and self._check_timer is None:
-            self._check_timer = self._loop.call_later(self._check_s, self._check)
+        fresh = self._fresh
+        if not fresh:
+            self._loop.call_soon(self._enqueue)
+        fresh.append((handle, timeout, time.monotonic()))
+
+    def _enqueue(self) -> None:
+        """Queue the handles added in the iteration that ended (see the note on cost)."""
+        fresh, self._fresh = self._fresh, []
+        queues = self._queues
+        for handle, timeout, issued in fresh:
+            if handle._state == _PENDING:
+                queue = queues.get(timeout)
+                if queue is None:
+                    queue = queues[timeout] = _Queue(self._loop, timeout, self._expire)
+                queue.add(handle, issued)
+                if self._stall_s and self._stall_timer is None:
+                    self._stall_timer = self._loop.call_later(self._stall_s,
+                                                              self._look_for_stalls)
+                if self._check_s and self._check_timer is None:
+                    self._check_timer = self._loop.call_later(self._check_s, self._check)
 
     def _check(self) -> None:
         self._check_timer = None
@@ -281,6 +303,8 @@ class Deadlines:
 
     def pending(self) -> list[tuple[Handle[Any], float]]:
         """Return the handles still pending with the ``time.monotonic()`` they were issued."""
+        if self._fresh:
+            self._enqueue()
         found = [(handle, issued) for queue in self._queues.values()
                  for issued, ref in queue.entries
                  if (handle := ref()) is not None and not handle.done()]
@@ -308,6 +332,7 @@ class Deadlines:
                 timer.cancel()
         self._stall_timer = self._check_timer = None
         self._stall_s = self._check_s = 0.0
+        self._fresh.clear()
         for queue in self._queues.values():
             queue.close()
         self._queues.clear()
@@ -326,8 +351,8 @@ class _Queue:
         self._timer: asyncio.TimerHandle | None = None
         self._added = 0
 
-    def add(self, handle: Handle[Any]) -> None:
-        self.entries.append((time.monotonic(), weakref.ref(handle)))
+    def add(self, handle: Handle[Any], issued: float) -> None:
+        self.entries.append((issued, weakref.ref(handle)))
         self._added += 1
         if self._added % Deadlines._COMPACT == 0:
             self._compact()

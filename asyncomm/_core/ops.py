@@ -23,6 +23,10 @@ class ReduceOp(enum.Enum):
     BOR = "bor"
     BXOR = "bxor"
 
+    # Members are singletons compared by identity: hashed so too (Enum's own hash is
+    # Python code, and operators key the backends' caches on every reduction).
+    __hash__ = object.__hash__
+
     @classmethod
     def parse(cls, op: ReduceOp | str) -> ReduceOp:
         """Return ``op`` as a ``ReduceOp``; accept its name in any case."""

@@ -50,7 +50,11 @@ class Sink(Protocol):
         """Fail without releasing buffers: the backend may still use them."""
 
 
-def _deliver(sink: Sink, finish: Finish, outcome: Any, classify: Classify) -> None:
+def _deliver(sink: Sink, finish: Finish | None, outcome: Any, classify: Classify) -> None:
+    """Settle ``sink`` with ``finish(outcome)``, or (no ``finish``) with the outcome itself."""
+    if finish is None:
+        sink._succeed(outcome)
+        return
     try:
         value = finish(outcome)
     except BaseException as exc:  # the backend's error, re-raised by finish
@@ -446,16 +450,23 @@ class Poller:
         self._max_backoff_s = polling.max_backoff_s
         self._hurry = Hurry(loop, polling.hurry_tests, polling.hurry_max_s)
         self._requests: list[Any] = []
-        self._entries: list[tuple[Sink, Finish, bool]] = []
+        self._entries: list[tuple[Sink, Finish | None, bool]] = []
         self._active = 0  # pending requests that need polling to make progress
+        self._fresh: list[Any] = []  # sinks whose requests join the lists as the iteration ends
         self._probes: list[Callable[[], bool]] = []
         self._timer: asyncio.Handle | None = None
         self._spinning = False  # a poll runs or is due at the next loop iteration
         self._delay = 0.0
         self._last_busy = 0.0
 
-    def watch(self, request: Any, sink: Sink, finish: Finish, active: bool = True) -> None:
-        """Settle ``sink`` with ``finish(outcome)`` once ``request`` completes."""
+    def watch(self, request: Any, sink: Sink, finish: Finish | None,
+              active: bool = True) -> None:
+        """Settle ``sink`` with ``finish(outcome)`` (or the outcome) once ``request`` completes.
+
+        A request its task may finish itself (a handle: see ``hurry``) joins
+        the requests polled only when the loop iteration ends, if it is still
+        pending then: most are done by then, and cost no bookkeeping.
+        """
         try:
             done, outcome = self._test(request)
         except BaseException as exc:
@@ -464,15 +475,42 @@ class Poller:
         if done:
             _deliver(sink, finish, outcome, self._classify)
             return
-        self._requests.append(request)
-        self._entries.append((sink, finish, active))
-        self._active += active
+        entry = (sink, finish, active)
         if self._hurry.tests and hasattr(sink, "_hurry"):
-            sink._hurry = (self, request)
+            sink._hurry = (self, request, entry)
+            fresh = self._fresh
+            if not fresh:
+                self._loop.call_soon(self._enlisted)
+            fresh.append(sink)
+            return
+        self._add(request, entry)
+
+    def _add(self, request: Any, entry: tuple[Sink, Finish | None, bool]) -> None:
+        self._requests.append(request)
+        self._entries.append(entry)
+        self._active += entry[2]
         self.kick()
 
-    def hurry(self, request: Any) -> None:
-        """Test ``request`` a bounded number of times; settle it now if it completes.
+    def _enlist(self) -> bool:
+        """Poll the requests issued (``watch``) and still pending; return whether any were."""
+        fresh, self._fresh = self._fresh, []
+        added = False
+        for sink in fresh:
+            hurried = sink._hurry
+            if hurried is not None and hurried[2] is not None:  # not finished by its task
+                sink._hurry = (self, hurried[1], None)
+                self._add(hurried[1], hurried[2])
+                added = True
+        return added
+
+    def _enlisted(self) -> None:
+        """The iteration that issued requests ended: those still pending are polled now."""
+        if self._enlist() and self._timer is not None:
+            self._timer.cancel()  # the poll ``kick`` asked for comes next iteration: now
+            self._poll()
+
+    def hurry(self, sink: Any) -> None:
+        """Test ``sink``'s request a bounded number of times; settle it now if it completes.
 
         Only ``tests`` times, never for a learnt while: tasks that await requests are
         often many at once (a gather of sends), and each would hold the others back.
@@ -480,6 +518,7 @@ class Poller:
         hurry, test = self._hurry, self._test
         if not hurry.allowed():
             return
+        _, request, entry = sink._hurry
         for _ in range(hurry.tests):
             try:
                 done, outcome = test(request)
@@ -489,17 +528,20 @@ class Poller:
                 break
         else:
             return
-        try:
-            index = self._requests.index(request)
-        except ValueError:
-            return  # settled meanwhile (or drained)
-        del self._requests[index]
-        self._settle(self._entries.pop(index), outcome)
+        sink._hurry = None
+        if entry is None:  # polled already: no longer
+            try:
+                index = self._requests.index(request)
+            except ValueError:
+                return  # settled meanwhile (or drained)
+            del self._requests[index]
+            entry = self._entries.pop(index)
+            self._active -= entry[2]
+        self._settle(entry, outcome)
 
-    def _settle(self, entry: tuple[Sink, Finish, bool], outcome: Any) -> None:
+    def _settle(self, entry: tuple[Sink, Finish | None, bool], outcome: Any) -> None:
         """Settle the sink of a request that completed (taken out of the lists already)."""
-        sink, finish, active = entry
-        self._active -= active
+        sink, finish, _ = entry
         if isinstance(outcome, BaseException):
             sink._fail(self._classify(outcome), outcome)
         else:
@@ -530,6 +572,8 @@ class Poller:
 
     def sweep(self) -> bool:
         """Test the requests in flight and call the probes, once; return whether any had news."""
+        if self._fresh:  # (a task that sweeps may wait for them)
+            self._enlist()
         requests = self._requests
         news = False
         if requests:
@@ -546,7 +590,9 @@ class Poller:
                 finished = []
                 for index, outcome in sorted(completed, key=lambda pair: pair[0], reverse=True):
                     del requests[index]
-                    finished.append((self._entries.pop(index), outcome))
+                    entry = self._entries.pop(index)
+                    self._active -= entry[2]
+                    finished.append((entry, outcome))
                 for entry, outcome in reversed(finished):
                     self._settle(entry, outcome)
         for probe in tuple(self._probes) if len(self._probes) > 1 else self._probes:
@@ -594,6 +640,7 @@ class Poller:
             self._timer = None
         self._spinning = False
         self._probes.clear()
+        self._enlist()
         pending = [(request, sink, active) for request, (sink, _, active)
                    in zip(self._requests, self._entries, strict=True)]
         self._requests, self._entries, self._active = [], [], 0
