@@ -187,9 +187,8 @@ class Comm:
         return tensors
 
     def _peer(self, value: object, op: str, name: str, self_ok: bool = True) -> int:
-        backend = self._backend
-        if type(value) is int and 0 <= value < backend.size and (self_ok
-                                                                 or value != backend.rank):
+        if type(value) is int and 0 <= value < self._backend.size and (
+                self_ok or value != self._backend.rank):
             return value  # the commonest: a plain int in range
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{self._what(op)}: {name} must be an int rank, "
@@ -240,8 +239,7 @@ class Comm:
         """Check the deadline, then start ``op`` on the backend: ``start(handle, *args)``."""
         if timeout is not None:
             timeout = self._deadline(timeout, op)
-        if self._closed:
-            self._open(op)  # raises
+        self._open(op)
         self._seq += 1
         self._last_op = op
         handle: Handle[Any] = Handle(self._loop, (self._backend.rank, op, self._seq, peer, tag),
@@ -648,9 +646,7 @@ class Comm:
     def _stalled(self, stalled: list[tuple[Handle[Any], float]]) -> None:
         """Warn, once each, of operations pending for ``ASYNCOMM_STALL_S`` or longer."""
         for handle, waited in stalled:
-            peer = handle.peer
-            peers = ([peer] if peer is not None else
-                     [r for r in range(self.size) if r != self.rank])
+            peers = self._needs(handle)
 
             async def warn(handle: Handle[Any] = handle, waited: float = waited,
                            peers: list[int] = peers) -> None:

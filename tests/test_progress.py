@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from asyncomm import Comm, CommTimeoutError
-from asyncomm._core.progress import FAIR_S, Hurry
+from asyncomm._core.polling import FAIR_S, Hurry, Ticker
 from asyncomm.testing import World, fresh
 
 
@@ -161,3 +161,39 @@ async def check_unawaited_requests_complete_and_expire(comm: Comm) -> list[str]:
 def test_requests_never_awaited_complete_and_expire(world2: World) -> None:
     for seen in world2.run(check_unawaited_requests_complete_and_expire):
         assert seen == [f"{i} CommTimeoutError True" for i in range(20)], seen
+
+
+async def test_the_ticker_calls_back_once_per_want_on_the_loop() -> None:
+    loop = asyncio.get_running_loop()
+    tick = Ticker(loop, 200e-6)
+    calls: list[int] = []
+    on_loop = []
+
+    def callback() -> None:
+        calls.append(1)
+        on_loop.append(asyncio.get_running_loop() is loop)
+
+    for _ in range(3):
+        tick.want(callback)
+        tick.want(callback)  # asked twice before the tick: called once
+        while len(calls) < _ + 1:
+            await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)
+    assert calls == [1, 1, 1] and all(on_loop)
+
+
+def test_the_ticker_thread_ends_with_its_loop_and_when_unwanted() -> None:
+    loop = asyncio.new_event_loop()
+    tick = Ticker(loop, 200e-6)
+    tick.want(lambda: None)
+    thread = tick._thread
+    assert thread is not None
+    loop.run_until_complete(asyncio.sleep(0.01))
+    thread.join(3)  # unwanted for a second: it ends (a later want starts another)
+    assert not thread.is_alive() and tick._thread is None
+    tick.want(lambda: None)  # ... and one that finds the loop closed ends too, quietly
+    thread = tick._thread
+    assert thread is not None
+    loop.close()
+    thread.join(3)
+    assert not thread.is_alive()

@@ -23,7 +23,8 @@ from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, rememberi
 from asyncomm._core.errors import CommClosedError, CommError, MismatchError, PeerFailedError
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
-from asyncomm._core.progress import Poller, Sink
+from asyncomm._core.polling import Poller
+from asyncomm._core.progress import Sink
 
 _OPS = {
     ReduceOp.SUM: MPI.SUM,

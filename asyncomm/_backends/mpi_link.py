@@ -14,7 +14,8 @@ from asyncomm._core import tags
 from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
 from asyncomm._core.link import PACKET, PREAMBLE, Link, Transport
-from asyncomm._core.progress import Classify, Poller, Sink
+from asyncomm._core.polling import Poller
+from asyncomm._core.progress import Classify, Sink
 
 Watch = Callable[[Sink, Any], None]  # poll a request, settle a sink when it completes
 

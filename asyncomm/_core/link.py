@@ -148,7 +148,7 @@ class Link(ABC):
         """A task is about to wait for ``done()``: look for frames now; return whether it is.
 
         Links that poll (MPI) look for a while, as an awaited request is
-        tested (see ``progress.Hurry``); the others never find anything.
+        tested (see ``polling.Hurry``); the others never find anything.
         """
         return False
 

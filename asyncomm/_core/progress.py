@@ -9,10 +9,11 @@ Three engines, one per way a backend can report that a request is done:
   send/recv cannot be polled). Reusable threads block in ``wait()``, one per
   request *in flight*, so a receive that waits long never delays another
   request's completion. Idle threads are kept for reuse and retire after a while.
-- ``Poller``: the request must be tested (MPI). The loop calls the backend's
-  ``testsome`` — spinning with ``call_soon`` while completions are expected,
-  backing off exponentially to ``max_backoff_s`` when idle, so a rank waiting
-  for a message that does not come uses little CPU.
+- ``Poller`` (in ``polling``): the request must be tested (MPI). The loop
+  calls the backend's ``testsome`` — spinning with ``call_soon`` while
+  completions are expected, backing off exponentially to ``max_backoff_s``
+  when idle, so a rank waiting for a message that does not come uses little
+  CPU; a ``Ticker`` thread wakes it sooner while waits are recent.
 
 Every engine calls the backend's ``finish(outcome)`` on the loop thread (copy
 results out, read a source rank) and then settles a ``Sink`` (the ``Handle``).
@@ -29,10 +30,9 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from asyncomm._core import settings
 from asyncomm._core.errors import CommClosedError, CommError
 
 Finish = Callable[[Any], object]
@@ -50,7 +50,7 @@ class Sink(Protocol):
         """Fail without releasing buffers: the backend may still use them."""
 
 
-def _deliver(sink: Sink, finish: Finish | None, outcome: Any, classify: Classify) -> None:
+def deliver(sink: Sink, finish: Finish | None, outcome: Any, classify: Classify) -> None:
     """Settle ``sink`` with ``finish(outcome)``, or (no ``finish``) with the outcome itself."""
     if finish is None:
         sink._succeed(outcome)
@@ -110,7 +110,7 @@ class Inbox:
         queue, classify = self._queue, self._classify
         while queue:
             sink, finish, outcome = queue.popleft()
-            _deliver(sink, finish, outcome, classify)
+            deliver(sink, finish, outcome, classify)
 
     def close(self) -> None:
         """Deliver what is queued, stop listening and close the fds."""
@@ -320,331 +320,3 @@ class Reaper:
                 self._closing = True
                 self._ready.notify()
             self._thread.join(timeout)
-
-
-FAIR_S = 1e-3  # tasks that hurry hold the loop from its other work at most about so long
-
-
-class Hurry:
-    """How long a task about to wait looks for what it waits for itself, learnt from its waits.
-
-    Note on learning
-    ----------------
-    A task first looks ``tests`` times (a request done within microseconds
-    then costs no loop iteration). Beyond that it looks for up to
-    ``budget_s``, learnt: when a task parked after looking and what it
-    waited for came within ``max_s`` of its first look (an answer to a
-    question, in a ping-pong or an actor call), the budget grows to cover
-    that wait half again; when it came later (an idle wait), the budget
-    halves. So request-response traffic is caught without parking, while a
-    rank whose waits are long looks ``tests`` times and parks: the loop is
-    never held more than ``max_s`` by one look, and only while looking paid
-    off recently.
-
-    A task that finds what it looks for goes on without a loop iteration,
-    so tasks that hurry with success one after the other (a ping-pong)
-    could keep the loop from everything else. Each look therefore asks the
-    loop for a turn, and no task looks while a turn asked for more than
-    ``FAIR_S`` ago has not come: it parks, and the loop turns.
-    """
-
-    __slots__ = ("_loop", "_since", "_turn", "budget_s", "max_s", "tests")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, tests: int, max_s: float) -> None:
-        self._loop = loop
-        self.tests = tests
-        self.max_s = max_s
-        self.budget_s = 0.0
-        self._since = 0.0  # when the look that gave up began (0: no parked look pending)
-        self._turn = 0.0  # when the loop was asked for a turn that has not come yet (0: none)
-
-    def run(self, look: Callable[[], bool]) -> bool:
-        """Call ``look()`` until it returns true (return true) or the budget is spent.
-
-        With no tests (``ASYNCOMM_HURRY_TESTS=0``) there is no hurrying at all.
-        """
-        if not self.allowed():
-            return False
-        start = time.perf_counter()
-        for _ in range(self.tests):
-            if look():
-                return True
-        if self.budget_s:
-            clock, end = time.perf_counter, start + self.budget_s
-            while clock() < end:
-                if look():
-                    return True
-        self._since = start
-        return False
-
-    def allowed(self) -> bool:
-        """Return whether a task may look now (see the note: never without tests, and not
-        while a loop turn asked for ``FAIR_S`` ago has not come); ask for a turn if none is."""
-        if not self.tests:
-            return False
-        if not self._turn:
-            self._turn = time.perf_counter()
-            self._loop.call_soon(self._turned)
-            return True
-        return time.perf_counter() - self._turn <= FAIR_S
-
-    def _turned(self) -> None:
-        self._turn = 0.0
-
-    def came(self) -> None:
-        """What a task that gave up looking waits for may have come: learn how long it took."""
-        if self._since:
-            waited = time.perf_counter() - self._since
-            self._since = 0.0
-            if waited <= self.max_s:
-                self.budget_s = min(self.max_s, max(self.budget_s, 1.5 * waited))
-            else:
-                self.budget_s = self.budget_s / 2 if self.budget_s > 1e-6 else 0.0
-
-
-class Poller:
-    """Complete requests by testing them from the event loop: spin while busy, back off when idle.
-
-    The backend supplies ``test(request)`` -> ``(done, outcome)`` and
-    ``testsome(requests)`` -> ``[(index, outcome), ...]`` for the completed
-    ones; an outcome that is an exception fails its request.
-
-    Note on spinning
-    ----------------
-    A request is tested once when it is issued (an eager send is often done
-    at once: its ``await`` then never suspends). After that the loop polls
-    with ``call_soon`` for a while after the last issue or completion, then
-    backs off exponentially. *Active* requests -- collectives and sends, which
-    MPI only advances inside MPI calls -- keep the loop spinning for
-    ``active_spin_s`` so that large transfers are not slowed by back-off;
-    a rank with only receives waiting backs off after ``spin_s`` and polls at
-    most every ``max_backoff_s``, so waiting costs little CPU. *Probes*
-    (``probe``) are called at every poll, with or without requests in
-    flight: the MPI channel link finds its messages so. ``kick`` resets the
-    back-off when something is expected soon.
-
-    Note on hurrying
-    ----------------
-    A task that awaits a request first tests it ``hurry_tests`` times itself
-    (``hurry``, from ``Handle.__await__``): a request that completes within
-    microseconds (a collective its peers have entered, a reply on its way)
-    then costs no loop iteration, as in a busy-poll loop, while one that
-    takes longer parks the task and leaves the loop to others. The bound is
-    the loop's fairness: 32 tests hold the loop for about 10 µs at most. A
-    channel receive, an actor call or an idle actor about to wait sweeps
-    (``hurry_until``: the requests and the probes, so the MPI link finds its
-    messages) for as long as ``Hurry`` has learnt pays off.
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop,
-                 test: Callable[[Any], tuple[bool, Any]],
-                 testsome: Callable[[Sequence[Any]], list[tuple[int, Any]]],
-                 classify: Classify) -> None:
-        self._loop = loop
-        self._test = test
-        self._testsome = testsome
-        self._classify = classify
-        polling = settings.read()
-        self._spin_s = polling.spin_s
-        self._active_spin_s = polling.active_spin_s
-        self._max_backoff_s = polling.max_backoff_s
-        self._hurry = Hurry(loop, polling.hurry_tests, polling.hurry_max_s)
-        self._requests: list[Any] = []
-        self._entries: list[tuple[Sink, Finish | None, bool]] = []
-        self._active = 0  # pending requests that need polling to make progress
-        self._fresh: list[Any] = []  # sinks whose requests join the lists as the iteration ends
-        self._probes: list[Callable[[], bool]] = []
-        self._timer: asyncio.Handle | None = None
-        self._spinning = False  # a poll runs or is due at the next loop iteration
-        self._delay = 0.0
-        self._last_busy = 0.0
-
-    def watch(self, request: Any, sink: Sink, finish: Finish | None,
-              active: bool = True) -> None:
-        """Settle ``sink`` with ``finish(outcome)`` (or the outcome) once ``request`` completes.
-
-        A request its task may finish itself (a handle: see ``hurry``) joins
-        the requests polled only when the loop iteration ends, if it is still
-        pending then: most are done by then, and cost no bookkeeping.
-        """
-        try:
-            done, outcome = self._test(request)
-        except BaseException as exc:
-            sink._fail(self._classify(exc), exc)
-            return
-        if done:
-            _deliver(sink, finish, outcome, self._classify)
-            return
-        entry = (sink, finish, active)
-        if self._hurry.tests and hasattr(sink, "_hurry"):
-            sink._hurry = (self, request, entry)
-            fresh = self._fresh
-            if not fresh:
-                self._loop.call_soon(self._enlisted)
-            fresh.append(sink)
-            return
-        self._add(request, entry)
-
-    def _add(self, request: Any, entry: tuple[Sink, Finish | None, bool]) -> None:
-        self._requests.append(request)
-        self._entries.append(entry)
-        self._active += entry[2]
-        self.kick()
-
-    def _enlist(self) -> bool:
-        """Poll the requests issued (``watch``) and still pending; return whether any were."""
-        fresh, self._fresh = self._fresh, []
-        added = False
-        for sink in fresh:
-            hurried = sink._hurry
-            if hurried is not None and hurried[2] is not None:  # not finished by its task
-                sink._hurry = (self, hurried[1], None)
-                self._add(hurried[1], hurried[2])
-                added = True
-        return added
-
-    def _enlisted(self) -> None:
-        """The iteration that issued requests ended: those still pending are polled now."""
-        if self._enlist() and self._timer is not None:
-            self._timer.cancel()  # the poll ``kick`` asked for comes next iteration: now
-            self._poll()
-
-    def hurry(self, sink: Any) -> None:
-        """Test ``sink``'s request a bounded number of times; settle it now if it completes.
-
-        Only ``tests`` times, never for a learnt while: tasks that await requests are
-        often many at once (a gather of sends), and each would hold the others back.
-        """
-        hurry, test = self._hurry, self._test
-        if not hurry.allowed():
-            return
-        _, request, entry = sink._hurry
-        for _ in range(hurry.tests):
-            try:
-                done, outcome = test(request)
-            except BaseException as exc:
-                done, outcome = True, exc
-            if done:
-                break
-        else:
-            return
-        sink._hurry = None
-        if entry is None:  # polled already: no longer
-            try:
-                index = self._requests.index(request)
-            except ValueError:
-                return  # settled meanwhile (or drained)
-            del self._requests[index]
-            entry = self._entries.pop(index)
-            self._active -= entry[2]
-        self._settle(entry, outcome)
-
-    def _settle(self, entry: tuple[Sink, Finish | None, bool], outcome: Any) -> None:
-        """Settle the sink of a request that completed (taken out of the lists already)."""
-        sink, finish, _ = entry
-        if isinstance(outcome, BaseException):
-            sink._fail(self._classify(outcome), outcome)
-        else:
-            _deliver(sink, finish, outcome, self._classify)
-
-    def probe(self, probe: Callable[[], bool]) -> None:
-        """Call ``probe()`` at every poll until ``unprobe``; it returns whether it found work.
-
-        A probe keeps the poller polling with nothing in flight (backing off when idle).
-        """
-        self._probes.append(probe)
-        self.kick()
-
-    def unprobe(self, probe: Callable[[], bool]) -> None:
-        """Stop calling ``probe``."""
-        if probe in self._probes:
-            self._probes.remove(probe)
-
-    def kick(self) -> None:
-        """Poll at once and spin a while: something is expected soon."""
-        self._last_busy = time.monotonic()
-        self._delay = 0.0
-        if not self._spinning:
-            if self._timer is not None:
-                self._timer.cancel()
-            self._spinning = True
-            self._timer = self._loop.call_soon(self._poll)
-
-    def sweep(self) -> bool:
-        """Test the requests in flight and call the probes, once; return whether any had news."""
-        if self._fresh:  # (a task that sweeps may wait for them)
-            self._enlist()
-        requests = self._requests
-        news = False
-        if requests:
-            if len(requests) == 1:  # the common case: one request, no index bookkeeping
-                try:
-                    done, outcome = self._test(requests[0])
-                except BaseException as exc:
-                    done, outcome = True, exc
-                completed = [(0, outcome)] if done else []
-            else:
-                completed = self._testsome(requests)
-            if completed:
-                news = True
-                finished = []
-                for index, outcome in sorted(completed, key=lambda pair: pair[0], reverse=True):
-                    del requests[index]
-                    entry = self._entries.pop(index)
-                    self._active -= entry[2]
-                    finished.append((entry, outcome))
-                for entry, outcome in reversed(finished):
-                    self._settle(entry, outcome)
-        for probe in tuple(self._probes) if len(self._probes) > 1 else self._probes:
-            if probe():  # (a probe may unregister itself: a copy of several)
-                news = True
-        return news
-
-    def hurry_until(self, done: Callable[[], bool]) -> bool:
-        """A task is about to wait for ``done()``: sweep while hurrying (see ``Hurry``).
-
-        Return whether ``done()`` became true.
-        """
-        sweep = self.sweep
-        return self._hurry.run(lambda: sweep() and done())
-
-    def _poll(self) -> None:
-        self._timer = None
-        self._spinning = True  # what is issued from here on is polled when this poll ends
-        now = time.monotonic()
-        if self.sweep():
-            self._last_busy = now
-            self._delay = 0.0
-            self._hurry.came()
-        if not self._requests and not self._probes:
-            self._spinning = False
-            return
-        window = self._active_spin_s if self._active else self._spin_s
-        if now - self._last_busy < window:
-            self._spinning = True
-            self._timer = self._loop.call_soon(self._poll)
-        else:
-            self._spinning = False
-            self._delay = min(max(2 * self._delay, 1e-5), self._max_backoff_s)
-            self._timer = self._loop.call_later(self._delay, self._poll)
-
-    def drain(self) -> list[tuple[Any, Sink, bool]]:
-        """Stop polling and fail every pending sink as closed.
-
-        Return the pending requests with their sinks: the backend cancels
-        what it can, and must keep the sinks (which hold the buffers) for as
-        long as the requests may still use them.
-        """
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._spinning = False
-        self._probes.clear()
-        self._enlist()
-        pending = [(request, sink, active) for request, (sink, _, active)
-                   in zip(self._requests, self._entries, strict=True)]
-        self._requests, self._entries, self._active = [], [], 0
-        closed = CommClosedError("the communicator was closed with this operation in flight")
-        for _, sink, _ in pending:
-            sink._abandon(CommClosedError, closed)
-        return pending

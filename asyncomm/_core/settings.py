@@ -34,6 +34,7 @@ class Settings:
     spin_s: float = 2e-3  # ASYNCOMM_SPIN_US: MPI polling spins this long after receives
     active_spin_s: float = 0.1  # ASYNCOMM_ACTIVE_SPIN_US: ... after sends and collectives
     max_backoff_s: float = 1e-3  # ASYNCOMM_MAX_BACKOFF_US: the longest idle MPI poll interval
+    tick_s: float = 200e-6  # ASYNCOMM_TICK_US: ... while waits are recent, a thread's (0: none)
     hurry_tests: int = 32  # ASYNCOMM_HURRY_TESTS: an awaited MPI request is tested so often first
     hurry_max_s: float = 50e-6  # ASYNCOMM_HURRY_MAX_US: ... and at most this long, as learnt
     compute_threads: int = 1  # ASYNCOMM_COMPUTE_THREADS: threads asyncomm.compute uses
@@ -92,6 +93,7 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         spin_s=number("SPIN_US", 2e-3, scale=1e-6),
         active_spin_s=number("ACTIVE_SPIN_US", 0.1, scale=1e-6),
         max_backoff_s=number("MAX_BACKOFF_US", 1e-3, scale=1e-6),
+        tick_s=number("TICK_US", 200e-6, scale=1e-6),
         hurry_tests=count("HURRY_TESTS", 32, 0) or 0,
         hurry_max_s=number("HURRY_MAX_US", 50e-6, scale=1e-6),
         compute_threads=count("COMPUTE_THREADS", 1, 1) or 1,

@@ -1,0 +1,453 @@
+"""Polling: complete requests by testing them from the event loop (MPI).
+
+``Poller`` tests the requests in flight from loop callbacks, spinning while
+completions are expected and backing off when idle; ``Hurry`` is how long a
+task about to wait looks for what it waits for itself; ``Ticker`` wakes a
+backing-off poller finer than the loop's millisecond timers. The engines
+that complete requests on threads are in ``progress``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from asyncomm._core import settings
+from asyncomm._core.errors import CommClosedError
+from asyncomm._core.progress import Classify, Finish, Sink, deliver
+
+FAIR_S = 1e-3  # tasks that hurry hold the loop from its other work at most about so long
+
+
+class Hurry:
+    """How long a task about to wait looks for what it waits for itself, learnt from its waits.
+
+    Note on learning
+    ----------------
+    A task first looks ``tests`` times (a request done within microseconds
+    then costs no loop iteration). Beyond that it looks for up to
+    ``budget_s``, learnt: when a task parked after looking and what it
+    waited for came within ``max_s`` of its first look (an answer to a
+    question, in a ping-pong or an actor call), the budget grows to cover
+    that wait half again; when it came later (an idle wait), the budget
+    halves. So request-response traffic is caught without parking, while a
+    rank whose waits are long looks ``tests`` times and parks: the loop is
+    never held more than ``max_s`` by one look, and only while looking paid
+    off recently.
+
+    A task that finds what it looks for goes on without a loop iteration,
+    so tasks that hurry with success one after the other (a ping-pong)
+    could keep the loop from everything else. Each look therefore asks the
+    loop for a turn, and no task looks while a turn asked for more than
+    ``FAIR_S`` ago has not come: it parks, and the loop turns.
+    """
+
+    __slots__ = ("_loop", "_since", "_turn", "budget_s", "max_s", "tests")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tests: int, max_s: float) -> None:
+        self._loop = loop
+        self.tests = tests
+        self.max_s = max_s
+        self.budget_s = 0.0
+        self._since = 0.0  # when the look that gave up began (0: no parked look pending)
+        self._turn = 0.0  # when the loop was asked for a turn that has not come yet (0: none)
+
+    def run(self, look: Callable[[], bool]) -> bool:
+        """Call ``look()`` until it returns true (return true) or the budget is spent.
+
+        With no tests (``ASYNCOMM_HURRY_TESTS=0``) there is no hurrying at all.
+        """
+        if not self.allowed():
+            return False
+        start = time.perf_counter()
+        for _ in range(self.tests):
+            if look():
+                return True
+        if self.budget_s:
+            clock, end = time.perf_counter, start + self.budget_s
+            while clock() < end:
+                if look():
+                    return True
+        self._since = start
+        return False
+
+    def allowed(self) -> bool:
+        """Return whether a task may look now (see the note: never without tests, and not
+        while a loop turn asked for ``FAIR_S`` ago has not come); ask for a turn if none is."""
+        if not self.tests:
+            return False
+        if not self._turn:
+            self._turn = time.perf_counter()
+            self._loop.call_soon(self._turned)
+            return True
+        return time.perf_counter() - self._turn <= FAIR_S
+
+    def _turned(self) -> None:
+        self._turn = 0.0
+
+    def came(self) -> None:
+        """What a task that gave up looking waits for may have come: learn how long it took."""
+        if self._since:
+            waited = time.perf_counter() - self._since
+            self._since = 0.0
+            if waited <= self.max_s:
+                self.budget_s = min(self.max_s, max(self.budget_s, 1.5 * waited))
+            else:
+                self.budget_s = self.budget_s / 2 if self.budget_s > 1e-6 else 0.0
+
+
+TICKING_S = 0.25  # a poller backing off is woken by the ticker this long after it found news
+
+
+class Ticker:
+    """Wake a loop's pollers every ``tick_s`` while they ask: finer than the loop's timers.
+
+    Note on ticking
+    ---------------
+    An event loop's timers count whole milliseconds (libuv's, and the
+    selectors' waits): a poller that backs off polls at once or a millisecond
+    later, nothing in between. A rank whose stage computes on a thread while
+    its next activation arrives then saw each message up to a millisecond
+    late, several times a pipeline step. So for ``TICKING_S`` after its last
+    news a poller backing off also asks the ticker, a thread that sleeps
+    ``tick_s`` (the OS sleeps finer than the loop) and then schedules the
+    poll on the loop; the millisecond timer stays as a floor. Waking the loop
+    costs some microseconds: at 200 µs, a few percent of a core while
+    ticking, nothing once a rank's waits are long (see ``bench idle``).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tick_s: float) -> None:
+        self._loop = loop
+        self.tick_s = tick_s
+        self._wanted: list[Callable[[], None]] = []
+        self._ready = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.users = 0  # pollers holding it (``Poller`` counts itself in and out)
+
+    def want(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` on the loop after about ``tick_s`` (once per ``want``)."""
+        with self._ready:
+            if callback not in self._wanted:
+                self._wanted.append(callback)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="asyncomm-ticker",
+                                                daemon=True)
+                self._thread.start()
+            self._ready.notify()
+
+    def stop(self) -> None:
+        """End the thread now (the last poller is drained); a later ``want`` starts one."""
+        with self._ready:
+            thread, self._thread = self._thread, None
+            self._wanted.clear()
+            self._ready.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(1.0)
+
+    def _run(self) -> None:
+        me = threading.current_thread()
+        while True:
+            with self._ready:
+                if not self._wanted and not self._ready.wait_for(
+                        lambda: self._wanted or self._thread is not me, 1.0):
+                    self._thread = None  # unwanted for a second: a later ``want`` starts one
+                    return
+                if self._thread is not me:  # stopped
+                    return
+            time.sleep(self.tick_s)
+            with self._ready:
+                if self._thread is not me:
+                    return
+                wanted, self._wanted = self._wanted, []
+            for callback in wanted:
+                try:
+                    self._loop.call_soon_threadsafe(callback)
+                except RuntimeError:  # the loop is closed
+                    with self._ready:
+                        if self._thread is me:
+                            self._thread = None
+                    return
+
+
+_tickers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Ticker] = (
+    weakref.WeakKeyDictionary())
+
+
+def ticker(loop: asyncio.AbstractEventLoop, tick_s: float) -> Ticker | None:
+    """Return the loop's ticker (one per loop), or ``None`` where ``tick_s`` is 0."""
+    if not tick_s:
+        return None
+    made = _tickers.get(loop)
+    if made is None:
+        made = _tickers[loop] = Ticker(loop, tick_s)
+    return made
+
+
+class Poller:
+    """Complete requests by testing them from the event loop: spin while busy, back off when idle.
+
+    The backend supplies ``test(request)`` -> ``(done, outcome)`` and
+    ``testsome(requests)`` -> ``[(index, outcome), ...]`` for the completed
+    ones; an outcome that is an exception fails its request.
+
+    Note on spinning
+    ----------------
+    A request is tested once when it is issued (an eager send is often done
+    at once: its ``await`` then never suspends). After that the loop polls
+    with ``call_soon`` for a while after the last issue or completion, then
+    backs off exponentially. *Active* requests -- collectives and sends, which
+    MPI only advances inside MPI calls -- keep the loop spinning for
+    ``active_spin_s`` so that large transfers are not slowed by back-off;
+    a rank with only receives waiting backs off after ``spin_s`` and polls at
+    most every ``max_backoff_s``, so waiting costs little CPU. *Probes*
+    (``probe``) are called at every poll, with or without requests in
+    flight: the MPI channel link finds its messages so. ``kick`` resets the
+    back-off when something is expected soon.
+
+    Note on hurrying
+    ----------------
+    A task that awaits a request first tests it ``hurry_tests`` times itself
+    (``hurry``, from ``Handle.__await__``): a request that completes within
+    microseconds (a collective its peers have entered, a reply on its way)
+    then costs no loop iteration, as in a busy-poll loop, while one that
+    takes longer parks the task and leaves the loop to others. The bound is
+    the loop's fairness: 32 tests hold the loop for about 10 µs at most. A
+    channel receive, an actor call or an idle actor about to wait sweeps
+    (``hurry_until``: the requests and the probes, so the MPI link finds its
+    messages) for as long as ``Hurry`` has learnt pays off.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop,
+                 test: Callable[[Any], tuple[bool, Any]],
+                 testsome: Callable[[Sequence[Any]], list[tuple[int, Any]]],
+                 classify: Classify) -> None:
+        self._loop = loop
+        self._test = test
+        self._testsome = testsome
+        self._classify = classify
+        polling = settings.read()
+        self._spin_s = polling.spin_s
+        self._active_spin_s = polling.active_spin_s
+        self._max_backoff_s = polling.max_backoff_s
+        self._hurry = Hurry(loop, polling.hurry_tests, polling.hurry_max_s)
+        self._ticker = ticker(loop, polling.tick_s) if polling.tick_s < polling.max_backoff_s \
+            else None
+        if self._ticker is not None:
+            self._ticker.users += 1  # until ``drain``
+        self._requests: list[Any] = []
+        self._entries: list[tuple[Sink, Finish | None, bool]] = []
+        self._active = 0  # pending requests that need polling to make progress
+        self._fresh: list[Any] = []  # sinks whose requests join the lists as the iteration ends
+        self._probes: list[Callable[[], bool]] = []
+        self._timer: asyncio.Handle | None = None
+        self._spinning = False  # a poll runs or is due at the next loop iteration
+        self._delay = 0.0
+        self._last_busy = 0.0  # when a request was issued or completed, or a poll expected
+        self._last_news = 0.0  # when a poll last found something
+
+    def watch(self, request: Any, sink: Sink, finish: Finish | None,
+              active: bool = True) -> None:
+        """Settle ``sink`` with ``finish(outcome)`` (or the outcome) once ``request`` completes.
+
+        A request its task may finish itself (a handle: see ``hurry``) joins
+        the requests polled only when the loop iteration ends, if it is still
+        pending then: most are done by then, and cost no bookkeeping.
+        """
+        try:
+            done, outcome = self._test(request)
+        except BaseException as exc:
+            sink._fail(self._classify(exc), exc)
+            return
+        if done:
+            deliver(sink, finish, outcome, self._classify)
+            return
+        entry = (sink, finish, active)
+        if self._hurry.tests and hasattr(sink, "_hurry"):
+            sink._hurry = (self, request, entry)
+            fresh = self._fresh
+            if not fresh:
+                self._loop.call_soon(self._enlisted)
+            fresh.append(sink)
+            return
+        self._add(request, entry)
+
+    def _add(self, request: Any, entry: tuple[Sink, Finish | None, bool]) -> None:
+        self._requests.append(request)
+        self._entries.append(entry)
+        self._active += entry[2]
+        self.kick()
+
+    def _enlist(self) -> bool:
+        """Poll the requests issued (``watch``) and still pending; return whether any were."""
+        fresh, self._fresh = self._fresh, []
+        added = False
+        for sink in fresh:
+            hurried = sink._hurry
+            if hurried is not None and hurried[2] is not None:  # not finished by its task
+                sink._hurry = (self, hurried[1], None)
+                self._add(hurried[1], hurried[2])
+                added = True
+        return added
+
+    def _enlisted(self) -> None:
+        """The iteration that issued requests ended: those still pending are polled now."""
+        if self._enlist() and self._timer is not None:
+            self._timer.cancel()  # the poll ``kick`` asked for comes next iteration: now
+            self._poll()
+
+    def hurry(self, sink: Any) -> None:
+        """Test ``sink``'s request a bounded number of times; settle it now if it completes.
+
+        Only ``tests`` times, never for a learnt while: tasks that await requests are
+        often many at once (a gather of sends), and each would hold the others back.
+        """
+        hurry, test = self._hurry, self._test
+        if not hurry.allowed():
+            return
+        _, request, entry = sink._hurry
+        for _ in range(hurry.tests):
+            try:
+                done, outcome = test(request)
+            except BaseException as exc:
+                done, outcome = True, exc
+            if done:
+                break
+        else:
+            return
+        sink._hurry = None
+        if entry is None:  # polled already: no longer
+            try:
+                index = self._requests.index(request)
+            except ValueError:
+                return  # settled meanwhile (or drained)
+            del self._requests[index]
+            entry = self._entries.pop(index)
+            self._active -= entry[2]
+        self._settle(entry, outcome)
+
+    def _settle(self, entry: tuple[Sink, Finish | None, bool], outcome: Any) -> None:
+        """Settle the sink of a request that completed (taken out of the lists already)."""
+        sink, finish, _ = entry
+        if isinstance(outcome, BaseException):
+            sink._fail(self._classify(outcome), outcome)
+        else:
+            deliver(sink, finish, outcome, self._classify)
+
+    def probe(self, probe: Callable[[], bool]) -> None:
+        """Call ``probe()`` at every poll until ``unprobe``; it returns whether it found work.
+
+        A probe keeps the poller polling with nothing in flight (backing off when idle).
+        """
+        self._probes.append(probe)
+        self.kick()
+
+    def unprobe(self, probe: Callable[[], bool]) -> None:
+        """Stop calling ``probe``."""
+        if probe in self._probes:
+            self._probes.remove(probe)
+
+    def kick(self) -> None:
+        """Poll at once and spin a while: something is expected soon."""
+        self._last_busy = time.monotonic()
+        self._delay = 0.0
+        if not self._spinning:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._spinning = True
+            self._timer = self._loop.call_soon(self._poll)
+
+    def sweep(self) -> bool:
+        """Test the requests in flight and call the probes, once; return whether any had news."""
+        if self._fresh:  # (a task that sweeps may wait for them)
+            self._enlist()
+        requests = self._requests
+        news = False
+        if requests:
+            if len(requests) == 1:  # the common case: one request, no index bookkeeping
+                try:
+                    done, outcome = self._test(requests[0])
+                except BaseException as exc:
+                    done, outcome = True, exc
+                completed = [(0, outcome)] if done else []
+            else:
+                completed = self._testsome(requests)
+            if completed:
+                news = True
+                finished = []
+                for index, outcome in sorted(completed, key=lambda pair: pair[0], reverse=True):
+                    del requests[index]
+                    entry = self._entries.pop(index)
+                    self._active -= entry[2]
+                    finished.append((entry, outcome))
+                for entry, outcome in reversed(finished):
+                    self._settle(entry, outcome)
+        for probe in tuple(self._probes) if len(self._probes) > 1 else self._probes:
+            if probe():  # (a probe may unregister itself: a copy of several)
+                news = True
+        return news
+
+    def hurry_until(self, done: Callable[[], bool]) -> bool:
+        """A task is about to wait for ``done()``: sweep while hurrying (see ``Hurry``).
+
+        Return whether ``done()`` became true.
+        """
+        sweep = self.sweep
+        return self._hurry.run(lambda: sweep() and done())
+
+    def _poll(self) -> None:
+        self._timer = None
+        self._spinning = True  # what is issued from here on is polled when this poll ends
+        now = time.monotonic()
+        if self.sweep():
+            self._last_busy = self._last_news = now
+            self._delay = 0.0
+            self._hurry.came()
+        if not self._requests and not self._probes:
+            self._spinning = False
+            return
+        window = self._active_spin_s if self._active else self._spin_s
+        if now - self._last_busy < window:
+            self._spinning = True
+            self._timer = self._loop.call_soon(self._poll)
+        else:
+            self._spinning = False
+            self._delay = min(max(2 * self._delay, 1e-5), self._max_backoff_s)
+            self._timer = self._loop.call_later(self._delay, self._poll)
+            if self._ticker is not None and now - self._last_news < TICKING_S:
+                self._ticker.want(self._ticked)  # sooner than the loop's timers can
+
+    def _ticked(self) -> None:
+        """The ticker's wake-up (see ``Ticker``): poll now unless a poll is due anyway."""
+        if not self._spinning and self._timer is not None:
+            self._timer.cancel()
+            self._poll()
+
+    def drain(self) -> list[tuple[Any, Sink, bool]]:
+        """Stop polling and fail every pending sink as closed.
+
+        Return the pending requests with their sinks: the backend cancels
+        what it can, and must keep the sinks (which hold the buffers) for as
+        long as the requests may still use them.
+        """
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._spinning = False
+        self._probes.clear()
+        if self._ticker is not None:
+            self._ticker.users -= 1
+            if not self._ticker.users:
+                self._ticker.stop()
+            self._ticker = None
+        self._enlist()
+        pending = [(request, sink, active) for request, (sink, _, active)
+                   in zip(self._requests, self._entries, strict=True)]
+        self._requests, self._entries, self._active = [], [], 0
+        closed = CommClosedError("the communicator was closed with this operation in flight")
+        for _, sink, _ in pending:
+            sink._abandon(CommClosedError, closed)
+        return pending
