@@ -12,6 +12,7 @@ import torch
 import asyncomm
 from asyncomm import Comm
 from asyncomm._core import instrument, settings
+from asyncomm._core.polling import computing
 from asyncomm._overlap import compute as _compute
 from asyncomm.testing import World
 
@@ -140,3 +141,32 @@ def test_thread_count_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch
         settings.read()
     monkeypatch.setenv("ASYNCOMM_COMPUTE_THREADS", "3")
     assert settings.read().compute_threads == 3
+
+
+async def test_the_loop_counts_its_computes_in_flight() -> None:
+    # MPI pollers read the count (they do not spin for receives while a compute runs)
+    loop = asyncio.get_running_loop()
+    count = computing(loop)
+    began, release = threading.Event(), threading.Event()
+
+    def held() -> int:
+        began.set()
+        release.wait(5)
+        return 1
+
+    def fails() -> None:
+        raise ValueError("boom")
+
+    try:
+        tasks = [asyncio.ensure_future(asyncomm.compute(held)),
+                 asyncio.ensure_future(asyncomm.compute(fails))]
+        await asyncio.sleep(0)
+        assert await asyncio.to_thread(began.wait, 5)
+        assert count[0] == 2  # one running, one queued behind it
+        release.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert results[0] == 1 and isinstance(results[1], ValueError)
+        assert count[0] == 0  # a compute that raised is counted out too
+    finally:
+        release.set()
+        await _compute.shutdown(loop)

@@ -42,23 +42,28 @@ import torch
 
 from asyncomm._core import instrument, settings
 from asyncomm._core.errors import CommError
+from asyncomm._core.polling import computing
 from asyncomm._core.progress import Inbox
 
 T = TypeVar("T")
 
 class _Settle:
-    """The inbox's sink of one compute: its future on the loop."""
+    """The inbox's sink of one compute: its future on the loop, and the loop's count."""
 
-    __slots__ = ("future",)
+    __slots__ = ("future", "running")
 
-    def __init__(self, future: asyncio.Future[Any]) -> None:
+    def __init__(self, future: asyncio.Future[Any], running: list[int]) -> None:
         self.future = future
+        self.running = running  # computes in flight on the loop (see ``polling.computing``)
+        running[0] += 1
 
     def _succeed(self, value: object) -> None:
+        self.running[0] -= 1
         if not self.future.done():  # not if the await was cancelled
             self.future.set_result(value)
 
     def _fail(self, kind: type[CommError], cause: BaseException) -> None:
+        self.running[0] -= 1
         if not self.future.done():
             self.future.set_exception(cause)
 
@@ -85,6 +90,7 @@ class _Worker:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, threads: int) -> None:
         self.inbox = Inbox(loop, _any_error)
+        self.running = computing(loop)  # computes in flight: pollers spin less meanwhile
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.stream: Any = None  # a CUDA side stream, made on the first CUDA compute
         self.cuda = torch.cuda.is_available()  # asked once: it does not change in a process
@@ -165,7 +171,7 @@ async def compute(fn: Callable[..., T], *args: Any, name: str | None = None,
         worker = _workers[loop] = _Worker(loop, settings.read().compute_threads)
     label = name if name is not None else _name_of(fn)
     future: asyncio.Future[T] = loop.create_future()
-    worker.jobs.put((fn, args, kwargs, label, _Settle(future)))
+    worker.jobs.put((fn, args, kwargs, label, _Settle(future, worker.running)))
     return await future
 
 
