@@ -47,10 +47,12 @@ def test_a_collective_timeout_says_what_every_other_rank_does(world: World) -> N
 
 async def check_finished_and_silent_peers_are_named(comm: Comm) -> str:
     async with fresh(comm) as sub:
+        # Together first: a rank that started late would still answer (it once did on
+        # a loaded CI host, when rank 1 only slept 0.3 s before holding its loop).
+        await sub.barrier()
         if sub.rank == 2:
             return ""  # closes the communicator at once (and waits there for the others)
         if sub.rank == 1:
-            await asyncio.sleep(0.3)
             time.sleep(2.0)  # holds its event loop: it cannot answer
             return ""
         with pytest.raises(CommTimeoutError) as info:
