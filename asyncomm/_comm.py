@@ -66,8 +66,7 @@ class Comm:
             collections.deque(maxlen=4))  # the last operations whose deadline passed
         self._stall_s = chosen.stall_s
         self._deadlines = Deadlines(loop, self._expired, self._stall_s, self._stalled,
-                                    chosen.probe_s if own.probes_peers else 0.0,
-                                    self._check_peers)
+                                    chosen.probe_s if own.probes_peers else 0.0, self._check_peers)
         status.register(label, self)
         self._checker: Checker | None = None
         if chosen.debug:
@@ -303,8 +302,7 @@ class Comm:
         t = self._tensor(tensor, "reduce")
         dst = self._peer(dst, "reduce", "dst")
         reduce_op = self._reduce_op(op, t.dtype, "reduce")
-        return self._issue("reduce", self._backend.reduce, (t, dst, reduce_op), tensor, t,
-                           timeout)
+        return self._issue("reduce", self._backend.reduce, (t, dst, reduce_op), tensor, t, timeout)
 
     def all_gather(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
                    out: Sequence[Any] | None = None, *,
@@ -380,8 +378,7 @@ class Comm:
                            peer=dst, tag=tag)
 
     def recv(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
-             src: int | None = None, tag: int = 0, *,
-             timeout: float | None = None) -> Handle[int]:
+             src: int | None = None, tag: int = 0, *, timeout: float | None = None) -> Handle[int]:
         """Receive into ``tensor`` from ``src`` (``None``: any source); resolve to the source."""
         t = self._tensor(tensor, "recv")
         peer = None if src is None else self._peer(src, "recv", "src", self_ok=False)
@@ -505,8 +502,7 @@ class Comm:
             raise TypeError(f"{self._what(op)}: cannot pickle {type(obj).__name__}: {exc}") \
                 from exc
 
-    def broadcast_object(self, obj: Any, src: int, *,
-                         timeout: float | None = None) -> Handle[Any]:
+    def broadcast_object(self, obj: Any, src: int, *, timeout: float | None = None) -> Handle[Any]:
         """Send a picklable object from ``src`` to every rank; resolve to it.
 
         Objects are pickled: every rank trusts every other, as with torch.
@@ -585,8 +581,7 @@ class Comm:
             known = self._router.known(peer)
             if known is not None:
                 return peer, known
-            address = (self._addresses[self._world_ranks[peer]] if self._addresses
-                       else None)
+            address = self._addresses[self._world_ranks[peer]] if self._addresses else None
             state = None if address is None else await status.ask(address, self._label)
             return peer, status.word(state)
 
@@ -689,6 +684,11 @@ class Comm:
         self._own.close()
         self._backend.close()
         self._probe.close()
+
+    @property
+    def _progresses_alone(self) -> bool:
+        """Whether operations in flight progress while the loop is held (not MPI's)."""
+        return self._backend.progresses_alone
 
     @property
     def _ends_job_on_error(self) -> bool:

@@ -6,6 +6,7 @@ while the first host's ranks wait for them: rank 0 in an all-reduce, rank 1
 in a channel receive from rank 2.
 """
 
+import asyncio
 import os
 import pathlib
 import time
@@ -31,6 +32,10 @@ async def main(comm: asyncomm.Comm) -> None:
     except asyncomm.PeerFailedError as exc:
         print(f"rank {comm.rank} stopped after {time.monotonic() - started:.1f} s: {exc}",
               flush=True)
+        # torchrun ends a failed rank's siblings at once: the first to see the death waits
+        # for the other to see it too (rank 0's all-reduce fails as the connection closes,
+        # rank 1's receive when its probe of rank 2 does, up to ASYNCOMM_PROBE_S later)
+        await asyncio.sleep(3)
         raise
 
 

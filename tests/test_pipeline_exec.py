@@ -10,6 +10,7 @@ microbatches. One world run per backend and size checks every schedule.
 from __future__ import annotations
 
 import asyncio
+import threading
 from typing import Any
 
 import pytest
@@ -445,3 +446,40 @@ def test_comm_close_closes_the_pipeline(world2: World) -> None:
 
 def test_bench_measurements_run(world2: World) -> None:
     world2.run(check_bench)
+
+
+class Where(nn.Module):
+    """An identity stage that notes the thread each forward and backward runs on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(1))
+        self.threads: list[str] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.threads.append(threading.current_thread().name)
+        return x * self.scale
+
+
+async def check_where_passes_run(comm: Comm) -> list[list[str]]:
+    schedule = pipeline.get("1f1b", comm.size, 2)
+    stages = [Where() for _ in range(comm.size)]
+    pipe = pipeline.Pipeline(comm, schedule, stages, lambda out, _: out.sum())
+    x = torch.ones(2, 3)
+    seen = []
+    for _ in range(2):
+        await pipe.step(x if pipe.first else None, x if pipe.last_stage else None)
+        mine = stages[comm.rank]
+        seen.append(sorted(set(mine.threads)))
+        mine.threads.clear()
+    await pipe.close()
+    return seen
+
+
+def test_passes_leave_the_loop_only_where_messages_need_it(world2: World) -> None:
+    # The first step's messages are channel frames (the loop moves them); from the second,
+    # gloo's point-to-point operations progress on gloo's threads, MPI's only when polled.
+    for first, second in world2.run(check_where_passes_run):
+        assert first == ["asyncomm-compute_0"], first
+        assert second == (["MainThread"] if world2.backend == "gloo"
+                          else ["asyncomm-compute_0"]), second

@@ -161,6 +161,7 @@ class TorchBackend(Backend):
         self.size = pg.size()
         self.max_tag = tags.GLOO_TAG_LIMIT - tags.RESERVED
         self.probes_peers = name == "gloo"
+        self.progresses_alone = True  # on gloo's (and nccl's) own threads
         self._pg = pg
         self._global_ranks = list(global_ranks)
         self._loop = loop

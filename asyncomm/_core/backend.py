@@ -134,6 +134,9 @@ class Backend(ABC):
     # whether its link can tell that a peer is gone (``Link.probe``): else a dead peer
     # ends the whole job (MPI), and nobody is left to tell
     probes_peers: bool = False
+    # whether its operations progress without the event loop (on the backend's own
+    # threads: torch's), or only when the loop polls them (MPI)
+    progresses_alone: bool = False
 
     def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027
         """Raise ``TypeError`` for reductions the backend lacks beyond the common rules."""

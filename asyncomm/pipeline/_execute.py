@@ -9,7 +9,14 @@ B that needs its tensor. Sends are issued as tasks and not awaited until the
 end of the step: their tensors (a stage's output, the gradient of its input)
 are never written again. Forward and backward passes run through
 ``asyncomm.compute``, on the loop's compute thread, so messages keep moving
-while a stage computes.
+while a stage computes -- except where nothing needs the loop to move them:
+from the second step, whose messages are point-to-point operations, on a
+backend whose operations progress on its own threads (gloo, nccl: not MPI,
+whose requests move only when polled), passes run on the loop thread
+itself. The hop to the compute thread and back costs about 70 µs a pass
+on a small host, and a ZB-V schedule makes 24 passes a step per rank
+against a small bubble (measured bubble over the simulator's, gloo:
+1.17-1.20 with the hop, see ``docs/benchmarks.md``).
 
 Note on messages
 ----------------
@@ -68,6 +75,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from asyncomm._core import instrument
 from asyncomm._core.errors import CommError, RemoteError
 from asyncomm._overlap.compute import compute
 from asyncomm.pipeline._passes import (
@@ -582,7 +590,7 @@ class Pipeline:
             loss = self.loss_fn(out, target) if last else None
             return out, loss, time.perf_counter() - begin
 
-        out, loss, took = await compute(run, name=f"F{mb}@s{stage}")
+        out, loss, took = await self._pass(run, f"F{mb}@s{stage}")
         times[0] += took
         slot.inputs, slot.output = x, out
         if not last:
@@ -605,15 +613,14 @@ class Pipeline:
         if slot.loss is None:
             grad = await self._take(index, action, (_BACKWARD, stage + 1, mb), inbox)
         if self._split:  # B: the input's gradient only; what W needs is kept
-            grad_input, took = await compute(functools.partial(
+            grad_input, took = await self._pass(functools.partial(
                 input_gradient, slot, grad, n, stage, self._trainable[stage],
-                self.grad_sync is not None),
-                name=f"B{mb}@s{stage}")
+                self.grad_sync is not None), f"B{mb}@s{stage}")
             slot.weights_pending = True
         else:
             with self._quiet(index):
-                grad_input, took = await compute(functools.partial(
-                    whole_backward, slot, grad, n, stage), name=f"B{mb}@s{stage}")
+                grad_input, took = await self._pass(functools.partial(
+                    whole_backward, slot, grad, n, stage), f"B{mb}@s{stage}")
             slot.inputs = slot.output = slot.loss = None
         times[1] += took
         slot.grad_input = grad_input
@@ -626,12 +633,21 @@ class Pipeline:
         if not slot.weights_pending:
             raise RuntimeError(f"{self._what(index, action)}: weight gradient before its B")
         with self._quiet(index):
-            took = await compute(functools.partial(weight_gradient, slot, n,
-                                                   self._trainable[stage]),
-                                 name=f"W{mb}@s{stage}")
+            took = await self._pass(functools.partial(weight_gradient, slot, n,
+                                                      self._trainable[stage]), f"W{mb}@s{stage}")
         times[1] += took
         slot.inputs = slot.output = slot.loss = slot.grad_output = slot.param_groups = None
         slot.weights_pending = False
+
+    async def _pass(self, fn: Callable[[], T], name: str) -> T:
+        """Run a stage's pass: on the compute thread, or here (see the note on a step)."""
+        if self._p2p is not None and self._p2p._progresses_alone:
+            start = time.perf_counter()
+            try:
+                return fn()
+            finally:
+                instrument.span(name, start, time.perf_counter())  # as ``compute`` reports
+        return await compute(fn, name=name)
 
     def _quiet(self, index: int) -> AbstractContextManager[Any]:
         """``grad_sync.no_sync()`` but for the last pass of a stage that accumulates weights."""
