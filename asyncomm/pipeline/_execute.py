@@ -9,14 +9,17 @@ B that needs its tensor. Sends are issued as tasks and not awaited until the
 end of the step: their tensors (a stage's output, the gradient of its input)
 are never written again. Forward and backward passes run through
 ``asyncomm.compute``, on the loop's compute thread, so messages keep moving
-while a stage computes -- except where nothing needs the loop to move them:
-from the second step, whose messages are point-to-point operations, on a
-backend whose operations progress on its own threads (gloo, nccl: not MPI,
-whose requests move only when polled), passes run on the loop thread
-itself. The hop to the compute thread and back costs about 70 µs a pass
-on a small host, and a ZB-V schedule makes 24 passes a step per rank
-against a small bubble (measured bubble over the simulator's, gloo:
-1.17-1.20 with the hop, see ``docs/benchmarks.md``).
+while a stage computes -- except where nothing needs the loop to move them.
+Once messages are point-to-point operations (the second step on), passes
+run on the loop thread itself on a backend whose operations progress on its
+own threads (gloo, nccl), and on MPI, whose requests move only when polled,
+from the step after one whose every send was done when issued (eager: small
+messages) and without ``grad_sync`` (its reductions need the polls); a send
+found pending hands the step's later passes back to the compute thread. The
+hop to the compute thread and back costs about 70 µs a pass on a small
+host, and a ZB-V schedule makes 24 passes a step per rank against a small
+bubble (MPI, bubble over the simulator's: 1.19-1.21 with the hops,
+1.11-1.14 without; see ``docs/benchmarks.md``).
 
 Note on messages
 ----------------
@@ -201,6 +204,10 @@ class Pipeline:
         self._shapes: dict[tuple[int, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._group: Comm | None = None  # the pipeline's own communicator (first step on)
         self._p2p: Comm | None = None  # ... once its messages' shapes are known (step 2 on)
+        # whether passes run on the loop thread (see the note on a step), and whether the
+        # sends of the step so far needed no loop to move them (MPI: done when issued)
+        self._inline = False
+        self._moved_alone = True
         self._failed: str | None = None  # a step that raised: its messages may still come
         self._closed = False
         self._steps = 0  # steps started
@@ -294,6 +301,7 @@ class Pipeline:
         times = [0.0, 0.0]  # forward, backward compute seconds
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
+        self._moved_alone = True
         try:
             self._post_receives(inbox)
             for index, action in enumerate(self.actions):
@@ -319,6 +327,9 @@ class Pipeline:
                 await self.grad_sync.wait()
             if self.fixed_shapes and self._p2p is None:  # from the next step on
                 self._p2p = self._group
+            if self._p2p is not None:  # passes run here next step where nothing needs the loop
+                self._inline = self._p2p._progresses_alone or (
+                    self._moved_alone and self._steps > 1 and self.grad_sync is None)
         finally:
             for fut in inbox.values():
                 fut.cancel()  # a cancelled channel receive loses nothing
@@ -562,7 +573,10 @@ class Pipeline:
                 f"the first step it was {tuple(shape)} {dtype}: with fixed_shapes=True every "
                 "message keeps its first step's shape and dtype (use Pipeline(..., "
                 "fixed_shapes=False) for shapes that change)")
-        sends.append(self._p2p.send(tensor.contiguous(), peer, self._offset(*key)))
+        sent = self._p2p.send(tensor.contiguous(), peer, self._offset(*key))
+        if not sent.done() and not self._p2p._progresses_alone:
+            self._moved_alone = self._inline = False  # the loop must move it: leave it free
+        sends.append(sent)
 
     async def _forward(self, index: int, action: Action, slot: Slot, xs: list[Any] | None,
                        ys: list[Any] | None,
@@ -641,7 +655,7 @@ class Pipeline:
 
     async def _pass(self, fn: Callable[[], T], name: str) -> T:
         """Run a stage's pass: on the compute thread, or here (see the note on a step)."""
-        if self._p2p is not None and self._p2p._progresses_alone:
+        if self._inline:
             start = time.perf_counter()
             try:
                 return fn()
