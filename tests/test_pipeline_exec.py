@@ -461,11 +461,11 @@ class Where(nn.Module):
         return x * self.scale
 
 
-async def check_where_passes_run(comm: Comm) -> list[list[str]]:
+async def check_where_passes_run(comm: Comm, width: int) -> list[list[str]]:
     schedule = pipeline.get("1f1b", comm.size, 2)
     stages = [Where() for _ in range(comm.size)]
     pipe = pipeline.Pipeline(comm, schedule, stages, lambda out, _: out.sum())
-    x = torch.ones(2, 3)
+    x = torch.ones(2, width)
     seen = []
     for _ in range(3):
         await pipe.step(x if pipe.first else None, x if pipe.last_stage else None)
@@ -481,6 +481,10 @@ def test_passes_leave_the_loop_only_where_messages_need_it(world2: World) -> Non
     # gloo's point-to-point operations progress on gloo's threads; MPI's only when polled,
     # unless they went eagerly (these are small), which the second step finds out.
     loop, thread = ["MainThread"], ["asyncomm-compute_0"]
-    for steps in world2.run(check_where_passes_run):
+    for steps in world2.run(check_where_passes_run, 3):
         assert steps == ([thread, loop, loop] if world2.backend == "gloo"
                          else [thread, thread, loop]), steps
+    # 1 MiB messages: no MPI sends them eagerly, so there the loop stays free
+    for steps in world2.run(check_where_passes_run, 1 << 18):
+        assert steps == ([thread, loop, loop] if world2.backend == "gloo"
+                         else [thread, thread, thread]), steps
