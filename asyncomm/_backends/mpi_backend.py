@@ -9,6 +9,7 @@ go through one flat buffer unless they already are consecutive views of one.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -57,9 +58,17 @@ _BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = 
 _bf16_ops: dict[ReduceOp, Any] = {}
 _op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
 
-# Buffers of requests still in MPI's hands when their communicator was freed:
-# kept for the life of the process, since MPI may still write into them.
-_orphans: list[object] = []
+# Requests still in MPI's hands when their communicator was freed, with their sinks
+# (which hold the buffers MPI may still write into): kept for the life of the process,
+# never tested again (testing one that a late message failed, once its communicator is
+# freed, makes MPICH abort the process).
+#
+# A pending receive is not cancelled: a message a peer sends after this rank closed
+# would then wait, unmatched, until MPI gives the freed communicator's context to a
+# new one, and be received there (seen: a pipeline's late 96-byte message truncated
+# in a later pipeline's receive of 64 bytes, on the same tag). Left pending, the
+# receive keeps the context from reuse and takes the late message itself.
+_orphans: list[tuple[Any, Sink, bool]] = []
 
 _PEER_GONE = ("process failed", "proc_failed", "terminated", "connection", "unreachable")
 
@@ -318,17 +327,26 @@ class MpiBackend(Backend):
         for posted in self.posted.pending():  # the threads waiting for receives return
             posted.cancel()
         self.posted.settle(timeout=2.0)
-        pending = self._poller.drain()
-        for request, _, active in pending:
-            if active:
-                continue  # sends and collectives cannot be cancelled (erroneous in MPI)
-            try:
-                request.Cancel()
-                request.Wait()  # a cancelled receive completes at once
-            except MPI.Exception:
-                pass
-        _orphans.extend(pending)  # their sinks hold the buffers MPI may still write
+        _orphans.extend(self._poller.drain())  # (see ``_orphans``: nothing is cancelled)
+        self._drop_unreceived()
         self._comm.Free()
+
+    def _drop_unreceived(self) -> None:
+        """Receive and drop the messages nobody received here, and say so.
+
+        MPI gives a freed communicator's context to a later one, and a message
+        left in MPI's queue would be received there (a later group's receive on
+        the same tag got it, truncated). Closing is collective (every peer's
+        goodbye is in first, see ``_core.link``), so what the peers sent is here.
+        """
+        status, dropped = MPI.Status(), []
+        while (message := self._comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
+            dropped.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
+            message.Recv([bytearray(dropped[-1][2]), MPI.BYTE])
+        if dropped:
+            logging.getLogger("asyncomm").warning(
+                "rank %d: %d message(s) nobody received on a communicator that closed, dropped "
+                "(source, tag, bytes): %s", self.rank, len(dropped), dropped[:8])
 
     def link(self) -> Link:
         return ProbeLink(self, self._comm, self._loop, self._poller, self._watch, classify)
