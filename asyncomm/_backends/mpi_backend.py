@@ -340,9 +340,18 @@ class MpiBackend(Backend):
         goodbye is in first, see ``_core.link``), so what the peers sent is here.
         """
         status, dropped = MPI.Status(), []
-        while (message := self._comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)) is not None:
+        while True:
+            try:
+                message = self._comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
+            except MPI.Exception:
+                break
+            if message is None:
+                break
             dropped.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
-            message.Recv([bytearray(dropped[-1][2]), MPI.BYTE])
+            try:
+                message.Recv([bytearray(dropped[-1][2]), MPI.BYTE])
+            except MPI.Exception:
+                pass  # its sender is gone already (a large message is read from its memory)
         if dropped:
             logging.getLogger("asyncomm").warning(
                 "rank %d: %d message(s) nobody received on a communicator that closed, dropped "
