@@ -68,7 +68,7 @@ _op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
 # new one, and be received there (seen: a pipeline's late 96-byte message truncated
 # in a later pipeline's receive of 64 bytes, on the same tag). Left pending, the
 # receive keeps the context from reuse and takes the late message itself.
-_orphans: list[tuple[Any, Sink, bool]] = []
+_orphans: list[tuple[Any, Sink | bytearray, bool]] = []
 
 _PEER_GONE = ("process failed", "proc_failed", "terminated", "connection", "unreachable")
 
@@ -348,8 +348,14 @@ class MpiBackend(Backend):
             if message is None:
                 break
             dropped.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
-            try:
-                message.Recv([bytearray(dropped[-1][2]), MPI.BYTE])
+            buffer = bytearray(dropped[-1][2])
+            try:  # a large message may need its sender, which may be gone or busy elsewhere:
+                request = message.Irecv([buffer, MPI.BYTE])  # a second at most, then left
+                deadline = time.monotonic() + 1.0
+                while not request.Test():
+                    if time.monotonic() > deadline:
+                        _orphans.append((request, buffer, False))
+                        break
             except MPI.Exception:
                 pass  # its sender is gone already (a large message is read from its memory)
         if dropped:
