@@ -686,8 +686,8 @@ class Comm:
         self._probe.close()
 
     @property
-    def _progresses_alone(self) -> bool:
-        """Whether operations in flight progress while the loop is held (not MPI's)."""
+    def progresses_alone(self) -> bool:
+        """Whether operations in flight progress while the loop is held (gloo's; not MPI's)."""
         return self._backend.progresses_alone
 
     @property

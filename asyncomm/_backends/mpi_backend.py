@@ -235,9 +235,7 @@ class MpiBackend(Backend):
         self._watch(sink, self._comm.Ibcast(spec(tensor), root=src))
 
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
-        dtype = tensor.dtype
-        mpi_op = _op_cache.get((dtype, op)) or self._op(dtype, op)  # (the hot path)
-        request = self._comm.Iallreduce(MPI.IN_PLACE, spec(tensor), mpi_op)
+        request = self._comm.Iallreduce(MPI.IN_PLACE, spec(tensor), self._op(tensor.dtype, op))
         self._poller.watch(request, sink, self._average(tensor, op))
 
     def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
@@ -340,7 +338,8 @@ class MpiBackend(Backend):
         goodbye is in first, see ``_core.link``), so what the peers sent is here.
         """
         status, dropped = MPI.Status(), []
-        while True:
+        deadline = time.monotonic() + 1.0  # a large message may need its sender, which may
+        while True:  # be gone or busy elsewhere: a second for them all, then left posted
             try:
                 message = self._comm.Improbe(MPI.ANY_SOURCE, MPI.ANY_TAG, status)
             except MPI.Exception:
@@ -349,9 +348,8 @@ class MpiBackend(Backend):
                 break
             dropped.append((status.Get_source(), status.Get_tag(), status.Get_count(MPI.BYTE)))
             buffer = bytearray(dropped[-1][2])
-            try:  # a large message may need its sender, which may be gone or busy elsewhere:
-                request = message.Irecv([buffer, MPI.BYTE])  # a second at most, then left
-                deadline = time.monotonic() + 1.0
+            try:
+                request = message.Irecv([buffer, MPI.BYTE])
                 while not request.Test():
                     if time.monotonic() > deadline:
                         _orphans.append((request, buffer, False))

@@ -278,17 +278,20 @@ class Deadlines:
         """Queue the handles added in the iteration that ended (see the note on cost)."""
         fresh, self._fresh = self._fresh, []
         queues = self._queues
+        queued = False
         for handle, timeout, issued in fresh:
             if handle._state == _PENDING:
                 queue = queues.get(timeout)
                 if queue is None:
                     queue = queues[timeout] = _Queue(self._loop, timeout, self._expire)
                 queue.add(handle, issued)
-                if self._stall_s and self._stall_timer is None:
-                    self._stall_timer = self._loop.call_later(self._stall_s,
-                                                              self._look_for_stalls)
-                if self._check_s and self._check_timer is None:
-                    self._check_timer = self._loop.call_later(self._check_s, self._check)
+                queued = True
+        if not queued:
+            return
+        if self._stall_s and self._stall_timer is None:
+            self._stall_timer = self._loop.call_later(self._stall_s, self._look_for_stalls)
+        if self._check_s and self._check_timer is None:
+            self._check_timer = self._loop.call_later(self._check_s, self._check)
 
     def _check(self) -> None:
         self._check_timer = None

@@ -126,7 +126,17 @@ class Ticker:
         self._wanted: list[Callable[[], None]] = []
         self._ready = threading.Condition()
         self._thread: threading.Thread | None = None
-        self.users = 0  # pollers holding it (``Poller`` counts itself in and out)
+        self._users = 0  # pollers holding it (``hold``, ``release``)
+
+    def hold(self) -> None:
+        """A poller uses the ticker (until ``release``)."""
+        self._users += 1
+
+    def release(self) -> None:
+        """A poller is done with the ticker: the last one ends its thread."""
+        self._users -= 1
+        if not self._users:
+            self.stop()
 
     def want(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` on the loop after about ``tick_s`` (once per ``want``)."""
@@ -258,7 +268,7 @@ class Poller:
         self._ticker = ticker(loop, polling.tick_s) if polling.tick_s < polling.max_backoff_s \
             else None
         if self._ticker is not None:
-            self._ticker.users += 1  # until ``drain``
+            self._ticker.hold()  # until ``drain``
         self._computing = computing(loop)
         self._requests: list[Any] = []
         self._entries: list[tuple[Sink, Finish | None, bool]] = []
@@ -452,21 +462,19 @@ class Poller:
     def drain(self) -> list[tuple[Any, Sink, bool]]:
         """Stop polling and fail every pending sink as closed.
 
-        Return the pending requests with their sinks: the backend cancels
-        what it can, and must keep the sinks (which hold the buffers) for as
-        long as the requests may still use them.
+        Return the pending requests with their sinks: the backend must keep
+        the sinks (which hold the buffers) for as long as the requests may
+        still use them.
         """
+        self._enlist()  # (first: enlisting asks for a poll, cancelled here)
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         self._spinning = False
         self._probes.clear()
         if self._ticker is not None:
-            self._ticker.users -= 1
-            if not self._ticker.users:
-                self._ticker.stop()
+            self._ticker.release()
             self._ticker = None
-        self._enlist()
         pending = [(request, sink, active) for request, (sink, _, active)
                    in zip(self._requests, self._entries, strict=True)]
         self._requests, self._entries, self._active = [], [], 0

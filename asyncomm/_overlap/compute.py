@@ -118,14 +118,10 @@ class _Worker:
 
     def run(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any],
             name: str) -> T:
-        start = time.perf_counter()
-        try:
-            # Initialised: the program uses CUDA (it may start to after the worker was made).
-            if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-                return self._run_cuda(fn, args, kwargs)
-            return fn(*args, **kwargs)
-        finally:
-            instrument.span(name, start, time.perf_counter())
+        # Initialised: the program uses CUDA (it may start to after the worker was made).
+        if self.cuda and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+            return run_here(functools.partial(self._run_cuda, fn, args, kwargs), name)
+        return run_here(functools.partial(fn, *args, **kwargs), name)
 
     def _run_cuda(self, fn: Callable[..., T], args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> T:  # pragma: no cover - needs a GPU
@@ -136,6 +132,15 @@ class _Worker:
             result = fn(*args, **kwargs)
         self.stream.synchronize()
         return result
+
+
+def run_here(fn: Callable[[], T], name: str) -> T:
+    """Run ``fn()`` on this thread, its span reported as a compute's (for traces)."""
+    start = time.perf_counter()
+    try:
+        return fn()
+    finally:
+        instrument.span(name, start, time.perf_counter())
 
 
 _workers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Worker] = (

@@ -78,9 +78,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 from torch import nn
 
-from asyncomm._core import instrument
 from asyncomm._core.errors import CommError, RemoteError
-from asyncomm._overlap.compute import compute
+from asyncomm._overlap.compute import compute, run_here
 from asyncomm.pipeline._passes import (
     Slot,
     StepStats,
@@ -301,7 +300,7 @@ class Pipeline:
         times = [0.0, 0.0]  # forward, backward compute seconds
         losses: list[torch.Tensor] = []
         start = time.perf_counter()
-        self._moved_alone = True
+        self._moved_alone = self._p2p is not None  # (the first step's are channels')
         try:
             self._post_receives(inbox)
             for index, action in enumerate(self.actions):
@@ -328,8 +327,8 @@ class Pipeline:
             if self.fixed_shapes and self._p2p is None:  # from the next step on
                 self._p2p = self._group
             if self._p2p is not None:  # passes run here next step where nothing needs the loop
-                self._inline = self._p2p._progresses_alone or (
-                    self._moved_alone and self._steps > 1 and self.grad_sync is None)
+                self._inline = self._p2p.progresses_alone or (
+                    self._moved_alone and self.grad_sync is None)
         finally:
             for fut in inbox.values():
                 fut.cancel()  # a cancelled channel receive loses nothing
@@ -574,7 +573,7 @@ class Pipeline:
                 "message keeps its first step's shape and dtype (use Pipeline(..., "
                 "fixed_shapes=False) for shapes that change)")
         sent = self._p2p.send(tensor.contiguous(), peer, self._offset(*key))
-        if not sent.done() and not self._p2p._progresses_alone:
+        if not sent.done() and not self._p2p.progresses_alone:
             self._moved_alone = self._inline = False  # the loop must move it: leave it free
         sends.append(sent)
 
@@ -655,13 +654,7 @@ class Pipeline:
 
     async def _pass(self, fn: Callable[[], T], name: str) -> T:
         """Run a stage's pass: on the compute thread, or here (see the note on a step)."""
-        if self._inline:
-            start = time.perf_counter()
-            try:
-                return fn()
-            finally:
-                instrument.span(name, start, time.perf_counter())  # as ``compute`` reports
-        return await compute(fn, name=name)
+        return run_here(fn, name) if self._inline else await compute(fn, name=name)
 
     def _quiet(self, index: int) -> AbstractContextManager[Any]:
         """``grad_sync.no_sync()`` but for the last pass of a stage that accumulates weights."""
