@@ -348,6 +348,26 @@ def test_recv_cancelled_as_its_message_arrives(world: World) -> None:
     world.run(check_cancel_as_it_arrives)
 
 
+async def check_woken_then_cancelled(comm: Comm) -> None:
+    # Two receives wait; a message wakes the first, which is cancelled before it runs:
+    # the second must be woken in its place (no patrol here to wake it later: probe off).
+    ch = Channel(comm._router, 303, wire.Codec.DEFAULT, math.inf, probe=False)
+    for i in range(10):
+        first, second = asyncio.ensure_future(ch.recv()), asyncio.ensure_future(ch.recv())
+        for _ in range(3):
+            await asyncio.sleep(0)
+        await ch.send(i, comm.rank)  # kept in the mailbox, wakes the first receive
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert (await asyncio.wait_for(second, 10.0)).data == i
+    await expect_nothing(ch)
+
+
+def test_a_woken_receive_cancelled_passes_its_wake_on(world: World) -> None:
+    world.run(check_woken_then_cancelled)
+
+
 async def check_cancel_storm(comm: Comm, n: int) -> None:
     ch = comm.channel(303)
     if comm.rank == 0:
@@ -595,7 +615,7 @@ async def check_corrupt_frames(comm: Comm) -> None:
         await ch.send("v0", 1)
         await other.send("o0", 1)
         for i, head in enumerate(heads.values()):
-            for handle in comm._router._link.send(1, head, []):  # as it is, no buffers
+            for handle in comm._router.link.send(1, head, []):  # as it is, no buffers
                 await handle
             await ch.send(f"v{i + 1}", 1)
             await other.send(f"o{i + 1}", 1)
@@ -630,7 +650,7 @@ async def check_oversized_message(comm: Comm) -> None:
         ch = sub.channel(610)
         if sub.rank == 0:
             await ch.send("before", 1)
-            link = sub._router._link
+            link = sub._router.link
             link.flush()  # "before" goes first (it waits for the loop iteration's end)
             handle = link._post(bytearray(MESSAGE_BYTES + 1), 1, tags.LINK_MESSAGE)
             if handle is not None:
@@ -688,7 +708,7 @@ async def check_pending_messages_keep_order(comm: Comm) -> None:
     async with fresh(comm) as sub:
         ch = sub.channel(630)
         if sub.rank == 1:
-            link = sub._router._link
+            link = sub._router.link
             link._behind[0] = asyncio.ensure_future(asyncio.sleep(0.3))
         await sub.barrier()
         if sub.rank == 0:
@@ -901,7 +921,7 @@ def test_send_to_self_keeps_order(world: World) -> None:
 
 def count_packets(comm: Comm) -> list[int]:
     """Record the destination of every link message this rank posts (private)."""
-    link = comm._router._link
+    link = comm._router.link
     posted: list[int] = []
     post = link._post
 
@@ -917,7 +937,7 @@ def count_packets(comm: Comm) -> list[int]:
 async def check_burst_is_one_message(comm: Comm, n: int) -> None:
     async with fresh(comm) as sub:
         ch = sub.channel(900)
-        n = min(n, sub._router._link.packet_frames // 2)  # 2 frames a turn, in one packet
+        n = min(n, sub._router.link.packet_frames // 2)  # 2 frames a turn, in one packet
         if sub.rank == 0:
             posted = count_packets(sub)
             for i in range(n):  # issued within one loop iteration: they travel together
@@ -954,7 +974,7 @@ async def check_long_burst_in_packets(comm: Comm) -> None:
     # iteration ends. Order and content are kept across packets.
     async with fresh(comm) as sub:
         ch = sub.channel(901)
-        frames = sub._router._link.packet_frames
+        frames = sub._router.link.packet_frames
         n = min(frames + 3, WINDOW // 2)  # within one window: no credit wait
         if sub.rank == 0:
             posted = count_packets(sub)
@@ -977,10 +997,10 @@ async def check_corrupt_small_frames(comm: Comm) -> None:
     # a frame of an unknown kind too, and a packet cut short ends its source's stream.
     async with fresh(comm) as sub:
         ch, other = sub.channel(910), sub.channel(911)
-        link = sub._router._link
+        link = sub._router.link
         if sub.rank == 0:
             await ch.send("v0", 1)
-            link.send_small(1, Kind.DATA, 910, 1, bytes([0xc1, 0, 99]))  # truncated tensor
+            link.send_small(1, Kind.DATA, 910, 1, bytes([0xc7, 1, 3, 99]))  # truncated tensor
             link.send_small(1, Kind.REPLY, 910, 2, b"\xc0")  # not a kind a small frame has
             sub._router._windows[(1, 910)].seq = 2
             await ch.send("v1", 1)
@@ -997,8 +1017,8 @@ async def check_corrupt_small_frames(comm: Comm) -> None:
             assert (await ch.recv(0)).data == "v1"
             assert (await other.recv(0)).data == "o0"
             await sub.barrier()
-            cut = struct.pack("<IIII", 0, 30, 0, 1) + small.HEAD.pack(1, 911, 1, 20)
-            link._arrive(0, bytearray(cut) + bytes(30 - small.HEAD.size))  # as if sent
+            cut = small.packet_head(1) + small.head(1, 911, 1)[:-3]  # a frame's head, cut
+            link._arrive(0, bytearray(struct.pack("<IIII", 0, len(cut), 0, 1) + cut))  # as if sent
             with pytest.raises(asyncomm.ProtocolError, match="stream from rank 0 broken"):
                 await other.recv(0, timeout=10.0)
             await sub.barrier()
@@ -1052,7 +1072,7 @@ async def check_large_messages_keep_their_memory(comm: Comm) -> None:
                     kept[i] = t[100:200]
             for i, t in kept.items():
                 assert bool(torch.all(t == i)), i
-            assert 0 < sub._router._link._buffers.kept < count * n * 4
+            assert 0 < sub._router.link._buffers.kept < count * n * 4
         await sub.barrier()
 
 

@@ -495,35 +495,69 @@ def test_small_frames_keep_the_general_rules() -> None:
     assert small.encode(torch.zeros((1,) * 17)) is None  # beyond the dims: encode says so
 
 
-LONE = bytes(small.encode(torch.zeros(2)) or b"")
+LONE = bytes(small.encode(torch.zeros(2)) or b"")  # ext 3: its head (3 bytes), descriptor, data
+DESC = LONE[3:-8]
+
+
+def inline(payload: bytes) -> bytes:
+    """A body that is one inline buffer (ext 3) holding ``payload``."""
+    return msgpack.packb(msgpack.ExtType(3, payload))
 
 
 @pytest.mark.usefixtures("no_allocation_or_unpickling")
 @pytest.mark.parametrize(("body", "message"), [
-    (LONE[:3], "truncated"),
-    (LONE[:-1], "declares"),
-    (LONE[:2] + bytes([99]) + LONE[3:], "unknown dtype code"),
-    (LONE[:4] + bytes([17]) + LONE[5:], "too many dims"),
-    (LONE[:2] + struct.pack("<BBBQQ", 9, 0, 1, 1 << 40, 4 << 40), "declares"),  # 4 TiB claimed
-    (LONE[:2] + struct.pack("<BBBQQ", 9, 0, 1, 3, 8) + bytes(8), "shape and dtype make"),
-    (bytes([0xc1, 7]) + b"\x90", "unknown form"),
-    (msgpack.packb(msgpack.ExtType(3, b"")), "has an extension"),
-    (bytes([0xc1, 1]) + msgpack.packb([msgpack.ExtType(1, b""), msgpack.ExtType(1, b"")]),
-     "tuple marker"),
-    (bytes([0xc1, 1]) + msgpack.packb(msgpack.ExtType(9, b"")), "unknown extension"),
+    (inline(DESC[:2]), "truncated"),
+    (LONE[:-1], "not valid msgpack"),  # the extension says more bytes than there are
+    (inline(DESC + bytes(7)), "declares"),
+    (inline(bytes([99]) + DESC[1:] + bytes(8)), "unknown dtype code"),
+    (inline(DESC[:2] + bytes([17]) + DESC[3:] + bytes(8)), "too many dims"),
+    (inline(struct.pack("<BBBQQ", 9, 0, 1, 1 << 40, 4 << 40)), "declares"),  # 4 TiB claimed
+    (inline(struct.pack("<BBBQQ", 9, 0, 1, 3, 8) + bytes(8)), "shape and dtype make"),
+    (msgpack.packb([msgpack.ExtType(1, b""), msgpack.ExtType(1, b"")]), "tuple marker"),
+    (msgpack.packb([1, msgpack.ExtType(1, b"")]), "tuple marker"),
+    (msgpack.packb(msgpack.ExtType(9, b"")), "unknown extension"),
     (b"\x92\x01", "not valid msgpack"),
 ])
 def test_hostile_small_frames_are_refused_before_allocation(body: bytes, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
         small.decode(body)
+    packet = small.packet_head(1) + small.head(1, 7, 0) + body
+    with pytest.raises(ProtocolError, match=message):  # in a packet, the same
+        small.unpack_packet(packet)
 
 
 @pytest.mark.usefixtures("no_allocation_or_unpickling")
 @FUZZ
-@given(data=st.binary(max_size=200), marked=st.sampled_from([b"", b"\xc1\x00", b"\xc1\x01"]))
+@given(data=st.binary(max_size=200), marked=st.sampled_from([b"", LONE[:3], b"\x91"]))
 def test_random_small_bodies_are_refused_or_plain(data: bytes, marked: bytes) -> None:
     try:
         out = small.decode(marked + data)
     except ProtocolError:
         return
     assert plain(out)
+
+
+def frames_of(*frames: tuple[int, int, int, bytes]) -> bytes:
+    """A packet's bytes: its head, then each frame's head and body."""
+    return small.packet_head(len(frames)) + b"".join(
+        small.head(kind, tag, seq) + body for kind, tag, seq, body in frames)
+
+
+def test_a_packet_decodes_in_one_call_and_a_bad_frame_alone() -> None:
+    t = torch.arange(3.0)
+    bodies = [small.encode(x) for x in ({"a": [1, 2]}, t, (1, (t,)), "s")]
+    packet = frames_of(*((1, 5 + i, i, b) for i, b in enumerate(bodies) if b is not None))
+    items = small.unpack_packet(packet)
+    assert [i[:3] for i in items] == [[1, 5, 0], [1, 6, 1], [1, 7, 2], [1, 8, 3]]
+    assert same([i[3] for i in items], [{"a": [1, 2]}, t, (1, (t,)), "s"])
+    assert list(small.split_packet(packet))[1][:3] == (1, 6, 1)
+    bad = frames_of((1, 5, 0, bodies[0] or b""), (1, 6, 1, inline(DESC[:2])), (1, 7, 2, b"\xc0"))
+    with pytest.raises(ProtocolError):
+        small.unpack_packet(bad)
+    first, second, third = small.split_packet(bad)  # one by one: the bad one alone refused
+    assert first == (1, 5, 0, {"a": [1, 2]}) and third == (1, 7, 2, None)
+    assert second[:3] == (1, 6, 1) and isinstance(second[3], ProtocolError)
+    *good, broken = small.split_packet(bad[:-3])  # cut in a frame's head: the rest is lost
+    assert len(good) == 2 and isinstance(broken, ProtocolError)
+    assert isinstance(list(small.split_packet(bad + b"\x00"))[-1], ProtocolError)  # trailing
+    assert isinstance(list(small.split_packet(b"\x93\x01\x02\x03"))[-1], ProtocolError)

@@ -14,11 +14,12 @@ as *data messages* on tag ``tags.LINK_DATA`` from the same source, in order: the
 receiver posts their receives as soon as the message arrives, so frames from
 one source never mix. Small frames (see ``small``) issued to one rank
 within one loop iteration travel together as one *packet*: a message on tag
-``tags.LINK_MESSAGE`` whose preamble says ``PACKET``, holding the frames one
-after the other, sent when the iteration ends (``flush``; no timer, so a lone
-frame waits for nothing). A frame sent the other way first flushes its
-destination's packet, so frames leave in the order they were issued. The
-frame bytes are the same on every link; only how a message is found differs:
+``tags.LINK_MESSAGE`` whose preamble says ``PACKET``, holding the frames as
+one msgpack array (decoded in one call), sent when the iteration ends
+(``flush``; no timer, so a lone frame waits for nothing). A frame sent the
+other way first flushes its destination's packet, so frames leave in the
+order they were issued. The frame bytes are the same on every link; only
+how a message is found differs:
 
 - gloo's receives must know their size: every message is padded to a fixed
   size, and a thread keeps an any-source receive posted (see ``_gloo``);
@@ -58,6 +59,20 @@ PREAMBLE = struct.Struct("<IIII")  # head bytes, frame bytes inline (0: none), d
 PACKET = 1  # the preamble's form of a packet of small frames (0: a frame)
 _PREAMBLE_AT = PREAMBLE.unpack_from
 _HEADS = 1024  # heads a link keeps decoded
+_small_head, _SMALL_HEAD_BYTES = small.HEAD.pack, small.HEAD.size
+_FRAME, _U64 = small.FRAME_BYTE, small.U64_BYTE
+
+
+class _Packet:
+    """Small frames queued for one destination: the packet's head (laid when it goes), then
+    each frame's head and body."""
+
+    __slots__ = ("frames", "nbytes", "pieces")
+
+    def __init__(self) -> None:
+        self.pieces: list[bytes] = [b""]
+        self.nbytes = small.PACKET_HEAD_BYTES
+        self.frames = 0
 BYE: bytes = wire.encode(wire.Kind.EOS, tags.BYE, 0, None)[0]  # a link's goodbye (see close)
 
 
@@ -85,13 +100,10 @@ class Arrivals(Protocol):
     def frame(self, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> None:
         """A whole frame from ``src`` (``seq`` is its own: ``head`` may be a shared one)."""
 
-    def small(self, src: int, kind: int, tag: int, seq: int, body: memoryview) -> None:
-        """A small frame from ``src``: its head's fields, and its body (read it at once)."""
-
     def packet(self, src: int, view: memoryview, at: int, end: int) -> None:
         """The small frames of a packet from ``src``, laid in ``view[at:end]`` (read it at once).
 
-        Each is a ``small.HEAD`` and its body; a packet that does not hold
+        A msgpack array of frames (see ``small``); a packet that does not hold
         whole frames is refused (``refuse``) from the first one that is not.
         """
 
@@ -134,10 +146,9 @@ class Link(ABC):
         self._heads: dict[bytes, Head] = {}
         self._buffers = Buffers()  # large frames' receive buffers, lent again once free
         # the body of a small frame: what fits a packet with its head, up to small.BYTES
-        self.small_room = min(small.BYTES, room - small.HEAD.size)
-        self._packets: dict[int, list[bytes]] = {}  # small frames queued, per destination
+        self.small_room = min(small.BYTES, room - small.HEAD.size - small.PACKET_HEAD_BYTES)
+        self._packets: dict[int, _Packet] = {}  # small frames queued, per destination
         self.packet_frames = 1 << 61  # the most frames a packet holds (see ``send_small``)
-        self._packet_bytes: dict[int, int] = {}
         self._flush_due = False
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
@@ -189,7 +200,11 @@ class Link(ABC):
         return bytearray(nbytes)
 
     def _packet(self, pieces: list[bytes], nbytes: int) -> bytes | bytearray:
-        """Return the message of a packet of ``nbytes`` laid out in ``pieces``."""
+        """Return the message of a packet of ``nbytes`` laid out in ``pieces``.
+
+        ``pieces`` are the frames' heads and bodies after the packet's head (see
+        ``small.packet_head``), its first piece.
+        """
         at = PREAMBLE.size
         message = self._message(at + nbytes)
         PREAMBLE.pack_into(message, 0, 0, nbytes, 0, PACKET)
@@ -223,22 +238,24 @@ class Link(ABC):
         send it fails ``dst`` (``Arrivals.failed``), as a send to a dead peer
         does.
         """
-        head = small.HEAD.pack(kind, tag, seq, len(body))
-        nbytes = len(head) + len(body)
-        pieces = self._packets.get(dst)
-        if pieces is not None and (self._packet_bytes[dst] + nbytes > self.room
-                                   or len(pieces) >= 2 * self.packet_frames):  # head, body
+        nbytes = _SMALL_HEAD_BYTES + len(body)
+        packet = self._packets.get(dst)
+        if (packet is None or packet.nbytes + nbytes > self.room
+                or packet.frames >= self.packet_frames):
+            packet = self._start(dst)
+        packet.pieces += (_small_head(_FRAME, kind, _U64, tag, _U64, seq), body)
+        packet.nbytes += nbytes
+        packet.frames += 1
+
+    def _start(self, dst: int) -> _Packet:
+        """Send ``dst``'s packet, if any; return a new one, sent when the iteration ends."""
+        if dst in self._packets:
             self._flush_to(dst)
-            pieces = None
-        if pieces is None:
-            self._packets[dst] = [head, body]
-            self._packet_bytes[dst] = nbytes
-            if not self._flush_due:  # one call per loop iteration, however often flushed
-                self._flush_due = True
-                self._loop.call_soon(self._flush_due_now)
-        else:
-            pieces += (head, body)
-            self._packet_bytes[dst] += nbytes
+        packet = self._packets[dst] = _Packet()
+        if not self._flush_due:  # one call per loop iteration, however often flushed
+            self._flush_due = True
+            self._loop.call_soon(self._flush_due_now)
+        return packet
 
     def _flush_due_now(self) -> None:
         self._flush_due = False
@@ -251,10 +268,12 @@ class Link(ABC):
                 self._flush_to(dst)
 
     def _flush_to(self, dst: int) -> None:
-        pieces = self._packets.pop(dst, None)
-        if pieces is None:
+        packet = self._packets.pop(dst, None)
+        if packet is None:
             return
-        message = self._packet(pieces, self._packet_bytes.pop(dst))
+        pieces = packet.pieces
+        pieces[0] = small.packet_head(packet.frames)
+        message = self._packet(pieces, packet.nbytes)
         handle = self._post(message, dst, tags.LINK_MESSAGE)
         if handle is not None:
             handle.add_done_callback(self._packet_sent)

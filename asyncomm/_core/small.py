@@ -1,31 +1,31 @@
 """Small frames: the layout of a small message, encoded and decoded in one step each.
 
 A message of the DEFAULT codec whose bytes all fit in ``BYTES`` may travel
-instead of a frame (``wire``) as a *small frame*: a fixed 21-byte head and one
-msgpack body with every buffer inline, as an extension (code 3) holding its
-descriptor (as in a frame's head), then its bytes::
+instead of a frame (``wire``) as a *small frame*: plain msgpack, every
+buffer inline as an extension (code 3) holding its descriptor (as in a
+frame's head), then its bytes::
 
-    small head  u8 kind | u64 tag | u64 seq | u32 body bytes
-    inline      ext 3: descriptor (as above) | the buffer's bytes
+    small frame  fixarray 4: kind | tag | seq | the message (its *body*)
+    inline       ext 3: descriptor (as above) | the buffer's bytes
 
-A body is plain msgpack when the message holds no buffer and no tuple (no
-extension: one in it is refused); else it starts with the byte 0xc1 (which
-msgpack never writes) and a form: 0 for a message that is one tensor (the
-commonest: then its descriptor and its bytes follow, no msgpack), 1 for
-msgpack with extensions. It is encoded and decoded in one step each
-(``encode``, ``decode``), with the checks of a frame (a message decodes to
-what its frame would); small frames to one rank are laid one after the other
-in one transport message (see ``_core.link``).
+The frame's first three items are fixed-width (``HEAD``: a positive fixint
+and two uint64), so a sender lays the head of a message whose body is packed
+already in one step. Small frames to one rank are laid one after the other
+as the items of one msgpack array (a *packet*, see ``_core.link``), and a
+packet is decoded in one ``unpack`` call (``unpack_packet``): every
+extension and tuple checked as a frame's would be (a message decodes to
+what its frame would), none allocated before it is. A packet that does not
+decode as a whole is taken apart frame by frame (``split_packet``), so a
+malformed frame fails its own channel only.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import re
 import struct
-from collections.abc import Callable
-from typing import Final, NamedTuple
+from collections.abc import Callable, Iterator
+from typing import Any, Final, NamedTuple
 
 import msgpack
 import torch
@@ -38,6 +38,7 @@ from asyncomm._core.wire import (
     _DESCS,
     _DTYPES,
     _EXT_INLINE,
+    _EXT_TUPLE,
     Buffer,
     BufferKind,
     Codec,
@@ -48,7 +49,6 @@ from asyncomm._core.wire import (
     _misfit,
     _Outgoing,
     _pack,
-    _packers,
     _rebuild,
     _Refused,
     _tensor,
@@ -56,11 +56,25 @@ from asyncomm._core.wire import (
     unpack,
 )
 
-__all__ = ["HEAD", "BYTES", "encode", "decode"]
+__all__ = ["HEAD", "BYTES", "encode", "decode", "unpack_packet", "split_packet", "packet_head"]
 
-HEAD: Final = struct.Struct("<BQQI")  # a small frame's head: kind, tag, seq, body bytes
+# a small frame's head, msgpack: fixarray 4, kind (a positive fixint), uint64 tag, uint64 seq
+HEAD: Final = struct.Struct(">BBBQBQ")
+FRAME_BYTE, U64_BYTE = 0x94, 0xcf  # its fixed bytes: HEAD.pack(FRAME_BYTE, kind, U64_BYTE, ...)
+_ARRAY: Final = struct.Struct(">BI")  # a packet's head: array 32, its frames
 BYTES: Final = 8 << 10  # the most bytes a small frame's body holds
 _LIMITS: Final = Limits()
+# Packs exact scalars, lists and dicts; refuses the rest (a packer of its own: one of the
+# thread's would do as well, but costs a lookup; this one calls no Python code while it
+# packs, so the GIL keeps threads from sharing it at once).
+_strict = msgpack.Packer(use_bin_type=True, strict_types=True).pack
+
+
+def _fresh_strict(packed: bytes) -> None:
+    """Replace the strict packer after a large message (it keeps its grown buffer)."""
+    global _strict
+    if len(packed) > 4 * BYTES:
+        _strict = msgpack.Packer(use_bin_type=True, strict_types=True).pack
 
 
 class _TooBig(Exception):
@@ -159,12 +173,15 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
                     return _lone_small(code, shape, t.nbytes) + _bytes_of(t)
     if type(obj) is not list:  # a list is likelier to hold a tensor: lowered at once
         try:
-            body: bytes = _packers.strict.pack(obj)  # only exact scalars, lists and dicts pass
+            body: bytes = _strict(obj)  # only exact scalars, lists and dicts pass
         except (TypeError, OverflowError):
             pass
         else:  # ... and ExtType, Timestamp, which msgpack packs as they are: lowered instead
-            if _EXT_START.search(body) is None:
-                return body if len(body) <= room else None
+            if len(body) > room:
+                _fresh_strict(body)
+                return None
+            if body.translate(_EXT_BYTES).find(1) < 0:
+                return body
     if type(obj) is list and _FLAT_ITEMS.issuperset(map(type, obj)):  # (a C-level pass)
         # Scalars and tensors side by side (an actor's request or reply): one pass, the
         # scalars as they are; an int beyond 64 bits leaves msgpack to the full lowering.
@@ -184,14 +201,10 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
             except OverflowError:
                 pass
             else:
-                if items is not obj:
-                    body = _EXTENDED + body
                 return body if len(body) <= room and laid <= room else None
     try:
         out = _Inline(room, max_ndim)
         body = _pack(_lower(obj, out))
-        if out.extended:
-            body = _EXTENDED + body
     except _TooBig:
         return None
     except _Refused as e:
@@ -239,16 +252,37 @@ def _keep_known(t: torch.Tensor, code: int, shape: tuple[int, ...], nbytes: int)
     _KNOWN[(t.dtype, t.shape)] = _Known(_laid(code, BufferKind.TENSOR, shape, nbytes),
                                         _lone_small(code, shape, nbytes), nbytes,
                                         not t.is_complex(), len(shape), ctypes.c_char * nbytes)
-_MARK: Final = 0xc1  # the first byte of a body that is not plain msgpack (see the note)
 # The bytes that start a msgpack extension (fixext 1-16, ext 8/16/32): a body without any
 # holds none (one with some may, or may only hold them as data).
-_EXT_START: Final = re.compile(rb"[\xc7-\xc9\xd4-\xd8]")
-_EXTENDED: Final = bytes((_MARK, 1))  # ... of one with extensions
+# As a table for ``bytes.translate``: 1 for those bytes, 0 for the others.
+_EXT_BYTES: Final = bytes(1 if 0xc7 <= b <= 0xc9 or 0xd4 <= b <= 0xd8 else 0 for b in range(256))
 
 
 @functools.lru_cache(maxsize=256)
 def _lone_small(code: int, shape: tuple[int, ...], nbytes: int) -> bytes:
-    return bytes((_MARK, 0)) + _laid(code, BufferKind.TENSOR, shape, nbytes)
+    """Return the body's prefix of a lone tensor: an inline extension's head and descriptor."""
+    descriptor = _laid(code, BufferKind.TENSOR, shape, nbytes)
+    size = len(descriptor) + nbytes
+    ext = (struct.pack(">BBb", 0xc7, size, _EXT_INLINE) if size < 1 << 8
+           else struct.pack(">BHb", 0xc8, size, _EXT_INLINE) if size < 1 << 16
+           else struct.pack(">BIb", 0xc9, size, _EXT_INLINE))
+    return ext + descriptor
+
+
+def head(kind: int, tag: int, seq: int) -> bytes:
+    """Return a small frame's head (``kind`` below 128, ``tag`` and ``seq`` below 2**64)."""
+    return _HEAD_PACK(FRAME_BYTE, kind, U64_BYTE, tag, U64_BYTE, seq)
+
+
+_HEAD_PACK = HEAD.pack
+
+
+def packet_head(frames: int) -> bytes:
+    """Return the head of a packet of ``frames`` small frames (before their bytes)."""
+    return _ARRAY.pack(0xdd, frames)
+
+
+PACKET_HEAD_BYTES: Final = _ARRAY.size
 
 
 def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
@@ -257,30 +291,88 @@ def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
     Raises:
         ProtocolError: malformed, or a buffer that ``decode_head`` would refuse.
     """
-    if not body or body[0] != _MARK:  # plain msgpack: no extension
-        return unpack(body, _refuse_ext)
-    form = body[1] if len(body) > 1 else None
-    if form == 0:  # a lone tensor: the commonest case (``_inline``, inline)
-        return _inline(body[2:], limits)
-    if form != 1:
-        raise ProtocolError(f"small frame body of unknown form {form}")
+    return read_structure(body, _hook(limits))
+
+
+def unpack_packet(data: bytes | memoryview, limits: Limits = _LIMITS) -> list[Any]:
+    """Return the items of a packet (each should be a frame: ``[kind, tag, seq, message]``).
+
+    The caller checks each item's shape; the messages are checked here, as ``decode``
+    checks a body.
+
+    Raises:
+        ProtocolError: a malformed packet or frame (``split_packet`` tells which).
+    """
+    try:
+        items = unpack(data, _hook(limits), passing=_HasTuple)
+    except _HasTuple:  # a tuple in it (its marker, an extension): unpacked again, tuples rebuilt
+        items = read_structure(data, _hook(limits))
+    if type(items) is not list:
+        raise ProtocolError("a packet that is not an array")
+    return items
+
+
+def split_packet(data: bytes | memoryview, limits: Limits = _LIMITS
+                 ) -> Iterator[tuple[int, int, int, object] | ProtocolError]:
+    """Take a packet apart frame by frame: yield each frame's head and message, in order.
+
+    A frame whose message is malformed yields its head and the ``ProtocolError``
+    as the message; a malformed packet or frame head yields a ``ProtocolError`` alone
+    and ends (what follows cannot be found).
+    """
+    data = bytes(data)
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, timestamp=1,
+                                max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
+    try:
+        count = unpacker.read_array_header()
+        for _ in range(count):
+            if unpacker.read_array_header() != 4:
+                raise ValueError("a frame that is not of 4 items")
+            kind, tag, seq = unpacker.unpack(), unpacker.unpack(), unpacker.unpack()
+            if not (type(kind) is int and type(tag) is int and type(seq) is int):
+                raise ValueError("a frame head that is not three ints")
+            start = unpacker.tell()
+            unpacker.skip()
+            body = data[start:unpacker.tell()]
+            try:
+                message: object = decode(body, limits)
+            except ProtocolError as exc:
+                message = exc
+            yield kind, tag, seq, message
+    except (ValueError, msgpack.OutOfData, msgpack.ExtraData, msgpack.FormatError,
+            msgpack.StackError, TypeError, UnicodeDecodeError) as exc:
+        yield ProtocolError(f"malformed packet: {exc}")
+        return
+    if unpacker.tell() != len(data):
+        yield ProtocolError("a packet with bytes after its frames")
+
+
+def _hook(limits: Limits) -> Callable[[int, bytes], object]:
+    """Return the extension hook of small frames under ``limits`` (one per limits, kept)."""
+    last = _LAST_HOOK[0]
+    if last[0] is limits:  # the commonest: the limits of the last call (a dataclass's
+        return last[1]  # hash, computed in Python, costs more than the rest of the lookup)
     hook = _HOOKS.get(limits)
     if hook is None:
-        hook = _HOOKS[limits] = functools.partial(_extension, limits=limits)
-    return read_structure(body[2:], hook)
+        def hook(code: int, payload: bytes) -> object:
+            if code == _EXT_INLINE:
+                return _inline(payload, limits)
+            if code == _EXT_TUPLE:
+                raise _HasTuple  # (``read_structure`` takes tuple markers before the hook)
+            raise ProtocolError(f"frame structure has an unknown extension {code}")
+
+        _HOOKS[limits] = hook
+    _LAST_HOOK[0] = (limits, hook)
+    return hook
 
 
-_HOOKS: dict[Limits, Callable[[int, bytes], object]] = {}  # ``_extension`` per limits
+class _HasTuple(Exception):
+    """Raised by the hook at a tuple's marker: the structure is unpacked again, with tuples."""
 
 
-def _extension(code: int, payload: bytes, limits: Limits) -> object:
-    if code == _EXT_INLINE:
-        return _inline(payload, limits)
-    raise ProtocolError(f"frame structure has an unknown extension {code}")
-
-
-def _refuse_ext(code: int, payload: bytes) -> object:
-    raise ProtocolError(f"a plain small frame has an extension {code}")
+_HOOKS: dict[Limits, Callable[[int, bytes], object]] = {}
+_LAST_HOOK: list[tuple[Limits | None, Callable[[int, bytes], object]]] = [(None, print)]
 
 
 def _inline(payload: bytes | memoryview, limits: Limits) -> object:

@@ -56,8 +56,8 @@ from asyncomm._core.errors import (
     RemoteError,
 )
 from asyncomm._core.wire import Codec
-from asyncomm._messaging.channels import Channel, Message
-from asyncomm._messaging.mailbox import Encoded, Frame
+from asyncomm._messaging.channels import Channel
+from asyncomm._messaging.mailbox import Encoded, Entry, Message, src_of
 from asyncomm._messaging.router import Router
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -161,14 +161,16 @@ class Host:
                     f"{lost.src} was dropped: {_UNSERVED} are kept for an actor not served")})
             held.append(message)
 
-    def _on_request(self, frame: Frame) -> None:
+    def _on_request(self, entry: Entry) -> None:
         """The requests' listener: route each to its actor as it arrives."""
         try:
-            self._route(Message(frame.src, tags.ACTOR_REQUEST, self._requests.opened(frame)))
+            data = self._requests.opened(entry)
+            self._route(entry if type(entry) is Message
+                        else Message(entry.src, tags.ACTOR_REQUEST, data))
         except Exception as exc:  # a malformed message: say so, and go on with the next
-            self._refused(frame, exc)
+            self._refused(entry, exc)
 
-    def _on_reply(self, frame: Frame) -> None:
+    def _on_reply(self, frame: Entry) -> None:
         """The replies' listener: settle each call as its reply arrives."""
         try:
             reply: Any = self._replies.opened(frame)
@@ -176,9 +178,9 @@ class Host:
         except Exception as exc:
             self._refused(frame, exc)
 
-    def _refused(self, frame: Frame, exc: Exception) -> None:
+    def _refused(self, frame: Entry, exc: Exception) -> None:
         self._loop.call_exception_handler({
-            "message": f"asyncomm: rank {self.rank}: an actor message from rank {frame.src} "
+            "message": f"asyncomm: rank {self.rank}: an actor message from rank {src_of(frame)} "
                        "was refused", "exception": exc})
 
     async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:

@@ -13,25 +13,18 @@ import functools
 import math
 import time
 from collections.abc import AsyncIterator
-from typing import Any, NamedTuple
 
 from asyncomm._core import wire
 from asyncomm._core.errors import CommClosedError, CommTimeoutError, ProtocolError
 from asyncomm._core.small import encode as small_encode
 from asyncomm._core.wire import Codec, Kind
-from asyncomm._messaging.mailbox import Encoded, Frame, size_of, wake
-from asyncomm._messaging.router import Router
+from asyncomm._messaging.mailbox import Encoded, Entry, Frame, Message, size_of, wake
+from asyncomm._messaging.router import Router, Window
+
+__all__ = ["Channel", "Message", "codec_of"]
 
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
-
-
-class Message(NamedTuple):
-    """A received message: who sent it, on which channel, and what."""
-
-    src: int
-    tag: int
-    data: Any
-
+_DATA = int(Kind.DATA)
 
 class Channel:
     """Messages on one tag between the ranks of a communicator.
@@ -54,6 +47,10 @@ class Channel:
         self._received = 0  # bytes of the last message opened, for the trace
         # small messages of the default codec: the most bytes of one (0: none are small)
         self._small_room = router.small_room if codec is Codec.DEFAULT else 0
+        self._windows: dict[int, Window] = {}  # per destination, as the router keeps them
+        self._window = router.window  # the most messages out per destination
+        self._batch_less_one = router.batch - 1  # messages taken before credit goes back
+        self._send_small = router.link.send_small
         self._max_ndim = router.limits.max_ndim
 
     def __repr__(self) -> str:
@@ -67,21 +64,35 @@ class Channel:
         carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
         """
         router = self._router
-        if ((type(dst) is not int and (isinstance(dst, bool) or not isinstance(dst, int)))
-                or not 0 <= dst < router.size):
-            raise ValueError(f"rank {router.rank}: channel {self.tag} send: dst={dst!r} is not "
-                             f"a rank in 0..{router.size - 1}")
+        if type(dst) is not int or not 0 <= dst < router.size:
+            self._check_rank("send", "dst", dst)
         if self._closed:
             raise CommClosedError(f"rank {router.rank}: channel {self.tag} is closed")
         if self._small_room:  # the fast path: a small message, sent with the iteration's others
             body = small_encode(obj, self._small_room, self._max_ndim)
             if body is not None:
-                if (not self._traced or router.probe.recording is None) and router.post(
-                        body, self.tag, dst):
+                window = self._windows.get(dst)
+                if window is None:
+                    window = self._windows[dst] = router.window_to(dst, self.tag)
+                out = window.messages_out
+                if (window.open and out < self._window and not window.waiters
+                        and (not self._traced or router.probe.recording is None)):
+                    window.messages_out = out + 1
+                    seq = window.seq
+                    window.seq = seq + 1
+                    self._send_small(dst, _DATA, self.tag, seq, body)
                     return
                 await self._send(body, dst, timeout)
                 return
         await self._send(router.frame_of(self.tag, obj, self.codec), dst, timeout)
+
+    def _check_rank(self, op: str, name: str, rank: object) -> None:
+        """Raise ``ValueError`` unless ``rank`` is a rank of the communicator (an int)."""
+        router = self._router
+        if (isinstance(rank, bool) or not isinstance(rank, int)
+                or not 0 <= rank < router.size):
+            raise ValueError(f"rank {router.rank}: channel {self.tag} {op}: {name}={rank!r} is "
+                             f"not a rank in 0..{router.size - 1}")
 
     async def _send(self, frame: Encoded, dst: int, timeout: float | None) -> None:
         router = self._router
@@ -109,20 +120,25 @@ class Channel:
         malformed frame (the next call goes on with the next message).
         """
         router = self._router
-        if src is not None and (isinstance(src, bool) or not isinstance(src, int)
-                                or not 0 <= src < router.size):
-            raise ValueError(f"rank {router.rank}: channel {self.tag} recv: src={src!r} is not "
-                             f"a rank in 0..{router.size - 1}")
+        if src is not None and (type(src) is not int or not 0 <= src < router.size):
+            self._check_rank("recv", "src", src)
         if not self._traced or router.probe.recording is None:
-            frames = self._box.frames
+            box = self._box
+            frames = box.frames
             if frames:
                 first = frames[0]
-                if src is None or first.src == src:  # the commonest: the first is the one
+                if (type(first) is Message and (src is None or first[0] == src)
+                        and self._small_room):  # the commonest: the first, a small message
                     frames.popleft()
-                    return self._open(first)
-                frame = self._box.take(src)
-                if frame is not None:
-                    return self._open(frame)
+                    done = box.taken.get(first[0])
+                    if done is not None and done[0] < self._batch_less_one:
+                        done[0] += 1  # counted for credit (``Router.took``, inline)
+                    else:
+                        router.took(first, box)
+                    return first
+                entry = box.take(src)
+                if entry is not None:
+                    return self._open(entry)
             return await self._wait(src, self._timeout if timeout is None else timeout)
         trace = router.probe.recording
         start, error, message = time.perf_counter(), None, None
@@ -170,7 +186,7 @@ class Channel:
                 frame = box.take(src)
                 if frame is not None:
                     return self._open(frame)
-            waiter: asyncio.Future[Frame | None] = loop.create_future()
+            waiter: asyncio.Future[None] = loop.create_future()
             entry = (src, waiter)
             box.waiters.append(entry)
             left, timer = deadline - now, None
@@ -179,19 +195,17 @@ class Channel:
             elif self._probe:
                 router.patrol()  # woken within probe_s, to check the peers
             try:
-                frame = await waiter  # a frame, or woken (an end of stream, a death, a timer)
-            except BaseException:
-                handed = waiter.result() if waiter.done() and not waiter.cancelled() else None
-                if handed is not None:
-                    box.put_back(handed)  # handed over, but cancelled: lose nothing
+                await waiter  # woken: something came (or an end of stream, a death, a timer)
+            except BaseException:  # cancelled: it took nothing, what came stays in the mailbox
+                if waiter.done() and not waiter.cancelled() and box.frames:
+                    box.wake()  # woken for it first: the other receivers look instead
                 raise
             finally:
                 if timer is not None:
                     timer.cancel()
                 if box.waiters and entry in box.waiters:
                     box.waiters.remove(entry)
-            if frame is None:
-                frame = box.take(src)
+            frame = box.take(src)
             if frame is not None:
                 return self._open(frame)
             if self._probe and time.monotonic() < deadline:  # nothing yet: are they there?
@@ -219,28 +233,36 @@ class Channel:
             return src in ended
         return len(ended - {self._router.rank}) >= self._router.size - 1
 
-    def _open(self, frame: Frame) -> Message:
-        return Message(frame.src, self.tag, self.opened(frame))
+    def _open(self, entry: Entry) -> Message:
+        if type(entry) is Message:
+            self.opened(entry)
+            return entry
+        return Message(entry.src, self.tag, self.opened(entry))  # type: ignore[union-attr]
 
-    def opened(self, frame: Frame) -> object:
-        """Count ``frame`` as taken from this channel; return its message's data.
+    def opened(self, entry: Entry) -> object:
+        """Count ``entry`` as taken from this channel; return its message's data.
 
-        Raises what the frame carries (``ProtocolError`` for one refused on
+        Raises what a frame carries (``ProtocolError`` for one refused on
         arrival, or of the wrong codec). Mailbox listeners (actors) take their
-        frames so.
+        messages so.
         """
         router = self._router
-        router.consumed(frame)
+        router.took(entry, self._box)
+        if type(entry) is Message:  # a small message: decoded on arrival (the default codec's)
+            if self._traced and router.probe.recording is not None:  # its bytes, as sent
+                self._received = len(small_encode(entry[2], self._small_room, self._max_ndim)
+                                     or b"") if self._small_room else 0
+            if not self._small_room:
+                raise ProtocolError(f"rank {router.rank}: channel {self.tag}: message from "
+                                    f"rank {entry[0]}: frame of codec DEFAULT on a channel "
+                                    f"of codec {self.codec.name}; refused")
+            return entry[2]
+        frame: Frame = entry  # type: ignore[assignment]
         if self._traced and router.probe.recording is not None:
             self._received = max(frame.charge, 0)
         if frame.error is not None:
             raise frame.error
-        if frame.head is None:  # a small frame: decoded on arrival (the default codec's)
-            if not self._small_room:
-                raise ProtocolError(f"rank {router.rank}: channel {self.tag}: message from "
-                                    f"rank {frame.src}: frame of codec DEFAULT on a channel "
-                                    f"of codec {self.codec.name}; refused")
-            return frame.data
+        assert frame.head is not None
         try:
             return wire.decode(frame.head, frame.buffers, self.codec)
         except ProtocolError as exc:

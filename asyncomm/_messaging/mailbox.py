@@ -1,9 +1,11 @@
-"""Mailboxes: the frames of one channel as they arrive, and the receivers waiting for them.
+"""Mailboxes: the messages of one channel as they arrive, and the receivers waiting for them.
 
-A frame that arrives while its mailbox is empty goes straight to the first
-receiver waiting for its source, without being kept (``Mailbox.put``); a
-receiver cancelled once it was handed a frame puts it back (``put_back``), so
-a cancelled ``recv`` loses nothing.
+A mailbox keeps what arrived in order: a small message as the ``Message`` its
+receiver gets (decoded once, on arrival), anything else as a ``Frame``. A
+receiver waiting for a source is woken when something from it arrives and
+takes it then: nothing is handed to a receiver that may yet be cancelled, so
+a cancelled ``recv`` loses nothing. A mailbox also counts, per source, the
+sequence number due next and what its user took (the credit to return).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -24,82 +26,93 @@ def charge_of(head: Head) -> int:
     return head.size + head.payload_bytes
 
 
+class Message(NamedTuple):
+    """A received message: who sent it, on which channel, and what."""
+
+    src: int
+    tag: int
+    data: Any
+
+
+def message(src: int, tag: int, data: object) -> Message:
+    """Return ``Message(src, tag, data)``, made as the tuple it is (cheaper than ``__new__``)."""
+    return _new(Message, (src, tag, data))  # type: ignore[no-any-return]
+
+
+_new: Any = tuple.__new__
+
+
 # A message ready to send: a small frame's body (see ``small``), or a frame's head and buffers.
+# A small frame holds no bytes of its window (see the note on flow control in ``router``).
 Encoded = bytes | tuple[bytes, list[torch.Tensor]]
 
 
 class Frame:
-    """A frame that arrived: whole (``head`` and ``buffers``), or small (``data``, decoded)."""
+    """A frame that arrived whole (``head`` and ``buffers``), or refused (``error``)."""
 
-    __slots__ = ("buffers", "charge", "data", "error", "head", "kind", "seq", "src", "tag")
+    __slots__ = ("buffers", "charge", "error", "head", "kind", "seq", "src", "tag")
 
     def __init__(self, src: int, kind: int, tag: int, seq: int, head: Head | None,
-                 buffers: list[torch.Tensor], data: object, charge: int,
+                 buffers: list[torch.Tensor], charge: int,
                  error: CommError | None = None) -> None:
         self.src, self.kind, self.tag, self.seq = src, kind, tag, seq
-        self.head = head  # None for a small frame (else perhaps shared: ``seq`` is its own)
+        self.head = head  # perhaps shared by frames alike: ``seq`` is its own
         self.buffers = buffers
-        self.data = data  # a small frame's message
         self.charge = charge  # the bytes it holds of its window (-1: none, it was refused)
         self.error = error  # a frame refused on arrival: raised by recv
 
     @classmethod
     def whole(cls, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> Frame:
-        return cls(src, head.kind, head.tag, seq, head, buffers, None, charge_of(head))
+        return cls(src, head.kind, head.tag, seq, head, buffers, charge_of(head))
 
     @classmethod
-    def refused(cls, src: int, tag: int, error: CommError) -> Frame:
-        return cls(src, Kind.DATA, tag, 0, None, [], None, -1, error)
+    def refused(cls, src: int, tag: int, error: CommError, seq: int = 0,
+                charge: int = -1) -> Frame:
+        """A frame refused on arrival: its receiver gets ``error`` (``charge``: its credit)."""
+        return cls(src, Kind.DATA, tag, seq, None, [], charge, error)
 
 
-Waiter = tuple[int | None, "asyncio.Future[Frame | None]"]  # a receiver: the source it wants
+Waiter = tuple[int | None, "asyncio.Future[None]"]  # a receiver: the source it wants
+Entry = Message | Frame  # what a mailbox keeps: a small message, or a frame
 
 
 class Mailbox:
-    """Frames of one channel in arrival order, who waits for them, who has closed their end.
+    """Messages of one channel in arrival order, who waits for them, who has closed their end.
 
-    A frame that arrives while the mailbox is empty goes straight to the
-    first receiver waiting for its source (the future it awaits), without
-    being kept: no task runs between its arrival and its receiver. A
-    mailbox with a ``listener`` hands it every good frame as it arrives,
+    A mailbox with a ``listener`` hands it every good message as it arrives,
     on the loop, instead (actors take their messages so).
     """
 
+    __slots__ = ("ended", "frames", "listener", "seqs", "taken", "waiters")
+
     def __init__(self) -> None:
-        self.frames: collections.deque[Frame] = collections.deque()
+        self.frames: collections.deque[Entry] = collections.deque()
         self.ended: set[int] = set()
         self.waiters: list[Waiter] = []
-        self.listener: Callable[[Frame], None] | None = None
+        self.listener: Callable[[Entry], None] | None = None
+        self.seqs: dict[int, int] = {}  # per source, the sequence number due next
+        self.taken: dict[int, list[int]] = {}  # per source, messages and bytes taken, uncredited
 
-    def put(self, frame: Frame) -> None:
-        if self.listener is not None and frame.error is None:
-            self.listener(frame)
+    def put(self, entry: Entry) -> None:
+        """Keep ``entry`` (or hand it to the listener); wake a receiver waiting for it."""
+        if self.listener is not None and (type(entry) is Message
+                                          or entry.error is None):  # type: ignore[union-attr]
+            self.listener(entry)
             return
+        self.frames.append(entry)
         if self.waiters:
-            if not self.frames:
-                src = frame.src
-                for i, (wants, waiter) in enumerate(self.waiters):
-                    if (wants is None or wants == src) and not waiter.done():
-                        del self.waiters[i]
-                        waiter.set_result(frame)
-                        return
-            self.frames.append(frame)
-            self.wake()
-            return
-        self.frames.append(frame)
+            self.came(entry[0] if type(entry) is Message else entry.src)
 
-    def put_back(self, frame: Frame) -> None:
-        """Keep a frame handed to a receiver that was cancelled: before its source's later ones."""
-        for i, other in enumerate(self.frames):
-            if other.src == frame.src and other.seq > frame.seq:
-                self.frames.insert(i, frame)
-                break
-        else:
-            self.frames.appendleft(frame)
-        self.wake()
+    def came(self, src: int) -> None:
+        """Something from ``src`` was kept: wake the first receiver waiting for it."""
+        for i, (wants, waiter) in enumerate(self.waiters):
+            if (wants is None or wants == src) and not waiter.done():
+                del self.waiters[i]
+                waiter.set_result(None)
+                return
 
     def wake(self) -> None:
-        """Wake every receiver (with nothing): something else happened, let them look."""
+        """Wake every receiver: something else happened, let them look."""
         for _, waiter in self.waiters:
             if not waiter.done():
                 waiter.set_result(None)
@@ -109,22 +122,29 @@ class Mailbox:
         return bool(self.frames)
 
     def has(self, src: int) -> bool:
-        """Return whether a frame from ``src`` is here."""
+        """Return whether something from ``src`` is here."""
         frames = self.frames
         if not frames:
             return False
-        return frames[0].src == src or any(frame.src == src for frame in frames)
+        return src_of(frames[0]) == src or any(src_of(entry) == src for entry in frames)
 
-    def take(self, src: int | None) -> Frame | None:
-        """Pop the first frame (from ``src``, if given), or return ``None``."""
+    def take(self, src: int | None) -> Entry | None:
+        """Pop the first entry (from ``src``, if given), or return ``None``."""
         frames = self.frames
-        if src is None:
-            return frames.popleft() if frames else None
-        for i, frame in enumerate(frames):
-            if frame.src == src:
+        if not frames:
+            return None
+        if src is None or src_of(frames[0]) == src:
+            return frames.popleft()
+        for i, entry in enumerate(frames):
+            if src_of(entry) == src:
                 del frames[i]
-                return frame
+                return entry
         return None
+
+
+def src_of(entry: Entry) -> int:
+    """Return the rank that sent ``entry``."""
+    return entry[0] if type(entry) is Message else entry.src  # type: ignore[union-attr]
 
 
 NO_BUFFERS: list[torch.Tensor] = []  # a small frame's (never appended to)

@@ -9,14 +9,15 @@ Note on the transport
 Frames travel over a ``Link`` of the backend's choosing (see
 ``_core.link``): on asyncomm's private twin communicator, in order per
 pair of ranks, the same frame bytes on every backend. The link hands each
-frame that arrives to the router (``frame``, ``later``, ``refuse``), which
-delivers them in order per source.
+frame that arrives to the router, which delivers them in order per source
+into their mailboxes (``delivery``).
 
 Note on flow control
 --------------------
 A sender may have at most ``window`` messages and ``window_bytes`` bytes of
-one channel unconsumed at one receiver. The receiver returns credit (a
-CREDIT frame) as its user consumes messages, in batches of a quarter window;
+one channel unconsumed at one receiver (a small frame counts as a message
+only: its bytes are bounded by ``small.BYTES`` each). The receiver returns
+credit (a CREDIT frame) as its user consumes messages, in batches of a quarter window;
 a message too large for the room left passes once no more than a batch is
 out, so large messages pass. So a fast producer blocks in ``send`` instead of
 filling a slow consumer's memory, and messages for a channel nobody opened
@@ -32,8 +33,8 @@ Note on dead peers
 ------------------
 A rank that dies says no goodbye. Whoever waits on a peer -- a ``recv``
 from it, a ``send`` waiting for its credit, an actor call to it -- checks
-after ``probe_s`` (``ASYNCOMM_PROBE_S``) of waiting, and every ``probe_s`` after, that the peer is
-still there (``Link.probe``, rate-limited per peer); a send to it that fails
+after ``probe_s`` (``ASYNCOMM_PROBE_S``) of waiting, and every ``probe_s``
+after, that the peer is still there (``Link.probe``, rate-limited per peer); a send to it that fails
 says the same. Once a peer is known dead, the router fails what depends on
 it with ``PeerFailedError``: a ``recv`` from it (after the messages it sent
 before dying), an any-source ``recv`` once every other rank has died or
@@ -63,21 +64,21 @@ from asyncomm._core.errors import (
     ProtocolError,
     gist,
 )
-from asyncomm._core.link import Link, Pending
-from asyncomm._core.wire import Codec, Head, Kind
+from asyncomm._core.link import Link
+from asyncomm._core.wire import Codec, Kind
+from asyncomm._messaging.delivery import Delivery
 from asyncomm._messaging.mailbox import (
-    DATA,
-    NO_BUFFERS,
     Encoded,
+    Entry,
     Frame,
     Mailbox,
+    Message,
     size_of,
     wake,
 )
 
 _DATA_KIND = int(Kind.DATA)
-_SMALL_HEAD_AT = small.HEAD.unpack_from
-_SMALL_HEAD_BYTES = small.HEAD.size
+_new: Any = tuple.__new__
 
 
 def frame_limits() -> wire.Limits:
@@ -116,16 +117,19 @@ def _as_tensor(buffer: wire.Buffer) -> torch.Tensor:
 class Window:
     """A sender's credit towards one (receiver, channel)."""
 
-    __slots__ = ("bytes_out", "messages_out", "seq", "waiters")
+    __slots__ = ("bytes_out", "messages_out", "open", "seq", "waiters")
 
-    def __init__(self) -> None:
+    def __init__(self, open: bool) -> None:
         self.messages_out = 0
         self.bytes_out = 0
         self.seq = 0  # of the next message
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        # whether a small frame may go at once (not to this rank itself, nor to a rank
+        # gone, nor once the communicator closed): see ``Channel.send``
+        self.open = open
 
 
-class Router:
+class Router(Delivery):
     """This rank's receive loop and send side for every channel of one communicator."""
 
     def __init__(self, rank: int, size: int, link: Link, peers: Releasing,
@@ -136,18 +140,13 @@ class Router:
         self.probe = probe  # where channels and actors report, while someone records
         self.probe_s = probe_s  # see the note on dead peers
         self.window, self.window_bytes = window, window_bytes
-        # credit comes back in batches of a quarter window (see ``consumed``)
-        self._batch, self._batch_bytes = max(1, window // 4), window_bytes // 4
+        # credit comes back in batches of a quarter window (see ``took``)
+        self.batch, self._batch_bytes = max(1, window // 4), window_bytes // 4
         self.limits = limits or frame_limits()
         # the most bytes of a small frame's body (see ``small``)
         self.small_room = min(link.small_room, self.limits.max_message_bytes)
-        self._mailboxes: dict[int, Mailbox] = {}
+        super().__init__(rank, self.limits)
         self._windows: dict[tuple[int, int], Window] = {}
-        self._recv_seq: dict[tuple[int, int], int] = {}
-        self._consumed: dict[tuple[int, int], list[int]] = {}
-        # frames of a source queued behind one whose buffers are on their way
-        self._queued: dict[int, collections.deque[Frame | Pending]] = {}
-        self._broken: dict[int, CommError] = {}  # sources whose stream cannot be followed
         self._byes: set[int] = set()  # ranks whose router said goodbye
         self._all_byes: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._inflight: set[Any] = set()
@@ -157,18 +156,12 @@ class Router:
         self._released = False  # whether a peer was asked to release stuck receives
         self._probed: dict[int, float] = {}  # when each peer was last probed
         self.on_dead: list[Callable[[int], None]] = []  # called with a rank once it is gone
-        self._link = link
+        self.link = link  # (channels send their small frames straight to it)
         self._patrol: asyncio.TimerHandle | None = None
         if self.size > 1:
-            self._link.open(self, self.limits)
+            self.link.open(self, self.limits)
         else:
             self._all_byes.set_result(None)
-
-    def mailbox(self, tag: int) -> Mailbox:
-        box = self._mailboxes.get(tag)
-        if box is None:
-            box = self._mailboxes[tag] = Mailbox()
-        return box
 
     # -- sending ----------------------------------------------------------------
 
@@ -189,27 +182,27 @@ class Router:
         head, buffers = wire.encode(Kind.DATA, tag, 0, obj, codec, self.limits)
         return head, [_as_tensor(b) for b in buffers]
 
+    def window_to(self, dst: int, tag: int) -> Window:
+        """Return the window of channel ``tag`` towards ``dst``."""
+        window = self._windows.get((dst, tag))
+        if window is None:
+            window = self._windows[(dst, tag)] = Window(
+                dst != self.rank and dst not in self.dead and not self._closed)
+        return window
+
     def post(self, body: bytes, tag: int, dst: int) -> bool:
         """Send a small frame at once if its window has room; return whether it went.
 
         The fast path of ``send``: nothing to wait for, so no coroutine.
         """
-        if self._closed or dst == self.rank or dst in self.dead:
-            return False  # ``send`` says why, or delivers it here
-        window = self._windows.get((dst, tag))
-        if window is None:
-            window = self._windows[(dst, tag)] = Window()
-        nbytes = len(body)
+        window = self.window_to(dst, tag)
         out = window.messages_out
-        if window.waiters or not ((out < self.window
-                                  and window.bytes_out + nbytes <= self.window_bytes)
-                                  or self._fits(window, nbytes)):
-            return False
+        if not window.open or window.waiters or out >= self.window:
+            return False  # ``send`` waits, says why, or delivers it here
         window.messages_out = out + 1
-        window.bytes_out += nbytes
         seq = window.seq
         window.seq = seq + 1
-        self._link.send_small(dst, _DATA_KIND, tag, seq, body)
+        self.link.send_small(dst, _DATA_KIND, tag, seq, body)
         return True
 
     async def send(self, frame: Encoded, tag: int, dst: int,
@@ -219,11 +212,8 @@ class Router:
             raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
         if dst in self.dead:
             raise self._gone(f"channel {tag} send to peer {dst}", dst)
-        key = (dst, tag)
-        nbytes = size_of(frame)
-        window = self._windows.get(key)
-        if window is None:
-            window = self._windows[key] = Window()
+        nbytes = 0 if isinstance(frame, bytes) else size_of(frame)  # see the note on flow control
+        window = self.window_to(dst, tag)
         if window.waiters or not self._fits(window, nbytes):
             await self._acquire(window, nbytes, tag, dst, timeout)
         window.messages_out += 1
@@ -234,9 +224,12 @@ class Router:
         window.seq = seq + 1
         if isinstance(frame, bytes):  # a small frame: its bytes are copied already
             if dst == self.rank:
-                self.small(dst, Kind.DATA, tag, seq, memoryview(frame))
+                try:
+                    self._small(dst, _DATA_KIND, tag, seq, small.decode(frame, self.limits))
+                except ProtocolError as exc:  # (what this rank encoded: never)
+                    self._small(dst, _DATA_KIND, tag, seq, exc)
             else:
-                self._link.send_small(dst, Kind.DATA, tag, seq, frame)
+                self.link.send_small(dst, Kind.DATA, tag, seq, frame)
             return
         head, buffers = frame
         head = wire.with_seq(head, seq)
@@ -263,7 +256,7 @@ class Router:
         if now - self._probed.get(peer, -math.inf) < self.probe_s:
             return True
         self._probed[peer] = now
-        gone = self._link.probe(peer)
+        gone = self.link.probe(peer)
         if gone is None:
             return True
         self.failed(peer, gone)
@@ -278,6 +271,7 @@ class Router:
             box.wake()
         for (dst, _), window in self._windows.items():
             if dst == peer:
+                window.open = False
                 for waiter in window.waiters:
                     wake(waiter)
         self._count_byes()
@@ -310,10 +304,10 @@ class Router:
         """Whether a message of ``nbytes`` may go now."""
         out, out_bytes = window.messages_out, window.bytes_out
         # A message too large for the room left passes once all that is out may be
-        # credit the receiver holds back until a batch is full (see ``consumed``):
+        # credit the receiver holds back until a batch is full (see ``took``):
         # else it would wait for credit that never comes.
         return (out == 0
-                or (out < self._batch and out_bytes < self._batch_bytes)
+                or (out < self.batch and out_bytes < self._batch_bytes)
                 or (out < self.window and out_bytes + nbytes <= self.window_bytes))
 
     async def _acquire(self, window: Window, nbytes: int, tag: int, dst: int,
@@ -366,7 +360,7 @@ class Router:
             self._deliver(Frame.whole(self.rank, decoded, [b.clone() for b in buffers],
                                        decoded.seq))
             return []
-        return self._link.send(dst, head, buffers)
+        return self.link.send(dst, head, buffers)
 
     def notify(self, kind: Kind, tag: int, dst: int, obj: object = None) -> None:
         """Send a small control frame without waiting (credit, end of stream)."""
@@ -381,7 +375,7 @@ class Router:
 
     def hurry(self, done: Callable[[], bool]) -> bool:
         """A task is about to wait for ``done()``: look for frames first (see ``Link.hurry``)."""
-        return self._link.hurry(done)
+        return self.link.hurry(done)
 
     def expect(self) -> None:
         """A task begins to wait for a frame: send what it issued, and watch closely.
@@ -390,12 +384,12 @@ class Router:
         waits for an answer adds nothing more, and the answer cannot come before
         the question has left: they go now.
         """
-        self._link.flush()
-        self._link.expect()
+        self.link.flush()
+        self.link.expect()
 
     def flush(self) -> None:
         """Send the small frames issued so far now, not when the loop iteration ends."""
-        self._link.flush()
+        self.link.flush()
 
     def patrol(self) -> None:
         """Wake every waiting receiver within ``probe_s`` (to check its peers, its deadline).
@@ -440,142 +434,7 @@ class Router:
     async def _drained(self) -> None:
         await asyncio.shield(self._all_byes)
         if self.size > 1:  # a world of one opens no link
-            await self._link.drained()
-
-    def frame(self, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> None:
-        """A whole frame from ``src`` (the link calls this, in the order frames arrive)."""
-        if src not in self._broken:
-            frame = Frame.whole(src, head, buffers, seq)
-            queue = self._queued.get(src)
-            if queue is None:
-                self._deliver(frame)  # the common case: nothing from src is on its way
-            else:
-                queue.append(frame)
-
-    def small(self, src: int, kind: int, tag: int, seq: int, body: memoryview) -> None:
-        """A small frame from ``src`` (the link calls this, in the order frames arrive).
-
-        The hot path of every small message: decoded here, once, and put in
-        its mailbox (or handed to whoever waits there).
-        """
-        if kind != DATA or src in self._broken:
-            self._small_control(src, kind, tag, body)
-            return
-        frame = self._small_frame(src, tag, seq, body)
-        if self._queued and src in self._queued:  # behind a frame still on its way
-            self._queued[src].append(frame)
-        else:
-            self._deliver(frame)
-
-    def _small_frame(self, src: int, tag: int, seq: int, body: memoryview) -> Frame:
-        """A small DATA frame, decoded (or refused, on its channel, if it is malformed)."""
-        try:
-            return Frame(src, DATA, tag, seq, None, NO_BUFFERS, small.decode(body, self.limits),
-                         len(body))
-        except ProtocolError as exc:
-            return Frame(src, DATA, tag, seq, None, NO_BUFFERS, None, len(body),
-                         ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank "
-                                       f"{src} refused: {exc}"))
-
-    def packet(self, src: int, view: memoryview, at: int, end: int) -> None:
-        """The small frames of a packet from ``src`` (the link calls this, in arrival order).
-
-        The hot path of every small message: each frame decoded here, once, and
-        delivered to its mailbox (or to whoever waits there).
-        """
-        broken, queued = self._broken, self._queued
-        while at < end:
-            if end - at < _SMALL_HEAD_BYTES:
-                self.refuse(src, ProtocolError(f"packet from rank {src} truncated"), None)
-                return
-            kind, tag, seq, nbytes = _SMALL_HEAD_AT(view, at)
-            at += _SMALL_HEAD_BYTES
-            if nbytes > end - at:
-                self.refuse(src, ProtocolError(f"small frame from rank {src} declares {nbytes} "
-                                               f"bytes, {end - at} left"), None)
-                return
-            body = view[at:at + nbytes]
-            at += nbytes
-            if kind != DATA or (broken and src in broken) or (queued and src in queued):
-                self.small(src, kind, tag, seq, body)
-            else:
-                self._deliver(self._small_frame(src, tag, seq, body))
-
-    def _small_control(self, src: int, kind: int, tag: int, body: memoryview) -> None:
-        if src in self._broken:
-            return
-        if kind == Kind.CREDIT:  # not queued: credit may overtake what is on its way
-            try:
-                credit: Any = small.decode(body, self.limits)
-                self._credit(src, tag, int(credit[0]), int(credit[1]))
-            except (ProtocolError, TypeError, ValueError):
-                self._break(src, ProtocolError(f"malformed credit from rank {src}"))
-            return
-        self.refuse(src, ProtocolError(f"small frame of kind {kind}"), tag)
-
-    def later(self, src: int, pending: Pending) -> None:
-        """A frame from ``src`` whose buffers are still on their way."""
-        if src in self._broken:
-            return
-        queue = self._queued.get(src)
-        if queue is None:
-            queue = self._queued[src] = collections.deque()
-        queue.append(pending)
-        pending.then(lambda: self._release(src))
-
-    def _release(self, src: int) -> None:
-        """Deliver ``src``'s queued frames up to the first still on its way."""
-        queue = self._queued.get(src)
-        while queue:
-            item = queue[0]
-            if isinstance(item, Frame):
-                frame = item
-            elif not item.done():
-                return
-            elif item.error is not None:
-                error = item.error
-                self._queued.pop(src, None)
-                self._break(src, error if isinstance(error, ProtocolError)
-                            else ProtocolError(f"frame from rank {src} lost: {error}"))
-                return
-            else:
-                assert item.head is not None
-                frame = Frame.whole(src, item.head, item.buffers, item.seq)
-            queue.popleft()
-            if src not in self._broken:
-                self._deliver(frame)
-        self._queued.pop(src, None)
-
-    def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
-        """Refuse a malformed frame: on its channel if its tag is legible, its source if not."""
-        if tag is None:
-            self._break(src, error)
-            return
-        wrapped = ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank {src} "
-                                f"refused: {error}")
-        self.mailbox(tag).put(Frame.refused(src, tag, wrapped))
-
-    def _break(self, src: int, error: CommError) -> None:
-        """Stop following ``src``'s stream: every channel waiting on it gets ``error``."""
-        self._broken[src] = error
-        for tag, box in self._mailboxes.items():
-            box.put(Frame.refused(src, tag, ProtocolError(
-                f"rank {self.rank}: channel {tag}: stream from rank {src} broken: {error}")))
-
-    def _deliver(self, frame: Frame) -> None:
-        tag = frame.tag
-        if frame.kind != DATA:
-            self._control(frame)
-            return
-        box = self._mailboxes.get(tag) or self.mailbox(tag)
-        key = (frame.src, tag)
-        expected = self._recv_seq.get(key, 0)
-        if frame.seq != expected:
-            frame.error = ProtocolError(
-                f"rank {self.rank}: channel {tag}: frame {frame.seq} from rank "
-                f"{frame.src} where {expected} was due")
-        self._recv_seq[key] = frame.seq + 1
-        box.put(frame)
+            await self.link.drained()
 
     def _control(self, frame: Frame) -> None:
         """Take a frame that carries no message: credit, an end of stream, a request."""
@@ -600,29 +459,35 @@ class Router:
                 f"rank {self.rank}: channel {tag}: frame of kind {frame.kind} from rank "
                 f"{frame.src} refused")))
 
-    def consumed(self, frame: Frame) -> None:
-        """Count a frame the user took; return credit to its sender in batches.
+    def took(self, entry: Entry, box: Mailbox) -> None:
+        """Count a message the user took from ``box``; return credit to its sender in batches.
 
         Credit travels as a small frame: with other traffic to the sender, if any.
         """
-        if frame.charge < 0:
-            return
-        src, tag = frame.src, frame.tag
-        key = (src, tag)
-        done = self._consumed.get(key)
+        if type(entry) is Message:
+            src, charge = entry[0], 0
+        else:
+            src, charge = entry.src, entry.charge  # type: ignore[union-attr]
+            if charge < 0:
+                return  # refused: it held no credit
+        done = box.taken.get(src)
         if done is None:
-            done = self._consumed[key] = [0, 0]
+            done = box.taken[src] = [0, 0]
         done[0] += 1
-        done[1] += frame.charge
-        if done[0] >= self._batch or done[1] >= self._batch_bytes:
-            messages, nbytes = done
-            done[0] = done[1] = 0
-            if src == self.rank:
-                self._credit(self.rank, tag, messages, nbytes)
-            elif not self._closed and src not in self.dead:
-                body = small.encode([messages, nbytes])
-                assert body is not None
-                self._link.send_small(src, Kind.CREDIT, tag, 0, body)
+        done[1] += charge
+        if done[0] >= self.batch or done[1] >= self._batch_bytes:
+            self._return_credit(src, entry[1] if type(entry) is Message
+                                else entry.tag, done)  # type: ignore[union-attr]
+
+    def _return_credit(self, src: int, tag: int, done: list[int]) -> None:
+        messages, nbytes = done
+        done[0] = done[1] = 0
+        if src == self.rank:
+            self._credit(self.rank, tag, messages, nbytes)
+        elif not self._closed and src not in self.dead:
+            body = small.encode([messages, nbytes])
+            assert body is not None
+            self.link.send_small(src, Kind.CREDIT, tag, 0, body)
 
     async def close(self, timeout: float) -> None:
         """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
@@ -640,13 +505,15 @@ class Router:
                     self._probed.pop(peer, None)
                     self.alive(peer)
         self._closed = True
+        for window in self._windows.values():
+            window.open = False  # small frames go through ``send`` now, which refuses them
         if self.size > 1:
             if timeout <= 0:  # so that nobody asks this rank to release anything
                 for peer in range(self.size):
                     if peer != self.rank:
                         self.notify(Kind.EOS, tags.LEAVING, peer)
             self._ask_release()
-            self._inflight.update(self._link.goodbye(frozenset(self.dead)))
+            self._inflight.update(self.link.goodbye(frozenset(self.dead)))
             self._count_byes()
         if timeout > 0:
             try:
@@ -655,10 +522,10 @@ class Router:
                 pass
             if self._released:
                 await self.peers.released(min(timeout, 2.0))
-        self._link.stop()
+        self.link.stop()
         if self._patrol is not None:
             self._patrol.cancel()
-        await self._link.join(1.0)
+        await self.link.join(1.0)
         for box in self._mailboxes.values():
             box.wake()
         for window in self._windows.values():
