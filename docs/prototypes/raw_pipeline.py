@@ -155,5 +155,5 @@ for name in NAMES:
     theory = pipeline.simulate(schedule).bubble
     if rank == 0:
         value = statistics.median(measured)
-        print(f"{BACKEND}{' autograd' if AUTOGRAD else ''} {name:5s} measured {value:.3f} theory {theory:.3f} "
-              f"ratio {value / theory:.2f}", flush=True)
+        print(f"{BACKEND}{' autograd' if AUTOGRAD else ''} {name:5s} measured {value:.3f} "
+              f"theory {theory:.3f} ratio {value / theory:.2f}", flush=True)
