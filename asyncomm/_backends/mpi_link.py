@@ -13,7 +13,7 @@ from mpi4py import MPI
 from asyncomm._core import tags
 from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
-from asyncomm._core.link import PACKET, PREAMBLE, Link, Transport
+from asyncomm._core.link import PREAMBLE, Link, Packet, Transport
 from asyncomm._core.polling import Poller
 from asyncomm._core.progress import Classify, Sink
 
@@ -89,8 +89,8 @@ class ProbeLink(Link):
     def expect(self) -> None:
         self._poller.kick()
 
-    def _packet(self, pieces: list[bytes], nbytes: int) -> bytes:
-        return b"".join((PREAMBLE.pack(0, nbytes, 0, PACKET), *pieces))  # sized exactly
+    def _packet(self, packet: Packet) -> bytearray:
+        return packet  # sized exactly: sent as it is
 
     def _post(self, buffer: bytes | bytearray | torch.Tensor, dst: int,
               tag: int) -> Handle[None] | None:

@@ -63,15 +63,17 @@ _small_head, _SMALL_HEAD_BYTES = small.HEAD.pack, small.HEAD.size
 _FRAME, _U64 = small.FRAME_BYTE, small.U64_BYTE
 
 
-class _Packet:
-    """Small frames queued for one destination: the packet's head (laid when it goes), then
-    each frame's head and body."""
+_PACKET_AT = PREAMBLE.size + small.PACKET_HEAD_BYTES  # a packet's first frame
 
-    __slots__ = ("frames", "nbytes", "pieces")
+
+class Packet(bytearray):
+    """A packet's message as small frames are queued in it: room for the preamble and the
+    packet's head (laid when it goes), then each frame's head and body."""
+
+    __slots__ = ("frames",)
 
     def __init__(self) -> None:
-        self.pieces: list[bytes] = [b""]
-        self.nbytes = small.PACKET_HEAD_BYTES
+        super().__init__(_PACKET_AT)
         self.frames = 0
 BYE: bytes = wire.encode(wire.Kind.EOS, tags.BYE, 0, None)[0]  # a link's goodbye (see close)
 
@@ -147,7 +149,9 @@ class Link(ABC):
         self._buffers = Buffers()  # large frames' receive buffers, lent again once free
         # the body of a small frame: what fits a packet with its head, up to small.BYTES
         self.small_room = min(small.BYTES, room - small.HEAD.size - small.PACKET_HEAD_BYTES)
-        self._packets: dict[int, _Packet] = {}  # small frames queued, per destination
+        self._packets: dict[int, Packet] = {}  # small frames queued, per destination
+        # the most bytes of a packet before a frame's head and body (within ``room``)
+        self._packet_limit = PREAMBLE.size + room - _SMALL_HEAD_BYTES
         self.packet_frames = 1 << 61  # the most frames a packet holds (see ``send_small``)
         self._flush_due = False
 
@@ -199,16 +203,10 @@ class Link(ABC):
         """Return a zeroed message buffer of at least ``nbytes``."""
         return bytearray(nbytes)
 
-    def _packet(self, pieces: list[bytes], nbytes: int) -> bytes | bytearray:
-        """Return the message of a packet of ``nbytes`` laid out in ``pieces``.
-
-        ``pieces`` are the frames' heads and bodies after the packet's head (see
-        ``small.packet_head``), its first piece.
-        """
-        at = PREAMBLE.size
-        message = self._message(at + nbytes)
-        PREAMBLE.pack_into(message, 0, 0, nbytes, 0, PACKET)
-        message[at:at + nbytes] = b"".join(pieces)
+    def _packet(self, packet: Packet) -> bytes | bytearray:
+        """Return the message that carries ``packet`` (laid out whole: its heads are in)."""
+        message = self._message(len(packet))
+        message[:len(packet)] = packet
         return message
 
     @abstractmethod
@@ -238,20 +236,19 @@ class Link(ABC):
         send it fails ``dst`` (``Arrivals.failed``), as a send to a dead peer
         does.
         """
-        nbytes = _SMALL_HEAD_BYTES + len(body)
         packet = self._packets.get(dst)
-        if (packet is None or packet.nbytes + nbytes > self.room
+        if (packet is None or len(packet) + len(body) > self._packet_limit
                 or packet.frames >= self.packet_frames):
             packet = self._start(dst)
-        packet.pieces += (_small_head(_FRAME, kind, _U64, tag, _U64, seq), body)
-        packet.nbytes += nbytes
+        packet += _small_head(_FRAME, kind, _U64, tag, _U64, seq)
+        packet += body
         packet.frames += 1
 
-    def _start(self, dst: int) -> _Packet:
+    def _start(self, dst: int) -> Packet:
         """Send ``dst``'s packet, if any; return a new one, sent when the iteration ends."""
         if dst in self._packets:
             self._flush_to(dst)
-        packet = self._packets[dst] = _Packet()
+        packet = self._packets[dst] = Packet()
         if not self._flush_due:  # one call per loop iteration, however often flushed
             self._flush_due = True
             self._loop.call_soon(self._flush_due_now)
@@ -271,9 +268,9 @@ class Link(ABC):
         packet = self._packets.pop(dst, None)
         if packet is None:
             return
-        pieces = packet.pieces
-        pieces[0] = small.packet_head(packet.frames)
-        message = self._packet(pieces, packet.nbytes)
+        PREAMBLE.pack_into(packet, 0, 0, len(packet) - PREAMBLE.size, 0, PACKET)
+        small.lay_packet_head(packet, PREAMBLE.size, packet.frames)
+        message = self._packet(packet)
         handle = self._post(message, dst, tags.LINK_MESSAGE)
         if handle is not None:
             handle.add_done_callback(self._packet_sent)

@@ -282,6 +282,11 @@ def packet_head(frames: int) -> bytes:
     return _ARRAY.pack(0xdd, frames)
 
 
+def lay_packet_head(buffer: bytearray, at: int, frames: int) -> None:
+    """Lay the head of a packet of ``frames`` small frames into ``buffer`` at ``at``."""
+    _ARRAY.pack_into(buffer, at, 0xdd, frames)
+
+
 PACKET_HEAD_BYTES: Final = _ARRAY.size
 
 

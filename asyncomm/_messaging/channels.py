@@ -51,6 +51,7 @@ class Channel:
         self._window = router.window  # the most messages out per destination
         self._batch_less_one = router.batch - 1  # messages taken before credit goes back
         self._send_small = router.link.send_small
+        self._probe_of = router.probe
         self._max_ndim = router.limits.max_ndim
 
     def __repr__(self) -> str:
@@ -63,25 +64,34 @@ class Channel:
         messages. Raises ``TypeError`` for objects the channel's codec cannot
         carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
         """
+        window = self._windows.get(dst) if type(dst) is int else None  # (only ranks have one)
+        if (window is not None and window.open and window.messages_out < self._window
+                and not window.waiters and (not self._traced or self._probe_of.recording is None)):
+            # the fast path: a small message sent with the iteration's others, as it is now
+            body = small_encode(obj, self._small_room, self._max_ndim)
+            if body is not None:
+                window.messages_out += 1
+                seq = window.seq
+                window.seq = seq + 1
+                self._send_small(dst, _DATA, self.tag, seq, body)
+                return
+            await self._send(self._router.frame_of(self.tag, obj, self.codec), dst, timeout)
+            return
+        await self._send_slowly(obj, dst, timeout)
+
+    async def _send_slowly(self, obj: object, dst: int, timeout: float | None) -> None:
+        """``send`` where its fast path does not go: checks, the first message to ``dst``,
+        no credit, a closed channel, a traced send, a codec other than the default."""
         router = self._router
         if type(dst) is not int or not 0 <= dst < router.size:
             self._check_rank("send", "dst", dst)
         if self._closed:
             raise CommClosedError(f"rank {router.rank}: channel {self.tag} is closed")
-        if self._small_room:  # the fast path: a small message, sent with the iteration's others
+        if dst not in self._windows and self._small_room:  # its fast path, from now on
+            self._windows[dst] = router.window_to(dst, self.tag)
+        if self._small_room:
             body = small_encode(obj, self._small_room, self._max_ndim)
             if body is not None:
-                window = self._windows.get(dst)
-                if window is None:
-                    window = self._windows[dst] = router.window_to(dst, self.tag)
-                out = window.messages_out
-                if (window.open and out < self._window and not window.waiters
-                        and (not self._traced or router.probe.recording is None)):
-                    window.messages_out = out + 1
-                    seq = window.seq
-                    window.seq = seq + 1
-                    self._send_small(dst, _DATA, self.tag, seq, body)
-                    return
                 await self._send(body, dst, timeout)
                 return
         await self._send(router.frame_of(self.tag, obj, self.codec), dst, timeout)
@@ -284,6 +294,7 @@ class Channel:
         if self._closed:
             return
         self._closed = True
+        self._windows = {}  # (sends go the slow way, which refuses them)
         router = self._router
         if router._closed:
             return
