@@ -64,17 +64,20 @@ _FRAME, _U64 = small.FRAME_BYTE, small.U64_BYTE
 
 
 _PACKET_AT = PREAMBLE.size + small.PACKET_HEAD_BYTES  # a packet's first frame
+_PREAMBLE_INTO, _PREAMBLE_BYTES, _lay_packet_head = (PREAMBLE.pack_into, PREAMBLE.size,
+                                                     small.lay_packet_head)
 
 
 class Packet(bytearray):
     """A packet's message as small frames are queued in it: room for the preamble and the
-    packet's head (laid when it goes), then each frame's head and body."""
+    packet's head (laid when it goes), then each frame's head and body.
+
+    Made as ``Packet(_PACKET_AT)`` (bytearray's own constructor: zeroed), then ``frames``
+    set: a constructor in Python costs as much as the rest of queuing a frame.
+    """
 
     __slots__ = ("frames",)
-
-    def __init__(self) -> None:
-        super().__init__(_PACKET_AT)
-        self.frames = 0
+    frames: int
 BYE: bytes = wire.encode(wire.Kind.EOS, tags.BYE, 0, None)[0]  # a link's goodbye (see close)
 
 
@@ -248,7 +251,8 @@ class Link(ABC):
         """Send ``dst``'s packet, if any; return a new one, sent when the iteration ends."""
         if dst in self._packets:
             self._flush_to(dst)
-        packet = self._packets[dst] = Packet()
+        packet = self._packets[dst] = Packet(_PACKET_AT)
+        packet.frames = 0
         if not self._flush_due:  # one call per loop iteration, however often flushed
             self._flush_due = True
             self._loop.call_soon(self._flush_due_now)
@@ -268,8 +272,8 @@ class Link(ABC):
         packet = self._packets.pop(dst, None)
         if packet is None:
             return
-        PREAMBLE.pack_into(packet, 0, 0, len(packet) - PREAMBLE.size, 0, PACKET)
-        small.lay_packet_head(packet, PREAMBLE.size, packet.frames)
+        _PREAMBLE_INTO(packet, 0, 0, len(packet) - _PREAMBLE_BYTES, 0, PACKET)
+        _lay_packet_head(packet, _PREAMBLE_BYTES, packet.frames)
         message = self._packet(packet)
         handle = self._post(message, dst, tags.LINK_MESSAGE)
         if handle is not None:
