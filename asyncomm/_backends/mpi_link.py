@@ -44,6 +44,10 @@ def spec(tensor: torch.Tensor) -> list[Any]:
     return [memory, DATATYPES[tensor.dtype]]  # mpi4py divides counts among ranks itself
 
 MESSAGE_BYTES = 64 << 10  # the largest link message: frames up to about this travel in one
+# A message found by probe up to this size is received with a blocking matched receive:
+# MPI sends messages this small eagerly (with the match), so it is here whole and the
+# receive returns at once; larger ones are received without blocking (see ``_take``).
+AT_ONCE_BYTES = 1024
 # A burst's packets go every so many frames: measured on 2 ranks, 64 small dicts one after
 # the other, this lets the receiver decode while the sender issues (see benchmarks.md).
 PACKET_FRAMES = 16
@@ -135,6 +139,15 @@ class ProbeLink(Link):
             return
         buffer = bytearray(nbytes)
         before = self._behind.get(src) if self._behind else None
+        if before is None and nbytes <= AT_ONCE_BYTES:  # the commonest: here whole already
+            try:
+                message.Recv([buffer, MPI.BYTE])
+            except MPI.Exception as exc:
+                arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"),
+                                None)
+                return
+            self._arrive(src, buffer)
+            return
         try:
             request = message.Irecv([buffer, MPI.BYTE])
             if before is None and request.Test():
