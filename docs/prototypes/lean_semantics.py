@@ -1,0 +1,195 @@
+"""The floor under asyncomm's small messages, for measuring only: small dicts with its semantics.
+
+Not part of asyncomm. Run with ``mpiexec -n 2 python docs/prototypes/lean_semantics.py [N]``
+(mpi4py, uvloop, msgpack). Like ``lean_channel.py``, but doing what asyncomm must do per
+message: each message packed when it is sent (``send`` returns once its buffers may be
+reused, so it cannot be packed later with the others), its bytes checked for msgpack
+extensions (a ``msgpack.ExtType`` in it must not pass for one of asyncomm's own), a
+fixed-width head per frame, frames in packets of ``N`` (default 16) as one msgpack array,
+one ``unpackb`` per packet, a ``Message`` tuple per message kept in a deque, sequence
+numbers checked, credit counted, ``send`` and ``recv`` coroutines. It has no checks of
+tensors, no dead-peer probes, no timeouts and no cancellation. It prints its rate against
+mpi4py's pickle ``send``/``recv`` (see docs/benchmarks.md, "Channels").
+"""
+
+import asyncio
+import collections
+import statistics
+import struct
+import sys
+import time
+from typing import Any, NamedTuple
+
+import msgpack
+import uvloop
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD.Dup()
+rank = comm.Get_rank()
+peer = 1 - rank
+TAG = 5
+HEAD = struct.Struct(">BBBQBQ")  # fixarray 4, kind, uint64 tag, uint64 seq
+PACKET_FRAMES = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+EXT = bytes(1 if 0xC7 <= b <= 0xC9 or 0xD4 <= b <= 0xD8 else 0 for b in range(256))
+pack = msgpack.Packer(use_bin_type=True, strict_types=True).pack
+MESSAGE = {"step": 0, "loss": 0.5, "ids": [1, 2, 3]}
+
+
+class Message(NamedTuple):
+    src: int
+    tag: int
+    data: Any
+
+
+class Box:
+    __slots__ = ("frames", "seqs", "taken", "waiter")
+
+    def __init__(self) -> None:
+        self.frames: collections.deque[Message] = collections.deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.seqs: dict[int, int] = {}
+        self.taken: dict[int, int] = {}
+
+
+class Lane:
+    """Packets to the peer, sent when the iteration ends; packets found by a loop callback."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.status = MPI.Status()
+        self.boxes: dict[int, Box] = {}
+        self.pieces: list[bytes] | None = None
+        self.frames = 0
+        self.seq: dict[int, int] = {}
+        self.flush_due = False
+        loop.call_soon(self.poll)
+
+    def box(self, tag: int) -> Box:
+        return self.boxes.get(tag) or self.boxes.setdefault(tag, Box())
+
+    def poll(self) -> None:
+        self.pump()
+        self.loop.call_soon(self.poll)
+
+    def pump(self) -> bool:
+        found = False
+        while (message := comm.Improbe(MPI.ANY_SOURCE, TAG, self.status)) is not None:
+            src = self.status.Get_source()
+            data = bytearray(self.status.Get_count(MPI.BYTE))
+            message.Recv([data, MPI.BYTE])
+            found = True
+            last, box, due = None, None, 0
+            for item in msgpack.unpackb(data, raw=False, strict_map_key=False, timestamp=1):
+                if type(item) is not list or len(item) != 4:
+                    raise ValueError("malformed frame")
+                kind, tag, seq, obj = item
+                if kind != 1:
+                    raise ValueError("not a message")
+                if tag != last:
+                    box, last = self.box(tag), tag
+                    due = box.seqs.get(src, 0)
+                if seq != due:
+                    raise ValueError("sequence")
+                due += 1
+                box.seqs[src] = due
+                box.frames.append(tuple.__new__(Message, (src, tag, obj)))
+                if box.waiter is not None and not box.waiter.done():
+                    box.waiter.set_result(None)
+        return found
+
+    def send(self, obj: object, tag: int, dst: int) -> None:
+        if type(dst) is not int or not 0 <= dst < 2:
+            raise ValueError(dst)
+        body = pack(obj)
+        if body.translate(EXT).find(1) >= 0:
+            raise TypeError("an extension: asyncomm lowers it instead")
+        seq = self.seq.get(tag, 0)
+        self.seq[tag] = seq + 1
+        if self.pieces is None or self.frames >= PACKET_FRAMES:
+            self.flush()
+            self.pieces, self.frames = [b""], 0
+            if not self.flush_due:
+                self.flush_due = True
+                self.loop.call_soon(self.flush_now)
+        self.pieces += (HEAD.pack(0x94, 1, 0xCF, tag, 0xCF, seq), body)
+        self.frames += 1
+
+    def flush_now(self) -> None:
+        self.flush_due = False
+        self.flush()
+
+    def flush(self) -> None:
+        if self.pieces is not None:
+            self.pieces[0] = struct.pack(">BI", 0xDD, self.frames)
+            request = comm.Isend([b"".join(self.pieces), MPI.BYTE], peer, TAG)
+            self.pieces = None
+            if not request.Test():
+                request.Wait()
+
+    async def recv(self, tag: int, src: int) -> Message:
+        box = self.box(tag)
+        while True:
+            if box.frames and box.frames[0][0] == src:
+                message = box.frames.popleft()
+                taken = box.taken.get(src, 0) + 1
+                box.taken[src] = 0 if taken >= 16 else taken  # credit would go back here
+                return message
+            self.flush()
+            for _ in range(32):
+                if self.pump() and box.frames:
+                    break
+            else:
+                box.waiter = self.loop.create_future()
+                await box.waiter
+
+
+async def send(lane: Lane, obj: object, dst: int) -> None:
+    lane.send(obj, 3, dst)
+
+
+async def dicts(lane: Lane, rounds: int, per_round: int) -> float:
+    lane.flush()
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        if rank == 0:
+            for _ in range(per_round):
+                await send(lane, MESSAGE, peer)
+            await lane.recv(4, peer)  # the ack
+        else:
+            for _ in range(per_round):
+                await lane.recv(3, peer)
+            lane.send(0, 4, peer)
+    lane.flush()
+    return time.perf_counter() - start
+
+
+def pickled(rounds: int, per_round: int) -> float:
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        if rank == 0:
+            for _ in range(per_round):
+                comm.send(MESSAGE, peer, 11)
+            comm.recv(source=peer, tag=12)
+        else:
+            for _ in range(per_round):
+                comm.recv(source=peer, tag=11)
+            comm.send(None, peer, 12)
+    return time.perf_counter() - start
+
+
+async def main() -> None:
+    lane = Lane(asyncio.get_running_loop())
+    await dicts(lane, 50, 64)
+    ours, theirs = [], []
+    for _ in range(5):
+        ours.append(await dicts(lane, 300, 64))
+        theirs.append(pickled(300, 64))
+    if rank == 0:
+        o, p = statistics.median(ours), statistics.median(theirs)
+        print(f"packets of {PACKET_FRAMES}: {o / 300 / 64 * 1e6:.2f} us a message, pickle "
+              f"{p / 300 / 64 * 1e6:.2f}: {p / o:.2f}x pickle's rate")
+
+
+uvloop.run(main())
