@@ -501,7 +501,7 @@ DESC = LONE[3:-8]
 
 def inline(payload: bytes) -> bytes:
     """A body that is one inline buffer (ext 3) holding ``payload``."""
-    return msgpack.packb(msgpack.ExtType(3, payload))
+    return bytes(msgpack.packb(msgpack.ExtType(3, payload)))
 
 
 @pytest.mark.usefixtures("no_allocation_or_unpickling")
@@ -550,14 +550,37 @@ def test_a_packet_decodes_in_one_call_and_a_bad_frame_alone() -> None:
     items = small.unpack_packet(packet)
     assert [i[:3] for i in items] == [[1, 5, 0], [1, 6, 1], [1, 7, 2], [1, 8, 3]]
     assert same([i[3] for i in items], [{"a": [1, 2]}, t, (1, (t,)), "s"])
-    assert list(small.split_packet(packet))[1][:3] == (1, 6, 1)
+    assert list(small.split_packet(packet))[1][:3] == (1, 6, 1)  # type: ignore[index]
     bad = frames_of((1, 5, 0, bodies[0] or b""), (1, 6, 1, inline(DESC[:2])), (1, 7, 2, b"\xc0"))
     with pytest.raises(ProtocolError):
         small.unpack_packet(bad)
     first, second, third = small.split_packet(bad)  # one by one: the bad one alone refused
     assert first == (1, 5, 0, {"a": [1, 2]}) and third == (1, 7, 2, None)
+    assert not isinstance(second, ProtocolError)
     assert second[:3] == (1, 6, 1) and isinstance(second[3], ProtocolError)
     *good, broken = small.split_packet(bad[:-3])  # cut in a frame's head: the rest is lost
     assert len(good) == 2 and isinstance(broken, ProtocolError)
     assert isinstance(list(small.split_packet(bad + b"\x00"))[-1], ProtocolError)  # trailing
     assert isinstance(list(small.split_packet(b"\x93\x01\x02\x03"))[-1], ProtocolError)
+
+
+@FUZZ
+@given(objs=st.lists(plain_values, min_size=1, max_size=5), seqs=st.integers(0, 2**64 - 6))
+def test_a_packet_decodes_to_what_each_frame_would(objs: list[object], seqs: int) -> None:
+    """Frames laid one after the other in a packet decode, in one call, as each alone."""
+    expected, bodies = [], []
+    for obj in objs:
+        try:
+            expected.append(transfer(obj)[0])
+        except TypeError:
+            continue  # refused alike (``test_small_frames_decode_as_frames_do``)
+        bodies.append(small.encode(obj))
+    frames = [(1, 7 + i, seqs + i, b) for i, b in enumerate(bodies) if b is not None]
+    expected = [e for e, b in zip(expected, bodies, strict=True) if b is not None]
+    if not frames:
+        return
+    items = small.unpack_packet(frames_of(*frames))
+    assert [item[:3] for item in items] == [list(f[:3]) for f in frames]
+    assert same([item[3] for item in items], expected)
+    split = list(small.split_packet(frames_of(*frames)))  # one by one: the same
+    assert same([frame[3] for frame in split], expected)  # type: ignore[index]
