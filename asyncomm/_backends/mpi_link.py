@@ -57,7 +57,8 @@ class ProbeLink(Link):
     """Link messages sized exactly, found by matched probe from any source.
 
     The poller probes at every poll (``MPI_Improbe``), so a message is taken
-    as soon as it is there, with no receive standing. Each message is
+    as soon as it is there, with no receive standing (one a poll: a poll that
+    finds one is followed by another). Each message is
     received into a buffer of the size the probe reports (never more than
     ``MESSAGE_BYTES``). A message that is not complete at once (rare: only
     large ones) delays the later messages of its source until it is, so
@@ -113,18 +114,22 @@ class ProbeLink(Link):
         return handle
 
     def pump(self) -> bool:
-        found = False
-        comm, status = self._comm, self._status
-        while self._open:
-            try:
-                message = comm.Improbe(MPI.ANY_SOURCE, tags.LINK_MESSAGE, status)
-            except MPI.Exception:
-                return found  # freed under us
-            if message is None:
-                break
-            found = True
-            self._take(message, status.Get_source(), status.Get_count(MPI.BYTE))
-        return found
+        """Take the next message, if one is there; return whether one was.
+
+        One per call: whoever waits for it goes on at once, without a last
+        probe that finds nothing (the poller calls again while messages come).
+        """
+        if not self._open:
+            return False
+        status = self._status
+        try:
+            message = self._comm.Improbe(MPI.ANY_SOURCE, tags.LINK_MESSAGE, status)
+        except MPI.Exception:
+            return False  # freed under us
+        if message is None:
+            return False
+        self._take(message, status.Get_source(), status.Get_count(MPI.BYTE))
+        return True
 
     def _take(self, message: Any, src: int, nbytes: int) -> None:
         arrivals = self._arrivals
