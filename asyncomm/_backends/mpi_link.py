@@ -13,7 +13,7 @@ from mpi4py import MPI
 from asyncomm._core import tags
 from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
-from asyncomm._core.link import PREAMBLE, Link, Packet, Transport
+from asyncomm._core.link import PACKET, PREAMBLE, Link, Packet, Transport
 from asyncomm._core.polling import Poller
 from asyncomm._core.progress import Classify, Sink
 
@@ -48,6 +48,7 @@ MESSAGE_BYTES = 64 << 10  # the largest link message: frames up to about this tr
 # MPI sends messages this small eagerly (with the match), so it is here whole and the
 # receive returns at once; larger ones are received without blocking (see ``_take``).
 AT_ONCE_BYTES = 1024
+_FORM_AT = 12  # the byte of a message's preamble that says whether it is a packet
 # A burst's packets go every so many frames: measured on 2 ranks, 64 small dicts one after
 # the other, this lets the receiver decode while the sender issues (see benchmarks.md).
 PACKET_FRAMES = 16
@@ -57,8 +58,7 @@ class ProbeLink(Link):
     """Link messages sized exactly, found by matched probe from any source.
 
     The poller probes at every poll (``MPI_Improbe``), so a message is taken
-    as soon as it is there, with no receive standing (one a poll: a poll that
-    finds one is followed by another). Each message is
+    as soon as it is there, with no receive standing. Each message is
     received into a buffer of the size the probe reports (never more than
     ``MESSAGE_BYTES``). A message that is not complete at once (rare: only
     large ones) delays the later messages of its source until it is, so
@@ -114,24 +114,30 @@ class ProbeLink(Link):
         return handle
 
     def pump(self) -> bool:
-        """Take the next message, if one is there; return whether one was.
+        """Take the messages that are there; return whether any was.
 
-        One per call: whoever waits for it goes on at once, without a last
-        probe that finds nothing (the poller calls again while messages come).
+        A packet of small messages ends the call (whoever waits for one goes
+        on at once, without a last probe that finds nothing: the poller calls
+        again while messages come); the other messages are taken one after
+        the other, so that the data receives of every frame announced are
+        posted at once.
         """
-        if not self._open:
-            return False
-        status = self._status
-        try:
-            message = self._comm.Improbe(MPI.ANY_SOURCE, tags.LINK_MESSAGE, status)
-        except MPI.Exception:
-            return False  # freed under us
-        if message is None:
-            return False
-        self._take(message, status.Get_source(), status.Get_count(MPI.BYTE))
-        return True
+        found = False
+        comm, status = self._comm, self._status
+        while self._open:
+            try:
+                message = comm.Improbe(MPI.ANY_SOURCE, tags.LINK_MESSAGE, status)
+            except MPI.Exception:
+                return found  # freed under us
+            if message is None:
+                break
+            found = True
+            if self._take(message, status.Get_source(), status.Get_count(MPI.BYTE)):
+                break
+        return found
 
-    def _take(self, message: Any, src: int, nbytes: int) -> None:
+    def _take(self, message: Any, src: int, nbytes: int) -> bool:
+        """Receive a message found by probe; return whether it was a packet, taken whole."""
         arrivals = self._arrivals
         assert arrivals is not None
         if nbytes > MESSAGE_BYTES:  # no sender of ours sends it: consume it unread
@@ -141,7 +147,7 @@ class ProbeLink(Link):
                 pass  # truncated, as intended
             arrivals.refuse(src, ProtocolError(f"message of {nbytes} bytes from rank {src} "
                                                f"(the most is {MESSAGE_BYTES})"), None)
-            return
+            return False
         buffer = bytearray(nbytes)
         before = self._behind.get(src) if self._behind else None
         if before is None and nbytes <= AT_ONCE_BYTES:  # the commonest: here whole already
@@ -150,23 +156,24 @@ class ProbeLink(Link):
             except MPI.Exception as exc:
                 arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"),
                                 None)
-                return
+                return False
             self._arrive(src, buffer)
-            return
+            return nbytes > _FORM_AT and buffer[_FORM_AT] == PACKET
         try:
             request = message.Irecv([buffer, MPI.BYTE])
             if before is None and request.Test():
                 self._arrive(src, buffer)
-                return
+                return nbytes > _FORM_AT and buffer[_FORM_AT] == PACKET
         except MPI.Exception as exc:
             arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"), None)
-            return
+            return False
         what = (self._rank, "recv", None, src, tags.LINK_MESSAGE)
         handle: Handle[None] = Handle(self._loop, what, None, buffer)
         self._watch(handle, request)  # matched: not cancellable; data is on its way
         task = self._loop.create_task(self._in_order(src, before, handle, buffer))
         self._behind[src] = task
         task.add_done_callback(functools.partial(self._forget, src))
+        return False
 
     async def _in_order(self, src: int, before: asyncio.Task[None] | None, handle: Handle[None],
                         buffer: bytearray) -> None:
