@@ -19,6 +19,7 @@ import msgpack
 import torch
 import uvloop
 from mpi4py import MPI
+from pickle_baseline import pickled
 
 comm = MPI.COMM_WORLD.Dup()
 rank = comm.Get_rank()
@@ -133,28 +134,14 @@ async def dicts(lane: Lane, rounds: int, per_round: int) -> float:
     return time.perf_counter() - start
 
 
-def pickled(rounds: int, per_round: int) -> float:
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        if rank == 0:
-            for _ in range(per_round):
-                comm.send(MESSAGE, peer, 11)
-            comm.recv(source=peer, tag=12)
-        else:
-            for _ in range(per_round):
-                comm.recv(source=peer, tag=11)
-            comm.send(None, peer, 12)
-    return time.perf_counter() - start
-
-
 async def main() -> None:
     lane = Lane(asyncio.get_running_loop())
     n = 20000
     await ping_pong(lane, n)  # warm-up
     ours, raw = await ping_pong(lane, n), raw_ping_pong(n)
     rounds, per_round = 300, 64
-    ours_dicts, pickle_dicts = await dicts(lane, rounds, per_round), pickled(rounds, per_round)
+    ours_dicts = await dicts(lane, rounds, per_round)
+    pickle_dicts = pickled(comm, rank, peer, MESSAGE, rounds, per_round)
     if rank == 0:
         print(f"ping-pong 8 B: {ours / n / 2 * 1e6:.2f} us one way, raw "
               f"{raw / n / 2 * 1e6:.2f} us: {ours / raw:.2f}x")

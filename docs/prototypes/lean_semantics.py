@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import msgpack
 import uvloop
 from mpi4py import MPI
+from pickle_baseline import pickled
 
 comm = MPI.COMM_WORLD.Dup()
 rank = comm.Get_rank()
@@ -164,28 +165,13 @@ async def dicts(lane: Lane, rounds: int, per_round: int) -> float:
     return time.perf_counter() - start
 
 
-def pickled(rounds: int, per_round: int) -> float:
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(rounds):
-        if rank == 0:
-            for _ in range(per_round):
-                comm.send(MESSAGE, peer, 11)
-            comm.recv(source=peer, tag=12)
-        else:
-            for _ in range(per_round):
-                comm.recv(source=peer, tag=11)
-            comm.send(None, peer, 12)
-    return time.perf_counter() - start
-
-
 async def main() -> None:
     lane = Lane(asyncio.get_running_loop())
     await dicts(lane, 50, 64)
     ours, theirs = [], []
     for _ in range(5):
         ours.append(await dicts(lane, 300, 64))
-        theirs.append(pickled(300, 64))
+        theirs.append(pickled(comm, rank, peer, MESSAGE, 300, 64))
     if rank == 0:
         o, p = statistics.median(ours), statistics.median(theirs)
         print(f"packets of {PACKET_FRAMES}: {o / 300 / 64 * 1e6:.2f} us a message, pickle "
