@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -1029,6 +1030,31 @@ async def check_corrupt_small_frames(comm: Comm) -> None:
 
 def test_corrupt_small_frames_fail_their_channel_only(world: World) -> None:
     world.run(check_corrupt_small_frames)
+
+
+async def check_forged_packet_items(comm: Comm) -> None:
+    # A packet that decodes but whose items are not frames (a tag that is not an int, an
+    # item that is not a list of four) ends its source's stream, after the good frames
+    # before it; in a packet of its own, a malformed message fails its channel only.
+    async with fresh(comm) as sub:
+        ch = sub.channel(912)
+        link = sub._router.link
+        if sub.rank == 1:
+            for forged, channel_only in ((msgpack.packb([[1, 912, 0, "ok"],
+                                                         [1, 912, 1, msgpack.ExtType(3, b"")]]),
+                                          True),
+                                         (msgpack.packb([[1, 912, 2, "ok"], [1, "912", 3, 0]]),
+                                          False)):
+                link._arrive(0, bytearray(struct.pack("<IIII", 0, len(forged), 0, 1) + forged))
+                assert (await ch.recv(0, timeout=10.0)).data == "ok"
+                error = "frame from rank 0 refused" if channel_only else "stream from rank 0"
+                with pytest.raises(asyncomm.ProtocolError, match=error):
+                    await ch.recv(0, timeout=10.0)
+        await sub.barrier()
+
+
+def test_forged_packet_items_end_their_source_stream(world: World) -> None:
+    world.run(check_forged_packet_items)
 
 
 async def check_flush_before_blocking(comm: Comm) -> None:

@@ -73,38 +73,29 @@ class Delivery:
         except ProtocolError:
             self._packet_slowly(src, view[at:end])
             return
-        small_frame = self._small
         if (self._broken and src in self._broken) or (self._queued and src in self._queued):
             for item in items:
-                if type(item) is not list or len(item) != 4:
-                    self.refuse(src, ProtocolError(f"malformed small frame from rank {src}"),
-                                None)
+                if not self._one(src, item):
                     return
-                small_frame(src, *item)
             return
         boxes, last, due = self._mailboxes, None, -1
         box: Any = None
         for item in items:
             if type(item) is not list or len(item) != 4:
-                self.refuse(src, ProtocolError(f"malformed small frame from rank {src}"), None)
+                self._one(src, item)  # which refuses it
                 return
             kind, tag, seq, obj = item
             if tag != last or kind != DATA:  # another channel (or not a message): its mailbox
                 if kind != DATA or type(tag) is not int:
                     last = None
-                    if type(kind) is not int or type(tag) is not int or type(seq) is not int:
-                        self.refuse(src, ProtocolError(f"malformed small frame from rank "
-                                                       f"{src}"), None)
-                        return
-                    small_frame(src, kind, tag, seq, obj)
-                    if self._broken and src in self._broken:
+                    if not self._one(src, item):
                         return
                     continue
                 box = boxes.get(tag) or self.mailbox(tag)
                 last, due = tag, box.seqs.get(src, 0)
-            if seq != due or type(seq) is not int:  # (refused there)
-                small_frame(src, kind, tag, seq, obj) if type(seq) is int else self.refuse(
-                    src, ProtocolError(f"malformed small frame from rank {src}"), None)
+            if seq != due or type(seq) is not int:  # out of sequence, or malformed
+                if not self._one(src, item):
+                    return
                 due = box.seqs.get(src, 0)
                 continue
             due += 1  # the commonest: the next message of the channel, kept inline
@@ -116,6 +107,15 @@ class Delivery:
                     box.came(src)
             else:
                 box.listener(entry)
+
+    def _one(self, src: int, item: object) -> bool:
+        """Take one item of a packet as a small frame; return whether ``src`` may go on."""
+        if (type(item) is not list or len(item) != 4
+                or not all(type(field) is int for field in item[:3])):
+            self.refuse(src, ProtocolError(f"malformed small frame from rank {src}"), None)
+            return False
+        self._small(src, *item)
+        return src not in self._broken
 
     def _packet_slowly(self, src: int, data: memoryview) -> None:
         """Take a packet that does not decode as a whole: frame by frame, each refused alone."""
