@@ -26,6 +26,7 @@ __all__ = ["Channel", "Message", "codec_of"]
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
 _DATA = int(Kind.DATA)
 
+
 class Channel:
     """Messages on one tag between the ranks of a communicator.
 
