@@ -13,7 +13,7 @@ from mpi4py import MPI
 from asyncomm._core import tags
 from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
-from asyncomm._core.link import PACKET, PREAMBLE, Link, Packet, Transport
+from asyncomm._core.link import PREAMBLE, Link, Packet, Transport
 from asyncomm._core.polling import Poller
 from asyncomm._core.progress import Classify, Sink
 
@@ -48,7 +48,6 @@ MESSAGE_BYTES = 64 << 10  # the largest link message: frames up to about this tr
 # MPI sends messages this small eagerly (with the match), so it is here whole and the
 # receive returns at once; larger ones are received without blocking (see ``_take``).
 AT_ONCE_BYTES = 1024
-_FORM_AT = 12  # the byte of a message's preamble that says whether it is a packet
 # A burst's packets go every so many frames: measured on 2 ranks, 64 small dicts one after
 # the other, this lets the receiver decode while the sender issues (see benchmarks.md).
 PACKET_FRAMES = 16
@@ -157,13 +156,11 @@ class ProbeLink(Link):
                 arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"),
                                 None)
                 return False
-            self._arrive(src, buffer)
-            return nbytes > _FORM_AT and buffer[_FORM_AT] == PACKET
+            return self._arrive(src, buffer)
         try:
             request = message.Irecv([buffer, MPI.BYTE])
             if before is None and request.Test():
-                self._arrive(src, buffer)
-                return nbytes > _FORM_AT and buffer[_FORM_AT] == PACKET
+                return self._arrive(src, buffer)
         except MPI.Exception as exc:
             arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"), None)
             return False

@@ -317,41 +317,45 @@ class Link(ABC):
 
     # -- receiving ---------------------------------------------------------------------
 
-    def _arrive(self, src: int, message: bytearray | torch.Tensor) -> None:
-        """Take one message from ``src`` (perhaps padded), in its order."""
+    def _arrive(self, src: int, message: bytearray | torch.Tensor) -> bool:
+        """Take one message from ``src`` (perhaps padded), in its order.
+
+        Return whether it was a packet of small frames, delivered: whoever waits for one
+        of them may go on (a link that polls stops looking there, see ``_mpi``).
+        """
         arrivals = self._arrivals
         assert arrivals is not None
         if self._held and src in self._held:  # a big head from src is on its way: keep order
             self._held[src].append(message)
-            return
+            return False
         at = PREAMBLE.size
         view = memoryview(message if isinstance(message, bytearray) else message.numpy().data)
         if len(view) < at:
             arrivals.refuse(src, ProtocolError(f"message of {len(view)} bytes from rank {src}"),
                             None)
-            return
+            return False
         head_bytes, inline, follow, form = _PREAMBLE_AT(view, 0)
         end = at + inline
         if form == PACKET and not head_bytes and not follow and end <= len(view):
             arrivals.packet(src, view, at, end)  # the hot path of small messages
-            return
+            return True
         if (form or head_bytes > self._limits.max_head_bytes
                 or inline > len(view) - at):
             arrivals.refuse(src, ProtocolError(f"message from rank {src} declares a head of "
                                                f"{head_bytes} bytes, inline {inline}"), None)
-            return
+            return False
         if head_bytes > self.room:  # the head follows as a data message: hold src's later ones
             if inline or not follow:
                 arrivals.refuse(src, ProtocolError(f"message from rank {src} declares a head "
                                                    f"of {head_bytes} bytes inline"), None)
-                return
+                return False
             self._big_head(src, head_bytes, follow - 1)
-            return
+            return False
         raw = view[at:at + head_bytes]
         who = bye_from(raw, src) if not follow else None
         if who is not None:
             arrivals.bye(src, None if who == src else who)
-            return
+            return False
         try:
             head, seq = self._head(raw)
             if inline:
@@ -362,11 +366,12 @@ class Link(ABC):
                 self._check_follow(head, head_bytes, follow)
         except ProtocolError as exc:  # its data messages cannot be skipped safely
             arrivals.refuse(src, exc, None if follow else wire.legible_tag(raw))
-            return
+            return False
         if inline:
             arrivals.frame(src, head, buffers, seq)
         else:
             arrivals.later(src, self._data(src, head, seq))
+        return False
 
     def _head(self, raw: memoryview) -> tuple[Head, int]:
         """Decode a head; return it and its seq.

@@ -84,22 +84,17 @@ class _TooBig(Exception):
 class _Inline(_Outgoing):
     """Buffers laid inline, as extensions: for small frames, within ``room`` bytes."""
 
-    __slots__ = ("extended", "max_ndim", "room")
+    __slots__ = ("max_ndim", "room")
 
     def __init__(self, room: int, max_ndim: int) -> None:
         super().__init__()
         self.room, self.max_ndim = room, max_ndim
-        self.extended = False  # whether the lowered message holds an extension
-
-    def mark_tuple(self) -> None:
-        self.extended = True
 
     def add(self, code: int, shape: tuple[int, ...], kind: BufferKind, buffer: Buffer,
             nbytes: int) -> msgpack.ExtType:
         self.room -= nbytes
         if self.room < 0 or len(shape) > self.max_ndim:  # ``encode`` refuses the latter
             raise _TooBig
-        self.extended = True
         data = _bytes_of(buffer) if isinstance(buffer, torch.Tensor) else bytes(buffer)
         return _inline_ext(_laid(code, kind, shape, nbytes) + data)
 
@@ -110,7 +105,6 @@ class _Inline(_Outgoing):
             self.room -= known.nbytes
             if self.room < 0:
                 raise _TooBig
-            self.extended = True
             return _inline_ext(known.descriptor + known.data(t))
         code = _CODES.get(t.dtype) if t.layout is torch.strided else None
         if code is None:
@@ -120,7 +114,6 @@ class _Inline(_Outgoing):
         self.room -= nbytes
         if self.room < 0 or len(shape) > self.max_ndim:
             raise _TooBig
-        self.extended = True
         _keep_known(t, code, shape, nbytes)
         return _inline_ext(_laid(code, BufferKind.TENSOR, shape, nbytes) + _bytes_of(t))
 

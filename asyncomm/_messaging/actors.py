@@ -298,8 +298,7 @@ class Host:
         message is encoded here, once, and sent as it is.
         """
         frame = self._router.encode(channel.tag, message, Codec.DEFAULT)
-        if (not self._backlog.get(rank) and type(frame) is bytes
-                and self._router.post(frame, channel.tag, rank)):
+        if not self._backlog.get(rank) and type(frame) is bytes and channel.post(frame, rank):
             return  # the common case: sent now (with the loop iteration's other messages)
         outbox = self._outboxes.get(rank)
         if outbox is None:

@@ -65,32 +65,43 @@ class Channel:
         messages. Raises ``TypeError`` for objects the channel's codec cannot
         carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
         """
-        window = self._windows.get(dst) if type(dst) is int else None  # (only ranks have one)
-        if (window is not None and window.open and window.messages_out < self._window
-                and not window.waiters and (not self._traced or self._probe_of.recording is None)):
-            # the fast path: a small message sent with the iteration's others, as it is now
+        if type(dst) is int and dst in self._windows:  # a rank checked before, small messages
             body = small_encode(obj, self._small_room, self._max_ndim)
-            if body is not None:
-                window.messages_out += 1
-                seq = window.seq
-                window.seq = seq + 1
-                self._send_small(dst, _DATA, self.tag, seq, body)
-                return
-            await self._send(self._router.frame_of(self.tag, obj, self.codec), dst, timeout)
+            if body is not None and self.post(body, dst):
+                return  # the fast path: sent with the iteration's others, as it is now
+            await self._send(self._router.frame_of(self.tag, obj, self.codec)
+                             if body is None else body, dst, timeout)
             return
         await self._send_slowly(obj, dst, timeout)
 
+    def post(self, body: bytes, dst: int) -> bool:
+        """Send an encoded small message (``small.encode``) now if ``dst``'s window has
+        credit; return whether it went (no coroutine: actors post their messages so)."""
+        window = self._windows.get(dst)
+        if window is None:
+            if (not self._small_room or self._closed or type(dst) is not int
+                    or not 0 <= dst < self._router.size):
+                return False
+            window = self._windows[dst] = self._router.window_to(dst, self.tag)
+        out = window.messages_out
+        if (not window.open or out >= self._window or window.waiters
+                or (self._traced and self._probe_of.recording is not None)):
+            return False  # ``send`` waits, says why, delivers it here, or traces it
+        window.messages_out = out + 1
+        seq = window.seq
+        window.seq = seq + 1
+        self._send_small(dst, _DATA, self.tag, seq, body)
+        return True
+
     async def _send_slowly(self, obj: object, dst: int, timeout: float | None) -> None:
-        """``send`` where its fast path does not go: checks, the first message to ``dst``,
-        no credit, a closed channel, a traced send, a codec other than the default."""
+        """``send`` of a message of another codec, or to a rank not checked before."""
         router = self._router
         if type(dst) is not int or not 0 <= dst < router.size:
             self._check_rank("send", "dst", dst)
         if self._closed:
             raise CommClosedError(f"rank {router.rank}: channel {self.tag} is closed")
-        if dst not in self._windows and self._small_room:  # its fast path, from now on
-            self._windows[dst] = router.window_to(dst, self.tag)
         if self._small_room:
+            self._windows[dst] = router.window_to(dst, self.tag)  # its fast path, from now on
             body = small_encode(obj, self._small_room, self._max_ndim)
             if body is not None:
                 await self._send(body, dst, timeout)
@@ -141,10 +152,6 @@ class Channel:
                 if (type(first) is Message and (src is None or first[0] == src)
                         and self._small_room):  # the commonest: the first, a small message
                     frames.popleft()
-                    done = box.taken.get(first[0])
-                    if done is not None and done[0] < self._batch_less_one:
-                        done[0] += 1  # counted for credit (``_took``, inline: the hot path)
-                        return first
                     return self._took(first)
                 entry = box.take(src)
                 if entry is not None:

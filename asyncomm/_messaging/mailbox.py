@@ -147,7 +147,6 @@ def src_of(entry: Entry) -> int:
     return entry[0] if type(entry) is Message else entry.src  # type: ignore[union-attr]
 
 
-NO_BUFFERS: list[torch.Tensor] = []  # a small frame's (never appended to)
 DATA = Kind.DATA.value  # an int: compared on every message
 
 

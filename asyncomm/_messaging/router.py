@@ -78,7 +78,6 @@ from asyncomm._messaging.mailbox import (
 )
 
 _DATA_KIND = int(Kind.DATA)
-_new: Any = tuple.__new__
 
 
 def frame_limits() -> wire.Limits:
@@ -189,21 +188,6 @@ class Router(Delivery):
             window = self._windows[(dst, tag)] = Window(
                 dst != self.rank and dst not in self.dead and not self._closed)
         return window
-
-    def post(self, body: bytes, tag: int, dst: int) -> bool:
-        """Send a small frame at once if its window has room; return whether it went.
-
-        The fast path of ``send``: nothing to wait for, so no coroutine.
-        """
-        window = self.window_to(dst, tag)
-        out = window.messages_out
-        if not window.open or window.waiters or out >= self.window:
-            return False  # ``send`` waits, says why, or delivers it here
-        window.messages_out = out + 1
-        seq = window.seq
-        window.seq = seq + 1
-        self.link.send_small(dst, _DATA_KIND, tag, seq, body)
-        return True
 
     async def send(self, frame: Encoded, tag: int, dst: int,
                    timeout: float | None = None) -> None:
