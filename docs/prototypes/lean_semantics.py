@@ -9,7 +9,9 @@ fixed-width head per frame, frames in packets of ``N`` (default 16) as one msgpa
 one ``unpackb`` per packet, a ``Message`` tuple per message kept in a deque, sequence
 numbers checked, credit counted, ``send`` and ``recv`` coroutines. It has no checks of
 tensors, no dead-peer probes, no timeouts and no cancellation. It prints its rate against
-mpi4py's pickle ``send``/``recv`` (see docs/benchmarks.md, "Channels").
+mpi4py's pickle ``send``/``recv``, and a ping-pong of an 8-byte tensor (its bytes packed
+when sent, a tensor rebuilt when received) against raw ``Send``/``Recv`` (see
+docs/benchmarks.md, "Channels").
 """
 
 import asyncio
@@ -21,6 +23,7 @@ import time
 from typing import Any, NamedTuple
 
 import msgpack
+import torch
 import uvloop
 from mpi4py import MPI
 from pickle_baseline import pickled
@@ -165,14 +168,51 @@ async def dicts(lane: Lane, rounds: int, per_round: int) -> float:
     return time.perf_counter() - start
 
 
+async def ping_pong(lane: Lane, n: int) -> float:
+    """An 8-byte tensor back and forth: its bytes packed when sent, rebuilt when received."""
+    t = torch.zeros(2)
+    lane.flush()
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        if rank == 0:
+            await send(lane, t.numpy().tobytes(), peer)
+            lane.flush()
+            torch.frombuffer(bytearray((await lane.recv(3, peer)).data), dtype=torch.float32)
+        else:
+            torch.frombuffer(bytearray((await lane.recv(3, peer)).data), dtype=torch.float32)
+            await send(lane, t.numpy().tobytes(), peer)
+            lane.flush()
+    return time.perf_counter() - start
+
+
+def raw_ping_pong(n: int) -> float:
+    buffer = [torch.zeros(2).numpy(), MPI.FLOAT]
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        if rank == 0:
+            comm.Send(buffer, peer, 9)
+            comm.Recv(buffer, peer, 9)
+        else:
+            comm.Recv(buffer, peer, 9)
+            comm.Send(buffer, peer, 9)
+    return time.perf_counter() - start
+
+
 async def main() -> None:
     lane = Lane(asyncio.get_running_loop())
+    n = 20000
+    await ping_pong(lane, 2000)
+    ours_pp, raw_pp = await ping_pong(lane, n), raw_ping_pong(n)
     await dicts(lane, 50, 64)
     ours, theirs = [], []
     for _ in range(5):
         ours.append(await dicts(lane, 300, 64))
         theirs.append(pickled(comm, rank, peer, MESSAGE, 300, 64))
     if rank == 0:
+        print(f"ping-pong 8 B: {ours_pp / n / 2 * 1e6:.2f} us one way, raw "
+              f"{raw_pp / n / 2 * 1e6:.2f} us: {ours_pp / raw_pp:.2f}x")
         o, p = statistics.median(ours), statistics.median(theirs)
         print(f"packets of {PACKET_FRAMES}: {o / 300 / 64 * 1e6:.2f} us a message, pickle "
               f"{p / 300 / 64 * 1e6:.2f}: {p / o:.2f}x pickle's rate")
