@@ -18,7 +18,7 @@ import torch
 from asyncomm._core import instrument, settings, tags
 from asyncomm._core.backend import Backend, Posted
 from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError, describe, gist
-from asyncomm._core.handle import FROM_BACKEND, Deadlines, Handle
+from asyncomm._core.handle import FROM_BACKEND, PENDING, Deadlines, Handle
 from asyncomm._core.ops import ReduceOp, check_reduce
 from asyncomm._messaging.actors import Actor, ActorRef, Host
 from asyncomm._messaging.channels import Channel, codec_of
@@ -44,6 +44,7 @@ class Comm:
                  timeout: float, label: str = "w0", world_ranks: Sequence[int] | None = None,
                  addresses: Sequence[str] = ()) -> None:
         self._backend = backend
+        self._rank = backend.rank  # (the hot path's copy)
         self._own = own  # asyncomm's private twin: objects and groups travel here
         self._loop = loop
         self._timeout = timeout
@@ -238,20 +239,26 @@ class Comm:
         """Check the deadline, then start ``op`` on the backend: ``start(handle, *args)``."""
         if timeout is not None:
             timeout = self._deadline(timeout, op)
-        self._open(op)
-        self._seq += 1
+        if self._closed:
+            self._open(op)
+        self._seq = seq = self._seq + 1
         self._last_op = op
-        handle: Handle[Any] = Handle(self._loop, (self._backend.rank, op, self._seq, peer, tag),
-                                     result, keep)
+        handle: Handle[Any] = Handle(self._loop, (self._rank, op, seq, peer, tag), result, keep)
         trace = self._probe.recording
         if trace is not None:  # before starting: an eager send may finish inside
             trace.issued(handle, self._probe.id, keep)
         if self._checker is not None and checked(op):  # debug mode: see _checks
             self._checker.submit(handle, op, args,
                                  lambda: self._start(handle, start, args, deferred=True))
+        elif self._backend.lost is None:  # (``_start``, inline: the hot path of every operation)
+            try:
+                start(handle, *args)
+            except Exception as exc:
+                if self._start_failed(handle, exc):
+                    raise
         else:
             self._start(handle, start, args)
-        if not handle.done():  # many operations (eager sends) are done at once
+        if handle._state == PENDING:  # many operations (eager sends) are done at once
             self._deadlines.add(handle, self._timeout if timeout is None else timeout)
         return handle
 
@@ -264,16 +271,22 @@ class Comm:
             return
         try:
             start(handle, *args)
-        except (TypeError, ValueError) as exc:
-            if deferred:
-                handle._fail(CommError, exc)
-                return
-            handle._settle(2, None)  # never started
-            raise
-        except CommError as exc:
-            handle._fail(type(exc), exc)
         except Exception as exc:
+            if self._start_failed(handle, exc, deferred):
+                raise
+
+    @staticmethod
+    def _start_failed(handle: Handle[Any], exc: Exception, deferred: bool = False) -> bool:
+        """Fail ``handle``, whose start raised ``exc``; return whether to re-raise it (a bad
+        argument, when the start was not deferred: its caller is there to be told)."""
+        if isinstance(exc, (TypeError, ValueError)):
+            if not deferred:
+                handle._settle(2, None)  # never started
+                return True
             handle._fail(CommError, exc)
+        else:
+            handle._fail(type(exc) if isinstance(exc, CommError) else CommError, exc)
+        return False
 
     # -- collectives -----------------------------------------------------------------
 

@@ -38,10 +38,26 @@ DATATYPES: dict[torch.dtype, Any] = {
 }
 
 
+_specs: dict[tuple[int, int, torch.dtype], list[Any]] = {}
+_SPECS = 256  # the specs kept: a program's hot tensors are far fewer
+
+
 def spec(tensor: torch.Tensor) -> list[Any]:
-    """Return an mpi4py buffer spec over the tensor's own memory (the caller keeps it alive)."""
-    memory = MPI.buffer.fromaddress(tensor.data_ptr(), tensor.nbytes)
-    return [memory, DATATYPES[tensor.dtype]]  # mpi4py divides counts among ranks itself
+    """Return an mpi4py buffer spec over the tensor's own memory (the caller keeps it alive).
+
+    A spec is only an address, a length and a datatype: it owns nothing, so the spec
+    of the same memory seen as the same dtype is kept and given again (making one
+    costs as much as the operation it describes). A tensor freed and another made at
+    its address is the same memory: its spec is right for it too.
+    """
+    key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype)
+    made = _specs.get(key)
+    if made is None:
+        if len(_specs) >= _SPECS:
+            _specs.clear()
+        # (mpi4py divides counts among ranks itself)
+        made = _specs[key] = [MPI.buffer.fromaddress(key[0], key[1]), DATATYPES[key[2]]]
+    return made
 
 MESSAGE_BYTES = 64 << 10  # the largest link message: frames up to about this travel in one
 # A message found by probe up to this size is received with a blocking matched receive:

@@ -16,6 +16,7 @@ from asyncomm._core.errors import CommError, CommTimeoutError, describe, gist
 T = TypeVar("T")
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
+PENDING = _PENDING  # a handle's ``_state`` while in flight (callers on hot paths read it)
 
 FROM_BACKEND: Any = object()  # a handle whose result is the value its backend reports
 
@@ -101,6 +102,8 @@ class Handle(Generic[T]):
             finally:
                 if not waiter.done() and self._waiters:  # cancelled: forget only this await
                     self._waiters.remove(waiter)
+        if self._state == _DONE:
+            return self._value  # type: ignore[no-any-return]
         return self.result()
 
     def add_done_callback(self, callback: Callable[[Handle[T]], None]) -> None:

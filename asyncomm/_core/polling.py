@@ -216,7 +216,10 @@ def computing(loop: asyncio.AbstractEventLoop) -> list[int]:
 class Poller:
     """Complete requests by testing them from the event loop: spin while busy, back off when idle.
 
-    The backend supplies ``test(request)`` -> ``(done, outcome)`` and
+    The backend supplies ``test(request, scratch)`` -> whether it is done
+    (``outcome()`` then says what it reported, from ``scratch``: both are
+    called on every test, so they are best the engine's own, such as
+    ``MPI.Request.Test`` and ``Status.Get_source``, with no Python frame) and
     ``testsome(requests)`` -> ``[(index, outcome), ...]`` for the completed
     ones; an outcome that is an exception fails its request.
 
@@ -253,11 +256,13 @@ class Poller:
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
-                 test: Callable[[Any], tuple[bool, Any]],
+                 test: Callable[[Any, Any], bool], scratch: Any, outcome: Callable[[], Any],
                  testsome: Callable[[Sequence[Any]], list[tuple[int, Any]]],
                  classify: Classify) -> None:
         self._loop = loop
         self._test = test
+        self._scratch = scratch
+        self._outcome = outcome
         self._testsome = testsome
         self._classify = classify
         polling = settings.read()
@@ -290,12 +295,11 @@ class Poller:
         pending then: most are done by then, and cost no bookkeeping.
         """
         try:
-            done, outcome = self._test(request)
+            if self._test(request, self._scratch):
+                deliver(sink, finish, self._outcome(), self._classify)
+                return
         except BaseException as exc:
             sink._fail(self._classify(exc), exc)
-            return
-        if done:
-            deliver(sink, finish, outcome, self._classify)
             return
         entry = (sink, finish, active)
         if self._hurry.tests and hasattr(sink, "_hurry"):
@@ -337,19 +341,19 @@ class Poller:
         Only ``tests`` times, never for a learnt while: tasks that await requests are
         often many at once (a gather of sends), and each would hold the others back.
         """
-        hurry, test = self._hurry, self._test
+        hurry, test, scratch = self._hurry, self._test, self._scratch
         if not hurry.allowed():
             return
         _, request, entry = sink._hurry
-        for _ in range(hurry.tests):
-            try:
-                done, outcome = test(request)
-            except BaseException as exc:
-                done, outcome = True, exc
-            if done:
-                break
-        else:
-            return
+        try:
+            for _ in range(hurry.tests):
+                if test(request, scratch):
+                    break
+            else:
+                return
+            outcome = self._outcome()
+        except BaseException as exc:
+            outcome = exc
         sink._hurry = None
         if entry is None:  # polled already: no longer
             try:
@@ -364,7 +368,9 @@ class Poller:
     def _settle(self, entry: tuple[Sink, Finish | None, bool], outcome: Any) -> None:
         """Settle the sink of a request that completed (taken out of the lists already)."""
         sink, finish, _ = entry
-        if isinstance(outcome, BaseException):
+        if finish is None and not isinstance(outcome, BaseException):
+            sink._succeed(outcome)  # (the commonest, inline)
+        elif isinstance(outcome, BaseException):
             sink._fail(self._classify(outcome), outcome)
         else:
             deliver(sink, finish, outcome, self._classify)
@@ -401,10 +407,10 @@ class Poller:
         if requests:
             if len(requests) == 1:  # the common case: one request, no index bookkeeping
                 try:
-                    done, outcome = self._test(requests[0])
+                    completed = ([(0, self._outcome())] if self._test(requests[0], self._scratch)
+                                 else [])
                 except BaseException as exc:
-                    done, outcome = True, exc
-                completed = [(0, outcome)] if done else []
+                    completed = [(0, exc)]
             else:
                 completed = self._testsome(requests)
             if completed:
