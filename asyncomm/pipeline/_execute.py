@@ -81,6 +81,7 @@ from torch import nn
 from asyncomm._core.errors import CommError, RemoteError
 from asyncomm._overlap.compute import compute, run_here
 from asyncomm.pipeline._passes import (
+    Incoming,
     Slot,
     StepStats,
     input_gradient,
@@ -99,6 +100,7 @@ T = TypeVar("T")
 #: First channel tag of a pipeline's messages (far above the tags people pick by hand).
 DEFAULT_TAG_BASE = 1 << 48
 
+Inbox = dict[tuple[int, int, int], "asyncio.Future[torch.Tensor] | Incoming"]  # a step's receives
 _FORWARD, _BACKWARD, _EVAL, _NOTICES = 0, 1, 2, 3  # message directions (notices: one tag)
 _NOTICE_S = 5.0  # how long a failing rank tries to tell each other rank (see the note)
 # pipelines made so far per communicator and tag_base: every rank numbers its pipelines alike
@@ -295,7 +297,7 @@ class Pipeline:
     async def _step(self, xs: list[Any] | None, ys: list[Any] | None) -> float | None:
         n = self.schedule.n_microbatches
         slots: dict[tuple[int, int], Slot] = {}
-        inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]] = {}
+        inbox: Inbox = {}
         sends: list[Awaitable[None]] = []  # channel sends' tasks, point-to-point handles
         times = [0.0, 0.0]  # forward, backward compute seconds
         losses: list[torch.Tensor] = []
@@ -498,8 +500,7 @@ class Pipeline:
         raise TypeError(f"rank {self.rank}: Pipeline: {what} must be a tensor or a list of "
                         f"{n} microbatches, not {type(given).__name__}")
 
-    def _post_receives(self, inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]]
-                       ) -> None:
+    def _post_receives(self, inbox: Inbox) -> None:
         """Post every receive of this rank's list; a local hand-over waits for its send."""
         loop = asyncio.get_running_loop()
         for action in self.actions:
@@ -513,15 +514,14 @@ class Pipeline:
                 continue
             if peer == self.rank:
                 inbox[key] = loop.create_future()
+            elif self._p2p is not None:
+                shape, dtype = self._shapes[key]
+                buffer = torch.empty(shape, dtype=dtype)
+                inbox[key] = Incoming(self._p2p.recv(buffer, peer, self._offset(*key)), buffer)
             else:
                 inbox[key] = asyncio.ensure_future(self._receive(key, peer))
 
     async def _receive(self, key: tuple[int, int, int], peer: int) -> torch.Tensor:
-        if self._p2p is not None:
-            shape, dtype = self._shapes[key]
-            buffer = torch.empty(shape, dtype=dtype)
-            await self._p2p.recv(buffer, peer, self._offset(*key))
-            return buffer
         msg = await self.comm.channel(self._tag(*key)).recv(peer)
         data = msg.data
         if not isinstance(data, torch.Tensor):
@@ -531,20 +531,18 @@ class Pipeline:
         return data
 
     async def _take(self, index: int, action: Action, key: tuple[int, int, int],
-                    inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]]
-                    ) -> torch.Tensor:
+                    inbox: Inbox) -> torch.Tensor:
         fut = inbox.get(key)
         if fut is None:
             raise RuntimeError(f"{self._what(index, action)}: no receive posted for it (a "
                                "RECV is missing from the schedule)")
-        if not fut.done() and not isinstance(fut, asyncio.Task):  # a local hand-over
+        if not fut.done() and not isinstance(fut, (asyncio.Task, Incoming)):  # a local hand-over
             raise RuntimeError(f"{self._what(index, action)}: the local hand-over it needs "
                                "has not been sent yet (SEND after its use)")
         return await fut
 
     def _send(self, index: int, action: Action, direction: int, tensor: torch.Tensor | None,
-              inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
-              sends: list[Awaitable[None]]) -> None:
+              inbox: Inbox, sends: list[Awaitable[None]]) -> None:
         if tensor is None:
             op = "F" if direction == _FORWARD else "B"
             raise RuntimeError(f"{self._what(index, action)}: nothing to send (its {op} has "
@@ -554,7 +552,7 @@ class Pipeline:
         key = (direction, action.stage, action.microbatch)
         if peer == self.rank:
             fut = inbox.get(key)
-            if fut is None:
+            if not isinstance(fut, asyncio.Future):
                 raise RuntimeError(f"{self._what(index, action)}: no matching RECV on this rank")
             fut.set_result(tensor)
             return
@@ -578,9 +576,8 @@ class Pipeline:
         sends.append(sent)
 
     async def _forward(self, index: int, action: Action, slot: Slot, xs: list[Any] | None,
-                       ys: list[Any] | None,
-                       inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
-                       times: list[float], losses: list[torch.Tensor]) -> None:
+                       ys: list[Any] | None, inbox: Inbox, times: list[float],
+                       losses: list[torch.Tensor]) -> None:
         stage, mb = action.stage, action.microbatch
         module = self.stages.get(stage)
         if module is None:
@@ -615,8 +612,7 @@ class Pipeline:
             slot.loss = loss
             losses.append(loss.detach())
 
-    async def _backward(self, index: int, action: Action, slot: Slot,
-                        inbox: dict[tuple[int, int, int], asyncio.Future[torch.Tensor]],
+    async def _backward(self, index: int, action: Action, slot: Slot, inbox: Inbox,
                         times: list[float], n: int) -> None:
         stage, mb = action.stage, action.microbatch
         if slot.output is None or slot.backward_done:
