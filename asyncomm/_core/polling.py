@@ -342,7 +342,8 @@ class Poller:
         often many at once (a gather of sends), and each would hold the others back.
         """
         hurry, test, scratch = self._hurry, self._test, self._scratch
-        if not hurry.allowed():
+        turn = hurry._turn  # (``Hurry.allowed``, inline while a turn is asked for: every await)
+        if not (time.perf_counter() - turn <= FAIR_S if turn else hurry.allowed()):
             return
         _, request, entry = sink._hurry
         try:
@@ -355,6 +356,9 @@ class Poller:
         except BaseException as exc:
             outcome = exc
         sink._hurry = None
+        if entry is not None and entry[1] is None and not isinstance(outcome, BaseException):
+            sink._succeed(outcome)  # (``_settle``, inline: the commonest)
+            return
         if entry is None:  # polled already: no longer
             try:
                 index = self._requests.index(request)
