@@ -202,6 +202,38 @@ def test_many_handles_in_flight(world: World) -> None:
     world.run(check_many_in_flight)
 
 
+async def check_same_memory_seen_anew(comm: Comm) -> None:
+    """Views of one memory that begin at the same address, with other lengths and dtypes,
+    one after the other: each moves exactly its own elements (buffer specs are kept by
+    address, length and dtype: a spec kept by address alone would move the first's)."""
+    memory = torch.zeros(16, dtype=torch.float64)
+    mark = -1.0 - comm.rank  # beyond the view: a reduction over it would change it
+    for length in (16, 8, 3, 8):
+        memory.fill_(mark)
+        memory[:length] = comm.rank + 1.0
+        await comm.all_reduce(memory[:length])
+        assert memory[:length].tolist() == [comm.size * (comm.size + 1) / 2] * length
+        assert memory[length:].tolist() == [mark] * (16 - length)  # untouched
+    as_ints = memory.view(torch.int64)  # the same bytes, another dtype
+    as_ints.fill_(comm.rank)
+    await comm.all_reduce(as_ints[:8], "max")
+    assert as_ints[:8].tolist() == [comm.size - 1] * 8
+    assert as_ints[8:].tolist() == [comm.rank] * 8  # untouched
+    for length in (12, 4):  # and with a point-to-point pair
+        memory.fill_(mark)
+        if comm.rank == 0:
+            memory[:length] = 7.0
+            await comm.send(memory[:length], 1, tag=3)
+        elif comm.rank == 1:
+            await comm.recv(memory[:length], 0, tag=3)
+            assert memory[:length].tolist() == [7.0] * length
+            assert memory[length:].tolist() == [mark] * (16 - length)
+
+
+def test_same_memory_seen_anew(world: World) -> None:
+    world.run(check_same_memory_seen_anew)
+
+
 async def check_objects(comm: Comm) -> None:
     payload = {"rank": comm.rank, "blob": b"x" * (comm.rank * 1000), "t": (1, [2.5])}
     everyone = await comm.all_gather_object(payload)
