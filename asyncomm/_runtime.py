@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Generator
@@ -87,6 +88,17 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
     chooses asyncio's own). The communicator is closed afterwards, also on
     error. Under MPI an uncaught error aborts the whole job instead of
     leaving the other ranks to hang.
+
+    Note on the garbage collector
+    -----------------------------
+    What exists when ``run`` starts (the imports: torch alone makes a few
+    hundred thousand objects) is frozen out of the collector's sight
+    (``gc.freeze``) until ``run`` returns. A full collection traverses every
+    object it sees, and the first one came shortly after start, stalling
+    the loop about 60 ms (2,000 awaited 8-byte MPI all_reduces took 35 µs
+    each instead of 4, in 2 launches of 3; none in 3 launches frozen).
+    Nothing frozen is freed by the collector meanwhile: module-level
+    objects live that long anyway.
     """
     backend, deadline = _settings(backend, timeout)
 
@@ -99,11 +111,16 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
                     _failed(comm, exc)
                 raise
 
+    frozen_before = gc.get_freeze_count()  # (someone froze them: left as they are after)
+    gc.freeze()  # see the note on the garbage collector
     try:
         return run_loop(body())
     except BaseException as exc:  # shown from main down: the event loop's frames say nothing
         exc.with_traceback(_from_main(exc.__traceback__, body.__code__))
         raise
+    finally:
+        if not frozen_before:
+            gc.unfreeze()
 
 
 def _from_main(tb: TracebackType | None, body: CodeType) -> TracebackType | None:

@@ -433,7 +433,7 @@ def test_a_dead_peer_fails_the_operations_that_need_it(tmp_path: Path) -> None:
 def test_bare_python_is_a_world_of_one(tmp_path: Path) -> None:
     script = tmp_path / "solo.py"
     script.write_text(textwrap.dedent("""
-        import traceback, torch, asyncomm
+        import gc, traceback, torch, asyncomm
 
         async def main(comm):
             t = torch.ones(2)
@@ -442,6 +442,16 @@ def test_bare_python_is_a_world_of_one(tmp_path: Path) -> None:
             return comm.rank, comm.size, comm.backend, t.tolist(), objs
 
         print(asyncomm.run(main))
+
+        async def frozen(comm):
+            return gc.get_freeze_count() > 0
+
+        # the imports are out of the collector's sight while run runs, and only then;
+        # a program that froze them itself finds them frozen still
+        print("frozen:", asyncomm.run(frozen), gc.get_freeze_count())
+        gc.freeze()
+        asyncomm.run(frozen)
+        print("still frozen:", gc.get_freeze_count() > 0)
 
         async def failing(comm):
             try:
@@ -461,6 +471,7 @@ def test_bare_python_is_a_world_of_one(tmp_path: Path) -> None:
                           timeout=60, env={**env, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     assert "(0, 1, 'gloo', [1.0, 1.0], ['me'])" in proc.stdout
+    assert "frozen: True 0" in proc.stdout and "still frozen: True" in proc.stdout, proc.stdout
     assert "['<module>', 'failing'] KeyError('inner')" in proc.stdout, proc.stdout
 
 
