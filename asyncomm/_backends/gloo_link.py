@@ -350,15 +350,16 @@ class GlooLink(Link):
                 raw = torch.empty(head_bytes, dtype=torch.uint8)
                 self._pg.recv([raw], src, tags.LINK_DATA).wait()
                 head = wire.decode_head(raw.numpy().tobytes(), self._limits)
+                seq = head.seq
                 follow -= 1
-            else:
-                head = wire.decode_head(view[_AT:_AT + head_bytes], self._limits)
+            else:  # (heads alike but for their seq are decoded once: a stream's are)
+                head, seq = self._head(view[_AT:_AT + head_bytes])
             self._check_follow(head, head_bytes, follow)
         except (ProtocolError, RuntimeError) as exc:  # its data messages can't be skipped
             self._refuse(src, exc if isinstance(exc, ProtocolError)
                          else ProtocolError(f"frame head from rank {src} lost: {exc}"))
             return
-        pending = Pending(head, self._allocate(head), head.seq)
+        pending = Pending(head, self._allocate(head), seq)
         works = [self._pg.recv([b], src, tags.LINK_DATA) for b in pending.buffers]
         assert self._arrivals is not None
         self._on_loop(self._arrivals.later, src, pending)

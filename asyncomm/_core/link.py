@@ -378,7 +378,8 @@ class Link(ABC):
 
         Heads with buffers that differ only in their seq (a stream of tensors
         of one shape) are decoded once: the cache maps the head's bytes but
-        the seq to the ``Head`` decoded first.
+        the seq to the ``Head`` decoded first. (A link's listener thread calls
+        this too: each of the cache's operations is one step under the GIL.)
         """
         data = raw.tobytes()
         key = wire.without_seq(data)
