@@ -91,7 +91,7 @@ class Comm:
     @property
     def rank(self) -> int:
         """This rank's number in the communicator, ``0 <= rank < size``."""
-        return self._backend.rank
+        return self._rank
 
     @property
     def size(self) -> int:
@@ -239,8 +239,7 @@ class Comm:
         """Check the deadline, then start ``op`` on the backend: ``start(handle, *args)``."""
         if timeout is not None:
             timeout = self._deadline(timeout, op)
-        if self._closed:
-            self._open(op)
+        self._open(op)
         self._seq = seq = self._seq + 1
         self._last_op = op
         handle: Handle[Any] = Handle(self._loop, (self._rank, op, seq, peer, tag), result, keep)
@@ -250,12 +249,6 @@ class Comm:
         if self._checker is not None and checked(op):  # debug mode: see _checks
             self._checker.submit(handle, op, args,
                                  lambda: self._start(handle, start, args, deferred=True))
-        elif self._backend.lost is None:  # (``_start``, inline: the hot path of every operation)
-            try:
-                start(handle, *args)
-            except Exception as exc:
-                if self._start_failed(handle, exc):
-                    raise
         else:
             self._start(handle, start, args)
         if handle._state == PENDING:  # many operations (eager sends) are done at once
@@ -271,22 +264,16 @@ class Comm:
             return
         try:
             start(handle, *args)
+        except (TypeError, ValueError) as exc:
+            if deferred:
+                handle._fail(CommError, exc)
+                return
+            handle._settle(2, None)  # never started
+            raise
+        except CommError as exc:
+            handle._fail(type(exc), exc)
         except Exception as exc:
-            if self._start_failed(handle, exc, deferred):
-                raise
-
-    @staticmethod
-    def _start_failed(handle: Handle[Any], exc: Exception, deferred: bool = False) -> bool:
-        """Fail ``handle``, whose start raised ``exc``; return whether to re-raise it (a bad
-        argument, when the start was not deferred: its caller is there to be told)."""
-        if isinstance(exc, (TypeError, ValueError)):
-            if not deferred:
-                handle._settle(2, None)  # never started
-                return True
             handle._fail(CommError, exc)
-        else:
-            handle._fail(type(exc) if isinstance(exc, CommError) else CommError, exc)
-        return False
 
     # -- collectives -----------------------------------------------------------------
 
