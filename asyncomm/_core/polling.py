@@ -295,11 +295,13 @@ class Poller:
         pending then: most are done by then, and cost no bookkeeping.
         """
         try:
-            if self._test(request, self._scratch):
-                deliver(sink, finish, self._outcome(), self._classify)
-                return
+            done = self._test(request, self._scratch)
+            outcome = self._outcome() if done else None
         except BaseException as exc:
             sink._fail(self._classify(exc), exc)
+            return
+        if done:
+            deliver(sink, finish, outcome, self._classify)
             return
         entry = (sink, finish, active)
         if self._hurry.tests and hasattr(sink, "_hurry"):
@@ -356,9 +358,6 @@ class Poller:
         except BaseException as exc:
             outcome = exc
         sink._hurry = None
-        if entry is not None and entry[1] is None and not isinstance(outcome, BaseException):
-            sink._succeed(outcome)  # (``_settle``, inline: the commonest)
-            return
         if entry is None:  # polled already: no longer
             try:
                 index = self._requests.index(request)
