@@ -13,8 +13,7 @@ does not ask for the loop's turn (fairness), learn how long to hurry, check a de
 fingerprint, fail fast on a lost peer or word errors: asyncomm does those too.
 
 It prints, per round, the blocking ``Allreduce`` of 8 bytes (raw), the busy-poll bridge
-(``Iallreduce``, then ``while not req.Test(): await asyncio.sleep(0)``) and this
-awaitable (see docs/benchmarks.md, "What these say").
+and this awaitable (``awaited_rounds.py``; see docs/benchmarks.md, "What these say").
 """
 
 import asyncio
@@ -23,10 +22,10 @@ from typing import Any
 
 import torch
 import uvloop
+from awaited_rounds import rounds
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD
-N = 20000
 TESTS = 32
 DATATYPES = {torch.float32: MPI.FLOAT, torch.float64: MPI.DOUBLE}
 STATUS = MPI.Status()
@@ -118,31 +117,7 @@ class Comm:
 
 async def main() -> None:
     ours = Comm(asyncio.get_running_loop())
-    t = torch.zeros(2)
-    buf = [t.numpy(), MPI.FLOAT]
-
-    async def bridge() -> None:
-        request = comm.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)
-        while not request.Test():
-            await asyncio.sleep(0)
-
-    for _ in range(3):
-        took = {}
-        for name in ("raw", "bridge", "duties"):
-            comm.Barrier()
-            start = time.perf_counter()
-            for _ in range(N):
-                if name == "raw":
-                    comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
-                elif name == "bridge":
-                    await bridge()
-                else:
-                    await ours.all_reduce(t)
-            took[name] = (time.perf_counter() - start) / N * 1e6
-        if comm.rank == 0:
-            print("  ".join(f"{k} {v:.2f} us" for k, v in took.items()),
-                  f"duties/raw {took['duties'] / took['raw']:.2f}",
-                  f"bridge/raw {took['bridge'] / took['raw']:.2f}", flush=True)
+    await rounds("duties", ours.all_reduce)
 
 
 uvloop.run(main())

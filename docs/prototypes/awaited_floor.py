@@ -10,14 +10,13 @@ any awaitable request must cost (see docs/benchmarks.md, "What these say").
 """
 
 import asyncio
-import time
 
 import torch
 import uvloop
+from awaited_rounds import rounds
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD
-N = 20000
 TESTS = 32
 
 
@@ -54,8 +53,6 @@ def poll() -> None:
 
 async def main() -> None:
     loop = asyncio.get_running_loop()
-    t = torch.zeros(2)
-    buf = [t.numpy(), MPI.FLOAT]
 
     def issue(t: torch.Tensor) -> Awaited:
         if type(t) is not torch.Tensor or not t.is_contiguous() or t.is_cuda:
@@ -63,28 +60,7 @@ async def main() -> None:
         spec = [MPI.buffer.fromaddress(t.data_ptr(), t.nbytes), MPI.FLOAT]
         return Awaited(comm.Iallreduce(MPI.IN_PLACE, spec, MPI.SUM), loop)
 
-    async def bridge() -> None:
-        request = comm.Iallreduce(MPI.IN_PLACE, buf, MPI.SUM)
-        while not request.Test():
-            await asyncio.sleep(0)
-
-    for _ in range(3):
-        took = {}
-        for name in ("raw", "bridge", "floor"):
-            comm.Barrier()
-            start = time.perf_counter()
-            for _ in range(N):
-                if name == "raw":
-                    comm.Allreduce(MPI.IN_PLACE, buf, MPI.SUM)
-                elif name == "bridge":
-                    await bridge()
-                else:
-                    await issue(t)
-            took[name] = (time.perf_counter() - start) / N * 1e6
-        if comm.rank == 0:
-            print("  ".join(f"{k} {v:.2f} us" for k, v in took.items()),
-                  f"floor/raw {took['floor'] / took['raw']:.2f}",
-                  f"bridge/raw {took['bridge'] / took['raw']:.2f}", flush=True)
+    await rounds("floor", issue)
 
 
 uvloop.run(main())
