@@ -6,6 +6,7 @@ import asyncio
 import gc
 import math
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -290,6 +291,48 @@ def test_a_rank_that_never_joins_is_named_after_the_init_timeout(tmp_path: Path)
     assert proc.returncode != 0 and "joined" not in proc.stdout
     assert "CommTimeoutError: rank 0: init: ranks 1, 2 of 3 did not join within 2 s" in (
         proc.stderr), proc.stderr
+
+
+def test_a_squatted_store_port_is_named_within_the_init_timeout(tmp_path: Path) -> None:
+    """A MASTER_PORT some other program listens on: a rank hosting the store says the port
+    is taken; a client, which torch's store would hold until that program lets go, says
+    no store answered, within the init timeout (before: until the squatter closed)."""
+    script = tmp_path / "squatted.py"
+    script.write_text(textwrap.dedent("""
+        import asyncomm
+
+        async def main(comm):
+            print("joined")
+
+        asyncomm.run(main, backend="gloo", timeout=2)
+    """))
+    squatter = socket.socket()  # listens, never answers: connections wait in its backlog
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen(8)
+    port = squatter.getsockname()[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")}
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONPATH=str(ROOT))
+    try:
+        said = {}
+        for rank in (0, 1):
+            start = time.monotonic()
+            proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                                  timeout=60, env={**env, "RANK": str(rank),
+                                                   "LOCAL_RANK": str(rank)})  # a hang fails
+            said[rank] = (proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+    finally:
+        squatter.close()
+    code, out, err, _ = said[0]
+    assert code != 0 and "joined" not in out
+    assert (f"CommError: rank 0: init: cannot host the rendezvous store on port {port} of "
+            "127.0.0.1: it is taken") in err, err
+    code, out, err, took = said[1]
+    assert code != 0 and "joined" not in out
+    assert (f"CommTimeoutError: rank 1: init: the rendezvous store at 127.0.0.1:{port} did "
+            "not answer within 2 s") in err, err
+    assert took < 30, took
 
 
 def by_hand(source: str, directory: Path, n: int) -> list[tuple[int, str, str]]:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from asyncomm._core.errors import PeerFailedError
+from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError
 
 T = TypeVar("T")
 
@@ -68,6 +68,75 @@ def _said(failed: dict[int, str]) -> str:
                      f"failed to join: {why}" for why, ranks in by_reason.items())
 
 
+def on_daemon(step: Callable[[], T], name: str) -> asyncio.Future[T]:
+    """Run ``step`` on a daemon thread; return the loop's future of its result.
+
+    A thread blocked in torch's C++ cannot be interrupted, and must not keep the
+    process from exiting: whoever awaits the future may give up on it.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def body() -> None:
+        try:
+            value, error = step(), None
+        except BaseException as exc:  # handed to the loop
+            value, error = None, exc
+        _hand(loop, future, value, error)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return future
+
+
+def _hand(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: Any,
+          error: BaseException | None) -> None:
+    """From any thread: settle ``future`` on ``loop`` (unless it is settled, or the loop gone)."""
+    def settle() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+
+    try:
+        loop.call_soon_threadsafe(settle)
+    except RuntimeError:
+        pass  # the loop is gone: nobody waits any more
+
+
+STORE_GRACE_S = 2.0  # beyond the store's own timeout, for it to say why first
+
+
+async def reach_store(make: Callable[[], T], rank: int, host: str, port: int, hosting: bool,
+                      timeout: float) -> T:
+    """Make this rank's rendezvous store (``make``: its server, or a client) within ``timeout``.
+
+    torch's store client bounds its wait for a connection, not for the answer to
+    its first question: a port some other program listens on (a squatted
+    ``MASTER_PORT``) held a rank until that program let go. And a port taken
+    when this rank hosts the store is said in torch's words only. Both are
+    worded here.
+
+    Raises:
+        CommTimeoutError: no store answered within ``timeout``.
+        CommError: the store's port is taken (this rank hosts it).
+    """
+    try:
+        return await asyncio.wait_for(asyncio.shield(on_daemon(make, "asyncomm-store")),
+                                      timeout + STORE_GRACE_S)
+    except asyncio.TimeoutError:
+        raise CommTimeoutError(
+            f"rank {rank}: init: the rendezvous store at {host}:{port} did not answer within "
+            f"{timeout:g} s: is MASTER_PORT another program's?") from None
+    except Exception as exc:
+        if hosting and ("EADDRINUSE" in str(exc) or "address already in use" in str(exc)):
+            raise CommError(f"rank {rank}: init: cannot host the rendezvous store on port "
+                            f"{port} of {host}: it is taken (MASTER_PORT; another job or "
+                            "program has it)") from exc
+        raise
+
+
 class Watch:
     """Run joining steps of one rank, failing fast when a peer announces a failure."""
 
@@ -87,42 +156,27 @@ class Watch:
         nobody up.
         """
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[T] = loop.create_future()
         failed: asyncio.Future[dict[int, str]] = loop.create_future()
         finished = threading.Event()
 
-        def settle(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(value)
-
-        def hand(future: asyncio.Future[Any], value: Any, error: BaseException | None) -> None:
+        def announced() -> T:
             try:
-                loop.call_soon_threadsafe(settle, future, value, error)
-            except RuntimeError:
-                pass  # the loop is gone: nobody waits any more
-
-        def body() -> None:
-            try:
-                value, error = step(), None
-            except BaseException as exc:  # handed to the loop
-                value, error = None, exc
+                return step()
+            except BaseException as exc:  # raised on the loop, by the future
                 said = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 announce(self.store, self.rank, _MINE.sub("", said, count=1)[:500])
-            finished.set()
-            hand(done, value, error)
+                raise
+            finally:
+                finished.set()
 
         def watch() -> None:
             while not finished.wait(POLL_S):
                 others = {r: why for r, why in self._failures().items() if r != self.rank}
                 if others:
-                    hand(failed, others, None)
+                    _hand(loop, failed, others, None)
                     return
 
-        threading.Thread(target=body, name=f"asyncomm-{what}", daemon=True).start()
+        done = on_daemon(announced, f"asyncomm-{what}")
         threading.Thread(target=watch, name=f"asyncomm-{what}-watch", daemon=True).start()
         try:
             await asyncio.wait((done, failed), return_when=asyncio.FIRST_COMPLETED)

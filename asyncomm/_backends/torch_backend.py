@@ -444,21 +444,23 @@ class _PostedWork(Posted):
         self._work.wait(_FOREVER)
 
 
-def _base_store(env: LaunchEnv, timeout: float) -> Any:
+async def _base_store(env: LaunchEnv, timeout: float) -> Any:
     """Return this process's rendezvous store, made once and reused by every init."""
     key = (env.master_addr, env.master_port, env.rank, env.size)
     with _store_lock:
         store = _stores.get(key)
-        if store is None:
-            if env.size == 1:
-                store = dist.HashStore()  # type: ignore[attr-defined]
-            else:
-                store = dist.TCPStore(  # type: ignore[attr-defined]
-                    env.master_addr, env.master_port, env.size, is_master=env.hosts_store,
-                    timeout=datetime.timedelta(seconds=timeout),
-                    wait_for_workers=False)
-            _stores[key] = store
+    if store is not None:
         return store
+    if env.size == 1:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+    else:
+        store = await startup.reach_store(functools.partial(
+            dist.TCPStore, env.master_addr, env.master_port,  # type: ignore[attr-defined]
+            env.size, is_master=env.hosts_store, timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False), env.rank, env.master_addr, env.master_port,
+            env.hosts_store, timeout)
+    with _store_lock:
+        return _stores.setdefault(key, store)
 
 
 async def open_torch(name: str, env: LaunchEnv, timeout: float,
@@ -491,7 +493,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
         return await watch.run(step, "init")
 
     if owns:
-        store = _base_store(env, timeout)
+        store = await _base_store(env, timeout)
         prefix = f"asyncomm/{_generation}"
         prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         if env.size > 1:
