@@ -105,6 +105,11 @@ def _hand(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: A
         pass  # the loop is gone: nobody waits any more
 
 
+def _ignored(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: not reported as never retrieved
+
+
 STORE_GRACE_S = 2.0  # beyond the store's own timeout, for it to say why first
 
 
@@ -122,10 +127,11 @@ async def reach_store(make: Callable[[], T], rank: int, host: str, port: int, ho
         CommTimeoutError: no store answered within ``timeout``.
         CommError: the store's port is taken (this rank hosts it).
     """
+    made = on_daemon(make, "asyncomm-store")
     try:
-        return await asyncio.wait_for(asyncio.shield(on_daemon(make, "asyncomm-store")),
-                                      timeout + STORE_GRACE_S)
+        return await asyncio.wait_for(asyncio.shield(made), timeout + STORE_GRACE_S)
     except asyncio.TimeoutError:
+        made.add_done_callback(_ignored)  # it may fail later still: nobody waits for it then
         raise CommTimeoutError(
             f"rank {rank}: init: the rendezvous store at {host}:{port} did not answer within "
             f"{timeout:g} s: is MASTER_PORT another program's?") from None

@@ -27,10 +27,11 @@ message was just read). Messages are mostly consumed in the order they came,
 so the buffers lent first are the ones freed first: every ``take`` moves the
 oldest lent buffers that are free to the free ones (stopping at the first still
 used: cheap however many messages the user keeps), and the whole lent list is
-looked through only when that finds none. Lending free buffers in the order
-they were freed instead, a stream of 64 x 1 MiB on MPI dropped from ~18.5 to
-~14.5 GB/s once its receiver had fallen behind once (32 buffers kept, lent in
-turn from memory no longer cached), and stayed there.
+looked through only when that finds none. When lent buffers were looked
+through only once no free one was left, the free ones left by a burst were
+lent in turn, each out of the cache: a stream of 64 x 1 MiB on MPI dropped
+from ~18.5 to ~14.5 GB/s once its receiver had fallen behind once (32
+buffers kept), and stayed there.
 """
 
 from __future__ import annotations
