@@ -1082,11 +1082,15 @@ async def check_large_messages_keep_their_memory(comm: Comm) -> None:
     # The buffers of large messages are lent again once nothing refers to them: the
     # messages a receiver keeps (whole, or a view) stay intact while later ones arrive
     # into recycled memory, and the dropped ones' memory is used again.
+    # Each message waits for the one before to be taken (acknowledged): the receiving
+    # link never runs ahead of the receiver (gloo's listener allocates as frames come),
+    # so a dropped message's buffer is free before a later one needs one.
     async with fresh(comm) as sub:
-        ch, n, count = sub.channel(930), 1 << 18, 24  # 1 MiB each
+        ch, ack, n, count = sub.channel(930), sub.channel(931), 1 << 18, 24  # 1 MiB each
         if sub.rank == 0:
             for i in range(count):
                 await ch.send(torch.full((n,), float(i)), 1)
+                await ack.recv(1)
         elif sub.rank == 1:
             kept: dict[int, torch.Tensor] = {}
             for i in range(count):
@@ -1096,6 +1100,7 @@ async def check_large_messages_keep_their_memory(comm: Comm) -> None:
                     kept[i] = t
                 elif i % 3 == 1:
                     kept[i] = t[100:200]
+                await ack.send(i, 0)
             for i, t in kept.items():
                 assert bool(torch.all(t == i)), i
             assert 0 < sub._router.link._buffers.kept < count * n * 4
