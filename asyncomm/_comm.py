@@ -18,7 +18,7 @@ import torch
 from asyncomm._core import instrument, settings, tags
 from asyncomm._core.backend import Backend, Posted
 from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError, describe, gist
-from asyncomm._core.handle import FROM_BACKEND, PENDING, Deadlines, Handle
+from asyncomm._core.handle import FROM_BACKEND, Deadlines, Handle
 from asyncomm._core.ops import ReduceOp, check_reduce
 from asyncomm._messaging.actors import Actor, ActorRef, Host
 from asyncomm._messaging.channels import Channel, codec_of
@@ -251,7 +251,7 @@ class Comm:
                                  lambda: self._start(handle, start, args, deferred=True))
         else:
             self._start(handle, start, args)
-        if handle._state == PENDING:  # many operations (eager sends) are done at once
+        if not handle.done():  # many operations (eager sends) are done at once
             self._deadlines.add(handle, self._timeout if timeout is None else timeout)
         return handle
 

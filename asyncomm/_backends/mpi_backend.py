@@ -56,7 +56,6 @@ _BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = 
     ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
 }
 _bf16_ops: dict[ReduceOp, Any] = {}
-_AVG = ReduceOp.AVG  # (a name, not an attribute, on the hot path)
 _op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
 
 # Requests still in MPI's hands when their communicator was freed, with their sinks
@@ -175,7 +174,9 @@ class MpiBackend(Backend):
             _op_cache[(dtype, op)] = mpi_op
         return mpi_op
 
-    def _average(self, tensor: torch.Tensor) -> Callable[[Any], object]:
+    def _average(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[Any], object] | None:
+        if op is not ReduceOp.AVG:
+            return None
         size = self.size
 
         def divide(_: Any) -> object:
@@ -233,13 +234,13 @@ class MpiBackend(Backend):
 
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
         request = self._comm.Iallreduce(MPI.IN_PLACE, spec(tensor), self._op(tensor.dtype, op))
-        self._poller.watch(request, sink, None if op is not _AVG else self._average(tensor))
+        self._poller.watch(request, sink, self._average(tensor, op))
 
     def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
         mpi_op = self._op(tensor.dtype, op)
         if self.rank == dst:
             request = self._comm.Ireduce(MPI.IN_PLACE, spec(tensor), mpi_op, root=dst)
-            self._watch(sink, request, None if op is not _AVG else self._average(tensor))
+            self._watch(sink, request, self._average(tensor, op))
         else:
             self._watch(sink, self._comm.Ireduce(spec(tensor), None, mpi_op, root=dst))
 
@@ -271,8 +272,7 @@ class MpiBackend(Backend):
         flat = _flatten(chunks)
         request = self._comm.Ireduce_scatter_block(spec(flat), spec(tensor),
                                                    self._op(tensor.dtype, op))
-        self._watch(sink, request, None if op is not _AVG else self._average(tensor),
-                    keep=flat)
+        self._watch(sink, request, self._average(tensor, op), keep=flat)
 
     def all_to_all(self, sink: Sink, outputs: Tensors, inputs: Tensors) -> None:
         send_flat, recv_flat = _flatten(inputs), _flatten(outputs)

@@ -16,7 +16,6 @@ from asyncomm._core.errors import CommError, CommTimeoutError, describe, gist
 T = TypeVar("T")
 
 _PENDING, _DONE, _FAILED = 0, 1, 2
-PENDING = _PENDING  # a handle's ``_state`` while in flight (callers on hot paths read it)
 
 FROM_BACKEND: Any = object()  # a handle whose result is the value its backend reports
 

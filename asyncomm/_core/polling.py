@@ -344,8 +344,7 @@ class Poller:
         often many at once (a gather of sends), and each would hold the others back.
         """
         hurry, test, scratch = self._hurry, self._test, self._scratch
-        turn = hurry._turn  # (``Hurry.allowed``, inline while a turn is asked for: every await)
-        if not (time.perf_counter() - turn <= FAIR_S if turn else hurry.allowed()):
+        if not hurry.allowed():
             return
         _, request, entry = sink._hurry
         try:
@@ -371,10 +370,10 @@ class Poller:
     def _settle(self, entry: tuple[Sink, Finish | None, bool], outcome: Any) -> None:
         """Settle the sink of a request that completed (taken out of the lists already)."""
         sink, finish, _ = entry
-        if finish is None and not isinstance(outcome, BaseException):
-            sink._succeed(outcome)  # (the commonest, inline)
-        elif isinstance(outcome, BaseException):
+        if isinstance(outcome, BaseException):
             sink._fail(self._classify(outcome), outcome)
+        elif finish is None:
+            sink._succeed(outcome)  # (the commonest, without ``deliver``'s call)
         else:
             deliver(sink, finish, outcome, self._classify)
 

@@ -81,7 +81,6 @@ from torch import nn
 from asyncomm._core.errors import CommError, RemoteError
 from asyncomm._overlap.compute import compute, run_here
 from asyncomm.pipeline._passes import (
-    Incoming,
     Slot,
     StepStats,
     input_gradient,
@@ -100,11 +99,38 @@ T = TypeVar("T")
 #: First channel tag of a pipeline's messages (far above the tags people pick by hand).
 DEFAULT_TAG_BASE = 1 << 48
 
-Inbox = dict[tuple[int, int, int], "asyncio.Future[torch.Tensor] | Incoming"]  # a step's receives
 _FORWARD, _BACKWARD, _EVAL, _NOTICES = 0, 1, 2, 3  # message directions (notices: one tag)
 _NOTICE_S = 5.0  # how long a failing rank tries to tell each other rank (see the note)
 # pipelines made so far per communicator and tag_base: every rank numbers its pipelines alike
 _generations: weakref.WeakKeyDictionary[Comm, dict[int, int]] = weakref.WeakKeyDictionary()
+
+
+class Incoming:
+    """A point-to-point receive posted when a step starts: awaiting it gives its tensor.
+
+    Awaited straight from the handle: no task per receive (none shows in the bubble
+    either way). Like a posted receive, it cannot be taken back (``cancel`` does
+    nothing): its handle keeps the buffer until the message comes.
+    """
+
+    __slots__ = ("_buffer", "_handle")
+
+    def __init__(self, handle: Any, buffer: torch.Tensor) -> None:
+        self._handle, self._buffer = handle, buffer
+
+    def done(self) -> bool:
+        return bool(self._handle.done())
+
+    def cancel(self) -> bool:
+        return False
+
+    def __await__(self) -> Any:
+        yield from self._handle.__await__()
+        return self._buffer
+
+
+# a step's receives, by (direction, stage, microbatch)
+Inbox = dict[tuple[int, int, int], "asyncio.Future[torch.Tensor] | Incoming"]
 
 
 class GradSyncLike(Protocol):

@@ -35,31 +35,6 @@ from asyncomm._backends.split_backward import split_input as _split_input
 from asyncomm._backends.split_backward import split_weight as _split_weight
 
 
-class Incoming:
-    """A point-to-point receive posted when a step starts: awaiting it gives its tensor.
-
-    Awaited straight from the handle, with no task between: a task's wake-up is one
-    more loop iteration on every crossing of a pipeline's critical path. Like a
-    posted receive, it cannot be taken back (``cancel`` does nothing): its handle
-    keeps the buffer until the message comes.
-    """
-
-    __slots__ = ("_buffer", "_handle")
-
-    def __init__(self, handle: Any, buffer: torch.Tensor) -> None:
-        self._handle, self._buffer = handle, buffer
-
-    def done(self) -> bool:
-        return bool(self._handle.done())
-
-    def cancel(self) -> bool:
-        return False
-
-    def __await__(self) -> Any:
-        yield from self._handle.__await__()
-        return self._buffer
-
-
 @dataclass(frozen=True)
 class StepStats:
     """Times of one step on this rank.
