@@ -475,6 +475,28 @@ def test_large_message_after_small_ones(world: World) -> None:
     world.run(check_large_after_small)
 
 
+async def check_window_holds_its_bytes(comm: Comm) -> None:
+    # 32 messages of 2 MiB fill the 64 MiB window exactly (their heads are not charged:
+    # each message's first 8 KiB are free), so all go while the receiver sleeps; a 33rd
+    # waits for credit.
+    ch = comm.channel(403)
+    if comm.rank == 0:
+        await asyncio.gather(*(ch.send(torch.full((MiB // 2,), i, dtype=torch.int32), 1,
+                                       timeout=20.0) for i in range(32)))
+        with pytest.raises(asyncomm.CommTimeoutError, match="channel 403 send to peer 1"):
+            await ch.send(torch.zeros(MiB // 2, dtype=torch.int32), 1, timeout=0.3)
+        await comm.channel(405).send("sent", 1)
+    elif comm.rank == 1:
+        assert (await comm.channel(405).recv(src=0, timeout=30.0)).data == "sent"
+        for i in range(32):
+            assert bool(((await ch.recv(src=0)).data == i).all()), i
+        await expect_nothing(ch)
+
+
+def test_a_window_holds_its_bytes_of_tensors(world: World) -> None:
+    world.run(check_window_holds_its_bytes)
+
+
 async def check_send_credit_timeout(comm: Comm) -> list[int] | None:
     ch = comm.channel(401)
     if comm.rank == 0:
@@ -991,6 +1013,102 @@ async def check_long_burst_in_packets(comm: Comm) -> None:
 
 def test_a_long_burst_leaves_in_packets_as_it_is_issued(world: World) -> None:
     world.run(check_long_burst_in_packets)
+
+
+async def check_large_envelopes_share_messages(comm: Comm) -> None:
+    # Large messages issued within one loop iteration: on gloo their envelopes travel
+    # together, when the iteration ends (the data moves from each tensor's own memory);
+    # small and medium messages issued between them keep their place in the order.
+    async with fresh(comm) as sub:
+        ch = sub.channel(905)
+        kinds = ["large", "small", "large", "large", "medium", "large", "small", "large",
+                 "large", "small"]
+
+        def item(i: int) -> object:
+            n = {"large": 4096, "medium": 256, "small": 1}[kinds[i]]  # float32s
+            return [i, torch.full((n,), float(i))]
+
+        if sub.rank == 0:
+            posted = count_packets(sub)
+            await asyncio.gather(*(ch.send(item(i), 1) for i in range(len(kinds))))
+            if sub.backend == "gloo":  # batch 0 | small | batch 2-3 | medium | batch 5 |
+                assert len(posted) == 8, posted  # small | batch 7-8 | small
+            big = [torch.full((1 << 14,), float(i)) for i in range(40)]
+            del posted[:]
+            await asyncio.gather(*(ch.send(t, 1) for t in big))
+            if sub.backend == "gloo":
+                assert posted == [1], posted  # one message carried the 40 envelopes
+        elif sub.rank == 1:
+            for i in range(len(kinds)):
+                got = (await ch.recv(0)).data
+                assert got[0] == i and torch.equal(got[1], item(i)[1]), (i, got[0])
+            for i in range(40):
+                assert bool(torch.all((await ch.recv(0)).data == i)), i
+        await sub.barrier()
+
+
+def test_large_messages_issued_together_share_envelopes_and_keep_order(world: World) -> None:
+    world.run(check_large_envelopes_share_messages)
+
+
+def forged_batches() -> dict[str, bytes]:
+    """gloo link messages that claim to hold envelopes of large frames, but do not."""
+    from asyncomm._backends.gloo_link import BATCH
+    from asyncomm._core.link import PREAMBLE
+
+    def batch(*entries: bytes) -> bytes:
+        body = b"".join(entries)
+        return PREAMBLE.pack(0, len(body), 0, BATCH) + body
+
+    head, _ = wire.encode(Kind.DATA, 940, 0, torch.zeros(4096, dtype=torch.uint8))
+    junk = b"JUNK" + bytes(60)
+    return {
+        "inline": batch(PREAMBLE.pack(len(head), 5, 1, 0) + head),
+        "no data": batch(PREAMBLE.pack(len(head), 0, 0, 0) + head),
+        "cut short": batch(PREAMBLE.pack(len(head) + 10, 0, 1, 0) + head),
+        "junk head": batch(PREAMBLE.pack(len(junk), 0, 1, 0) + junk),
+        "wrong count": batch(PREAMBLE.pack(len(head), 0, 2, 0) + head),
+        "stray bytes": batch(b"\x01\x02"),
+    }
+
+
+async def check_forged_batches(comm: Comm) -> dict[str, str]:
+    # A forged batch is refused before anything is allocated for it, and ends the stream
+    # from its source (the data messages it announces cannot be skipped); others go on.
+    refusals: dict[str, str] = {}
+    for what, message in forged_batches().items():
+        async with fresh(comm) as sub:
+            ch = sub.channel(940)
+            if sub.rank == 0:
+                await ch.send("before", 1)
+                link = sub._router.link
+                link.flush()
+                handle = link._post(bytearray(message), 1, tags.LINK_MESSAGE)
+                if handle is not None:
+                    await handle
+            elif sub.rank == 1:
+                assert (await ch.recv(src=0)).data == "before"
+                with pytest.raises(asyncomm.ProtocolError, match="stream from rank 0 broken"
+                                   ) as refused:
+                    await ch.recv(src=0, timeout=10.0)
+                refusals[what] = str(refused.value)
+                assert (await ch.recv(src=2, timeout=10.0)).data == "from 2"
+                assert sub._router.link._buffers.kept == 0  # nothing was allocated
+            else:
+                await ch.send("from 2", 1)
+            await sub.barrier()
+    return refusals
+
+
+def test_forged_gloo_batches_end_their_source_stream(world: World) -> None:
+    if world.backend != "gloo":
+        pytest.skip("only gloo's link batches the envelopes of large frames")
+    refusals = world.run(check_forged_batches)[1]
+    for what, fragment in [("inline", "inline 5"), ("no data", "inline 0"),
+                           ("cut short", "declares a head"), ("junk head", "magic"),
+                           ("wrong count", "count does not match"),
+                           ("stray bytes", "declares a head")]:
+        assert fragment in refusals[what], (what, refusals[what])
 
 
 async def check_corrupt_small_frames(comm: Comm) -> None:

@@ -62,23 +62,27 @@ from asyncomm._core.link import (
     PREAMBLE,
     Arrivals,
     Link,
+    Packet,
     Pending,
     Transport,
     bye_from,
+    frame_size,
     proxy_bye,
     signal,
 )
 from asyncomm._core.progress import Classify, Inbox, Waiters
 
-ENVELOPE_BYTES = 4096  # the size of every link message on gloo
+ENVELOPE_BYTES = 4096  # the most bytes of a link message on gloo (its receives' size)
+BATCH = 2  # the preamble's form of a message holding the envelopes of several frames
 DEPTH = 8  # any-source receives the listener keeps posted
 DRAIN: bytes = signal(tags.DRAIN)  # see the note on draining
 PING: bytes = signal(tags.PING)  # see the note on dead peers
 _AT = PREAMBLE.size
+_ENTRY_ROOM = ENVELOPE_BYTES - 2 * _AT  # the largest head a batch holds
 
 
 def _ping_message() -> torch.Tensor:
-    message = bytearray(ENVELOPE_BYTES)
+    message = bytearray(_AT + len(PING))
     PREAMBLE.pack_into(message, 0, len(PING), len(PING), 0, 0)
     message[_AT:_AT + len(PING)] = PING
     return torch.frombuffer(message, dtype=torch.uint8)
@@ -175,6 +179,7 @@ class GlooLink(Link):
         self._ping = _ping_message()  # only read: every probe sends the same bytes
         self._can_drain = True  # False once no live peer is left to drain this rank
         self._pinging: set[int] = set()  # peers with a PING in flight
+        self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         super().open(arrivals, limits)
@@ -187,8 +192,50 @@ class GlooLink(Link):
             thread.start()
             self._threads.append(thread)
 
-    def _message(self, nbytes: int) -> bytearray:
-        return bytearray(ENVELOPE_BYTES)
+    def _packet(self, packet: Packet) -> bytes | bytearray:
+        return packet  # sent as it is: a receive may be longer than its message
+
+    def send(self, dst: int, head: bytes, buffers: list[torch.Tensor]) -> list[Handle[None]]:
+        """Issue a frame; a large one's envelope waits for the iteration's others (see the note)."""
+        if dst in self._packets:  # what was issued before goes first
+            self._flush_to(dst)
+        if (buffers and len(head) <= _ENTRY_ROOM
+                and frame_size(len(head), [b.numel() for b in buffers]) > self.room):
+            self._enclose(dst, head, len(buffers))
+            posted = [self._post(b, dst, tags.LINK_DATA) for b in buffers]
+            return [h for h in posted if h is not None]
+        self._send_batch(dst)
+        return super().send(dst, head, buffers)
+
+    def _enclose(self, dst: int, head: bytes, follow: int) -> None:
+        """Add a large frame's envelope to ``dst``'s batch, sent when the iteration ends."""
+        batch = self._batches.get(dst)
+        if batch is not None and len(batch) + _AT + len(head) > ENVELOPE_BYTES:
+            self._send_batch(dst)
+            batch = None
+        if batch is None:
+            batch = self._batches[dst] = bytearray(_AT)  # the batch's preamble, laid when sent
+            self._flush_later()
+        batch += PREAMBLE.pack(len(head), 0, follow, 0)
+        batch += head
+
+    def _send_batch(self, dst: int) -> None:
+        batch = self._batches.pop(dst, None)
+        if batch is None:
+            return
+        PREAMBLE.pack_into(batch, 0, 0, len(batch) - _AT, 0, BATCH)
+        handle = self._post(batch, dst, tags.LINK_MESSAGE)
+        if handle is not None:
+            handle.add_done_callback(self._packet_sent)
+
+    def _flush_to(self, dst: int) -> None:
+        self._send_batch(dst)  # a batch pending beside a packet holds older frames
+        super()._flush_to(dst)
+
+    def flush(self) -> None:
+        while self._batches:
+            self._send_batch(next(iter(self._batches)))
+        super().flush()
 
     def probe(self, dst: int) -> BaseException | None:
         """Send ``dst`` a PING; a send to a dead peer fails at once (see the note).
@@ -302,7 +349,7 @@ class GlooLink(Link):
         posted: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
 
         def post() -> None:
-            envelope = torch.empty(ENVELOPE_BYTES, dtype=torch.uint8)
+            envelope = torch.zeros(ENVELOPE_BYTES, dtype=torch.uint8)
             posted.append((envelope, self._pg.recv_anysource([envelope], tags.LINK_MESSAGE)))
 
         try:
@@ -323,7 +370,7 @@ class GlooLink(Link):
             work.wait()
             src = work._source_rank()
             view = memoryview(envelope.numpy().data)
-            head_bytes, inline, follow, _ = PREAMBLE.unpack_from(view, 0)
+            head_bytes, inline, follow, form = PREAMBLE.unpack_from(view, 0)
             head = view[_AT:_AT + head_bytes]
             if not follow and head == DRAIN:
                 continue
@@ -335,7 +382,9 @@ class GlooLink(Link):
                     post()
             if not follow and head == PING:
                 continue
-            if not follow:  # in one piece: parsed on the loop
+            if form == BATCH and not head_bytes and not follow:
+                self._follow_batch(src, view[_AT:_AT + inline])
+            elif not follow:  # in one piece: parsed on the loop
                 self._on_loop(self._arrive, src, envelope)
             elif head_bytes <= self._limits.max_head_bytes and not inline:
                 self._follow(src, view, head_bytes, follow)
@@ -345,25 +394,68 @@ class GlooLink(Link):
 
     def _follow(self, src: int, view: memoryview, head_bytes: int, follow: int) -> None:
         """Post the data receives of a frame in pieces; queue it for the completer."""
-        try:
-            if head_bytes > self.room:  # the head itself comes first, as a data message
-                raw = torch.empty(head_bytes, dtype=torch.uint8)
-                self._pg.recv([raw], src, tags.LINK_DATA).wait()
-                head = wire.decode_head(raw.numpy().tobytes(), self._limits)
-                seq = head.seq
-                follow -= 1
-            else:  # (heads alike but for their seq are decoded once: a stream's are)
-                head, seq = self._head(view[_AT:_AT + head_bytes])
-            self._check_follow(head, head_bytes, follow)
+        if head_bytes <= self.room:
+            self._expect(src, [self._pend(src, view[_AT:_AT + head_bytes], follow)])
+            return
+        try:  # the head itself comes first, as a data message
+            raw = torch.empty(head_bytes, dtype=torch.uint8)
+            self._pg.recv([raw], src, tags.LINK_DATA).wait()
+            head = wire.decode_head(raw.numpy().tobytes(), self._limits)
+            self._check_follow(head, head_bytes, follow - 1)
         except (ProtocolError, RuntimeError) as exc:  # its data messages can't be skipped
             self._refuse(src, exc if isinstance(exc, ProtocolError)
                          else ProtocolError(f"frame head from rank {src} lost: {exc}"))
             return
+        self._expect(src, [self._receive(src, head, head.seq)])
+
+    def _follow_batch(self, src: int, view: memoryview) -> None:
+        """Post the data receives of a batch's frames, in order (see ``send``)."""
+        frames: list[tuple[Pending, list[Any]] | ProtocolError] = []
+        at, end = 0, len(view)
+        while at < end:
+            head_bytes, inline, follow, form = (PREAMBLE.unpack_from(view, at)
+                                                if end - at >= _AT else (end, 0, 0, 0))
+            at += _AT
+            if inline or form or not follow or head_bytes > min(end - at, self.room):
+                frames.append(ProtocolError(f"batch from rank {src} declares a head of "
+                                            f"{head_bytes} bytes, inline {inline}"))
+                break
+            frames.append(self._pend(src, view[at:at + head_bytes], follow))
+            if isinstance(frames[-1], ProtocolError):
+                break
+            at += head_bytes
+        self._expect(src, frames)
+
+    def _pend(self, src: int, raw: memoryview, follow: int,
+              ) -> tuple[Pending, list[Any]] | ProtocolError:
+        """Post the data receives of a frame whose head is ``raw``."""
+        try:  # (heads alike but for their seq are decoded once: a stream's are)
+            head, seq = self._head(raw)
+            self._check_follow(head, len(raw), follow)
+        except ProtocolError as exc:  # its data messages can't be skipped
+            return exc
+        return self._receive(src, head, seq)
+
+    def _receive(self, src: int, head: wire.Head, seq: int) -> tuple[Pending, list[Any]]:
         pending = Pending(head, self._allocate(head), seq)
-        works = [self._pg.recv([b], src, tags.LINK_DATA) for b in pending.buffers]
-        assert self._arrivals is not None
-        self._on_loop(self._arrivals.later, src, pending)
-        self._frames.put((pending, works))
+        return pending, [self._pg.recv([b], src, tags.LINK_DATA) for b in pending.buffers]
+
+    def _expect(self, src: int, frames: list[tuple[Pending, list[Any]] | ProtocolError]) -> None:
+        """Tell the loop of ``frames`` (in order, up to a refusal); queue them for the completer."""
+        arrivals = self._arrivals
+        assert arrivals is not None
+
+        def later() -> None:
+            for frame in frames:
+                if isinstance(frame, ProtocolError):
+                    arrivals.refuse(src, frame, None)
+                else:
+                    arrivals.later(src, frame[0])
+
+        self._inbox.put(_ON_LOOP, lambda _: later(), None)
+        for frame in frames:
+            if not isinstance(frame, ProtocolError):
+                self._frames.put(frame)
 
     def _refuse(self, src: int, error: ProtocolError) -> None:
         assert self._arrivals is not None

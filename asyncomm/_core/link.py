@@ -253,10 +253,15 @@ class Link(ABC):
             self._flush_to(dst)
         packet = self._packets[dst] = Packet(_PACKET_AT)
         packet.frames = 0
-        if not self._flush_due:  # one call per loop iteration, however often flushed
+        if not self._flush_due:
+            self._flush_later()
+        return packet
+
+    def _flush_later(self) -> None:
+        """Call ``flush`` when the loop iteration ends (once, however often asked)."""
+        if not self._flush_due:
             self._flush_due = True
             self._loop.call_soon(self._flush_due_now)
-        return packet
 
     def _flush_due_now(self) -> None:
         self._flush_due = False

@@ -17,13 +17,14 @@ from typing import Any, NamedTuple
 
 import torch
 
+from asyncomm._core import small
 from asyncomm._core.errors import CommError
 from asyncomm._core.wire import Head, Kind
 
 
 def charge_of(head: Head) -> int:
-    """Return the bytes a frame holds of its window: its head and buffers, as its sender counts."""
-    return head.size + head.payload_bytes
+    """Return the bytes a frame holds of its window, as its sender counts (``size_of``)."""
+    return max(0, head.size + head.payload_bytes - small.BYTES)
 
 
 class Message(NamedTuple):
@@ -151,7 +152,7 @@ DATA = Kind.DATA.value  # an int: compared on every message
 
 
 def size_of(frame: Encoded) -> int:
-    """Return the bytes a message holds of its window, as its receiver counts them."""
+    """Return the bytes of an encoded message: its head and buffers."""
     if isinstance(frame, bytes):
         return len(frame)
     head, buffers = frame
@@ -159,6 +160,15 @@ def size_of(frame: Encoded) -> int:
     for b in buffers:
         nbytes += b.numel()  # flat uint8
     return nbytes
+
+
+def charge(frame: Encoded) -> int:
+    """Return the bytes a message holds of its window, as its receiver counts (``charge_of``).
+
+    Every message's first ``small.BYTES`` are free, as a small message's all are: the
+    window's count of messages bounds them. So 64 messages of 1 MiB fit 64 MiB.
+    """
+    return 0 if isinstance(frame, bytes) else max(0, size_of(frame) - small.BYTES)
 
 
 def wake(waiter: asyncio.Future[Any]) -> None:

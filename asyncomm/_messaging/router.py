@@ -15,8 +15,9 @@ into their mailboxes (``delivery``).
 Note on flow control
 --------------------
 A sender may have at most ``window`` messages and ``window_bytes`` bytes of
-one channel unconsumed at one receiver (a small frame counts as a message
-only: its bytes are bounded by ``small.BYTES`` each). The receiver returns
+one channel unconsumed at one receiver; the first ``small.BYTES`` of each
+message are not counted (a small frame counts as a message only): the
+message count bounds them. The receiver returns
 credit (a CREDIT frame) as its user consumes messages, in batches of a quarter window;
 a message too large for the room left passes once no more than a batch is
 out, so large messages pass. So a fast producer blocks in ``send`` instead of
@@ -73,7 +74,7 @@ from asyncomm._messaging.mailbox import (
     Frame,
     Mailbox,
     Message,
-    size_of,
+    charge,
     wake,
 )
 
@@ -196,7 +197,7 @@ class Router(Delivery):
             raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
         if dst in self.dead:
             raise self._gone(f"channel {tag} send to peer {dst}", dst)
-        nbytes = 0 if isinstance(frame, bytes) else size_of(frame)  # see the note on flow control
+        nbytes = charge(frame)  # see the note on flow control
         window = self.window_to(dst, tag)
         if window.waiters or not self._fits(window, nbytes):
             await self._acquire(window, nbytes, tag, dst, timeout)
