@@ -1024,7 +1024,7 @@ async def check_large_envelopes_share_messages(comm: Comm) -> None:
         kinds = ["large", "small", "large", "large", "medium", "large", "small", "large",
                  "large", "small"]
 
-        def item(i: int) -> object:
+        def item(i: int) -> list[Any]:
             n = {"large": 4096, "medium": 256, "small": 1}[kinds[i]]  # float32s
             return [i, torch.full((n,), float(i))]
 
@@ -1040,7 +1040,7 @@ async def check_large_envelopes_share_messages(comm: Comm) -> None:
                 assert posted == [1], posted  # one message carried the 40 envelopes
         elif sub.rank == 1:
             for i in range(len(kinds)):
-                got = (await ch.recv(0)).data
+                got: Any = (await ch.recv(0)).data
                 assert got[0] == i and torch.equal(got[1], item(i)[1]), (i, got[0])
             for i in range(40):
                 assert bool(torch.all((await ch.recv(0)).data == i)), i
@@ -1049,6 +1049,38 @@ async def check_large_envelopes_share_messages(comm: Comm) -> None:
 
 def test_large_messages_issued_together_share_envelopes_and_keep_order(world: World) -> None:
     world.run(check_large_envelopes_share_messages)
+
+
+async def check_padded_link_messages(comm: Comm) -> list[int]:
+    # Where gloo's transport reads as many bytes as a receive holds (libuv: macOS,
+    # Windows), every link message is padded to the receives' size; the same traffic
+    # as above goes through, in order.
+    from asyncomm._backends import gloo_link
+
+    gloo_link.SHORT = False
+    try:
+        lengths: list[int] = []
+        async with fresh(comm) as sub:
+            endpoint: Any = sub._router.link._endpoint  # type: ignore[attr-defined]
+            send = endpoint.send
+
+            def measured(sink: Any, tensor: torch.Tensor, dst: int, tag: int,
+                         eager: bool = True) -> None:
+                lengths.append(tensor.numel())
+                send(sink, tensor, dst, tag, eager)
+
+            endpoint.send = measured
+            await check_large_envelopes_share_messages(sub)
+        return lengths
+    finally:
+        gloo_link.SHORT = True
+
+
+def test_padded_gloo_link_messages(world: World) -> None:
+    if world.backend != "gloo":
+        pytest.skip("only gloo's receives must know their size")
+    lengths = world.run(check_padded_link_messages)[0]
+    assert len(lengths) >= 8 and set(lengths) == {4096}, lengths
 
 
 def forged_batches() -> dict[str, bytes]:
