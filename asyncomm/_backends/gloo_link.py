@@ -16,25 +16,17 @@ the backend's own sends take a waiter thread each). The loop parses
 frames that came in one piece itself. The listener posts no receive after
 the last peer's goodbye (see the note on closing in ``_link``).
 
-Note on batches
----------------
-A large frame is two gloo messages at least: its envelope (its head, on
-``LINK_MESSAGE``) and its data (on ``LINK_DATA``, from the tensor's own
-memory). Sent one by one, the envelopes cost each frame an eager send, a
-listener's wake-up and a receive re-posted on both ranks (measured: 64 x 1
-MiB streamed at 0.54x raw gloo). So the envelopes of the large frames
-issued to one rank within one loop iteration travel together, as one
-*batch* message (preamble form ``BATCH``, then each frame's preamble and
-head), sent when the iteration ends or once the next would not fit in
-``ENVELOPE_BYTES``; the data sends are issued at once, in order (gloo moves
-them once their receives are posted). The listener posts the data receives
-of a batch's frames in order and tells the loop of them in one hand-off
-(about 0.75x raw). A frame of another kind (small, inline, a head beyond the
-room) sends the batch pending to its destination first, so frames leave in
-the order they were issued. On Linux, link messages are as long as what
-they hold: gloo's TCP transport takes a message into a longer receive. Its
-libuv transport (macOS, Windows) does not, so there they are padded to
-``ENVELOPE_BYTES``.
+Note on batches and message sizes
+---------------------------------
+The envelopes of large frames travel in batches (see the note on the layout
+in ``_link``). On gloo a batch spares every frame but its first an eager
+send, a listener's wake-up and a receive re-posted, on both ranks: 64 x 1
+MiB streamed at 0.54x raw gloo with an envelope each, 0.76-0.93x in batches.
+The listener posts the data receives of a batch's frames in order and tells
+the loop of them in one hand-off. On Linux, link messages are as long as
+what they hold: gloo's TCP transport takes a message into a longer receive.
+Its libuv transport (macOS, Windows) reads as many bytes as the receive
+holds, so there they are padded to ``ENVELOPE_BYTES``.
 
 Note on draining
 ----------------
@@ -80,6 +72,7 @@ from asyncomm._core import tags, wire
 from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError
 from asyncomm._core.handle import Handle
 from asyncomm._core.link import (
+    BATCH,
     PREAMBLE,
     Arrivals,
     Link,
@@ -87,14 +80,13 @@ from asyncomm._core.link import (
     Pending,
     Transport,
     bye_from,
-    frame_size,
+    envelopes,
     proxy_bye,
     signal,
 )
 from asyncomm._core.progress import Classify, Inbox, Waiters
 
 ENVELOPE_BYTES = 4096  # the most bytes of a link message on gloo (its receives' size)
-BATCH = 2  # the preamble's form of a message holding the envelopes of several frames
 DEPTH = 8  # any-source receives the listener keeps posted
 DRAIN: bytes = signal(tags.DRAIN)  # see the note on draining
 PING: bytes = signal(tags.PING)  # see the note on dead peers
@@ -102,7 +94,6 @@ PING: bytes = signal(tags.PING)  # see the note on dead peers
 # (macOS, Windows) reads as many bytes as the receive holds (see the note on batches).
 SHORT = sys.platform.startswith("linux")
 _AT = PREAMBLE.size
-_ENTRY_ROOM = ENVELOPE_BYTES - 2 * _AT  # the largest head a batch holds
 
 
 def _ping_message() -> torch.Tensor:
@@ -203,7 +194,7 @@ class GlooLink(Link):
         self._ping = _ping_message()  # only read: every probe sends the same bytes
         self._can_drain = True  # False once no live peer is left to drain this rank
         self._pinging: set[int] = set()  # peers with a PING in flight
-        self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
+        self.batches = True  # see the note on batches
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         super().open(arrivals, limits)
@@ -218,48 +209,6 @@ class GlooLink(Link):
 
     def _packet(self, packet: Packet) -> bytes | bytearray:
         return packet  # sent as it is (a copy, padded where it must be: see ``_post``)
-
-    def send(self, dst: int, head: bytes, buffers: list[torch.Tensor]) -> list[Handle[None]]:
-        """Issue a frame; a large one's envelope waits for the iteration's others (see the note)."""
-        if dst in self._packets:  # what was issued before goes first
-            self._flush_to(dst)
-        if (buffers and len(head) <= _ENTRY_ROOM
-                and frame_size(len(head), [b.numel() for b in buffers]) > self.room):
-            self._enclose(dst, head, len(buffers))
-            posted = [self._post(b, dst, tags.LINK_DATA) for b in buffers]
-            return [h for h in posted if h is not None]
-        self._send_batch(dst)
-        return super().send(dst, head, buffers)
-
-    def _enclose(self, dst: int, head: bytes, follow: int) -> None:
-        """Add a large frame's envelope to ``dst``'s batch, sent when the iteration ends."""
-        batch = self._batches.get(dst)
-        if batch is not None and len(batch) + _AT + len(head) > ENVELOPE_BYTES:
-            self._send_batch(dst)
-            batch = None
-        if batch is None:
-            batch = self._batches[dst] = bytearray(_AT)  # the batch's preamble, laid when sent
-            self._flush_later()
-        batch += PREAMBLE.pack(len(head), 0, follow, 0)
-        batch += head
-
-    def _send_batch(self, dst: int) -> None:
-        batch = self._batches.pop(dst, None)
-        if batch is None:
-            return
-        PREAMBLE.pack_into(batch, 0, 0, len(batch) - _AT, 0, BATCH)
-        handle = self._post(batch, dst, tags.LINK_MESSAGE)
-        if handle is not None:
-            handle.add_done_callback(self._packet_sent)
-
-    def _flush_to(self, dst: int) -> None:
-        self._send_batch(dst)  # a batch pending beside a packet holds older frames
-        super()._flush_to(dst)
-
-    def flush(self) -> None:
-        while self._batches:
-            self._send_batch(next(iter(self._batches)))
-        super().flush()
 
     def probe(self, dst: int) -> BaseException | None:
         """Send ``dst`` a PING; a send to a dead peer fails at once (see the note).
@@ -435,21 +384,15 @@ class GlooLink(Link):
         self._expect(src, [self._receive(src, head, head.seq)])
 
     def _follow_batch(self, src: int, view: memoryview) -> None:
-        """Post the data receives of a batch's frames, in order (see ``send``)."""
+        """Post the data receives of a batch's frames, in order (see ``Link.send``)."""
         frames: list[tuple[Pending, list[Any]] | ProtocolError] = []
-        at, end = 0, len(view)
-        while at < end:
-            head_bytes, inline, follow, form = (PREAMBLE.unpack_from(view, at)
-                                                if end - at >= _AT else (end, 0, 0, 0))
-            at += _AT
-            if inline or form or not follow or head_bytes > min(end - at, self.room):
-                frames.append(ProtocolError(f"batch from rank {src} declares a head of "
-                                            f"{head_bytes} bytes, inline {inline}"))
-                break
-            frames.append(self._pend(src, view[at:at + head_bytes], follow))
-            if isinstance(frames[-1], ProtocolError):
-                break
-            at += head_bytes
+        try:
+            for raw, follow in envelopes(view, self.room):
+                frames.append(self._pend(src, raw, follow))
+                if isinstance(frames[-1], ProtocolError):
+                    break
+        except ProtocolError as exc:
+            frames.append(ProtocolError(f"batch from rank {src}: {exc}"))
         self._expect(src, frames)
 
     def _pend(self, src: int, raw: memoryview, follow: int,

@@ -16,13 +16,19 @@ one source never mix. Small frames (see ``small``) issued to one rank
 within one loop iteration travel together as one *packet*: a message on tag
 ``tags.LINK_MESSAGE`` whose preamble says ``PACKET``, holding the frames as
 one msgpack array (decoded in one call), sent when the iteration ends
-(``flush``; no timer, so a lone frame waits for nothing). A frame sent the
-other way first flushes its destination's packet, so frames leave in the
-order they were issued. The frame bytes are the same on every link; only
+(``flush``; no timer, so a lone frame waits for nothing). On links that
+``batches`` (gloo), the envelopes of large frames issued to one rank within
+one iteration travel together too, as one *batch* (preamble form ``BATCH``,
+then each frame's preamble and head), sent when the iteration ends or once
+the next does not fit in the room; their data messages are issued at once,
+in order. (On MPI, data messages sent before their envelope arrive
+unexpected: a 64 x 1 MiB stream went from 0.90x raw to 0.61x.) A frame sent another way first
+sends its destination's packet and batch, so frames leave in the order they
+were issued. The frame bytes are the same on every link; only
 how a message is found differs:
 
-- gloo's receives must know their size: every message is padded to a fixed
-  size, and a thread keeps an any-source receive posted (see ``_gloo``);
+- gloo's receives must know their size: every message fits a fixed size,
+  and a thread keeps any-source receives of that size posted (see ``_gloo``);
 - MPI finds messages by matched probe and sizes each receive from it (see
   ``_mpi``).
 
@@ -44,7 +50,7 @@ import asyncio
 import collections
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -57,6 +63,7 @@ from asyncomm._core.wire import Head
 
 PREAMBLE = struct.Struct("<IIII")  # head bytes, frame bytes inline (0: none), data messages, form
 PACKET = 1  # the preamble's form of a packet of small frames (0: a frame)
+BATCH = 2  # the preamble's form of a batch: the envelopes of large frames
 _PREAMBLE_AT = PREAMBLE.unpack_from
 _HEADS = 1024  # heads a link keeps decoded
 _small_head, _SMALL_HEAD_BYTES = small.HEAD.pack, small.HEAD.size
@@ -153,6 +160,8 @@ class Link(ABC):
         # the body of a small frame: what fits a packet with its head, up to small.BYTES
         self.small_room = min(small.BYTES, room - small.HEAD.size - small.PACKET_HEAD_BYTES)
         self._packets: dict[int, Packet] = {}  # small frames queued, per destination
+        self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
+        self.batches = False  # whether large frames' envelopes go in batches (see the note)
         # the most bytes of a packet before a frame's head and body (within ``room``)
         self._packet_limit = PREAMBLE.size + room - _SMALL_HEAD_BYTES
         self.packet_frames = 1 << 61  # the most frames a packet holds (see ``send_small``)
@@ -268,12 +277,16 @@ class Link(ABC):
         self.flush()
 
     def flush(self) -> None:
-        """Send every packet queued (the loop calls this once an iteration ends)."""
+        """Send every batch and packet queued (the loop calls this once an iteration ends)."""
+        while self._batches:
+            self._send_batch(next(iter(self._batches)))
         if self._packets:
             for dst in list(self._packets):
                 self._flush_to(dst)
 
     def _flush_to(self, dst: int) -> None:
+        if self._batches:  # a batch pending beside a packet holds older frames
+            self._send_batch(dst)
         packet = self._packets.pop(dst, None)
         if packet is None:
             return
@@ -298,12 +311,22 @@ class Link(ABC):
                 "exception": exc})
 
     def send(self, dst: int, head: bytes, buffers: list[torch.Tensor]) -> list[Handle[None]]:
-        """Issue a frame (``buffers`` flat uint8); return the handles still in flight."""
+        """Issue a frame (``buffers`` flat uint8); return the handles still in flight.
+
+        A large frame's envelope waits for the iteration's others (see the note on
+        the layout); its data messages are issued at once.
+        """
         if dst in self._packets:  # what was issued before goes first
             self._flush_to(dst)
         at = PREAMBLE.size
         size = frame_size(len(head), [b.numel() for b in buffers])
         inline = size <= self.room
+        if not inline and self.batches and len(head) <= self.room - at:
+            self._enclose(dst, head, len(buffers))
+            sent = [self._post(b, dst, tags.LINK_DATA) for b in buffers]
+            return [h for h in sent if h is not None]
+        if self._batches:
+            self._send_batch(dst)
         follow = 0 if inline else len(buffers) + (len(head) > self.room)
         body = size if inline else len(head) if follow == len(buffers) else 0
         message = self._message(at + body)
@@ -319,6 +342,27 @@ class Link(ABC):
         if not inline:
             posted.extend(self._post(b, dst, tags.LINK_DATA) for b in buffers)
         return [h for h in posted if h is not None]
+
+    def _enclose(self, dst: int, head: bytes, follow: int) -> None:
+        """Add a large frame's envelope to ``dst``'s batch, sent when the iteration ends."""
+        batch = self._batches.get(dst)
+        if batch is not None and len(batch) + len(head) > self.room:
+            self._send_batch(dst)
+            batch = None
+        if batch is None:
+            batch = self._batches[dst] = bytearray(_PREAMBLE_BYTES)  # laid when it goes
+            self._flush_later()
+        batch += PREAMBLE.pack(len(head), 0, follow, 0)
+        batch += head
+
+    def _send_batch(self, dst: int) -> None:
+        batch = self._batches.pop(dst, None)
+        if batch is None:
+            return
+        _PREAMBLE_INTO(batch, 0, 0, len(batch) - _PREAMBLE_BYTES, 0, BATCH)
+        handle = self._post(batch, dst, tags.LINK_MESSAGE)
+        if handle is not None:
+            handle.add_done_callback(self._packet_sent)
 
     # -- receiving ---------------------------------------------------------------------
 
@@ -344,6 +388,9 @@ class Link(ABC):
         if form == PACKET and not head_bytes and not follow and end <= len(view):
             arrivals.packet(src, view, at, end)  # the hot path of small messages
             return True
+        if form == BATCH and not head_bytes and not follow and end <= len(view):
+            self._batch(src, view[at:end])
+            return False
         if (form or head_bytes > self._limits.max_head_bytes
                 or inline > len(view) - at):
             arrivals.refuse(src, ProtocolError(f"message from rank {src} declares a head of "
@@ -377,6 +424,18 @@ class Link(ABC):
         else:
             arrivals.later(src, self._data(src, head, seq))
         return False
+
+    def _batch(self, src: int, view: memoryview) -> None:
+        """Post the data receives of a batch's frames, in order (see ``send``)."""
+        arrivals = self._arrivals
+        assert arrivals is not None
+        try:
+            for raw, follow in envelopes(view, self.room):
+                head, seq = self._head(raw)
+                self._check_follow(head, len(raw), follow)
+                arrivals.later(src, self._data(src, head, seq))
+        except ProtocolError as exc:  # the data messages that follow cannot be skipped
+            arrivals.refuse(src, ProtocolError(f"batch from rank {src}: {exc}"), None)
 
     def _head(self, raw: memoryview) -> tuple[Head, int]:
         """Decode a head; return it and its seq.
@@ -502,6 +561,24 @@ ALIGN = 16  # buffers of a frame in one piece start at multiples of this
 
 def _aligned(at: int) -> int:
     return (at + ALIGN - 1) & -ALIGN
+
+
+def envelopes(view: memoryview, room: int) -> Iterator[tuple[memoryview, int]]:
+    """Yield the envelopes of a batch: each frame's head and its count of data messages.
+
+    Raise ``ProtocolError`` at the first one that is malformed (those before are whole).
+    """
+    at, end = 0, len(view)
+    while at < end:
+        if end - at < _PREAMBLE_BYTES:
+            raise ProtocolError(f"an envelope cut short ({end - at} bytes)")
+        head_bytes, inline, follow, form = _PREAMBLE_AT(view, at)
+        at += _PREAMBLE_BYTES
+        if inline or form or not follow or head_bytes > min(end - at, room):
+            raise ProtocolError(f"an envelope declares a head of {head_bytes} bytes, "
+                                f"inline {inline}, {follow} data messages")
+        yield view[at:at + head_bytes], follow
+        at += head_bytes
 
 
 def frame_size(head_bytes: int, sizes: list[int]) -> int:
