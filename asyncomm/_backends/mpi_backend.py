@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -363,9 +365,20 @@ class MpiBackend(Backend):
         return ProbeLink(self, self._comm, self._loop, self._poller, self._watch, classify)
 
     def abort_job(self, code: int) -> None:
+        """End the job; this process ends here, at once, even where ``MPI_Abort`` returns.
+
+        MPICH's returns once it has told the process manager, which kills the
+        ranks a moment later: the error meanwhile went on up the stack, and
+        under load Python began printing a second traceback before the kill.
+        """
         if MPI.COMM_WORLD.Get_size() > 1:
             time.sleep(0.5)  # let the launcher forward this rank's last output
-            MPI.COMM_WORLD.Abort(code)
+            try:
+                MPI.COMM_WORLD.Abort(code)
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
 
 
 class _PostedRequest(Posted):
