@@ -22,10 +22,10 @@ one iteration travel together too, as one *batch* (preamble form ``BATCH``,
 then each frame's preamble and head), sent when the iteration ends or once
 the next does not fit in the room; their data messages are issued at once,
 in order. (On MPI, data messages sent before their envelope arrive
-unexpected: a 64 x 1 MiB stream went from 0.90x raw to 0.61x.) A frame sent another way first
-sends its destination's packet and batch, so frames leave in the order they
-were issued. The frame bytes are the same on every link; only
-how a message is found differs:
+unexpected: a 64 x 1 MiB stream went from 0.90x raw to 0.61x.) A frame sent
+another way first sends its destination's packet and batch, so frames leave
+in the order they were issued. The frame bytes are the same on every link;
+only how a message is found differs:
 
 - gloo's receives must know their size: every message fits a fixed size,
   and a thread keeps any-source receives of that size posted (see ``_gloo``);
@@ -307,7 +307,7 @@ class Link(ABC):
             pass  # the communicator closed: so did its channels
         except CommError as exc:
             self._loop.call_exception_handler({
-                "message": f"asyncomm: small messages to rank {handle.peer} were lost",
+                "message": f"asyncomm: messages to rank {handle.peer} were lost",
                 "exception": exc})
 
     def send(self, dst: int, head: bytes, buffers: list[torch.Tensor]) -> list[Handle[None]]:
