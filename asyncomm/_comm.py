@@ -455,11 +455,10 @@ class Comm:
         return made
 
     def flush(self) -> None:
-        """Send the small channel messages and actor calls issued so far now.
-
-        They leave when the loop iteration ends, or when a task of this rank
-        begins to wait for a message; call this before blocking the loop (a
-        raw blocking call on ``comm.raw``) if a peer needs them meanwhile.
+        """Send the small channel messages and actor calls issued so far now (on gloo,
+        the heads of large messages too). They leave when the loop iteration ends, or
+        when a task of this rank begins to wait for a message; call this before blocking
+        the loop (a raw blocking call on ``comm.raw``) if a peer needs them meanwhile.
         """
         self._router.flush()
 
