@@ -108,9 +108,8 @@ _generations: weakref.WeakKeyDictionary[Comm, dict[int, int]] = weakref.WeakKeyD
 class Incoming:
     """A point-to-point receive posted when a step starts: awaiting it gives its tensor.
 
-    Awaited straight from the handle: no task per receive (none shows in the bubble
-    either way). Like a posted receive, it cannot be taken back (``cancel`` does
-    nothing): its handle keeps the buffer until the message comes.
+    Awaited straight from its handle (no task per receive). Like a posted receive, it
+    cannot be taken back (``cancel`` does nothing): its handle keeps the buffer.
     """
 
     __slots__ = ("_buffer", "_handle")
@@ -239,6 +238,7 @@ class Pipeline:
         self._closed = False
         self._steps = 0  # steps started
         self._telling: asyncio.Future[None] | None = None  # a cancelled step's notice on its way
+        self._heard: CommError | None = None  # a notice the last step took as it ended
         made = _generations.setdefault(comm, {})
         self._generation = made.get(tag_base, 0)  # see the note on failure
         made[tag_base] = self._generation + 1
@@ -446,6 +446,10 @@ class Pipeline:
         notices = self._notices
         if notices is None:
             return await body
+        if self._heard is not None:  # told as the previous step ended: this one stops
+            body.close()
+            self._failed, error, self._heard = _gist(self._heard), self._heard, None
+            raise error
         watch = asyncio.ensure_future(self._notice(notices, what))
         task = asyncio.ensure_future(body)
         try:
@@ -457,8 +461,7 @@ class Pipeline:
                     self._failed = _gist(exc)
                     await self._tell(notices, exc)
                     raise
-            error = watch.result()
-            self._failed = _gist(error)
+            self._failed = _gist(error := watch.result())
             task.cancel()  # what it posted stays posted: its buffers stay with the handles
             await asyncio.wait((task,))
             raise error
@@ -470,6 +473,8 @@ class Pipeline:
         finally:
             watch.cancel()  # a cancelled channel receive loses nothing
             task.cancel()
+            if watch.done() and not watch.cancelled() and self._failed is None:
+                self._heard = watch.result()  # taken as the step ended: kept for the next
 
     async def _notice(self, notices: Channel, what: str) -> CommError:
         """Return the error of the first failure another rank tells of (or of the watch)."""
@@ -633,8 +638,7 @@ class Pipeline:
             slot.to_send = out.detach()
         if loss is not None:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(f"{self._what(index, action)}: loss_fn must return a scalar "
-                                "tensor")
+                raise TypeError(f"{self._what(index, action)}: loss_fn must return a scalar")
             slot.loss = loss
             losses.append(loss.detach())
 
@@ -642,8 +646,7 @@ class Pipeline:
                         times: list[float], n: int) -> None:
         stage, mb = action.stage, action.microbatch
         if slot.output is None or slot.backward_done:
-            raise RuntimeError(f"{self._what(index, action)}: backward before its forward, "
-                               "or twice")
+            raise RuntimeError(f"{self._what(index, action)}: backward before forward, or twice")
         grad = None
         if slot.loss is None:
             grad = await self._take(index, action, (_BACKWARD, stage + 1, mb), inbox)
