@@ -1034,7 +1034,7 @@ async def check_large_envelopes_share_messages(comm: Comm) -> None:
         if sub.rank == 0:
             posted = count_packets(sub)
             await asyncio.gather(*(ch.send(item(i), 1) for i in range(len(kinds))))
-            batches = sub._router.link.batches  # gloo's: MPI sends an envelope a frame
+            batches = sub._router.link.batching  # gloo's: MPI sends an envelope a frame
             # batch 0 | small | batch 2-3 | medium | batch 5 | small | batch 7-8 | small
             assert len(posted) == (8 if batches else 10), posted
             del posted[:]

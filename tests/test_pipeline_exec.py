@@ -408,16 +408,15 @@ class FailingBackward(nn.Module):
         return out
 
 
-async def check_groups_agree_after_a_failed_first_step(comm: Comm, times: int) -> int:
+async def check_groups_agree_after_a_failed_first_step(comm: Comm, times: int) -> None:
     """Rank 0's first step fails in its backwards, after rank 1 has all it needs: rank 1
     ends its own step while rank 0's notice comes. Its next step hears of rank 0, and the
     ranks still agree on the groups they make later (the pipeline's own group was made at
     the end of the first step, where the notice could stop it on rank 1 alone: then the
     next group hung). Repeated: a notice taken just as rank 1's step ended was lost (its
-    next step waited for rank 0 for good), about once in ten. Returns how often that came."""
+    next step waited for rank 0 for good), about once in ten."""
     schedule = pipeline.get("gpipe", comm.size, MICROBATCHES)
     (x, y), = batches(1)
-    kept = 0
     for _ in range(times):
         stages = pipeline.split(build(2), 2)
         stages[0] = FailingBackward(stages[0])
@@ -427,14 +426,12 @@ async def check_groups_agree_after_a_failed_first_step(comm: Comm, times: int) -
         except (RuntimeError, RemoteError):
             pass
         if comm.rank == 1:  # rank 1 may have finished its step: its next one hears of rank 0
-            kept += getattr(pipe, "_heard", None) is not None
             with pytest.raises((RemoteError, RuntimeError)):
                 await asyncio.wait_for(pipe.step(None, y), 10)
         await pipe.close()
         group = await asyncio.wait_for(comm.group(range(comm.size)), 30)
         assert group is not None
         await group.close()
-    return kept
 
 
 def test_failure_told(world2: World) -> None:

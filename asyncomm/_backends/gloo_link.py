@@ -194,7 +194,7 @@ class GlooLink(Link):
         self._ping = _ping_message()  # only read: every probe sends the same bytes
         self._can_drain = True  # False once no live peer is left to drain this rank
         self._pinging: set[int] = set()  # peers with a PING in flight
-        self.batches = True  # see the note on batches
+        self.batching = True  # see the note on batches
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         super().open(arrivals, limits)

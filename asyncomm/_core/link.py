@@ -17,8 +17,8 @@ within one loop iteration travel together as one *packet*: a message on tag
 ``tags.LINK_MESSAGE`` whose preamble says ``PACKET``, holding the frames as
 one msgpack array (decoded in one call), sent when the iteration ends
 (``flush``; no timer, so a lone frame waits for nothing). On links that
-``batches`` (gloo), the envelopes of large frames issued to one rank within
-one iteration travel together too, as one *batch* (preamble form ``BATCH``,
+batch (``batching``: gloo), the envelopes of large frames issued to one rank
+within one iteration travel together too, as one *batch* (preamble form ``BATCH``,
 then each frame's preamble and head), sent when the iteration ends or once
 the next does not fit in the room; their data messages are issued at once,
 in order. (On MPI, data messages sent before their envelope arrive
@@ -161,7 +161,7 @@ class Link(ABC):
         self.small_room = min(small.BYTES, room - small.HEAD.size - small.PACKET_HEAD_BYTES)
         self._packets: dict[int, Packet] = {}  # small frames queued, per destination
         self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
-        self.batches = False  # whether large frames' envelopes go in batches (see the note)
+        self.batching = False  # whether large frames' envelopes go in batches (see the note)
         # the most bytes of a packet before a frame's head and body (within ``room``)
         self._packet_limit = PREAMBLE.size + room - _SMALL_HEAD_BYTES
         self.packet_frames = 1 << 61  # the most frames a packet holds (see ``send_small``)
@@ -321,7 +321,7 @@ class Link(ABC):
         at = PREAMBLE.size
         size = frame_size(len(head), [b.numel() for b in buffers])
         inline = size <= self.room
-        if not inline and self.batches and len(head) <= self.room - at:
+        if not inline and self.batching and len(head) <= self.room - at:
             self._enclose(dst, head, len(buffers))
             sent = [self._post(b, dst, tags.LINK_DATA) for b in buffers]
             return [h for h in sent if h is not None]

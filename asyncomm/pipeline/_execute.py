@@ -473,7 +473,7 @@ class Pipeline:
         finally:
             watch.cancel()  # a cancelled channel receive loses nothing
             task.cancel()
-            if watch.done() and not watch.cancelled() and self._failed is None:
+            if self._failed is None and watch.done() and not watch.cancelled():
                 self._heard = watch.result()  # taken as the step ended: kept for the next
 
     async def _notice(self, notices: Channel, what: str) -> CommError:
