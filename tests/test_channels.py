@@ -1054,6 +1054,42 @@ def test_large_messages_issued_together_share_envelopes_and_keep_order(world: Wo
     world.run(check_large_envelopes_share_messages)
 
 
+async def check_late_data(comm: Comm) -> None:
+    # The data of large frames leaves a while after their envelopes: each frame is
+    # received once its data is in (on MPI, not at once as commonly: the receive is
+    # watched), and a small message sent after them still comes after them.
+    async with fresh(comm) as sub:
+        ch = sub.channel(906)
+        big = sub._router.link.room // 4 + 64  # float32s: more than a link message holds
+        if sub.rank == 0:
+            link = sub._router.link
+            post, loop = link._post, asyncio.get_running_loop()
+
+            def late(buffer: Any, dst: int, tag: int) -> Any:
+                if tag != tags.LINK_DATA:
+                    return post(buffer, dst, tag)
+                loop.call_later(0.3, post, buffer, dst, tag)
+                return None  # (the send counts as done: its tensor is left as it is)
+
+            link._post = late  # type: ignore[method-assign]
+            for i in range(3):
+                await ch.send(torch.full((big,), float(i)), 1)
+            await ch.send("after", 1)
+            await asyncio.sleep(0.5)  # the data has left
+            link._post = post  # type: ignore[method-assign]
+        elif sub.rank == 1:
+            await asyncio.sleep(0.15)  # the envelopes and the small message are in
+            assert arrived(sub, 906) == 0  # none is whole: "after" waits behind them
+            for i in range(3):
+                assert bool(torch.all((await ch.recv(0)).data == i)), i
+            assert (await ch.recv(0)).data == "after"
+        await sub.barrier()
+
+
+def test_frames_whose_data_comes_late_are_received_in_order(world: World) -> None:
+    world.run(check_late_data)
+
+
 async def check_padded_link_messages(comm: Comm) -> list[int]:
     # Where gloo's transport reads as many bytes as a receive holds (libuv: macOS,
     # Windows), every link message is padded to the receives' size; the same traffic

@@ -466,8 +466,12 @@ class Link(ABC):
         """Post a frame's data receives now, in order; return the frame they complete."""
         pending = Pending(head, self._allocate(head), seq)
         for b in pending.buffers:
-            self._fetch(b, src, tags.LINK_DATA).add_done_callback(pending.received)
+            self._fetch_into(pending, b, src)
         return pending
+
+    def _fetch_into(self, pending: Pending, tensor: torch.Tensor, src: int) -> None:
+        """Receive ``tensor``, one of ``pending``'s buffers, from ``src``."""
+        self._fetch(tensor, src, tags.LINK_DATA).add_done_callback(pending.received)
 
     def _big_head(self, src: int, head_bytes: int, follow: int) -> None:
         """Fetch a head that came as a data message; meanwhile hold ``src``'s later messages."""
@@ -525,8 +529,12 @@ class Pending:
         except CommError as exc:
             self.fail(exc)
         else:
-            self.left -= 1
-            self._settle()
+            self.arrived()
+
+    def arrived(self) -> None:
+        """One buffer has arrived."""
+        self.left -= 1
+        self._settle()
 
     def whole(self) -> None:
         """Every buffer has arrived (for links that wait for them all at once)."""

@@ -170,6 +170,10 @@ class Delivery:
             return
         queue = self._queued.get(src)
         if queue is None:
+            if pending.done() and pending.error is None:  # whole already, none before it
+                assert pending.head is not None
+                self._deliver(Frame.whole(src, pending.head, pending.buffers, pending.seq))
+                return
             queue = self._queued[src] = collections.deque()
         queue.append(pending)
         pending.then(lambda: self._release(src))
