@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -9,10 +10,11 @@ import torch
 
 from asyncomm.testing import run_script
 
-# Two ranks with different data (one rank would make every collective the identity);
-# nccl refuses two ranks on one device, so two GPUs.
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2,
-                                reason="needs two CUDA devices (nccl: one rank per GPU)")
+# nccl takes one rank per GPU: two ranks with different data where there are two GPUs,
+# else one (every collective is then the identity, but every path still runs).
+GPUS = torch.cuda.device_count()
+RANKS = min(GPUS, 2)
+pytestmark = pytest.mark.skipif(GPUS < 1, reason="needs a CUDA device")
 
 SCRIPT = """
 import asyncio, torch, asyncomm
@@ -32,11 +34,16 @@ async def main(comm):
     b = torch.arange(4.0, device=device) if comm.rank == 0 else torch.zeros(4, device=device)
     await comm.broadcast(b, 0)
     assert b.tolist() == [0.0, 1.0, 2.0, 3.0]
-    got = torch.zeros(3, device=device)
-    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-    await asyncio.gather(comm.send(torch.full((3,), float(comm.rank), device=device), right),
-                         comm.recv(got, left))
-    assert got.tolist() == [float(left)] * 3
+    if comm.size > 1:
+        got = torch.zeros(3, device=device)
+        right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+        await asyncio.gather(comm.send(torch.full((3,), float(comm.rank), device=device), right),
+                             comm.recv(got, left))
+        assert got.tolist() == [float(left)] * 3
+    ch = comm.channel(3)  # channels move CUDA tensors through the host
+    await ch.send(torch.full((2,), 7.0, device=device), (comm.rank + 1) % comm.size)
+    got = (await ch.recv((comm.rank - 1) % comm.size)).data
+    assert got.device.type == "cpu" and got.tolist() == [7.0, 7.0], got
     try:
         comm.all_reduce(torch.ones(1))
     except TypeError:
@@ -52,6 +59,16 @@ asyncomm.run(main, backend="nccl")
 
 @pytest.mark.timeout(300)
 def test_nccl_world(tmp_path: Path) -> None:
-    proc = run_script(SCRIPT, tmp_path, 2, "nccl", timeout=240)  # below pytest's own
+    proc = run_script(SCRIPT, tmp_path, RANKS, "nccl", timeout=240)  # below pytest's own
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("nccl ok") == 2
+    assert proc.stdout.count("nccl ok") == RANKS
+
+
+@pytest.mark.timeout(300)
+def test_more_ranks_than_gpus_is_a_clear_error(tmp_path: Path) -> None:
+    started = time.monotonic()
+    proc = run_script(SCRIPT, tmp_path, GPUS + 1, "nccl", timeout=240)
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert f"local rank {GPUS}, and {GPUS} GPU(s) are visible" in out, out
+    assert time.monotonic() - started < 120, "the other ranks were not stopped at once"

@@ -101,6 +101,10 @@ class Inbox:
             except OSError:
                 pass  # closed meanwhile
 
+    def settle(self, sink: Sink, finish: Finish, outcome: Any) -> None:
+        """Deliver ``finish(outcome)`` to ``sink`` now (on the loop thread)."""
+        deliver(sink, finish, outcome, self._classify)
+
     def _drain(self) -> None:
         try:
             os.read(self._read_fd, 8)
