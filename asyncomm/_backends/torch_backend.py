@@ -336,7 +336,10 @@ class TorchBackend(Backend):
         return [tag for tag, count in self._any_source.items() for _ in range(count)]
 
     def release(self, peer: int, tag: int) -> None:
-        work = self._pg.send([_NOTHING], peer, tag)
+        try:
+            work = self._pg.send([_NOTHING], peer, tag)
+        except RuntimeError:  # its connection is closed: the peer left, its receive with it
+            return
         self._eager.watch(functools.partial(work.wait, _FOREVER), peer)
 
     async def released(self, timeout: float) -> None:

@@ -162,6 +162,10 @@ class FutureBridge:
         return len(self._callbacks)
 
 
+WAITER = "asyncomm-waiter"  # a waiter thread's name
+ENDLESS = "asyncomm-waiter-endless"  # ... while it waits for an operation that may never end
+
+
 class Waiters:
     """Complete requests that only finish inside a blocking ``wait()``.
 
@@ -196,7 +200,7 @@ class Waiters:
             if self._idle > 0:
                 self._idle -= 1
             else:
-                thread = threading.Thread(target=self._serve, name="asyncomm-waiter", daemon=True)
+                thread = threading.Thread(target=self._serve, name=WAITER, daemon=True)
                 self._threads.add(thread)
                 thread.start()
         self._jobs.put((wait, sink, finish, endless))
@@ -218,6 +222,7 @@ class Waiters:
                     self._threads.discard(me)
                 return
             wait, sink, finish, endless = job
+            me.name = ENDLESS if endless else WAITER  # (a thread parked for good says why)
             with self._lock:
                 self._waiting[me] = endless
             try:
