@@ -138,14 +138,8 @@ class Head:
     descriptors: tuple[Descriptor, ...]
     structure: bytes
     size: int = 0  # the head's length in bytes
-
-    @property
-    def payload_bytes(self) -> int:
-        """Return the bytes of all buffers that follow the head."""
-        return sum(map(_NBYTES, self.descriptors))
-
-
-_NBYTES: Final = operator.attrgetter("nbytes")
+    payload_bytes: int = 0  # the bytes of all buffers that follow the head
+    lone: bool = False  # the message is its one buffer (a tensor, array or bytes), as is
 
 
 Buffer = memoryview | torch.Tensor
@@ -496,7 +490,11 @@ def decode_head(data: bytes | memoryview, limits: Limits = Limits()) -> Head:
         raise ProtocolError(f"frame of {total} bytes (limit {limits.max_message_bytes})")
     if at + nstruct != size:
         raise ProtocolError(f"frame head lengths disagree: {at} + {nstruct} != {size}")
-    return Head(_KINDS[kind], codec, tag, seq, tuple(descriptors), bytes(view[at:]), size)
+    structure = bytes(view[at:])
+    lone = (count == 1 and structure == _LONE_REF and codec is Codec.DEFAULT
+            and descriptors[0].kind is not BufferKind.STRUCTURE)
+    return Head(_KINDS[kind], codec, tag, seq, tuple(descriptors), structure, size,
+                total - nstruct, lone)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -555,6 +553,8 @@ def decode(head: Head, buffers: list[torch.Tensor], expect: Codec) -> object:
     for b, d in zip(buffers, descriptors, strict=True):  # cheaper than b.shape and b.device
         if b.dtype is not torch.uint8 or b.dim() != 1 or b.numel() != d.nbytes or not b.is_cpu:
             raise ValueError("buffers do not match the frame's descriptors; use allocate(head)")
+    if head.lone:  # the commonest of large messages: one tensor
+        return _rebuild(descriptors[0], buffers[0])
     data, structure = list(buffers), memoryview(head.structure)
     if descriptors and descriptors[-1].kind is BufferKind.STRUCTURE:
         structure = data.pop().numpy().data
