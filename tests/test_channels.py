@@ -1059,27 +1059,30 @@ async def check_late_data(comm: Comm) -> None:
     # received once its data is in (on MPI, not at once as commonly: the receive is
     # watched), and a small message sent after them still comes after them.
     async with fresh(comm) as sub:
-        ch = sub.channel(906)
+        ch, checked = sub.channel(906), sub.channel(907)
         big = sub._router.link.room // 4 + 64  # float32s: more than a link message holds
         if sub.rank == 0:
             link = sub._router.link
-            post, loop = link._post, asyncio.get_running_loop()
+            post, data = link._post, []
 
             def late(buffer: Any, dst: int, tag: int) -> Any:
                 if tag != tags.LINK_DATA:
                     return post(buffer, dst, tag)
-                loop.call_later(0.3, post, buffer, dst, tag)
+                data.append((buffer, dst, tag))  # held until rank 1 has looked
                 return None  # (the send counts as done: its tensor is left as it is)
 
             link._post = late  # type: ignore[method-assign]
             for i in range(3):
                 await ch.send(torch.full((big,), float(i)), 1)
             await ch.send("after", 1)
-            await asyncio.sleep(0.5)  # the data has left
+            assert (await checked.recv(1)).data == "checked"
             link._post = post  # type: ignore[method-assign]
+            for held in data:  # now the data leaves
+                post(*held)
         elif sub.rank == 1:
-            await asyncio.sleep(0.15)  # the envelopes and the small message are in
+            await asyncio.sleep(0.15)  # the envelopes and the small message are in, likely
             assert arrived(sub, 906) == 0  # none is whole: "after" waits behind them
+            await checked.send("checked", 0)
             for i in range(3):
                 assert bool(torch.all((await ch.recv(0)).data == i)), i
             assert (await ch.recv(0)).data == "after"

@@ -41,6 +41,12 @@ async def main(comm):
                              comm.recv(got, left))
         assert got.tolist() == [float(left)] * 3
     ch = comm.channel(3)  # channels move CUDA tensors through the host
+    # A message sent just before a barrier leaves before the barrier blocks anything.
+    if comm.rank == 0:
+        await ch.send("before the barrier", 1 % comm.size)
+    if comm.rank == 1 % comm.size:
+        assert (await ch.recv(0)).data == "before the barrier"
+    await comm.barrier()
     await ch.send(torch.full((2,), 7.0, device=device), (comm.rank + 1) % comm.size)
     got = (await ch.recv((comm.rank - 1) % comm.size)).data
     assert got.device.type == "cpu" and got.tolist() == [7.0, 7.0], got

@@ -27,7 +27,8 @@ future is asked for: as an operation is issued, the loop thread calls
 without blocking the host, and its handle is done. After ``await`` the
 result is ready for kernels on the current stream, as with torch's own
 ``async_op`` works. ``Handle.wait()`` adds nothing more; synchronize the
-stream for host reads.
+stream for host reads. A barrier is the exception: its ``wait()`` blocks the
+host until every rank is in, so a waiter thread calls it.
 """
 
 from __future__ import annotations
@@ -240,7 +241,11 @@ class TorchBackend(Backend):
 
     def barrier(self, sink: Sink) -> None:
         self._raise_if_failed()
-        self._collective(sink, self._pg.barrier())
+        work = self._pg.barrier()
+        if self.cuda:  # nccl's wait() of a barrier blocks the host until every rank is in
+            self._waiters.watch(work.wait, sink, _none)
+        else:
+            self._collective(sink, work)
 
     def broadcast(self, sink: Sink, tensor: torch.Tensor, src: int) -> None:
         self._collective(sink, self._pg.broadcast(self._moved(tensor), src))
