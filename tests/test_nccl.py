@@ -64,8 +64,10 @@ asyncomm.run(main, backend="nccl")
 
 
 @pytest.mark.timeout(300)
-def test_nccl_world(tmp_path: Path) -> None:
-    proc = run_script(SCRIPT, tmp_path, RANKS, "nccl", timeout=240)  # below pytest's own
+@pytest.mark.parametrize("blocking", ["0", "1"])  # 1: every nccl wait() blocks the host
+def test_nccl_world(tmp_path: Path, blocking: str) -> None:
+    proc = run_script(SCRIPT, tmp_path, RANKS, "nccl", timeout=240,  # below pytest's own
+                      env={"TORCH_NCCL_BLOCKING_WAIT": blocking})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("nccl ok") == RANKS
 

@@ -28,7 +28,8 @@ without blocking the host, and its handle is done. After ``await`` the
 result is ready for kernels on the current stream, as with torch's own
 ``async_op`` works. ``Handle.wait()`` adds nothing more; synchronize the
 stream for host reads. A barrier is the exception: its ``wait()`` blocks the
-host until every rank is in, so a waiter thread calls it.
+host until every rank is in, so a waiter thread calls it; so it does every
+``wait()`` under ``TORCH_NCCL_BLOCKING_WAIT`` (each then blocks the host).
 """
 
 from __future__ import annotations
@@ -154,6 +155,12 @@ def _none(_: object) -> object:
     return None
 
 
+def _blocking_wait() -> bool:
+    """Whether nccl's ``wait()`` blocks the host (``TORCH_NCCL_BLOCKING_WAIT``)."""
+    value = os.environ.get("TORCH_NCCL_BLOCKING_WAIT", os.environ.get("NCCL_BLOCKING_WAIT", ""))
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
 class TorchBackend(Backend):
     """A torch ``ProcessGroup`` driven without blocking."""
 
@@ -180,6 +187,7 @@ class TorchBackend(Backend):
         self.posted = InFlight()  # ``Posted`` operations (see the note on teardown)
         self._eager_bytes = settings.read().eager_bytes  # see the note on eager sends
         self.cuda = name == "nccl"
+        self._blocking = self.cuda and _blocking_wait()  # see the note on CUDA
         self._inbox = Inbox(loop, remembering(self, classify))
         self._bridge = FutureBridge(self._inbox)
         self._waiters = Waiters(self._inbox)
@@ -208,6 +216,10 @@ class TorchBackend(Backend):
 
     def _enqueued(self, sink: Sink, work: Any, finish: Callable[[Any], object]) -> None:
         """Settle the sink of an nccl work now (see the note on CUDA)."""
+        if self._blocking:  # every wait() blocks the host: a waiter thread's, not the loop
+            self._waiters.watch(work.wait, sink, finish)
+            return
+
         def waited(_: object) -> object:
             work.wait()  # the current stream waits for nccl's; the host does not
             return finish(None)
