@@ -264,3 +264,16 @@ def test_a_store_that_cannot_start_stops_the_ranks() -> None:
     with pytest.raises(OSError, match="no store today"):
         asyncio.run(supervise())
     assert time.monotonic() - start < 30  # not the ranks' 60 s
+
+
+def test_open_mpi_labels_read_as_mpichs(capfd: pytest.CaptureFixture[str]) -> None:
+    # Open MPI's mpiexec labels each line "[job,rank]<stream>: "; asyncomm run shows the
+    # rank as MPICH's does, "[rank] ", and reads it (a rank's stderr tail is its own).
+    said = ("import sys; print('[1,0]<stdout>: hello'); print('[1,1]<stdout>: world'); "
+            "print('[1,1]<stderr>: oops', file=sys.stderr)")
+    world = asyncio.run(_launch._supervise([[sys.executable, "-c", said]],
+                                           [dict(os.environ)], labeled=True))
+    out, err = capfd.readouterr()
+    assert out.splitlines() == ["[0] hello", "[1] world"], out
+    assert err.splitlines() == ["[1] oops"], err
+    assert list(world.tails[1]) == ["oops"], world.tails

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -37,6 +38,7 @@ _MPI_ABORT = re.compile(rb"^Abort\((\d+)\) on node \d+ \(rank (\d+) in comm \d+\
                         rb"application called MPI_Abort")
 # "[3] text" from MPICH's -prepend-rank, "[1,3]<stderr>: text" from Open MPI's --tag-output.
 _LABEL = re.compile(rb"\[(?:\d+,)?(\d+)\](?:<std\w+>)?:? ?")
+_OPEN_MPI_LABEL = re.compile(rb"^\[\d+,(\d+)\]<std\w+>: ?")  # shown as MPICH's: "[3] "
 # Hydra's -print-all-exitcodes: "[mpiexec@host] Exit codes: [host] 0,1280,0", wait statuses
 # in rank order (host after host).
 _EXIT_CODES = re.compile(rb"^\[mpiexec@[^\]]*\] Exit codes: (.*)$")
@@ -257,7 +259,8 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
             spread = ["-launcher", "ssh", "-launcher-exec", str(net.ssh_stand_in(Path(folder))),
                       "-hosts", ",".join(net.addresses), "-ppn", str(n // net.count),
                       "-iface", network.INTERFACE]
-        cmd = [mpiexec, "-n", str(n), *spread, *_label_flag(mpiexec), *python]
+        local = local_options(mpiexec) if net is None else []
+        cmd = [mpiexec, "-n", str(n), *spread, *local, *_label_flag(mpiexec), *python]
         if net is not None:
             cmd = net.command(0, cmd)
         world = asyncio.run(_supervise([cmd], [{**env, "ASYNCOMM_BACKEND": "mpi"}],
@@ -348,20 +351,39 @@ def _serve_store(sock: socket.socket) -> object:
         raise
 
 
-def _label_flag(mpiexec: str) -> list[str]:
-    """Return the mpiexec option that prefixes each output line with its rank."""
+@functools.lru_cache(maxsize=8)
+def _flavour(mpiexec: str) -> str:
+    """Return whose ``mpiexec`` this is: "open mpi", "intel", "hydra" (MPICH's) or ""."""
     try:
         probe = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
-        return []
+        return ""
     version = (probe.stdout + probe.stderr).lower()
     if "open mpi" in version or "openrte" in version or "prte" in version:
-        return ["--tag-output"]
-    if "hydra" in version and "intel" not in version:  # each rank's exit status, at the end
-        return ["-prepend-rank", "-print-all-exitcodes"]
+        return "open mpi"
     if "intel" in version:
-        return ["-prepend-rank"]
-    return []
+        return "intel"
+    return "hydra" if "hydra" in version else ""
+
+
+def local_options(mpiexec: str) -> list[str]:
+    """Return the options that let ``mpiexec`` start any number of ranks on this machine.
+
+    MPICH's does so as it is; Open MPI's refuses more ranks than cores without
+    ``--oversubscribe`` (and, as root, runs only with ``OMPI_ALLOW_RUN_AS_ROOT=1``
+    and ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`` in the environment: see launching.md).
+    """
+    return ["--oversubscribe"] if _flavour(mpiexec) == "open mpi" else []
+
+
+def _label_flag(mpiexec: str) -> list[str]:
+    """Return the mpiexec option that prefixes each output line with its rank."""
+    flavour = _flavour(mpiexec)
+    if flavour == "open mpi":
+        return ["--tag-output"]
+    if flavour == "hydra":  # each rank's exit status, at the end
+        return ["-prepend-rank", "-print-all-exitcodes"]
+    return ["-prepend-rank"] if flavour == "intel" else []
 
 
 @dataclass
@@ -464,6 +486,8 @@ async def _pump(
     prefix = b"" if rank is None else f"[{rank}] ".encode()
 
     def emit(line: bytes) -> None:
+        if rank is None:
+            line = _OPEN_MPI_LABEL.sub(rb"[\1] ", line, count=1)
         statuses = _EXIT_CODES.match(line) if rank is None else None
         if statuses is None and world.statuses and rank is None:
             statuses = _MORE_EXIT_CODES.match(line)  # the next host's, on a line of its own

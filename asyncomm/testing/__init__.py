@@ -95,7 +95,8 @@ class World:
                 if mpiexec is None:
                     raise RuntimeError("mpiexec not found: pip install 'asyncomm[mpi]'")
                 self._logs = [Path(self._logdir.name) / "mpiexec.log"]
-                self._spawn([mpiexec, "-n", str(self.size), *command], env, self._logs[0])
+                self._spawn([mpiexec, "-n", str(self.size), *_launch.local_options(mpiexec),
+                             *command], env, self._logs[0])
             else:
                 self._store, store_port = _launch.host_store()
                 shared = {"WORLD_SIZE": str(self.size), "MASTER_ADDR": "127.0.0.1",
