@@ -362,7 +362,7 @@ class MpiBackend(Backend):
                 "(source, tag, bytes): %s", self.rank, len(dropped), dropped[:8])
 
     def link(self) -> Link:
-        return ProbeLink(self, self._comm, self._loop, self._poller, self._watch, classify)
+        return ProbeLink(self, self._comm, self._loop, self._poller, classify)
 
     def abort_job(self, code: int) -> None:
         """End the job; this process ends here, at once, even where ``MPI_Abort`` returns.

@@ -15,9 +15,7 @@ from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
 from asyncomm._core.link import PREAMBLE, Link, Packet, Pending, Transport
 from asyncomm._core.polling import Poller
-from asyncomm._core.progress import Classify, Sink
-
-Watch = Callable[[Sink, Any], None]  # poll a request, settle a sink when it completes
+from asyncomm._core.progress import Classify
 
 DATATYPES: dict[torch.dtype, Any] = {
     torch.bool: MPI.C_BOOL,
@@ -81,12 +79,11 @@ class ProbeLink(Link):
     """
 
     def __init__(self, backend: Transport, comm: Any, loop: asyncio.AbstractEventLoop,
-                 poller: Poller, watch: Watch, classify: Classify) -> None:
+                 poller: Poller, classify: Classify) -> None:
         super().__init__(backend, loop, MESSAGE_BYTES - PREAMBLE.size)
         self._rank = backend.rank
         self._comm = comm
         self._poller = poller
-        self._watch = watch
         self._classify = classify
         self._status = MPI.Status()
         self._behind: dict[int, asyncio.Task[None]] = {}  # last pending message per source
@@ -124,9 +121,7 @@ class ProbeLink(Link):
             handle = Handle(self._loop, (self._rank, "send", None, dst, tag), None)
             handle._fail(self._classify(exc), exc)
             return handle
-        handle = Handle(self._loop, (self._rank, "send", None, dst, tag), None, buffer)
-        self._watch(handle, request)
-        return handle
+        return self._watched(request, "send", dst, tag, buffer)
 
     def _fetch_into(self, pending: Pending, tensor: torch.Tensor, src: int) -> None:
         # MPI copies a large message into its receive on this rank's calls, mostly all in
@@ -140,10 +135,15 @@ class ProbeLink(Link):
             pending.fail(self._classify(exc)(f"rank {self._rank}: data of a frame from rank "
                                              f"{src} lost: {exc}"))
             return
-        what = (self._rank, "recv", None, src, tags.LINK_DATA)
-        handle: Handle[None] = Handle(self._loop, what, None, tensor)
-        self._poller.watch(request, handle, None, active=False)
-        handle.add_done_callback(pending.received)
+        self._watched(request, "recv", src, tags.LINK_DATA, tensor, active=False
+                      ).add_done_callback(pending.received)
+
+    def _watched(self, request: Any, op: str, peer: int, tag: int, buffer: object,
+                 active: bool = True) -> Handle[None]:
+        """Return the handle of ``request``, polled until done; it keeps ``buffer`` till then."""
+        handle: Handle[None] = Handle(self._loop, (self._rank, op, None, peer, tag), None, buffer)
+        self._poller.watch(request, handle, None, active)
+        return handle
 
     def pump(self) -> bool:
         """Take the messages that are there; return whether any was.
@@ -180,9 +180,7 @@ class ProbeLink(Link):
             except MPI.Exception:
                 pass
             else:
-                dropped: Handle[None] = Handle(self._loop, (self._rank, "recv", None, src,
-                                                            tags.LINK_MESSAGE), None, buffer)
-                self._poller.watch(request, dropped, None, active=False)
+                self._watched(request, "recv", src, tags.LINK_MESSAGE, buffer, active=False)
             arrivals.refuse(src, ProtocolError(f"message of {nbytes} bytes from rank {src} "
                                                f"(the most is {MESSAGE_BYTES})"), None)
             return False
@@ -203,9 +201,8 @@ class ProbeLink(Link):
         except MPI.Exception as exc:
             arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"), None)
             return False
-        what = (self._rank, "recv", None, src, tags.LINK_MESSAGE)
-        handle: Handle[None] = Handle(self._loop, what, None, buffer)
-        self._watch(handle, request)  # matched: not cancellable; data is on its way
+        # matched: not cancellable; its data is on its way
+        handle = self._watched(request, "recv", src, tags.LINK_MESSAGE, buffer)
         task = self._loop.create_task(self._in_order(src, before, handle, buffer))
         self._behind[src] = task
         task.add_done_callback(functools.partial(self._forget, src))

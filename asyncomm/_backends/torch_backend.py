@@ -214,9 +214,11 @@ class TorchBackend(Backend):
 
         self._bridge.watch(work.get_future(), sink, finish)
 
-    def _enqueued(self, sink: Sink, work: Any, finish: Callable[[Any], object]) -> None:
-        """Settle the sink of an nccl work now (see the note on CUDA)."""
-        if self._blocking:  # every wait() blocks the host: a waiter thread's, not the loop
+    def _enqueued(self, sink: Sink, work: Any, finish: Callable[[Any], object],
+                  blocks: bool = False) -> None:
+        """Settle the sink of an nccl work now, or on a waiter thread if its ``wait()``
+        ``blocks`` the host (see the note on CUDA)."""
+        if blocks or self._blocking:  # a waiter thread's wait, not the loop's
             self._waiters.watch(work.wait, sink, finish)
             return
 
@@ -255,7 +257,7 @@ class TorchBackend(Backend):
         self._raise_if_failed()
         work = self._pg.barrier()
         if self.cuda:  # nccl's wait() of a barrier blocks the host until every rank is in
-            self._waiters.watch(work.wait, sink, _none)
+            self._enqueued(sink, work, _none, blocks=True)
         else:
             self._collective(sink, work)
 

@@ -37,8 +37,8 @@ _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # what torch's excepthook puts bef
 _MPI_ABORT = re.compile(rb"^Abort\((\d+)\) on node \d+ \(rank (\d+) in comm \d+\): "
                         rb"application called MPI_Abort")
 # "[3] text" from MPICH's -prepend-rank, "[1,3]<stderr>: text" from Open MPI's --tag-output.
-_LABEL = re.compile(rb"\[(?:\d+,)?(\d+)\](?:<std\w+>)?:? ?")
-_OPEN_MPI_LABEL = re.compile(rb"^\[\d+,(\d+)\]<std\w+>: ?")  # shown as MPICH's: "[3] "
+_LABEL = re.compile(rb"\[(\d+)\] ?")
+_OPEN_MPI_LABEL = re.compile(rb"^\[\d+,(\d+)\]<std\w+>: ?")  # rewritten as MPICH's first
 # Hydra's -print-all-exitcodes: "[mpiexec@host] Exit codes: [host] 0,1280,0", wait statuses
 # in rank order (host after host).
 _EXIT_CODES = re.compile(rb"^\[mpiexec@[^\]]*\] Exit codes: (.*)$")
