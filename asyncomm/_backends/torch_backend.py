@@ -1,6 +1,7 @@
 """torch.distributed backends: gloo (CPU tensors) and nccl (CUDA tensors).
 
-Collectives complete through their futures (``FutureBridge``). gloo's
+Collectives complete through their futures (``FutureBridge``; an awaiting
+task watches a gloo future itself a while first). gloo's
 send/recv have no future and cannot be polled, so they complete in
 ``Waiters``. Operations go straight to the ``ProcessGroup`` methods, whose
 ranks are the group's own.
@@ -41,6 +42,7 @@ import datetime
 import functools
 import gc
 import logging
+import math
 import os
 import sys
 import threading
@@ -58,6 +60,7 @@ from asyncomm._core import settings, tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
 from asyncomm._core.env import LaunchEnv
 from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError
+from asyncomm._core.hurry import Hurry
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.progress import FutureBridge, Inbox, Reaper, Sink, Waiters
@@ -151,6 +154,21 @@ def _value(future: Any) -> object:
     return None
 
 
+def _wait_briefly(work: Any, seconds: float) -> bool:
+    """Wait up to ``seconds`` (whole milliseconds, at least one) for a CPU collective's work,
+    in the calling thread (0: do not wait); return whether it is done.
+
+    ``wait(timeout)`` takes whole milliseconds (less is 0, which is no timeout at all);
+    running out raises, but leaves the work as it was (it completes later as usual).
+    """
+    if seconds > 0 and not work.is_completed():
+        try:
+            work.wait(datetime.timedelta(milliseconds=max(1, math.ceil(seconds * 1e3))))
+        except RuntimeError:
+            pass  # out of time, or the work failed (its future raises that error)
+    return bool(work.is_completed())
+
+
 def _none(_: object) -> object:
     return None
 
@@ -185,11 +203,13 @@ class TorchBackend(Backend):
         self._splits = 0
         self._eager = Reaper()
         self.posted = InFlight()  # ``Posted`` operations (see the note on teardown)
-        self._eager_bytes = settings.read().eager_bytes  # see the note on eager sends
+        tuned = settings.read()
+        self._eager_bytes = tuned.eager_bytes  # see the note on eager sends
         self.cuda = name == "nccl"
         self._blocking = self.cuda and _blocking_wait()  # see the note on CUDA
         self._inbox = Inbox(loop, remembering(self, classify))
-        self._bridge = FutureBridge(self._inbox)
+        hurry = None if self.cuda else Hurry(loop, tuned.hurry_tests, tuned.gloo_hurry_max_s)
+        self._bridge = FutureBridge(self._inbox, loop, hurry)
         self._waiters = Waiters(self._inbox)
         self._link: GlooLink | None = None
         self._any_source: collections.Counter[int] = collections.Counter()  # tags pending
@@ -212,7 +232,7 @@ class TorchBackend(Backend):
                 then()
                 return None
 
-        self._bridge.watch(work.get_future(), sink, finish)
+        self._bridge.watch(work.get_future(), sink, finish, functools.partial(_wait_briefly, work))
 
     def _enqueued(self, sink: Sink, work: Any, finish: Callable[[Any], object],
                   blocks: bool = False) -> None:
@@ -395,6 +415,7 @@ class TorchBackend(Backend):
             return
         self._closed = True
         _open.discard(self)
+        self._bridge.enlist()  # collectives issued this iteration: their callbacks count as busy
         self._eager.close(timeout=2.0)  # copies still on their way get a moment to arrive
         self._settle()
         if self._release is not None and dist.is_initialized():

@@ -44,8 +44,8 @@ class Handle(Generic[T]):
         self._waiters: list[asyncio.Future[None]] | None = None
         self._events: list[threading.Event] | None = None
         self._callbacks: list[Callable[[Handle[T]], None]] | None = None
-        # set by an engine that can finish the request here and now (``Poller.hurry``):
-        # the engine first, then what it needs
+        # set by an engine that can finish the request here and now (``Poller.hurry``,
+        # ``FutureBridge.hurry``): the engine first, then what it needs
         self._hurry: tuple[Any, ...] | None = None
 
     def __repr__(self) -> str:
@@ -89,8 +89,12 @@ class Handle(Generic[T]):
         raise asyncio.InvalidStateError(f"{describe(*self._what)} is still in flight")
 
     def __await__(self) -> Generator[Any, None, T]:
-        if self._state == _PENDING and self._hurry is not None:
-            self._hurry[0].hurry(self)  # perhaps done within microseconds: no loop iteration
+        while self._state == _PENDING and self._hurry is not None:
+            # perhaps done within microseconds (MPI) or a little more (gloo's collectives):
+            # no thread's wake-up, no loop iteration
+            if not self._hurry[0].hurry(self):
+                break
+            yield  # the loop's turn is due first (see ``Hurry``); look again after it
         if self._state == _PENDING:
             waiter = self._loop.create_future()
             if self._waiters is None:

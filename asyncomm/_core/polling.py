@@ -1,9 +1,9 @@
 """Polling: complete requests by testing them from the event loop (MPI).
 
 ``Poller`` tests the requests in flight from loop callbacks, spinning while
-completions are expected and backing off when idle; ``Hurry`` is how long a
-task about to wait looks for what it waits for itself; ``Ticker`` wakes a
-backing-off poller finer than the loop's millisecond timers. The engines
+completions are expected and backing off when idle, and lets a task about to
+wait test its own request (``hurry``); ``Ticker`` wakes a backing-off poller
+finer than the loop's millisecond timers. The engines
 that complete requests on threads are in ``progress``.
 """
 
@@ -18,87 +18,8 @@ from typing import Any
 
 from asyncomm._core import settings
 from asyncomm._core.errors import CommClosedError
+from asyncomm._core.hurry import Hurry
 from asyncomm._core.progress import Classify, Finish, Sink, deliver
-
-FAIR_S = 1e-3  # tasks that hurry hold the loop from its other work at most about so long
-
-
-class Hurry:
-    """How long a task about to wait looks for what it waits for itself, learnt from its waits.
-
-    Note on learning
-    ----------------
-    A task first looks ``tests`` times (a request done within microseconds
-    then costs no loop iteration). Beyond that it looks for up to
-    ``budget_s``, learnt: when a task parked after looking and what it
-    waited for came within ``max_s`` of its first look (an answer to a
-    question, in a ping-pong or an actor call), the budget grows to cover
-    that wait half again; when it came later (an idle wait), the budget
-    halves. So request-response traffic is caught without parking, while a
-    rank whose waits are long looks ``tests`` times and parks: the loop is
-    never held more than ``max_s`` by one look, and only while looking paid
-    off recently.
-
-    A task that finds what it looks for goes on without a loop iteration,
-    so tasks that hurry with success one after the other (a ping-pong)
-    could keep the loop from everything else. Each look therefore asks the
-    loop for a turn, and no task looks while a turn asked for more than
-    ``FAIR_S`` ago has not come: it parks, and the loop turns.
-    """
-
-    __slots__ = ("_loop", "_since", "_turn", "budget_s", "max_s", "tests")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, tests: int, max_s: float) -> None:
-        self._loop = loop
-        self.tests = tests
-        self.max_s = max_s
-        self.budget_s = 0.0
-        self._since = 0.0  # when the look that gave up began (0: no parked look pending)
-        self._turn = 0.0  # when the loop was asked for a turn that has not come yet (0: none)
-
-    def run(self, look: Callable[[], bool]) -> bool:
-        """Call ``look()`` until it returns true (return true) or the budget is spent.
-
-        With no tests (``ASYNCOMM_HURRY_TESTS=0``) there is no hurrying at all.
-        """
-        if not self.allowed():
-            return False
-        start = time.perf_counter()
-        for _ in range(self.tests):
-            if look():
-                return True
-        if self.budget_s:
-            clock, end = time.perf_counter, start + self.budget_s
-            while clock() < end:
-                if look():
-                    return True
-        self._since = start
-        return False
-
-    def allowed(self) -> bool:
-        """Return whether a task may look now (see the note: never without tests, and not
-        while a loop turn asked for ``FAIR_S`` ago has not come); ask for a turn if none is."""
-        if not self.tests:
-            return False
-        if not self._turn:
-            self._turn = time.perf_counter()
-            self._loop.call_soon(self._turned)
-            return True
-        return time.perf_counter() - self._turn <= FAIR_S
-
-    def _turned(self) -> None:
-        self._turn = 0.0
-
-    def came(self) -> None:
-        """What a task that gave up looking waits for may have come: learn how long it took."""
-        if self._since:
-            waited = time.perf_counter() - self._since
-            self._since = 0.0
-            if waited <= self.max_s:
-                self.budget_s = min(self.max_s, max(self.budget_s, 1.5 * waited))
-            else:
-                self.budget_s = self.budget_s / 2 if self.budget_s > 1e-6 else 0.0
-
 
 TICKING_S = 0.25  # a poller backing off is woken by the ticker this long after it found news
 
@@ -337,22 +258,23 @@ class Poller:
             self._timer.cancel()  # the poll ``kick`` asked for comes next iteration: now
             self._poll()
 
-    def hurry(self, sink: Any) -> None:
+    def hurry(self, sink: Any) -> bool:
         """Test ``sink``'s request a bounded number of times; settle it now if it completes.
 
         Only ``tests`` times, never for a learnt while: tasks that await requests are
         often many at once (a gather of sends), and each would hold the others back.
+        Return whether the loop's turn is due first (``Hurry.allowed``): then look again.
         """
         hurry, test, scratch = self._hurry, self._test, self._scratch
         if not hurry.allowed():
-            return
+            return hurry.tests > 0
         _, request, entry = sink._hurry
         try:
             for _ in range(hurry.tests):
                 if test(request, scratch):
                     break
             else:
-                return
+                return False
             outcome = self._outcome()
         except BaseException as exc:
             outcome = exc
@@ -361,11 +283,12 @@ class Poller:
             try:
                 index = self._requests.index(request)
             except ValueError:
-                return  # settled meanwhile (or drained)
+                return False  # settled meanwhile (or drained)
             del self._requests[index]
             entry = self._entries.pop(index)
             self._active -= entry[2]
         self._settle(entry, outcome)
+        return False
 
     def _settle(self, entry: tuple[Sink, Finish | None, bool], outcome: Any) -> None:
         """Settle the sink of a request that completed (taken out of the lists already)."""

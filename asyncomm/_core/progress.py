@@ -3,8 +3,8 @@
 Three engines, one per way a backend can report that a request is done:
 
 - ``FutureBridge``: the backend completes a future on one of its own threads
-  (torch collectives); its callback hops to the loop with
-  ``call_soon_threadsafe``.
+  (torch collectives); a task awaiting it first watches ``done()`` a while
+  (``Hurry``), else its callback hops to the loop through the ``Inbox``.
 - ``Waiters``: the request only completes inside a blocking ``wait()`` (gloo
   send/recv cannot be polled). Reusable threads block in ``wait()``, one per
   request *in flight*, so a receive that waits long never delays another
@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncomm._core.errors import CommClosedError, CommError
+from asyncomm._core.hurry import Hurry
 
 Finish = Callable[[Any], object]
 Classify = Callable[[BaseException], type[CommError]]
@@ -131,6 +132,19 @@ class Inbox:
 class FutureBridge:
     """Complete requests whose backend future fires on a backend thread.
 
+    Note on hurrying
+    ----------------
+    The callback's hop costs two thread hand-offs (the backend's thread takes
+    the GIL, the loop wakes): on a small machine they are most of a small
+    collective's time (an 8-byte gloo all_reduce awaited so: ~190 µs; the
+    blocking ``wait()`` in the loop's thread: ~105 µs). So a request watched
+    with a bounded ``wait`` is not given its callback when it is issued: a
+    task that awaits its handle waits for it itself, in one blocking call
+    that releases the GIL, for as long as ``Hurry`` has learnt (waits that
+    came soon: the call's whole budget; long waits: a look without blocking).
+    The callback is given only to the requests still pending when the loop
+    iteration that issued them ends, and to those whose task gave up.
+
     Note on callbacks at exit
     -------------------------
     The callback given to a backend future is Python: the backend's thread
@@ -142,12 +156,71 @@ class FutureBridge:
     weakly here, and dies once the backend has run and released it).
     """
 
-    def __init__(self, inbox: Inbox) -> None:
+    def __init__(self, inbox: Inbox, loop: asyncio.AbstractEventLoop,
+                 hurry: Hurry | None = None) -> None:
         self._inbox = inbox
+        self._loop = loop
+        self._hurry = hurry if hurry is not None and hurry.tests else None
+        self._fresh: list[Any] = []  # handles issued this iteration, their callbacks not given
         self._callbacks: weakref.WeakSet[Callable[[Any], None]] = weakref.WeakSet()
 
-    def watch(self, future: Any, sink: Sink, finish: Finish) -> None:
-        """Settle ``sink`` with ``finish(future)`` once ``future`` is done."""
+    def watch(self, future: Any, sink: Sink, finish: Finish,
+              wait: Callable[[float], bool] | None = None) -> None:
+        """Settle ``sink`` with ``finish(future)`` once ``future`` is done.
+
+        ``wait(seconds)``: block at most about so long for the request (0: not at
+        all) and return whether it is done; it raises nothing (a request that failed
+        is done: ``finish`` raises its error). With it, an awaiting task may wait itself.
+        """
+        if wait is not None and self._hurry is not None and hasattr(sink, "_hurry"):
+            sink._hurry = (self, future, finish, wait)  # a handle: see the note
+            if not self._fresh:
+                self._loop.call_soon(self.enlist)
+            self._fresh.append(sink)
+            return
+        self._call_back(future, sink, finish)
+
+    def hurry(self, sink: Any) -> bool:
+        """A task awaits ``sink``: wait for it as ``Hurry`` has learnt; settle it if done.
+
+        Return whether the loop's turn is due first (``Hurry.allowed``): then look again.
+        """
+        hurry = self._hurry
+        assert hurry is not None
+        if not hurry.allowed():
+            return True
+        _, future, finish, wait = sink._hurry
+        if hurry.block(wait):
+            sink._hurry = None
+            self._inbox.settle(sink, finish, future)
+        return False
+
+    def enlist(self) -> None:
+        """Give their callbacks to the futures issued and still pending (see the note).
+
+        A task may still look at the future after (a task that let the loop turn,
+        a handle awaited later): whichever sees it done first settles the handle.
+        """
+        fresh, self._fresh = self._fresh, []
+        for sink in fresh:
+            hurried = sink._hurry
+            if hurried is not None:  # not settled by its task
+                self._call_back(hurried[1], sink, self._learning(sink, hurried[2]))
+
+    def _learning(self, sink: Any, finish: Finish) -> Finish:
+        assert self._hurry is not None  # (only hurried futures are enlisted)
+        came = self._hurry.came
+
+        def learnt(future: Any) -> object:
+            if sink._hurry is None:
+                return None  # its task saw it done first (and finished it)
+            sink._hurry = None
+            came()  # how long a task that gave up looking would have had to look
+            return finish(future)
+
+        return learnt
+
+    def _call_back(self, future: Any, sink: Sink, finish: Finish) -> None:
         put = self._inbox.put
 
         def done(future: Any) -> None:

@@ -37,6 +37,7 @@ class Settings:
     tick_s: float = 200e-6  # ASYNCOMM_TICK_US: ... while waits are recent, a thread's (0: none)
     hurry_tests: int = 32  # ASYNCOMM_HURRY_TESTS: an awaited MPI request is tested so often first
     hurry_max_s: float = 50e-6  # ASYNCOMM_HURRY_MAX_US: ... and at most this long, as learnt
+    gloo_hurry_max_s: float = 1e-3  # ASYNCOMM_GLOO_HURRY_MAX_US: the same for gloo collectives
     compute_threads: int = 1  # ASYNCOMM_COMPUTE_THREADS: threads asyncomm.compute uses
     store: str | None = None  # ASYNCOMM_STORE: "client" when the launcher hosts the store
     test_address: str | None = None  # ASYNCOMM_TEST_ADDRESS: a test world's rank server
@@ -96,6 +97,7 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         tick_s=number("TICK_US", 200e-6, scale=1e-6),
         hurry_tests=count("HURRY_TESTS", 32, 0) or 0,
         hurry_max_s=number("HURRY_MAX_US", 50e-6, scale=1e-6),
+        gloo_hurry_max_s=number("GLOO_HURRY_MAX_US", 1e-3, scale=1e-6),
         compute_threads=count("COMPUTE_THREADS", 1, 1) or 1,
         store=text("STORE"),
         test_address=text("TEST_ADDRESS"),

@@ -1,0 +1,102 @@
+"""``Hurry``: how long a task about to wait looks for what it waits for itself.
+
+Both engines that can look without blocking use it: the MPI poller (a
+request's ``Test``) and the future bridge of gloo's collectives (a future's
+``done()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+FAIR_S = 1e-3  # tasks that hurry hold the loop from its other work at most about so long
+
+
+class Hurry:
+    """How long a task about to wait looks for what it waits for itself, learnt from its waits.
+
+    Note on learning
+    ----------------
+    A task first looks ``tests`` times (a request done within microseconds
+    then costs no loop iteration). Beyond that it looks for up to
+    ``budget_s``, learnt: when a task parked after looking and what it
+    waited for came within ``max_s`` of its first look (an answer to a
+    question, in a ping-pong or an actor call), the budget grows to cover
+    that wait half again; when it came later (an idle wait), the budget
+    halves. So request-response traffic is caught without parking, while a
+    rank whose waits are long looks ``tests`` times and parks: the loop is
+    never held more than ``max_s`` by one look, and only while looking paid
+    off recently.
+
+    A task that finds what it looks for goes on without a loop iteration,
+    so tasks that hurry with success one after the other (a ping-pong)
+    could keep the loop from everything else. Each look therefore asks the
+    loop for a turn, and no task looks while a turn asked for more than
+    ``FAIR_S`` ago has not come: it parks, and the loop turns (an awaited
+    ``Handle`` yields for that turn, and looks again after it: parking would
+    cost it a thread's wake-up or a poll).
+    """
+
+    __slots__ = ("_loop", "_since", "_turn", "budget_s", "max_s", "tests")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, tests: int, max_s: float) -> None:
+        self._loop = loop
+        self.tests = tests
+        self.max_s = max_s
+        self.budget_s = 0.0
+        self._since = 0.0  # when the look that gave up began (0: no parked look pending)
+        self._turn = 0.0  # when the loop was asked for a turn that has not come yet (0: none)
+
+    def run(self, look: Callable[[], bool]) -> bool:
+        """Call ``look()`` until it returns true (return true) or the budget is spent.
+
+        With no tests (``ASYNCOMM_HURRY_TESTS=0``) there is no hurrying at all.
+        """
+        if not self.allowed():
+            return False
+        start = time.perf_counter()
+        for _ in range(self.tests):
+            if look():
+                return True
+        if self.budget_s:
+            clock, end = time.perf_counter, start + self.budget_s
+            while clock() < end:
+                if look():
+                    return True
+        self._since = start
+        return False
+
+    def block(self, wait: Callable[[float], bool]) -> bool:
+        """Call ``wait(budget_s)`` once (blocking so long at most; 0: not at all); return
+        whether what it waits for came. For requests only a blocking wait sees soonest."""
+        start = time.perf_counter()
+        if wait(self.budget_s):
+            return True
+        self._since = start
+        return False
+
+    def allowed(self) -> bool:
+        """Return whether a task may look now (see the note: never without tests, and not
+        while a loop turn asked for ``FAIR_S`` ago has not come); ask for a turn if none is."""
+        if not self.tests:
+            return False
+        if not self._turn:
+            self._turn = time.perf_counter()
+            self._loop.call_soon(self._turned)
+            return True
+        return time.perf_counter() - self._turn <= FAIR_S
+
+    def _turned(self) -> None:
+        self._turn = 0.0
+
+    def came(self) -> None:
+        """What a task that gave up looking waits for may have come: learn how long it took."""
+        if self._since:
+            waited = time.perf_counter() - self._since
+            self._since = 0.0
+            if waited <= self.max_s:
+                self.budget_s = min(self.max_s, max(self.budget_s, 1.5 * waited))
+            else:
+                self.budget_s = self.budget_s / 2 if self.budget_s > 1e-6 else 0.0
