@@ -222,7 +222,10 @@ class Poller:
             sink._fail(self._classify(exc), exc)
             return
         if done:
-            deliver(sink, finish, outcome, self._classify)
+            if finish is None:
+                sink._succeed(outcome)  # (the commonest, without ``deliver``'s call)
+            else:
+                deliver(sink, finish, outcome, self._classify)
             return
         entry = (sink, finish, active)
         if self._hurry.tests and hasattr(sink, "_hurry"):
