@@ -239,8 +239,7 @@ class Comm:
         """Check the deadline, then start ``op`` on the backend: ``start(handle, *args)``."""
         if timeout is not None:
             timeout = self._deadline(timeout, op)
-        if self._closed:
-            self._open(op)  # (raises)
+        self._open(op)
         self._seq = seq = self._seq + 1
         self._last_op = op
         handle: Handle[Any] = Handle(self._loop, (self._rank, op, seq, peer, tag), result, keep)
@@ -250,11 +249,6 @@ class Comm:
         if self._checker is not None and checked(op):  # debug mode: see _checks
             self._checker.submit(handle, op, args,
                                  lambda: self._start(handle, start, args, deferred=True))
-        elif self._backend.lost is None:  # (``_start``'s commonest case, inline: a hot path)
-            try:
-                start(handle, *args)
-            except Exception as exc:
-                self._refused(handle, exc)
         else:
             self._start(handle, start, args)
         if not handle.done():  # many operations (eager sends) are done at once
@@ -270,17 +264,16 @@ class Comm:
             return
         try:
             start(handle, *args)
-        except Exception as exc:
-            self._refused(handle, exc, deferred)
-
-    @staticmethod
-    def _refused(handle: Handle[Any], exc: Exception, deferred: bool = False) -> None:
-        """The backend refused to start an operation: a bad argument raises (unless the
-        start was deferred: then it fails the handle, as any other error does)."""
-        if isinstance(exc, (TypeError, ValueError)) and not deferred:
+        except (TypeError, ValueError) as exc:
+            if deferred:
+                handle._fail(CommError, exc)
+                return
             handle._settle(2, None)  # never started
-            raise exc
-        handle._fail(type(exc) if isinstance(exc, CommError) else CommError, exc)
+            raise
+        except CommError as exc:
+            handle._fail(type(exc), exc)
+        except Exception as exc:
+            handle._fail(CommError, exc)
 
     # -- collectives -----------------------------------------------------------------
 
