@@ -1104,14 +1104,14 @@ async def check_padded_link_messages(comm: Comm) -> list[int]:
         lengths: list[int] = []
         async with fresh(comm) as sub:
             endpoint: Any = sub._router.link._endpoint  # type: ignore[attr-defined]
-            send = endpoint.send
+            send = endpoint.send_raw
 
             def measured(sink: Any, tensor: torch.Tensor, dst: int, tag: int,
                          eager: bool = True) -> None:
                 lengths.append(tensor.numel())
                 send(sink, tensor, dst, tag, eager)
 
-            endpoint.send = measured
+            endpoint.send_raw = measured
             await check_large_envelopes_share_messages(sub)
         return lengths
     finally:

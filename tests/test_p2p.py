@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_collectives import DTYPES, value
 
-from asyncomm import Comm, CommClosedError
+from asyncomm import Comm, CommClosedError, CommError, MismatchError
 from asyncomm.testing import World
 
 
@@ -191,3 +191,141 @@ def test_posted_from_threads(world2: World) -> None:
     world2.run(check_posted_from_threads)
     if world2.backend == "mpi":  # gloo cannot cancel a receive (see ``Posted.cancel``)
         world2.run(check_posted_receive_cancelled)
+
+
+BIG = 300 << 10  # beyond the 64 KiB a gloo message carries in its first piece
+
+
+async def check_too_small_a_buffer(comm: Comm) -> list[str]:
+    # A message larger than its receive's buffer fails that receive with MismatchError (on
+    # gloo it used to abort the receiving process, SIGABRT from gloo's own thread), is
+    # dropped whole, and the pair goes on: the next message on the same tag is received.
+    seen = []
+    for size in (100, BIG, 4):
+        if comm.rank == 0:
+            await comm.send(torch.arange(size // 4, dtype=torch.float32), 1, tag=7)
+            await comm.send(torch.tensor([float(size)]), 1, tag=7)
+        elif comm.rank == 1:
+            small = torch.full((2,), -1.0)
+            try:
+                await comm.recv(small, 0, tag=7)
+                seen.append(f"{size}: {small.tolist()}")
+            except MismatchError as exc:
+                assert "rank 1: recv #" in str(exc) and "peer 0 tag 7" in str(exc), exc
+                seen.append(f"{size}: refused")
+            after = torch.zeros(1)
+            await comm.recv(after, 0, tag=7)
+            seen.append(f"next {after.item():g}")
+    t = torch.ones(1)
+    await comm.all_reduce(t)  # the world is whole
+    assert t.item() == comm.size
+    return seen
+
+
+def test_a_buffer_too_small_is_refused_and_the_pair_goes_on(world: World) -> None:
+    seen = world.run(check_too_small_a_buffer)[1]
+    assert seen == ["100: refused", "next 100", f"{BIG}: refused", f"next {BIG}",
+                    "4: [0.0, -1.0]", "next 4"], seen  # a shorter message fills the beginning
+
+
+async def check_sizes_mixed_on_one_tag(comm: Comm, short: bool = True) -> list[list[float]]:
+    # Large and small messages on one tag, several receives posted at once: each gets a
+    # message whole (a large payload travels on a tag of its own: no receive may take
+    # another's), those of one source in order. Then the same to receives of any source
+    # (gloo orders those only among themselves). ``short=False``: gloo's messages as where
+    # its transport needs every message to fill its receive (macOS, Windows).
+    from asyncomm._backends import gloo_p2p
+
+    gloo_p2p.SHORT = short
+    try:
+        await comm.barrier()
+        sizes = [BIG, 2, 4092 // 4, 4096 // 4, BIG // 2, 1, BIG]
+        seen = []
+        for source in (0, None):
+            if comm.rank == 0:
+                await asyncio.gather(*(comm.send(torch.full((n,), float(i)), 1, tag=9)
+                                       for i, n in enumerate(sizes)))
+            elif comm.rank == 1:
+                bufs = [torch.full((BIG + 1,), -1.0) for _ in sizes]
+                got = [comm.recv(b, source, tag=9) for b in bufs]
+                assert await asyncio.gather(*got) == [0] * len(sizes)
+                for b in bufs:
+                    i = int(b[0].item())
+                    n = sizes[i]
+                    seen.append([float(i), b[n - 1].item(), b[n].item()])
+            await comm.barrier()
+        return seen
+    finally:
+        gloo_p2p.SHORT = True
+
+
+async def check_sizes_mixed_padded(comm: Comm) -> list[list[float]]:
+    return await check_sizes_mixed_on_one_tag(comm, short=False)
+
+
+def test_large_and_small_messages_on_one_tag(world: World) -> None:
+    checks = [check_sizes_mixed_on_one_tag]
+    if world.backend == "gloo":
+        checks.append(check_sizes_mixed_padded)
+    for check in checks:
+        seen = world.run(check)[1]
+        assert seen[:7] == [[float(i), float(i), -1.0] for i in range(7)], seen
+        assert sorted(seen[7:]) == [[float(i), float(i), -1.0] for i in range(7)], seen
+
+
+async def check_posted_too_small(comm: Comm) -> str:
+    def exchange() -> str:
+        if comm.rank == 0:
+            comm.post_send(torch.zeros(BIG // 4), 1, tag=11).wait()
+            comm.post_send(torch.ones(3), 1, tag=11).wait()
+            return ""
+        try:
+            comm.post_recv(torch.zeros(2), 0, tag=11).wait()
+            return "received"
+        except MismatchError:
+            after = torch.zeros(3)
+            comm.post_recv(after, 0, tag=11).wait()
+            return f"refused, then {after.tolist()}"
+
+    return await asyncio.to_thread(exchange)
+
+
+def test_a_posted_receive_too_small_is_refused(world2: World) -> None:
+    assert world2.run(check_posted_too_small)[1] == "refused, then [1.0, 1.0, 1.0]"
+
+
+async def check_data_tags_are_bounded(comm: Comm) -> list[str]:
+    # gloo: a large send's data goes on one of a few reserved tags, none used again before
+    # its data was received; with all in use, a send is refused before anything is sent.
+    from asyncomm._core import tags
+
+    limit = tags.GLOO_DATA_TAGS
+    tags.GLOO_DATA_TAGS = 3
+    try:
+        said = []
+        if comm.rank == 0:
+            sends = [comm.send(torch.full((BIG // 4,), float(i)), 1, tag=12) for i in range(3)]
+            try:
+                await comm.send(torch.zeros(BIG // 4), 1, tag=12)  # (its handle fails)
+            except CommError as exc:
+                said.append(str(exc))
+            await comm.send(torch.zeros(1), 1, tag=13)  # rank 1 receives from now on
+            await asyncio.gather(*sends)
+            await comm.send(torch.full((BIG // 4,), 3.0), 1, tag=12)  # the tags are free
+        elif comm.rank == 1:
+            await comm.recv(torch.zeros(1), 0, tag=13)
+            for _ in range(4):
+                t = torch.zeros(BIG // 4)
+                await comm.recv(t, 0, tag=12)
+                said.append(f"{t[0].item():g} {t[-1].item():g}")
+        return said
+    finally:
+        tags.GLOO_DATA_TAGS = limit
+
+
+def test_large_sends_in_flight_are_bounded_on_gloo(world2: World) -> None:
+    if world2.backend != "gloo":
+        pytest.skip("only gloo's large sends use tags of their own")
+    first, second = world2.run(check_data_tags_are_bounded)
+    assert len(first) == 1 and "3 large sends to rank 1 are in flight" in first[0], first
+    assert second == ["0 0", "1 1", "2 2", "3 3"]

@@ -60,7 +60,6 @@ import asyncio
 import collections
 import functools
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -68,6 +67,7 @@ from typing import Any, Protocol
 
 import torch
 
+from asyncomm._backends import gloo_p2p
 from asyncomm._core import tags, wire
 from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError
 from asyncomm._core.handle import Handle
@@ -92,7 +92,7 @@ DRAIN: bytes = signal(tags.DRAIN)  # see the note on draining
 PING: bytes = signal(tags.PING)  # see the note on dead peers
 # gloo's TCP transport (Linux) takes a message into a longer receive; its libuv transport
 # (macOS, Windows) reads as many bytes as the receive holds (see the note on batches).
-SHORT = sys.platform.startswith("linux")
+SHORT = gloo_p2p.SHORT
 _AT = PREAMBLE.size
 
 
@@ -106,9 +106,9 @@ def _ping_message() -> torch.Tensor:
 class Endpoint(Transport, Protocol):
     """What the gloo link needs of its backend beyond receives: its eager sends."""
 
-    def send(self, sink: Any, tensor: torch.Tensor, dst: int, tag: int,
-             eager: bool = True) -> None:
-        """Issue a send (``eager``: of a copy, done at once)."""
+    def send_raw(self, sink: Any, tensor: torch.Tensor, dst: int, tag: int,
+                 eager: bool = True) -> None:
+        """Issue a send of the bytes as they are (``eager``: of a copy, done at once)."""
 
 
 class _OnLoop:
@@ -294,7 +294,7 @@ class GlooLink(Link):
             if not SHORT and tensor.numel() < ENVELOPE_BYTES:
                 tensor = torch.cat([tensor, tensor.new_zeros(ENVELOPE_BYTES - tensor.numel())])
             try:
-                self._endpoint.send(handle, tensor, dst, tag, eager=True)
+                self._endpoint.send_raw(handle, tensor, dst, tag, eager=True)
             except RuntimeError as exc:  # gloo closed dst's connection: it died
                 handle._fail(self._classify(exc), exc)
             except CommError as exc:

@@ -301,11 +301,11 @@ class MpiBackend(Backend):
         self._watch(sink, self._comm.Irecv(spec(tensor), source, tag), active=False)
 
     def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Posted:
-        return _PostedRequest(self._comm.Isend(spec(tensor), dst, tag), self,
+        return _PostedRequest(self._comm.Isend(spec(tensor), dst, tag), tensor, self,
                               (self.rank, "send", dst, tag))
 
     def post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Posted:
-        return _PostedRequest(self._comm.Irecv(spec(tensor), src, tag), self,
+        return _PostedRequest(self._comm.Irecv(spec(tensor), src, tag), tensor, self,
                               (self.rank, "recv", src, tag))
 
     # -- groups and lifecycle --------------------------------------------------------
@@ -384,12 +384,17 @@ class MpiBackend(Backend):
 
 
 class _PostedRequest(Posted):
-    """A send or receive a thread issued and waits for in ``MPI_Wait`` (the GIL released)."""
+    """A send or receive a thread issued and waits for in ``MPI_Wait`` (the GIL released).
 
-    def __init__(self, request: Any, backend: MpiBackend, what: tuple[int, str, int, int]
-                 ) -> None:
+    It keeps its tensor alive: MPI has only its address (a tensor made for the call
+    and dropped after it was freed while MPI wrote into it: heap corruption).
+    """
+
+    def __init__(self, request: Any, tensor: torch.Tensor, backend: MpiBackend,
+                 what: tuple[int, str, int, int]) -> None:
         super().__init__(what, backend.posted, remembering(backend, classify))
         self._request = request
+        self._tensor = tensor
 
     def _block(self) -> None:
         status = MPI.Status()

@@ -25,8 +25,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
+from asyncomm._backends.gloo_p2p import FOREVER
 from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError
 
 T = TypeVar("T")
@@ -202,3 +204,53 @@ class Watch:
             return failures(self._own)
         except Exception:  # no store to ask: the launcher will tell
             return {}
+
+
+def make_group(members: list[int], backend: str, label: str,
+                timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """Create the process group of ``members`` (global ranks) named ``label``; members only.
+
+    Note on names
+    -------------
+    ``dist.new_group`` names a group either by a counter every rank of the
+    world must advance together, or (``use_local_synchronization``) by a
+    hash that also counts the groups this process already has -- which
+    differs between ranks that belong to different groups. asyncomm names
+    its groups itself, after the parent and how many groups it split off,
+    which every member agrees on.
+    """
+    c10d = dist.distributed_c10d
+    try:
+        pg, _ = c10d._new_process_group_helper(
+            len(members), members.index(dist.get_rank()), members, backend,
+            c10d._get_default_store(), c10d.GroupName(label), timeout=timeout)
+    except (AttributeError, TypeError):  # a torch without that helper: its own naming
+        made = dist.new_group(members, backend=backend, timeout=timeout,
+                              use_local_synchronization=True)
+        assert isinstance(made, dist.ProcessGroup)
+        return made
+    c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(members)}
+    assert isinstance(pg, dist.ProcessGroup)
+    return pg
+
+
+def no_deadline(pg: dist.ProcessGroup, name: str) -> None:
+    """Leave deadlines to asyncomm: gloo's own, once the group is made, never passes.
+
+    gloo fails a collective still running at the group's timeout and closes
+    every connection of the group with it. asyncomm's deadline (the same
+    number) would race it, and lose the error that says what the other
+    ranks were doing (see ``_status``); a collective given up on stays in
+    flight instead, as a receive does, until it completes or the
+    communicator closes. nccl keeps its own: its watchdog acts on it.
+    """
+    if name == "gloo":
+        try:
+            pg._get_backend(torch.device("cpu"))._set_default_timeout(FOREVER)
+        except (AttributeError, RuntimeError):  # a torch without it: gloo's deadline stays
+            pass
+
+
+def destroyer(pg: dist.ProcessGroup) -> Callable[[], None]:
+    """Return what destroys ``pg``."""
+    return lambda: dist.destroy_process_group(pg)

@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from asyncomm._backends import gloo_net, startup
+from asyncomm._backends import gloo_net, gloo_p2p, startup
 from asyncomm._backends.gloo_link import GlooLink
 from asyncomm._core import settings, tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
@@ -93,8 +93,7 @@ _hosts: dict[str, list[int]] = {}
 # deadlines bound what waits on it.
 _OWN_TIMEOUT = 365 * 24 * 3600.0
 
-_FOREVER = datetime.timedelta(days=365)  # how long a point-to-point wait may take
-_NOTHING = torch.empty(0, dtype=torch.uint8)  # ends a peer's stuck receive (see release)
+_FOREVER = gloo_p2p.FOREVER  # how long a point-to-point wait may take
 
 # Dtypes gloo cannot move in collectives ("Invalid scalar type"; its point-to-point moves
 # any bytes): they travel as their bytes, and int16, which reduces, widened to int32.
@@ -107,6 +106,8 @@ _store_lock = threading.Lock()
 
 def classify(exc: BaseException) -> type[CommError]:
     """Map an exception raised by torch.distributed to the asyncomm error it means."""
+    if isinstance(exc, CommError):
+        return type(exc)  # asyncomm's own (a receive refused by gloo_p2p, say)
     text = str(exc).lower()
     if "timed out" in text or "timeout" in text:
         return CommTimeoutError
@@ -202,6 +203,7 @@ class TorchBackend(Backend):
         self._user_backend = user_backend  # what groups split from this one run on
         self._splits = 0
         self._eager = Reaper()
+        self._outgoing = gloo_p2p.Outgoing()  # the data tags of large sends (see gloo_p2p)
         self.posted = InFlight()  # ``Posted`` operations (see the note on teardown)
         tuned = settings.read()
         self._eager_bytes = tuned.eager_bytes  # see the note on eager sends
@@ -330,53 +332,106 @@ class TorchBackend(Backend):
     def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
              eager: bool = True) -> None:
         self._raise_if_failed(dst)
-        if (eager and not self.cuda and tensor.nbytes <= self._eager_bytes
+        if self.cuda:
+            self._p2p(sink, self._pg.send([tensor], dst, tag), _none)
+            return
+        first, data, data_tag = self._outgoing.message(tensor, dst)  # see gloo_p2p
+        if data is None:  # the payload is in the first message, a copy
+            self.send_raw(sink, first, dst, tag, eager, copied=True)
+            return
+        self._see_off(self._pg.send([first], dst, tag), dst)
+        self._p2p(sink, self._pg.send([data], dst, data_tag),
+                  lambda _: self._outgoing.sent(dst, data_tag))
+
+    def send_raw(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
+                 eager: bool = True, copied: bool = False) -> None:
+        """Send ``tensor``'s bytes as they are (no header: the link's own messages).
+
+        ``eager``: send a copy and settle ``sink`` at once, if small enough (``copied``:
+        ``tensor`` is one already).
+        """
+        if (eager and tensor.nbytes <= self._eager_bytes + gloo_p2p.HEADER.size
                 and self._eager.in_flight < _EAGER_IN_FLIGHT):
             # See the module note on eager sends.
-            work = self._pg.send([tensor.clone()], dst, tag)
-            self._eager.watch(functools.partial(work.wait, _FOREVER), dst)
+            self._see_off(self._pg.send([tensor if copied else tensor.clone()], dst, tag), dst)
             sink._succeed(None)
             return
-        work = self._pg.send([tensor], dst, tag)
-        self._p2p(sink, work, _none)
+        self._p2p(sink, self._pg.send([tensor], dst, tag), _none)
+
+    def _see_off(self, work: Any, dst: int) -> None:
+        self._eager.watch(functools.partial(work.wait, _FOREVER), dst)
 
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
         self._raise_if_failed(src)
-        if src is not None:
+        if self.cuda:
+            if src is None:
+                raise ValueError("nccl has no any-source receive: name the source")
             self._p2p(sink, self._pg.recv([tensor], src, tag), lambda _: src)
             return
-        work = self._pg.recv_anysource([tensor], tag)
+        incoming = gloo_p2p.Incoming(tensor)  # see gloo_p2p
+        if src is not None:
+            work = self._pg.recv([incoming.first], src, tag)
+            self._waiters.watch(functools.partial(incoming.take, self._pg, work, src), sink,
+                                lambda _: incoming.result(src))
+            return
+        work = self._pg.recv_anysource([incoming.first], tag)
         self._any_source[tag] += 1  # see stuck()
 
         def finish(_: object) -> object:
             self._any_source[tag] -= 1
-            return work._source_rank()
+            return incoming.result(work._source_rank())
 
-        self._p2p(sink, work, finish, endless=True)
+        self._waiters.watch(functools.partial(incoming.take, self._pg, work, None), sink,
+                            finish, endless=True)
 
-    def _p2p(self, sink: Sink, work: Any, finish: Callable[[Any], object],
-             endless: bool = False) -> None:
+    def _p2p(self, sink: Sink, work: Any, finish: Callable[[Any], object]) -> None:
         if self.cuda:
             self._enqueued(sink, work, finish)
         else:  # gloo: no future, no polling: a waiter thread calls wait()
             # An explicit deadline: gloo's own (the group's timeout) would close every
             # connection of the group when a receive the user gave up on stays unmatched.
-            self._waiters.watch(functools.partial(work.wait, _FOREVER), sink, finish, endless)
+            self._waiters.watch(functools.partial(work.wait, _FOREVER), sink, finish)
 
     def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Posted:
         self._raise_if_failed(dst)
-        return _PostedWork(self._pg.send([tensor], dst, tag), self, (self.rank, "send", dst, tag))
+        what = (self.rank, "send", dst, tag)
+        if self.cuda:
+            return _PostedWork(functools.partial(self._pg.send([tensor], dst, tag).wait,
+                                                 _FOREVER), self, what)
+        first, data, data_tag = self._outgoing.message(tensor, dst)
+        works = [self._pg.send([first], dst, tag)]
+        if data is not None:
+            works.append(self._pg.send([data], dst, data_tag))
+
+        def sent() -> None:
+            for work in works:
+                work.wait(_FOREVER)
+            if data is not None:
+                self._outgoing.sent(dst, data_tag)
+
+        return _PostedWork(sent, self, what)
 
     def post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Posted:
         self._raise_if_failed(src)
-        return _PostedWork(self._pg.recv([tensor], src, tag), self, (self.rank, "recv", src, tag))
+        what = (self.rank, "recv", src, tag)
+        if self.cuda:
+            return _PostedWork(functools.partial(self._pg.recv([tensor], src, tag).wait,
+                                                 _FOREVER), self, what)
+        incoming = gloo_p2p.Incoming(tensor)
+        work = self._pg.recv([incoming.first], src, tag)
+
+        def received() -> None:
+            incoming.take(self._pg, work, src)
+            incoming.result(src)
+
+        return _PostedWork(received, self, what)
 
     def stuck(self) -> list[int]:
         return [tag for tag, count in self._any_source.items() for _ in range(count)]
 
     def release(self, peer: int, tag: int) -> None:
         try:
-            work = self._pg.send([_NOTHING], peer, tag)
+            work = self._pg.send([gloo_p2p.NOTHING], peer, tag)
         except RuntimeError:  # its connection is closed: the peer left, its receive with it
             return
         self._eager.watch(functools.partial(work.wait, _FOREVER), peer)
@@ -405,9 +460,10 @@ class TorchBackend(Backend):
     async def _new_group(self, members: list[int], name: str, label: str,
                          seconds: float) -> TorchBackend:
         timeout = datetime.timedelta(seconds=seconds)
-        pg = await self._loop.run_in_executor(None, _make_group, members, name, label, timeout)
-        _no_deadline(pg, name)
-        return TorchBackend(name, pg, members, self._loop, self._timeout, _destroyer(pg),
+        pg = await self._loop.run_in_executor(None, startup.make_group, members, name, label,
+                                              timeout)
+        startup.no_deadline(pg, name)
+        return TorchBackend(name, pg, members, self._loop, self._timeout, startup.destroyer(pg),
                             label=label, user_backend=name)
 
     def close(self) -> None:
@@ -484,15 +540,16 @@ class TorchBackend(Backend):
 
 
 class _PostedWork(Posted):
-    """A send or receive a thread issued and waits for itself (gloo cannot cancel it)."""
+    """A send or receive a thread issued and waits for itself (gloo cannot cancel it):
+    ``wait()`` returns once it is done."""
 
-    def __init__(self, work: Any, backend: TorchBackend, what: tuple[int, str, int, int]
-                 ) -> None:
+    def __init__(self, wait: Callable[[], object], backend: TorchBackend,
+                 what: tuple[int, str, int, int]) -> None:
         super().__init__(what, backend.posted, remembering(backend, classify))
-        self._work = work
+        self._wait = wait
 
     def _block(self) -> None:
-        self._work.wait(_FOREVER)
+        self._wait()
 
 
 async def _base_store(env: LaunchEnv, timeout: float) -> Any:
@@ -581,7 +638,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup)
     if owns:
-        _no_deadline(world, name)
+        startup.no_deadline(world, name)
     ranks = list(range(world.size()))
     # asyncomm's own traffic (objects) is CPU bytes: always gloo.
     label = f"asyncomm{_generation}"
@@ -589,7 +646,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
 
     def own_group() -> dist.ProcessGroup:
         try:
-            return _make_group(ranks, "gloo", label + ".own", own_timeout)
+            return startup.make_group(ranks, "gloo", label + ".own", own_timeout)
         except RuntimeError as exc:
             _explained(exc, env.rank)
             raise
@@ -597,7 +654,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
     own_pg = await joined(own_group)
     release = dist.destroy_process_group if owns else None
     user = TorchBackend(name, world, ranks, loop, timeout, release, label, name)
-    own = TorchBackend("gloo", own_pg, ranks, loop, timeout, _destroyer(own_pg), label, name)
+    own = TorchBackend("gloo", own_pg, ranks, loop, timeout, startup.destroyer(own_pg), label, name)
     return user, own
 
 
@@ -619,52 +676,3 @@ def _explained(error: RuntimeError, rank: int) -> None:
     explanation = gloo_net.explain(error, rank)
     if explanation is not None:
         raise PeerFailedError(explanation) from error
-
-
-def _make_group(members: list[int], backend: str, label: str,
-                timeout: datetime.timedelta) -> dist.ProcessGroup:
-    """Create the process group of ``members`` (global ranks) named ``label``; members only.
-
-    Note on names
-    -------------
-    ``dist.new_group`` names a group either by a counter every rank of the
-    world must advance together, or (``use_local_synchronization``) by a
-    hash that also counts the groups this process already has -- which
-    differs between ranks that belong to different groups. asyncomm names
-    its groups itself, after the parent and how many groups it split off,
-    which every member agrees on.
-    """
-    c10d = dist.distributed_c10d
-    try:
-        pg, _ = c10d._new_process_group_helper(
-            len(members), members.index(dist.get_rank()), members, backend,
-            c10d._get_default_store(), c10d.GroupName(label), timeout=timeout)
-    except (AttributeError, TypeError):  # a torch without that helper: its own naming
-        made = dist.new_group(members, backend=backend, timeout=timeout,
-                              use_local_synchronization=True)
-        assert isinstance(made, dist.ProcessGroup)
-        return made
-    c10d._world.pg_group_ranks[pg] = {g: r for r, g in enumerate(members)}
-    assert isinstance(pg, dist.ProcessGroup)
-    return pg
-
-
-def _no_deadline(pg: dist.ProcessGroup, name: str) -> None:
-    """Leave deadlines to asyncomm: gloo's own, once the group is made, never passes.
-
-    gloo fails a collective still running at the group's timeout and closes
-    every connection of the group with it. asyncomm's deadline (the same
-    number) would race it, and lose the error that says what the other
-    ranks were doing (see ``_status``); a collective given up on stays in
-    flight instead, as a receive does, until it completes or the
-    communicator closes. nccl keeps its own: its watchdog acts on it.
-    """
-    if name == "gloo":
-        try:
-            pg._get_backend(torch.device("cpu"))._set_default_timeout(_FOREVER)
-        except (AttributeError, RuntimeError):  # a torch without it: gloo's deadline stays
-            pass
-
-
-def _destroyer(pg: dist.ProcessGroup) -> Callable[[], None]:
-    return lambda: dist.destroy_process_group(pg)

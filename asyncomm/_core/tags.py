@@ -16,6 +16,8 @@ from typing import Final
 RESERVED: Final = 1024  # the top of every backend's tag range, kept for asyncomm
 GLOO_TAG_LIMIT: Final = 2**31 - 1  # gloo's tag is a 32-bit slot
 GLOO_ABORT: Final = GLOO_TAG_LIMIT  # the receive that ends a group's pending operations
+GLOO_DATA: Final = GLOO_TAG_LIMIT - RESERVED + 1  # the payloads of large sends (gloo_p2p) ...
+GLOO_DATA_TAGS: Final = 512  # ... on this many tags from there, round robin per peer
 # On asyncomm's private twin communicator, which carries only its own traffic:
 LINK_MESSAGE: Final = 1  # a link message: a frame, or the head of one sent in pieces
 LINK_DATA: Final = 2  # a buffer of a frame sent in pieces

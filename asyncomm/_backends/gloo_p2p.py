@@ -1,0 +1,160 @@
+"""Point-to-point messages on gloo that say their size, so that no receive can abort.
+
+Note on sizes
+-------------
+A gloo receive given a buffer smaller than the message that matches it
+fails an assertion on gloo's own thread, which calls ``std::terminate``: the
+process dies of SIGABRT, from a Python call with a buffer too small. So
+asyncomm's sends on gloo begin with a 16-byte header (a magic number, a data
+tag, the payload's size):
+
+- a payload of at most 64 KiB follows the header in the same message, which
+  every receive takes into a buffer of ``first_bytes()`` (a copy on each
+  side: these sends were copies already, as eager sends);
+- a larger one travels as a second message on a tag of the reserved range
+  (``tags.GLOO_DATA``), which the receive posts once the header has said that
+  the payload fits its buffer, straight into it; one that does not fit is
+  taken whole and dropped. The data tags are used round robin per peer, a
+  tag not again before its data was received, so a receive can only match
+  its own data, whatever other receives wait on the same source and tag.
+
+A receive into a buffer too small fails with ``MismatchError``, as MPI's
+does; a smaller message fills the buffer's beginning, as on MPI. The cost:
+the header's copy, and for a large payload one more small message before it
+(the receive posts its data only once the header is in).
+
+gloo's TCP transport (Linux) takes a message into a longer receive; its
+libuv transport (macOS, Windows) reads as many bytes as the receive holds.
+There (``SHORT`` false) every first message is padded to the receives' size,
+4 KiB, and payloads above 4 KiB less the header travel as data messages.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import datetime
+import struct
+import sys
+import threading
+from typing import Any
+
+import torch
+
+from asyncomm._core import tags
+from asyncomm._core.errors import CommError, MismatchError
+
+HEADER = struct.Struct("<IIQ")  # magic, the data's tag (0: the payload follows), its bytes
+MAGIC = 0xA5C0_3D01
+SHORT = sys.platform.startswith("linux")  # a message may be shorter than its receive
+FOREVER = datetime.timedelta(days=365)  # how long a point-to-point wait may take
+
+
+def first_bytes() -> int:
+    """The size of every receive of a first message: a header and the longest inline payload
+    (64 KiB; 4 KiB in all where a message must fill its receive: see the note)."""
+    return HEADER.size + (64 << 10) if SHORT else 4096
+
+
+def _header(data_tag: int, size: int, payload: torch.Tensor | None = None) -> torch.Tensor:
+    """A first message: the header, then ``payload``'s ``size`` bytes if given (written
+    through addresses: torch's own slicing and copying cost several times as much)."""
+    if SHORT:
+        message = torch.empty(HEADER.size + (0 if payload is None else size), dtype=torch.uint8)
+    else:
+        message = torch.zeros(first_bytes(), dtype=torch.uint8)
+    at = message.data_ptr()
+    ctypes.memmove(at, HEADER.pack(MAGIC, data_tag, size), HEADER.size)
+    if payload is not None and size:
+        ctypes.memmove(at + HEADER.size, payload.data_ptr(), size)
+    return message
+
+
+NOTHING = _header(0, 0)  # an empty message (ends a peer's receive; only ever read)
+
+
+class Outgoing:
+    """The data tags a backend's large sends use, per peer (sends come from any thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._busy: dict[int, set[int]] = {}
+        self._next: dict[int, int] = {}
+
+    def message(self, tensor: torch.Tensor, dst: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Return the first message of ``tensor`` to ``dst``, and its data and data tag if it
+        has a second (``None``, 0: the payload is in the first, a copy)."""
+        size = tensor.nbytes
+        if size <= first_bytes() - HEADER.size:
+            return _header(0, size, tensor), None, 0
+        with self._lock:
+            busy = self._busy.setdefault(dst, set())
+            if len(busy) >= tags.GLOO_DATA_TAGS:
+                raise CommError(f"{len(busy)} large sends to rank {dst} are in flight already "
+                                "(their receives have not been posted)")
+            number = self._next.get(dst, 0)
+            while number in busy:
+                number = (number + 1) % tags.GLOO_DATA_TAGS
+            busy.add(number)
+            self._next[dst] = (number + 1) % tags.GLOO_DATA_TAGS
+        data_tag = tags.GLOO_DATA + number
+        return _header(data_tag, size), tensor, data_tag  # (gloo moves its bytes)
+
+    def sent(self, dst: int, data_tag: int) -> None:
+        """The data sent on ``data_tag`` was received: the tag may be used again."""
+        with self._lock:
+            self._busy[dst].discard(data_tag - tags.GLOO_DATA)
+
+
+_SPARE = 16
+_spare: collections.deque[torch.Tensor] = collections.deque()  # first messages' buffers, free
+
+
+class Incoming:
+    """One receive into ``tensor``: the buffer its first message lands in, then the rest."""
+
+    __slots__ = ("_refused", "_tensor", "first")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+        size = first_bytes()
+        first = _spare.pop() if _spare else None  # (atomic: receives finish on threads)
+        self.first = first if first is not None and first.numel() == size else torch.empty(
+            size, dtype=torch.uint8)
+        ctypes.memset(self.first.data_ptr(), 0, HEADER.size)  # (a raw empty message: no magic)
+        self._refused: CommError | None = None
+
+    def take(self, pg: Any, work: Any, src: int | None) -> None:
+        """On the waiting thread: wait for the first message, then receive the payload.
+
+        A message that does not fit is refused (``result`` raises), not raised here:
+        the caller's bookkeeping of the receive must still happen.
+        """
+        work.wait(FOREVER)
+        source = work._source_rank() if src is None else src
+        at = self.first.data_ptr()
+        magic, data_tag, size = HEADER.unpack(ctypes.string_at(at, HEADER.size))
+        tensor = self._tensor
+        if magic != MAGIC:
+            self._refused = MismatchError(f"rank {source} sent a message asyncomm's send did "
+                                          "not make (gloo's own send, on comm.raw?)")
+        elif size > tensor.nbytes:
+            self._refused = MismatchError(f"rank {source} sent {size} bytes, more than the "
+                                          f"{tensor.nbytes} of the buffer (truncated)")
+            if data_tag:  # taken whole and dropped: the next message must find its receive
+                pg.recv([torch.empty(size, dtype=torch.uint8)], source, data_tag).wait(FOREVER)
+        elif data_tag:
+            target = tensor if size == tensor.nbytes else (
+                tensor.reshape(-1).view(torch.uint8)[:size])
+            pg.recv([target], source, data_tag).wait(FOREVER)
+        elif size:
+            ctypes.memmove(tensor.data_ptr(), at + HEADER.size, size)
+        if len(_spare) < _SPARE:  # gloo is done with it: the next receive may take it
+            _spare.append(self.first)
+
+    def result(self, source: int) -> int:
+        """On the loop: ``source``, or the refusal of a message that did not fit."""
+        if self._refused is not None:
+            raise self._refused
+        return source
