@@ -9,7 +9,7 @@ import torch
 from test_collectives import DTYPES, value
 
 from asyncomm import Comm, CommClosedError, CommError, MismatchError
-from asyncomm.testing import World
+from asyncomm.testing import World, fresh
 
 
 async def check_every_dtype(comm: Comm) -> None:
@@ -329,3 +329,42 @@ def test_large_sends_in_flight_are_bounded_on_gloo(world2: World) -> None:
     first, second = world2.run(check_data_tags_are_bounded)
     assert len(first) == 1 and "3 large sends to rank 1 are in flight" in first[0], first
     assert second == ["0 0", "1 1", "2 2", "3 3"]
+
+
+async def check_probed_receives(comm: Comm) -> list[object]:
+    # Open MPI's receive into a buffer smaller than a large message crashes the process,
+    # so there a receive finds its message by matched probe first (``PROBE_FIRST``). The
+    # same checks as above, in that form (on MPICH here): refused, in order, posted ones
+    # refused and cancelled, and a receive still looking when its communicator closes
+    # fails as closed.
+    from asyncomm._backends import mpi_backend
+
+    saved, mpi_backend.PROBE_FIRST = mpi_backend.PROBE_FIRST, True
+    try:
+        async with fresh(comm) as sub:
+            refused = await check_too_small_a_buffer(sub)
+            mixed = await check_sizes_mixed_on_one_tag(sub)
+            posted = await check_posted_too_small(sub)
+            await check_posted_receive_cancelled(sub)
+            waiting = sub.recv(torch.zeros(1), (sub.rank + 1) % sub.size, tag=99)
+            await sub.barrier()
+        try:
+            await waiting
+            closed = "received"
+        except CommClosedError:
+            closed = "closed"
+        return [refused, mixed, posted, closed]
+    finally:
+        mpi_backend.PROBE_FIRST = saved
+
+
+def test_receives_that_probe_first(world2: World) -> None:
+    if world2.backend != "mpi":
+        pytest.skip("gloo's sends say their size (gloo_p2p)")
+    refused, mixed, posted, closed = world2.run(check_probed_receives)[1]
+    assert refused == ["100: refused", "next 100", f"{BIG}: refused", f"next {BIG}",
+                       "4: [0.0, -1.0]", "next 4"], refused
+    assert mixed[:7] == [[float(i), float(i), -1.0] for i in range(7)], mixed
+    assert sorted(mixed[7:]) == [[float(i), float(i), -1.0] for i in range(7)], mixed
+    assert posted == "refused, then [1.0, 1.0, 1.0]"
+    assert closed == "closed"

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -73,6 +74,14 @@ _op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
 _orphans: list[tuple[Any, Sink | bytearray, bool]] = []
 
 _PEER_GONE = ("process failed", "proc_failed", "terminated", "connection", "unreachable")
+
+# Open MPI's receive of a message larger than its buffer, beyond its eager limit (~4 KiB),
+# kills the process (a segmentation fault in its truncated rendezvous receive; MPICH says
+# "Message truncated"). There a receive first finds its message by matched probe, and
+# takes it only if it fits: whole and dropped otherwise (``MismatchError``). Read when a
+# communicator is made (a test sets it on MPICH).
+PROBE_FIRST = "open mpi" in MPI.Get_library_version().lower()
+_Probing = tuple[Sink, torch.Tensor, int, int]  # a receive probing: sink, buffer, source, tag
 
 
 def classify(exc: BaseException) -> type[CommError]:
@@ -163,6 +172,8 @@ class MpiBackend(Backend):
         self._statuses: list[Any] = []
         self._closed = False
         self.posted = InFlight()  # ``Posted`` operations (cancelled at close)
+        self._probe_first = PROBE_FIRST
+        self._probing: list[_Probing] = []  # receives looking for their message, in order
 
     def _op(self, dtype: torch.dtype, op: ReduceOp) -> Any:
         mpi_op = _op_cache.get((dtype, op))
@@ -298,15 +309,75 @@ class MpiBackend(Backend):
 
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
         source = MPI.ANY_SOURCE if src is None else src
+        if self._probe_first:  # see PROBE_FIRST
+            self._recv_probed(sink, tensor, source, tag)
+            return
         self._watch(sink, self._comm.Irecv(spec(tensor), source, tag), active=False)
+
+    def _recv_probed(self, sink: Sink, tensor: torch.Tensor, source: int, tag: int) -> None:
+        """Receive into ``tensor`` once a matched probe has found a message that fits."""
+        receive = (sink, tensor, source, tag)
+        if not self._probing:  # (else it looks after those issued before it)
+            alone = [receive]
+            self._probe_receives(alone)
+            if not alone:
+                return  # found (or failed)
+            self._poller.probe(self._look)
+        self._probing.append(receive)
+
+    def _look(self) -> bool:
+        """The poller's probe while receives look for their messages (see PROBE_FIRST)."""
+        found = self._probe_receives(self._probing)
+        if not self._probing:
+            self._poller.unprobe(self._look)
+        return found
+
+    def _probe_receives(self, receives: list[_Probing]) -> bool:
+        """Let each of ``receives`` (in the order issued) look for its message; a message
+        found goes to the first of them that takes its source and tag, as MPI matches.
+        Return whether any found one; those that did leave the list."""
+        status, found = self._status, False
+        for receive in list(receives):
+            if receive not in receives:
+                continue  # given a message meanwhile
+            try:
+                message = self._comm.Improbe(receive[2], receive[3], status)
+            except MPI.Exception as exc:
+                receives.remove(receive)
+                receive[0]._fail(classify(exc), exc)
+                continue
+            if message is None:
+                continue
+            sender = status.Get_source()
+            owner = next(r for r in receives if r[3] == receive[3]
+                         and r[2] in (sender, MPI.ANY_SOURCE))
+            receives.remove(owner)
+            self._take(owner, message, sender, status.Get_count(MPI.BYTE))
+            found = True
+        return found
+
+    def _take(self, receive: _Probing, message: Any, sender: int, size: int) -> None:
+        sink, tensor = receive[0], receive[1]
+        if size <= tensor.nbytes:
+            self._watch(sink, message.Irecv(spec(tensor)), active=False)
+            return
+        scratch = bytearray(size)  # taken whole, and dropped
+
+        def refuse(_: object) -> object:
+            raise MismatchError(f"rank {sender} sent {size} bytes, more than the "
+                                f"{tensor.nbytes} of the buffer (truncated)")
+
+        self._watch(sink, message.Irecv([scratch, MPI.BYTE]), refuse, keep=scratch)
 
     def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Posted:
         return _PostedRequest(self._comm.Isend(spec(tensor), dst, tag), tensor, self,
                               (self.rank, "send", dst, tag))
 
     def post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Posted:
-        return _PostedRequest(self._comm.Irecv(spec(tensor), src, tag), tensor, self,
-                              (self.rank, "recv", src, tag))
+        what = (self.rank, "recv", src, tag)
+        if self._probe_first:  # see PROBE_FIRST
+            return _PostedProbe(self._comm, tensor, self, what)
+        return _PostedRequest(self._comm.Irecv(spec(tensor), src, tag), tensor, self, what)
 
     # -- groups and lifecycle --------------------------------------------------------
 
@@ -328,6 +399,9 @@ class MpiBackend(Backend):
             posted.cancel()
         self.posted.settle(timeout=2.0)
         _orphans.extend(self._poller.drain())  # (see ``_orphans``: nothing is cancelled)
+        for sink, *_ in self._probing:  # (nothing posted: nothing to keep)
+            sink._fail(CommClosedError, CommClosedError("the communicator was closed"))
+        self._probing.clear()
         self._drop_unreceived()
         self._comm.Free()
 
@@ -416,3 +490,32 @@ async def open_mpi(loop: asyncio.AbstractEventLoop) -> tuple[Backend, Backend]:
     user = await loop.run_in_executor(None, MPI.COMM_WORLD.Dup)
     own = await loop.run_in_executor(None, MPI.COMM_WORLD.Dup)
     return MpiBackend(user, loop), MpiBackend(own, loop)
+
+
+class _PostedProbe(Posted):
+    """A receive a thread issued where receives probe first (see PROBE_FIRST): its wait
+    looks for the message by matched probe, every ``LOOK_S``, and takes it if it fits."""
+
+    LOOK_S = 50e-6
+
+    def __init__(self, comm: Any, tensor: torch.Tensor, backend: MpiBackend,
+                 what: tuple[int, str, int, int]) -> None:
+        super().__init__(what, backend.posted, remembering(backend, classify))
+        self._comm = comm
+        self._tensor = tensor
+        self._cancelled = threading.Event()
+
+    def _block(self) -> None:
+        status, (_, _, src, tag) = MPI.Status(), self._what
+        while (message := self._comm.Improbe(src, tag, status)) is None:
+            if self._cancelled.wait(self.LOOK_S):
+                raise CommClosedError(f"{self.describe()}: cancelled")
+        size = status.Get_count(MPI.BYTE)
+        if size > self._tensor.nbytes:
+            message.Recv([bytearray(size), MPI.BYTE])  # taken whole, and dropped
+            raise MismatchError(f"{self.describe()}: rank {src} sent {size} bytes, more "
+                                f"than the {self._tensor.nbytes} of the buffer (truncated)")
+        message.Recv(spec(self._tensor))
+
+    def cancel(self) -> None:
+        self._cancelled.set()
