@@ -339,9 +339,13 @@ class TorchBackend(Backend):
         if data is None:  # the payload is in the first message, a copy
             self.send_raw(sink, first, dst, tag, eager, copied=True)
             return
-        self._see_off(self._pg.send([first], dst, tag), dst)
-        self._p2p(sink, self._pg.send([data], dst, data_tag),
-                  lambda _: self._outgoing.sent(dst, data_tag))
+        works = (self._pg.send([first], dst, tag), self._pg.send([data], dst, data_tag))
+
+        def sent() -> None:  # (not the eager reaper's: the header waits for the receive too)
+            for work in works:
+                work.wait(_FOREVER)
+
+        self._waiters.watch(sent, sink, lambda _: self._outgoing.sent(dst, data_tag))
 
     def send_raw(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
                  eager: bool = True, copied: bool = False) -> None:
@@ -353,13 +357,11 @@ class TorchBackend(Backend):
         if (eager and tensor.nbytes <= self._eager_bytes + gloo_p2p.HEADER.size
                 and self._eager.in_flight < _EAGER_IN_FLIGHT):
             # See the module note on eager sends.
-            self._see_off(self._pg.send([tensor if copied else tensor.clone()], dst, tag), dst)
+            work = self._pg.send([tensor if copied else tensor.clone()], dst, tag)
+            self._eager.watch(functools.partial(work.wait, _FOREVER), dst)
             sink._succeed(None)
             return
         self._p2p(sink, self._pg.send([tensor], dst, tag), _none)
-
-    def _see_off(self, work: Any, dst: int) -> None:
-        self._eager.watch(functools.partial(work.wait, _FOREVER), dst)
 
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
         self._raise_if_failed(src)
