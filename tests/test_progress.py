@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 import torch
@@ -102,27 +103,37 @@ async def check_ping_pong_lets_the_loop_turn(comm: Comm) -> int:
     # between two of its turns.
     async with fresh(comm) as sub:
         ch, peer, t = sub.channel(1), 1 - sub.rank, torch.zeros(2)
-        ticks = [0]
 
-        async def beside() -> None:
-            while True:
-                ticks[0] += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.get_running_loop().create_task(beside())
-        await asyncio.sleep(0)
-        longest, run, last = 0, 0, ticks[0]
-        for _ in range(3000):
+        async def exchange() -> None:
             if sub.rank == 0:
                 await ch.send(t, peer)
                 await ch.recv(peer)
             else:
                 await ch.recv(peer)
                 await ch.send(t, peer)
-            run = 0 if ticks[0] != last else run + 1
-            last, longest = ticks[0], max(longest, run)
-        task.cancel()
-        return longest
+
+        return await longest_between_turns(exchange, 3000)
+
+
+async def longest_between_turns(step: Callable[[], Awaitable[object]], times: int) -> int:
+    """Await ``step()`` ``times`` times beside a task that counts its loop turns; return
+    the most steps between two of its turns."""
+    ticks = [0]
+
+    async def beside() -> None:
+        while True:
+            ticks[0] += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.get_running_loop().create_task(beside())
+    await asyncio.sleep(0)
+    longest, run, last = 0, 0, ticks[0]
+    for _ in range(times):
+        await step()
+        run = 0 if ticks[0] != last else run + 1
+        last, longest = ticks[0], max(longest, run)
+    task.cancel()
+    return longest
 
 
 def test_a_hurried_ping_pong_lets_other_tasks_run(world2: World) -> None:
@@ -139,22 +150,7 @@ async def check_awaited_collectives_let_the_loop_turn(comm: Comm) -> int:
     # wait) never park; a task beside them must still run every millisecond or so.
     async with fresh(comm) as sub:
         t = torch.zeros(2)
-        ticks = [0]
-
-        async def beside() -> None:
-            while True:
-                ticks[0] += 1
-                await asyncio.sleep(0)
-
-        task = asyncio.get_running_loop().create_task(beside())
-        await asyncio.sleep(0)
-        longest, run, last = 0, 0, ticks[0]
-        for _ in range(3000):
-            await sub.all_reduce(t)
-            run = 0 if ticks[0] != last else run + 1
-            last, longest = ticks[0], max(longest, run)
-        task.cancel()
-        return longest
+        return await longest_between_turns(lambda: sub.all_reduce(t), 3000)
 
 
 def test_awaited_collectives_let_other_tasks_run(world2: World) -> None:
