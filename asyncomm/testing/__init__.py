@@ -214,9 +214,22 @@ class World:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        for pid in self._pids:  # a launcher killed may leave its ranks running (Open MPI's)
+            if _is_rank(pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._pids, self._store = [], [], [], None
+
+
+def _is_rank(pid: int) -> bool:
+    """Whether ``pid`` is still a world's rank process (not one that reused its number)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return b"asyncomm.testing" in cmdline.read()
+    except OSError:
+        return False
 
 
 class WorldPool:
