@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from asyncomm._core import tags
-from asyncomm._core.errors import CommError, MismatchError
+from asyncomm._core.errors import CommError, MismatchError, truncated
 
 HEADER = struct.Struct("<IIQ")  # magic, the data's tag (0: the payload follows), its bytes
 MAGIC = 0xA5C0_3D01
@@ -119,7 +119,10 @@ class Incoming:
     def __init__(self, tensor: torch.Tensor) -> None:
         self._tensor = tensor
         size = first_bytes()
-        first = _spare.pop() if _spare else None  # (atomic: receives finish on threads)
+        try:  # (pop and append are atomic: receives are issued and finish on any thread)
+            first: torch.Tensor | None = _spare.pop()
+        except IndexError:
+            first = None
         self.first = first if first is not None and first.numel() == size else torch.empty(
             size, dtype=torch.uint8)
         ctypes.memset(self.first.data_ptr(), 0, HEADER.size)  # (a raw empty message: no magic)
@@ -140,8 +143,7 @@ class Incoming:
             self._refused = MismatchError(f"rank {source} sent a message asyncomm's send did "
                                           "not make (gloo's own send, on comm.raw?)")
         elif size > tensor.nbytes:
-            self._refused = MismatchError(f"rank {source} sent {size} bytes, more than the "
-                                          f"{tensor.nbytes} of the buffer (truncated)")
+            self._refused = truncated(source, size, tensor.nbytes)
             if data_tag:  # taken whole and dropped: the next message must find its receive
                 pg.recv([torch.empty(size, dtype=torch.uint8)], source, data_tag).wait(FOREVER)
         elif data_tag:

@@ -24,7 +24,13 @@ from mpi4py import MPI
 from asyncomm._backends.mpi_link import DATATYPES, ProbeLink, spec
 from asyncomm._core import tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
-from asyncomm._core.errors import CommClosedError, CommError, MismatchError, PeerFailedError
+from asyncomm._core.errors import (
+    CommClosedError,
+    CommError,
+    MismatchError,
+    PeerFailedError,
+    truncated,
+)
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.polling import Poller
@@ -364,8 +370,7 @@ class MpiBackend(Backend):
         scratch = bytearray(size)  # taken whole, and dropped
 
         def refuse(_: object) -> object:
-            raise MismatchError(f"rank {sender} sent {size} bytes, more than the "
-                                f"{tensor.nbytes} of the buffer (truncated)")
+            raise truncated(sender, size, tensor.nbytes)
 
         self._watch(sink, message.Irecv([scratch, MPI.BYTE]), refuse, keep=scratch)
 
@@ -513,8 +518,7 @@ class _PostedProbe(Posted):
         size = status.Get_count(MPI.BYTE)
         if size > self._tensor.nbytes:
             message.Recv([bytearray(size), MPI.BYTE])  # taken whole, and dropped
-            raise MismatchError(f"{self.describe()}: rank {src} sent {size} bytes, more "
-                                f"than the {self._tensor.nbytes} of the buffer (truncated)")
+            raise MismatchError(f"{self.describe()}: {truncated(src, size, self._tensor.nbytes)}")
         message.Recv(spec(self._tensor))
 
     def cancel(self) -> None:

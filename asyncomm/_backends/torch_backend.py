@@ -1,7 +1,7 @@
 """torch.distributed backends: gloo (CPU tensors) and nccl (CUDA tensors).
 
-Collectives complete through their futures (``FutureBridge``; an awaiting
-task watches a gloo future itself a while first). gloo's
+Collectives complete through their futures (``FutureBridge``; a task that
+awaits a gloo collective first waits for its work itself, a bounded while). gloo's
 send/recv have no future and cannot be polled, so they complete in
 ``Waiters``. Operations go straight to the ``ProcessGroup`` methods, whose
 ranks are the group's own.
@@ -339,13 +339,21 @@ class TorchBackend(Backend):
         if data is None:  # the payload is in the first message, a copy
             self.send_raw(sink, first, dst, tag, eager, copied=True)
             return
+        # (not the eager reaper's: the header waits for the receive too)
+        self._waiters.watch(self._send_large(first, data, dst, tag, data_tag), sink, _none)
+
+    def _send_large(self, first: torch.Tensor, data: torch.Tensor, dst: int, tag: int,
+                    data_tag: int) -> Callable[[], None]:
+        """Send a large payload's header and data (see gloo_p2p); return what waits for
+        both (from a thread) and frees the data tag."""
         works = (self._pg.send([first], dst, tag), self._pg.send([data], dst, data_tag))
 
-        def sent() -> None:  # (not the eager reaper's: the header waits for the receive too)
+        def sent() -> None:
             for work in works:
                 work.wait(_FOREVER)
+            self._outgoing.sent(dst, data_tag)
 
-        self._waiters.watch(sent, sink, lambda _: self._outgoing.sent(dst, data_tag))
+        return sent
 
     def send_raw(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
                  eager: bool = True, copied: bool = False) -> None:
@@ -401,16 +409,11 @@ class TorchBackend(Backend):
             return _PostedWork(functools.partial(self._pg.send([tensor], dst, tag).wait,
                                                  _FOREVER), self, what)
         first, data, data_tag = self._outgoing.message(tensor, dst)
-        works = [self._pg.send([first], dst, tag)]
-        if data is not None:
-            works.append(self._pg.send([data], dst, data_tag))
-
-        def sent() -> None:
-            for work in works:
-                work.wait(_FOREVER)
-            if data is not None:
-                self._outgoing.sent(dst, data_tag)
-
+        sent: Callable[[], object]
+        if data is None:
+            sent = functools.partial(self._pg.send([first], dst, tag).wait, _FOREVER)
+        else:
+            sent = self._send_large(first, data, dst, tag, data_tag)
         return _PostedWork(sent, self, what)
 
     def post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Posted:

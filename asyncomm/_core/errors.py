@@ -33,7 +33,14 @@ class PeerFailedError(CommError):
 
 
 class MismatchError(CommError):
-    """Raised when ranks issue different collectives (op, dtype, shape or root) at one step."""
+    """Raised when ranks issue different collectives (op, dtype, shape or root) at one step,
+    or a receive's message is larger than its buffer (``truncated``)."""
+
+
+def truncated(sender: int, size: int, room: int) -> MismatchError:
+    """The error of a receive whose message (``size`` bytes) is larger than its buffer."""
+    return MismatchError(f"rank {sender} sent {size} bytes, more than the {room} of the "
+                         "buffer (truncated)")
 
 
 class ProtocolError(CommError):

@@ -1,8 +1,8 @@
 """``Hurry``: how long a task about to wait looks for what it waits for itself.
 
-Both engines that can look without blocking use it: the MPI poller (a
-request's ``Test``) and the future bridge of gloo's collectives (a future's
-``done()``).
+Two engines use it: the MPI poller (a request's ``Test``, looked at a bounded
+number of times and for a learnt while) and the future bridge of gloo's
+collectives (one ``wait`` bounded by the learnt while: ``block``).
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Three engines, one per way a backend can report that a request is done:
 
 - ``FutureBridge``: the backend completes a future on one of its own threads
-  (torch collectives); a task awaiting it first watches ``done()`` a while
-  (``Hurry``), else its callback hops to the loop through the ``Inbox``.
+  (torch collectives); a task awaiting it first waits for it itself a while
+  (a bounded ``wait``, as ``Hurry`` learns), else its callback hops to the loop
+  through the ``Inbox``.
 - ``Waiters``: the request only completes inside a blocking ``wait()`` (gloo
   send/recv cannot be polled). Reusable threads block in ``wait()``, one per
   request *in flight*, so a receive that waits long never delays another
