@@ -368,3 +368,54 @@ def test_receives_that_probe_first(world2: World) -> None:
     assert sorted(mixed[7:]) == [[float(i), float(i), -1.0] for i in range(7)], mixed
     assert posted == "refused, then [1.0, 1.0, 1.0]"
     assert closed == "closed"
+
+
+async def check_quick_and_usual_paths(comm: Comm) -> list[tuple[object, ...]]:
+    """Plain CPU tensors take the quick path where the backend has one (MPI); arrays and
+    explicit deadlines the usual one. Both number their operations in turn, name the same
+    things and move the same values."""
+    peer, taken = 1 - comm.rank, []
+    backend = comm._backend
+    for name in ("quick_all_reduce", "quick_send", "quick_recv"):  # count the quick issues
+        issue = getattr(backend, name)
+
+        def counted(*args: object, _issue: object = issue, _name: str = name) -> object:
+            taken.append(_name)
+            return _issue(*args)  # type: ignore[operator]
+
+        setattr(backend, name, counted)
+    seen: list[tuple[object, ...]] = []
+    try:
+        for form, timeout in ((torch.Tensor.clone, None), (torch.Tensor.clone, None),
+                              (torch.Tensor.numpy, None), (torch.Tensor.clone, 30.0)):
+            t = form(torch.arange(4, dtype=torch.float32) + comm.rank)
+            reduced = comm.all_reduce(t, timeout=timeout)
+            assert await reduced is t and torch.equal(torch.as_tensor(t),
+                                                      torch.arange(4) * 2.0 + 1)
+            buf = form(torch.zeros(4, dtype=torch.float32))
+            moved = (comm.send(form(torch.full((4,), 7.0)), peer, 41, timeout=timeout)
+                     if comm.rank == 0 else comm.recv(buf, peer, 41, timeout=timeout))
+            assert await moved == (None if comm.rank == 0 else peer)
+            if comm.rank == 1:
+                assert torch.equal(torch.as_tensor(buf), torch.full((4,), 7.0))
+            seen += [(h.op, h.seq, h.peer, h.tag) for h in (reduced, moved)]
+    finally:
+        for name in ("quick_all_reduce", "quick_send", "quick_recv"):
+            delattr(backend, name)
+    seqs = [s[1] for s in seen]
+    assert seqs == list(range(seqs[0], seqs[0] + 8)), seen
+    assert {s[0] for s in seen[::2]} == {"all_reduce"} and {s[2:] for s in seen[1::2]} == {
+        (peer, 41)}, seen
+    return [comm.backend, *taken]
+
+
+def test_quick_and_usual_paths_agree(world2: World) -> None:
+    for rank, result in enumerate(world2.run(check_quick_and_usual_paths)):
+        backend, taken = result[0], result[1:]
+        if backend != "mpi":
+            assert taken == [], result
+            continue
+        # the plain tensors without a deadline given; an all_reduce of an (op, dtype) new
+        # to the communicator takes the usual path, and makes that pair quick from then on
+        assert taken.count("quick_send" if rank == 0 else "quick_recv") == 2, result
+        assert taken.count("quick_all_reduce") in (1, 2) and len(taken) in (3, 4), result

@@ -31,6 +31,7 @@ from asyncomm._core.errors import (
     PeerFailedError,
     truncated,
 )
+from asyncomm._core.handle import FROM_BACKEND, Handle
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.polling import Poller
@@ -66,6 +67,7 @@ _BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = 
 }
 _bf16_ops: dict[ReduceOp, Any] = {}
 _op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
+_IN_PLACE = MPI.IN_PLACE
 
 # Requests still in MPI's hands when their communicator was freed, with their sinks
 # (which hold the buffers MPI may still write into): kept for the life of the process,
@@ -161,6 +163,7 @@ class MpiBackend(Backend):
 
     name = "mpi"
     dtypes = frozenset(DATATYPES)
+    quick = True
 
     def __init__(self, comm: Any, loop: asyncio.AbstractEventLoop) -> None:
         self.raw = comm
@@ -250,6 +253,45 @@ class MpiBackend(Backend):
 
     def broadcast(self, sink: Sink, tensor: torch.Tensor, src: int) -> None:
         self._watch(sink, self._comm.Ibcast(spec(tensor), root=src))
+
+    def quick_op(self, dtype: torch.dtype, op: ReduceOp) -> object | None:
+        return None if op is ReduceOp.AVG else self._op(dtype, op)
+
+    def quick_all_reduce(self, tensor: torch.Tensor, op: object,
+                         what: tuple[Any, ...]) -> Handle[Any] | None:
+        if self.lost is None:
+            try:
+                request = self._comm.Iallreduce(_IN_PLACE, spec(tensor), op)
+            except MPI.Exception:
+                return None  # nothing issued: the usual path issues it again, words its error
+            handle: Handle[Any] = Handle(self._loop, what, tensor, tensor)  # once posted
+            self._poller.watch(request, handle, None)
+            return handle
+        return None  # the usual path fails it
+
+    def quick_send(self, tensor: torch.Tensor, dst: int, tag: int,
+                   what: tuple[Any, ...]) -> Handle[Any] | None:
+        if self.lost is None:
+            try:
+                request = self._comm.Isend(spec(tensor), dst, tag)
+            except MPI.Exception:
+                return None
+            handle: Handle[Any] = Handle(self._loop, what, None, tensor)
+            self._poller.watch(request, handle, None)
+            return handle
+        return None
+
+    def quick_recv(self, tensor: torch.Tensor, src: int, tag: int,
+                   what: tuple[Any, ...]) -> Handle[Any] | None:
+        if self.lost is None and not self._probe_first:
+            try:
+                request = self._comm.Irecv(spec(tensor), src, tag)
+            except MPI.Exception:
+                return None
+            handle: Handle[Any] = Handle(self._loop, what, FROM_BACKEND, tensor)
+            self._poller.watch(request, handle, None, False)
+            return handle
+        return None
 
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
         mpi_op = _op_cache.get((tensor.dtype, op)) or self._op(tensor.dtype, op)  # (a hot path)

@@ -13,7 +13,7 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -22,6 +22,7 @@ from asyncomm._core.ops import ReduceOp
 from asyncomm._core.progress import Classify, Sink
 
 if TYPE_CHECKING:
+    from asyncomm._core.handle import Handle
     from asyncomm._core.link import Link
 
 Tensors = Sequence[torch.Tensor]
@@ -140,6 +141,31 @@ class Backend(ABC):
 
     def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027
         """Raise ``TypeError`` for reductions the backend lacks beyond the common rules."""
+
+    # -- quick operations: see the note in ``Comm`` ---------------------------------
+
+    quick: bool = False  # whether it has quick operations (``quick_send`` and the others)
+
+    def quick_op(self, dtype: torch.dtype, op: ReduceOp) -> object | None:
+        """Return what ``quick_all_reduce`` takes for ``op`` on ``dtype`` (``None``: it is not
+        quick here; the backend has no quick path, or ``op`` needs a step after the reduction)."""
+        return None
+
+    def quick_all_reduce(self, tensor: torch.Tensor, op: object,
+                         what: tuple[Any, ...]) -> Handle[Any] | None:
+        """Issue an all-reduce of a CPU tensor ``Comm`` checked, in the fewest steps: posted,
+        then its handle made (named ``what``). ``None``: not issued, take the usual path."""
+        return None
+
+    def quick_send(self, tensor: torch.Tensor, dst: int, tag: int,
+                   what: tuple[Any, ...]) -> Handle[Any] | None:
+        """Issue a send as ``quick_all_reduce`` issues its all-reduce."""
+        return None
+
+    def quick_recv(self, tensor: torch.Tensor, src: int, tag: int,
+                   what: tuple[Any, ...]) -> Handle[Any] | None:
+        """Issue a receive from ``src`` as ``quick_all_reduce`` issues its all-reduce."""
+        return None
 
     @abstractmethod
     def barrier(self, sink: Sink) -> None:

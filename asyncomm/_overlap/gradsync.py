@@ -177,7 +177,7 @@ class GradSync:
         self._where: list[tuple[int, int]] = [(0, 0)] * len(self._params)  # (bucket, position)
         for b, bucket in enumerate(self._buckets):
             first = self._params[bucket.indices[0]]
-            comm._tensor(torch.empty(0, dtype=first.dtype, device=first.device), "GradSync",
+            comm._args.tensor(torch.empty(0, dtype=first.dtype, device=first.device), "GradSync",
                          f"the gradient of {self._names[bucket.indices[0]]}")
             for position, i in enumerate(bucket.indices):
                 self._where[i] = (b, position)
