@@ -1099,7 +1099,8 @@ async def check_padded_link_messages(comm: Comm) -> list[int]:
     # as above goes through, in order.
     from asyncomm._backends import gloo_link
 
-    gloo_link.SHORT = False
+    short, most = gloo_link.SHORT, gloo_link.ENVELOPE_BYTES
+    gloo_link.SHORT, gloo_link.ENVELOPE_BYTES = False, 4 << 10  # as there
     try:
         lengths: list[int] = []
         async with fresh(comm) as sub:
@@ -1115,7 +1116,7 @@ async def check_padded_link_messages(comm: Comm) -> list[int]:
             await check_large_envelopes_share_messages(sub)
         return lengths
     finally:
-        gloo_link.SHORT = True
+        gloo_link.SHORT, gloo_link.ENVELOPE_BYTES = short, most
 
 
 def test_padded_gloo_link_messages(world: World) -> None:
