@@ -231,8 +231,11 @@ class Comm:
                 seq = self._seq + 1
                 handle = self._backend.quick_all_reduce(
                     tensor, quick_op, (self._rank, "all_reduce", seq, None, None))
-                if handle is not None:
-                    return self._issued(handle, seq, "all_reduce")
+                if handle is not None:  # (``_issued``, inline)
+                    self._seq, self._last_op = seq, "all_reduce"
+                    if not handle._state:
+                        self._deadlines.add(handle, self._timeout)
+                    return handle
         t = self._args.tensor(tensor, "all_reduce")
         reduce_op = self._args.reduce_op(op, t.dtype, "all_reduce")
         if self._checker is None and (op, t.dtype) not in self._quick_ops:

@@ -68,6 +68,7 @@ _BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = 
 _bf16_ops: dict[ReduceOp, Any] = {}
 _op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
 _IN_PLACE = MPI.IN_PLACE
+_TEST = MPI.Request.Test
 
 # Requests still in MPI's hands when their communicator was freed, with their sinks
 # (which hold the buffers MPI may still write into): kept for the life of the process,
@@ -176,8 +177,9 @@ class MpiBackend(Backend):
         self._loop = loop
         self._status = MPI.Status()
         # (tested by mpi4py's own methods: no Python frame per test)
+        self._classify = remembering(self, classify)
         self._poller = Poller(loop, MPI.Request.Test, self._status, self._status.Get_source,
-                              self._testsome, remembering(self, classify))
+                              self._testsome, self._classify)
         self._statuses: list[Any] = []
         self._closed = False
         self.posted = InFlight()  # ``Posted`` operations (cancelled at close)
@@ -264,9 +266,7 @@ class MpiBackend(Backend):
                 request = self._comm.Iallreduce(_IN_PLACE, spec(tensor), op)
             except MPI.Exception:
                 return None  # nothing issued: the usual path issues it again, words its error
-            handle: Handle[Any] = Handle(self._loop, what, tensor, tensor)  # once posted
-            self._poller.watch(request, handle, None)
-            return handle
+            return self._quickly(request, Handle(self._loop, what, tensor, tensor))
         return None  # the usual path fails it
 
     def quick_send(self, tensor: torch.Tensor, dst: int, tag: int,
@@ -276,9 +276,7 @@ class MpiBackend(Backend):
                 request = self._comm.Isend(spec(tensor), dst, tag)
             except MPI.Exception:
                 return None
-            handle: Handle[Any] = Handle(self._loop, what, None, tensor)
-            self._poller.watch(request, handle, None)
-            return handle
+            return self._quickly(request, Handle(self._loop, what, None, tensor))
         return None
 
     def quick_recv(self, tensor: torch.Tensor, src: int, tag: int,
@@ -292,6 +290,19 @@ class MpiBackend(Backend):
             self._poller.watch(request, handle, None, False)
             return handle
         return None
+
+    def _quickly(self, request: Any, handle: Handle[Any]) -> Handle[Any]:
+        """Settle the handle of a quick send or all-reduce, made once ``request`` was posted,
+        if two tests find it done (the commonest: no outcome asked for); else watch it."""
+        try:
+            if _TEST(request, self._status) or _TEST(request, self._status):
+                handle._succeed(None)
+                return handle
+        except MPI.Exception as exc:  # (the request is freed: only its error is left)
+            handle._fail(self._classify(exc), exc)
+            return handle
+        self._poller.watch(request, handle, None)
+        return handle
 
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
         mpi_op = _op_cache.get((tensor.dtype, op)) or self._op(tensor.dtype, op)  # (a hot path)
