@@ -349,9 +349,11 @@ class TorchBackend(Backend):
         works = (self._pg.send([first], dst, tag), self._pg.send([data], dst, data_tag))
 
         def sent() -> None:
-            for work in works:
-                work.wait(_FOREVER)
-            self._outgoing.sent(dst, data_tag)
+            try:
+                for work in works:
+                    work.wait(_FOREVER)
+            finally:  # failed: the connection is gone, and the tag with it
+                self._outgoing.sent(dst, data_tag)
 
         return sent
 
