@@ -174,19 +174,22 @@ class Comm:
             self._deadlines.add(handle, self._timeout if timeout is None else timeout)
         return handle
 
-    def _quick(self, tensor: object, peer: object, tag: object) -> bool:
-        """Whether a send or receive may be quick (see the note): plain arguments, in range."""
-        return (type(tensor) is torch.Tensor and type(peer) is int and type(tag) is int
+    def _quickly(self, op: str, issue: Callable[..., Handle[Any] | None], tensor: object,
+                 peer: object, tag: object) -> Handle[Any] | None:
+        """Issue a send or receive by the backend's quick path if its arguments are plain and
+        in range (see the note); return its handle, numbered, or ``None``: the usual path."""
+        if (type(tensor) is torch.Tensor and type(peer) is int and type(tag) is int
                 and 0 <= peer < self._size and peer != self._rank and 0 <= tag <= self._max_tag
                 and tensor.dtype in self._dtypes and tensor.is_contiguous()
-                and not tensor.is_cuda and not self._closed and self._probe.recording is None)
-
-    def _issued(self, handle: Handle[Any], seq: int, op: str) -> Handle[Any]:
-        """Number a quick operation's handle, and give it its deadline if it is in flight."""
-        self._seq, self._last_op = seq, op
-        if not handle.done():
-            self._deadlines.add(handle, self._timeout)
-        return handle
+                and not tensor.is_cuda and not self._closed and self._probe.recording is None):
+            seq = self._seq + 1
+            handle = issue(tensor, peer, tag, (self._rank, op, seq, peer, tag))
+            if handle is not None:
+                self._seq, self._last_op = seq, op
+                if not handle._state:  # pending
+                    self._deadlines.add(handle, self._timeout)
+                return handle
+        return None
 
     def _start(self, handle: Handle[Any], start: Callable[..., None], args: tuple[Any, ...],
                deferred: bool = False) -> None:
@@ -231,7 +234,7 @@ class Comm:
                 seq = self._seq + 1
                 handle = self._backend.quick_all_reduce(
                     tensor, quick_op, (self._rank, "all_reduce", seq, None, None))
-                if handle is not None:  # (``_issued``, inline)
+                if handle is not None:  # (as ``_quickly`` numbers it)
                     self._seq, self._last_op = seq, "all_reduce"
                     if not handle._state:
                         self._deadlines.add(handle, self._timeout)
@@ -318,12 +321,10 @@ class Comm:
     def send(self, tensor: torch.Tensor | np.ndarray, dst: int,  # type: ignore[type-arg]
              tag: int = 0, *, timeout: float | None = None) -> Handle[None]:
         """Send ``tensor`` to ``dst``; the handle completes when the buffer may be reused."""
-        if timeout is None and self._quick_p2p and self._quick(tensor, dst, tag):
-            seq = self._seq + 1
-            handle = self._backend.quick_send(tensor, dst, tag,  # type: ignore[arg-type]
-                                              (self._rank, "send", seq, dst, tag))
+        if timeout is None and self._quick_p2p:  # see the note on quick operations
+            handle = self._quickly("send", self._backend.quick_send, tensor, dst, tag)
             if handle is not None:
-                return self._issued(handle, seq, "send")
+                return handle
         t = self._args.tensor(tensor, "send", writes=False)
         dst = self._args.peer(dst, "send", "dst", self_ok=False)
         tag = self._args.tag(tag, "send")
@@ -333,12 +334,10 @@ class Comm:
     def recv(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
              src: int | None = None, tag: int = 0, *, timeout: float | None = None) -> Handle[int]:
         """Receive into ``tensor`` from ``src`` (``None``: any source); resolve to the source."""
-        if timeout is None and self._quick_p2p and self._quick(tensor, src, tag):
-            seq = self._seq + 1
-            handle = self._backend.quick_recv(tensor, src, tag,  # type: ignore[arg-type]
-                                              (self._rank, "recv", seq, src, tag))
+        if timeout is None and self._quick_p2p:
+            handle = self._quickly("recv", self._backend.quick_recv, tensor, src, tag)
             if handle is not None:
-                return self._issued(handle, seq, "recv")
+                return handle
         t = self._args.tensor(tensor, "recv")
         peer = None if src is None else self._args.peer(src, "recv", "src", self_ok=False)
         tag = self._args.tag(tag, "recv")
