@@ -234,6 +234,32 @@ def test_a_dead_mpi_rank_ends_the_job_and_is_named(tmp_path: Path) -> None:
     assert "Exit codes" not in done.stdout  # mpiexec's report is read, not shown
 
 
+OPEN_MPI_EXITED = b"""\
+--------------------------------------------------------------------------
+prterun detected that one or more processes exited with non-zero status,
+thus causing the job to be terminated. The first process to do so was:
+
+   Process name: [prterun-vm-8570@1,1]
+   Exit code:    5
+--------------------------------------------------------------------------"""
+OPEN_MPI_SIGNALLED = b"""\
+--------------------------------------------------------------------------
+prterun noticed that process rank 2 with PID 8765 on node vm exited on
+signal 11 (Segmentation fault).
+--------------------------------------------------------------------------"""
+
+
+@pytest.mark.parametrize(("report", "said"), [(OPEN_MPI_EXITED, "rank 1 exited with code 5"),
+                                              (OPEN_MPI_SIGNALLED, "rank 2 killed by SIGSEGV")])
+def test_open_mpi_names_the_rank_that_failed(report: bytes, said: str) -> None:
+    # Open MPI's report, as its mpiexec (5.0) wrote it when a rank exited with a code of its
+    # own or died of a signal (the real run: tests above, where Open MPI is installed)
+    world = _launch._World(codes=[])
+    for line in report.splitlines():
+        _launch._open_mpi_report(world, line)
+    assert _launch._dead_ranks(world.statuses) == said
+
+
 def test_the_launching_commands_do_not_load_torch() -> None:
     probe = textwrap.dedent("""
         import sys

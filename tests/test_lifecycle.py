@@ -144,12 +144,12 @@ async def check_handle_api(comm: Comm) -> None:
     result = await loop.run_in_executor(None, handle.wait, 30)
     assert result is t and handle.done()
     assert t.tolist() == [comm.size] * 3
-    with pytest.raises(RuntimeError, match="use await"):
-        comm.barrier().wait()  # on the loop thread, wait() would deadlock
     await comm.barrier()
     left, right = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
     waiting = comm.recv(torch.zeros(1), left, tag=44)  # nothing sent yet: it cannot be done
     assert not waiting.done()
+    with pytest.raises(RuntimeError, match="use await"):
+        waiting.wait()  # on the loop thread, wait() would deadlock
     with pytest.raises(asyncio.InvalidStateError):
         waiting.result()
     await comm.barrier()  # every rank has looked: now send

@@ -9,6 +9,7 @@ go through one flat buffer unless they already are consecutive views of one.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import os
 import sys
@@ -80,7 +81,13 @@ _TEST = MPI.Request.Test
 # new one, and be received there (seen: a pipeline's late 96-byte message truncated
 # in a later pipeline's receive of 64 bytes, on the same tag). Left pending, the
 # receive keeps the context from reuse and takes the late message itself.
+#
+# The list outlives the interpreter's teardown (one reference nobody drops): MPI's
+# finalize runs after it (mpi4py's exit hook), and progresses what is still pending,
+# reading and writing these buffers. Open MPI read a freed one there: a segmentation
+# fault in its finalize, as a peer received a large send that had timed out here.
 _orphans: list[tuple[Any, Sink | bytearray, bool]] = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_orphans))
 
 _PEER_GONE = ("process failed", "proc_failed", "terminated", "connection", "unreachable")
 

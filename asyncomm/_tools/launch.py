@@ -43,6 +43,13 @@ _OPEN_MPI_LABEL = re.compile(rb"^\[\d+,(\d+)\]<std\w+>: ?")  # rewritten as MPIC
 # in rank order (host after host).
 _EXIT_CODES = re.compile(rb"^\[mpiexec@[^\]]*\] Exit codes: (.*)$")
 _MORE_EXIT_CODES = re.compile(rb"^(\[[^\]]+\] [\d,]+)\s*$")
+# Open MPI's report of the first rank that failed: "Process name: [prterun-host-123@1,2]"
+# then "Exit code: 5"; or "... process rank 2 with PID 77 on node host exited on" then
+# "signal 11 (Segmentation fault)." (its lines wrap there).
+_OPEN_MPI_NAME = re.compile(rb"^\s*Process name: \[[^\]]*,(\d+)\]\s*$")
+_OPEN_MPI_CODE = re.compile(rb"^\s*Exit code:\s*(\d+)\s*$")
+_OPEN_MPI_SIGNALLED = re.compile(rb"process rank (\d+) with PID \d+ on node \S+ exited on")
+_OPEN_MPI_SIGNAL = re.compile(rb"(?:^|exited on )\s*signal (\d+)")
 # mpiexec labels each chunk a rank writes rather than each line, so make every rank write
 # whole lines: line-buffer both streams (even under PYTHONUNBUFFERED), then run as python does.
 _LINE_BUFFERED_MAIN = """\
@@ -395,6 +402,7 @@ class _World:
     signal: int | None = None  # SIGINT or SIGTERM received by the launcher
     tracebacks: list[int] = field(default_factory=list)  # ranks, in order of first traceback
     statuses: list[int] = field(default_factory=list)  # each rank's wait status (Hydra)
+    open_mpi_failed: int | None = None  # the rank Open MPI's report names, its code to come
     aborted: tuple[int, int] | None = None  # (rank, code) of an MPI_Abort
     served: object = None  # what ``serve`` returned, kept until the ranks are gone
     tails: defaultdict[int, deque[str]] = field(
@@ -495,6 +503,8 @@ async def _pump(
             world.statuses += [int(s) for s in re.findall(rb"\d+", re.sub(
                 rb"\[[^\]]*\]", b" ", statuses[1]))]
             return
+        if rank is None and is_err and not world.statuses:
+            _open_mpi_report(world, line)
         if rank is None and is_err:
             label = _LABEL.match(line)
             aborted = _MPI_ABORT.match(line[label.end():] if label else line)
@@ -512,6 +522,19 @@ async def _pump(
             emit(line)
     if pending:  # a last line without its newline
         emit(pending)
+
+
+def _open_mpi_report(world: _World, line: bytes) -> None:
+    """Read Open MPI's word on the first rank that failed into ``world.statuses``, as
+    Hydra's wait statuses (the failed rank's alone: the others are not said)."""
+    if (named := _OPEN_MPI_NAME.match(line) or _OPEN_MPI_SIGNALLED.search(line)) is not None:
+        world.open_mpi_failed = int(named[1])
+    if world.open_mpi_failed is None:
+        return
+    if (code := _OPEN_MPI_CODE.match(line)) is not None:
+        world.statuses = [0] * world.open_mpi_failed + [int(code[1]) << 8]
+    elif (signal_number := _OPEN_MPI_SIGNAL.search(line)) is not None:
+        world.statuses = [0] * world.open_mpi_failed + [int(signal_number[1])]
 
 
 def _keep(world: _World, line: bytes, rank: int | None) -> None:
