@@ -48,8 +48,9 @@ class Comm:
     handle numbered after. Everything else (arrays, a ``timeout=``, any
     source, tracing, debug mode, a peer lost, the first all-reduce of an
     (op, dtype)) takes the usual path, which checks and words the errors.
-    Measured on 2 ranks: an awaited 8-byte all_reduce 4.3 -> 3.1 µs, a
-    ping-pong leg 3.0 -> 2.4 µs (``bench all --sizes 8``).
+    Measured on 2 ranks: an awaited 8-byte all_reduce 4.3 -> 2.8-3.0 µs, a
+    ping-pong leg 3.0 -> 2.4 µs (``bench all --sizes 8``; see the poller's
+    note on hurrying for the second test at issue, half of it).
     """
 
     def __init__(self, backend: Backend, own: Backend, loop: asyncio.AbstractEventLoop,
