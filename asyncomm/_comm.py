@@ -71,8 +71,8 @@ class Comm:
         self._args = Arguments(backend, timeout)
         # per (op, dtype) given: the backend's own reduction, where all_reduce is quick
         self._quick_ops: dict[tuple[object, torch.dtype], object | None] = {}
-        self._quick_p2p = False  # whether sends and receives may be quick (set below)
-        self._size, self._max_tag = backend.size, backend.max_tag  # (the quick path's copies)
+        # (the quick path's copies of the backend's facts)
+        self._size, self._max_tag, self._cuda = backend.size, backend.max_tag, backend.cuda
         self._dtypes = backend.dtypes or frozenset()
         # Diagnostics (see _status): the same label on every member, each member's rank in
         # the world it was split from, and where each rank of that world answers.
@@ -91,7 +91,7 @@ class Comm:
         if chosen.debug:
             self._checker = Checker(backend, loop)
             watchdog.watch(loop, f"rank {backend.rank}")
-        self._quick_p2p = backend.quick and self._checker is None
+        self._quick = backend.quick and self._checker is None  # see the note on quick operations
         # Every communicator routes channel frames, so that closing is symmetric: each
         # router waits for every other's goodbye (see the note in _channels).
         recorder.start_from_env()  # before the probe: traced from the first operation
@@ -182,15 +182,20 @@ class Comm:
         if (type(tensor) is torch.Tensor and type(peer) is int and type(tag) is int
                 and 0 <= peer < self._size and peer != self._rank and 0 <= tag <= self._max_tag
                 and tensor.dtype in self._dtypes and tensor.is_contiguous()
-                and not tensor.is_cuda and not self._closed and self._probe.recording is None):
+                and tensor.is_cuda is self._cuda and not self._closed
+                and self._probe.recording is None):
             seq = self._seq + 1
             handle = issue(tensor, peer, tag, (self._rank, op, seq, peer, tag))
             if handle is not None:
-                self._seq, self._last_op = seq, op
-                if not handle._state:  # pending
-                    self._deadlines.add(handle, self._timeout)
-                return handle
+                return self._issued(handle, seq, op)
         return None
+
+    def _issued(self, handle: Handle[Any], seq: int, op: str) -> Handle[Any]:
+        """Number a quick operation's handle; give it its deadline if it is still in flight."""
+        self._seq, self._last_op = seq, op
+        if not handle.done():
+            self._deadlines.add(handle, self._timeout)
+        return handle
 
     def _start(self, handle: Handle[Any], start: Callable[..., None], args: tuple[Any, ...],
                deferred: bool = False) -> None:
@@ -228,21 +233,18 @@ class Comm:
     def all_reduce(self, tensor: Buffer, op: ReduceOp | str = "sum", *,
                    timeout: float | None = None) -> Handle[Buffer]:
         """Reduce ``tensor`` over all ranks, in place; every rank gets the result."""
-        if type(tensor) is torch.Tensor and timeout is None:  # see the note on quick operations
+        if self._quick and type(tensor) is torch.Tensor and timeout is None:  # see the note
             quick_op = self._quick_ops.get((op, tensor.dtype))
-            if (quick_op is not None and tensor.is_contiguous() and not tensor.is_cuda
+            if (quick_op is not None and tensor.is_contiguous() and tensor.is_cuda is self._cuda
                     and not self._closed and self._probe.recording is None):
                 seq = self._seq + 1
                 handle = self._backend.quick_all_reduce(
                     tensor, quick_op, (self._rank, "all_reduce", seq, None, None))
-                if handle is not None:  # (as ``_quickly`` numbers it)
-                    self._seq, self._last_op = seq, "all_reduce"
-                    if not handle._state:
-                        self._deadlines.add(handle, self._timeout)
-                    return handle
+                if handle is not None:
+                    return self._issued(handle, seq, "all_reduce")
         t = self._args.tensor(tensor, "all_reduce")
         reduce_op = self._args.reduce_op(op, t.dtype, "all_reduce")
-        if self._checker is None and (op, t.dtype) not in self._quick_ops:
+        if self._quick and (op, t.dtype) not in self._quick_ops:
             self._quick_ops[(op, t.dtype)] = self._backend.quick_op(t.dtype, reduce_op)
         return self._issue("all_reduce", self._backend.all_reduce, (t, reduce_op), tensor, t,
                            timeout)
@@ -322,7 +324,7 @@ class Comm:
     def send(self, tensor: torch.Tensor | np.ndarray, dst: int,  # type: ignore[type-arg]
              tag: int = 0, *, timeout: float | None = None) -> Handle[None]:
         """Send ``tensor`` to ``dst``; the handle completes when the buffer may be reused."""
-        if timeout is None and self._quick_p2p:  # see the note on quick operations
+        if timeout is None and self._quick:  # see the note on quick operations
             handle = self._quickly("send", self._backend.quick_send, tensor, dst, tag)
             if handle is not None:
                 return handle
@@ -335,7 +337,7 @@ class Comm:
     def recv(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
              src: int | None = None, tag: int = 0, *, timeout: float | None = None) -> Handle[int]:
         """Receive into ``tensor`` from ``src`` (``None``: any source); resolve to the source."""
-        if timeout is None and self._quick_p2p:
+        if timeout is None and self._quick:
             handle = self._quickly("recv", self._backend.quick_recv, tensor, src, tag)
             if handle is not None:
                 return handle

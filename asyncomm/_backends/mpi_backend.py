@@ -300,7 +300,8 @@ class MpiBackend(Backend):
 
     def _quickly(self, request: Any, handle: Handle[Any]) -> Handle[Any]:
         """Settle the handle of a quick send or all-reduce, made once ``request`` was posted,
-        if two tests find it done (the commonest: no outcome asked for); else watch it."""
+        if two tests find it done, as ``watch`` tests (the commonest: no outcome asked for);
+        else the poller follows it."""
         try:
             if _TEST(request, self._status) or _TEST(request, self._status):
                 handle._succeed(None)
@@ -308,7 +309,7 @@ class MpiBackend(Backend):
         except MPI.Exception as exc:  # (the request is freed: only its error is left)
             handle._fail(self._classify(exc), exc)
             return handle
-        self._poller.watch(request, handle, None)
+        self._poller.follow(request, handle, None)
         return handle
 
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:

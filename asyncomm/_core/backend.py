@@ -153,7 +153,7 @@ class Backend(ABC):
 
     def quick_all_reduce(self, tensor: torch.Tensor, op: object,
                          what: tuple[Any, ...]) -> Handle[Any] | None:
-        """Issue an all-reduce of a CPU tensor ``Comm`` checked, in the fewest steps: posted,
+        """Issue an all-reduce of a tensor ``Comm`` checked, in the fewest steps: posted,
         then its handle made (named ``what``). ``None``: not issued, take the usual path."""
         return None
 

@@ -234,6 +234,11 @@ class Poller:
             else:
                 deliver(sink, finish, outcome, self._classify)
             return
+        self.follow(request, sink, finish, active)
+
+    def follow(self, request: Any, sink: Sink, finish: Finish | None,
+               active: bool = True) -> None:
+        """``watch`` a request its issuer has just tested and found pending (no test here)."""
         entry = (sink, finish, active)
         if self._hurry.tests and hasattr(sink, "_hurry"):
             sink._hurry = (self, request, entry)
