@@ -1247,6 +1247,66 @@ def test_forged_packet_items_end_their_source_stream(world: World) -> None:
     world.run(check_forged_packet_items)
 
 
+async def check_forged_runs(comm: Comm) -> None:
+    # A run out of sequence is refused on its channel (its first message; the stream goes
+    # on from there, as after a lone frame out of sequence); one whose messages are not an
+    # array ends its source's stream.
+    async with fresh(comm) as sub:
+        ch = sub.channel(913)
+        link = sub._router.link
+        if sub.rank == 1:
+            for forged in (msgpack.packb([[small.RUN, 913, 0, ["a", "b"]],
+                                          [small.RUN, 913, 5, ["c", "d"]]]),
+                           msgpack.packb([[small.RUN, 913, 7, "e"]])):
+                link._arrive(0, bytearray(struct.pack("<IIII", 0, len(forged), 0, 1) + forged))
+            assert [(await ch.recv(0, timeout=10.0)).data for _ in range(2)] == ["a", "b"]
+            with pytest.raises(asyncomm.ProtocolError, match="frame 5 from rank 0 where 2 "
+                               "was due"):
+                await ch.recv(0, timeout=10.0)
+            assert (await ch.recv(0, timeout=10.0)).data == "d"
+            with pytest.raises(asyncomm.ProtocolError, match="stream from rank 0 broken"):
+                await ch.recv(0, timeout=10.0)
+        await sub.barrier()
+
+
+def test_forged_runs_are_refused(world: World) -> None:
+    world.run(check_forged_runs)
+
+
+async def check_bursts_travel_as_runs(comm: Comm) -> None:
+    # Messages issued in one iteration to one rank travel in one packet, those of a channel
+    # one after the other as one run; receivers waiting before they come get them in order.
+    async with fresh(comm) as sub:
+        ch, other = sub.channel(914), sub.channel(915)
+        if sub.rank == 0:
+            for c in (ch, other):  # each channel's first message checks its rank
+                await c.send("first", 1)
+            packets = sub._router.link._packets
+            await sub.barrier()  # the receivers wait
+            for i in range(5):
+                await ch.send({"i": i}, 1)
+            assert (packets[1].items, packets[1].frames) == (1, 5)  # one run
+            await other.send(torch.arange(3), 1)  # another channel: a run of its own
+            await ch.send({"i": 5}, 1)  # and the first again: a third
+            assert (packets[1].items, packets[1].frames) == (3, 7)
+        elif sub.rank == 1:
+            assert (await ch.recv(0)).data == (await other.recv(0)).data == "first"
+            waiting = asyncio.gather(*(ch.recv(0, timeout=10.0) for _ in range(6)),
+                                     other.recv(0, timeout=10.0))
+            await asyncio.sleep(0.01)
+            await sub.barrier()
+            *got, tensor = await waiting
+            assert [m.data for m in got] == [{"i": i} for i in range(6)]
+            assert tensor.data.tolist() == [0, 1, 2]
+        else:
+            await sub.barrier()
+        await sub.barrier()
+
+
+def test_bursts_travel_as_runs(world: World) -> None:
+    world.run(check_bursts_travel_as_runs)
+
+
 async def check_flush_before_blocking(comm: Comm) -> None:
     # A small message waits for the loop iteration's end; comm.flush() sends it now, so a
     # rank may then block its loop in a raw call that its peer joins only once it has it.

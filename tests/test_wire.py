@@ -564,6 +564,28 @@ def test_a_packet_decodes_in_one_call_and_a_bad_frame_alone() -> None:
     assert isinstance(list(small.split_packet(b"\x93\x01\x02\x03"))[-1], ProtocolError)
 
 
+def test_a_run_carries_consecutive_messages_of_one_channel() -> None:
+    t = torch.arange(3.0)
+    bodies = [small.encode(x) or b"" for x in ({"a": [1, 2]}, t, "s")]
+    run = small.run_head(9, 40, len(bodies)) + b"".join(bodies)
+    packet = small.packet_head(2) + small.head(1, 5, 0) + bodies[2] + run
+    items = small.unpack_packet(packet)
+    assert items[0] == [1, 5, 0, "s"] and items[1][:3] == [small.RUN, 9, 40]
+    assert same(items[1][3], [{"a": [1, 2]}, t, "s"])
+    # one by one, a run is its messages, numbered from its first (a bad one refused alone)
+    assert [f[:3] for f in small.split_packet(packet)] == [  # type: ignore[index]
+        (1, 5, 0), (1, 9, 40), (1, 9, 41), (1, 9, 42)]
+    bad = small.packet_head(1) + small.run_head(9, 7, 3) + bodies[0] + b"\xc7\x01\x03\x63" + \
+        bodies[2]
+    with pytest.raises(ProtocolError):
+        small.unpack_packet(bad)
+    first, second, third = small.split_packet(bad)
+    assert first == (1, 9, 7, {"a": [1, 2]}) and third == (1, 9, 9, "s")
+    assert second[:3] == (1, 9, 8) and isinstance(second[3], ProtocolError)  # type: ignore
+    *good, broken = small.split_packet(bad[:-2])  # a run cut short: the rest is lost
+    assert len(good) == 2 and isinstance(broken, ProtocolError)
+
+
 @FUZZ
 @given(objs=st.lists(plain_values, min_size=1, max_size=5), seqs=st.integers(0, 2**64 - 6))
 def test_a_packet_decodes_to_what_each_frame_would(objs: list[object], seqs: int) -> None:

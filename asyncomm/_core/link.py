@@ -67,7 +67,10 @@ BATCH = 2  # the preamble's form of a batch: the envelopes of large frames
 _PREAMBLE_AT = PREAMBLE.unpack_from
 _HEADS = 1024  # heads a link keeps decoded
 _small_head, _SMALL_HEAD_BYTES = small.HEAD.pack, small.HEAD.size
-_FRAME, _U64 = small.FRAME_BYTE, small.U64_BYTE
+_run_head, _RUN_HEAD_BYTES = small.RUN_HEAD.pack, small.RUN_HEAD.size
+_lay_count, _COUNT_AT = struct.Struct(">I").pack_into, small.RUN_COUNT_AT
+_FRAME, _U64, _ARRAY, _RUN = small.FRAME_BYTE, small.U64_BYTE, small.ARRAY_BYTE, small.RUN
+_DATA = small.DATA
 
 
 _PACKET_AT = PREAMBLE.size + small.PACKET_HEAD_BYTES  # a packet's first frame
@@ -79,12 +82,18 @@ class Packet(bytearray):
     """A packet's message as small frames are queued in it: room for the preamble and the
     packet's head (laid when it goes), then each frame's head and body.
 
-    Made as ``Packet(_PACKET_AT)`` (bytearray's own constructor: zeroed), then ``frames``
-    set: a constructor in Python costs as much as the rest of queuing a frame.
+    Made as ``Packet(_PACKET_AT)`` (bytearray's own constructor: zeroed), then its fields
+    set (``_start``): a constructor in Python costs as much as the rest of queuing a frame.
+    The last item may be an open run (``small.RUN_HEAD``): its count is laid once it ends.
     """
 
-    __slots__ = ("frames",)
-    frames: int
+    __slots__ = ("frames", "items", "next", "run", "run_at", "run_from")
+    frames: int  # messages in it (a run's each counted)
+    items: int  # its array's items: frames and runs
+    run: int  # the tag of the open run (-1: none)
+    next: int  # the sequence number that continues the open run
+    run_at: int  # where the open run's head begins
+    run_from: int  # ``frames`` when the open run began
 BYE: bytes = wire.encode(wire.Kind.EOS, tags.BYE, 0, None)[0]  # a link's goodbye (see close)
 
 
@@ -157,13 +166,14 @@ class Link(ABC):
         self._held: dict[int, collections.deque[bytearray | torch.Tensor]] = {}
         self._heads: dict[bytes, Head] = {}
         self._buffers = Buffers()  # large frames' receive buffers, lent again once free
-        # the body of a small frame: what fits a packet with its head, up to small.BYTES
-        self.small_room = min(small.BYTES, room - small.HEAD.size - small.PACKET_HEAD_BYTES)
+        # the body of a small frame: what fits a packet with a run's head, up to small.BYTES
+        self.small_room = min(small.BYTES, room - _RUN_HEAD_BYTES - small.PACKET_HEAD_BYTES)
         self._packets: dict[int, Packet] = {}  # small frames queued, per destination
         self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
         self.batching = False  # whether large frames' envelopes go in batches (see the note)
-        # the most bytes of a packet before a frame's head and body (within ``room``)
-        self._packet_limit = PREAMBLE.size + room - _SMALL_HEAD_BYTES
+        # the most bytes of a packet before a body (within ``room``): a run's next,
+        self._packet_bytes = PREAMBLE.size + room
+        self._packet_limit = self._packet_bytes - _SMALL_HEAD_BYTES  # a frame's (and head)
         self.packet_frames = 1 << 61  # the most frames a packet holds (see ``send_small``)
         self._flush_due = False
 
@@ -246,22 +256,62 @@ class Link(ABC):
         (where the link sets that: so that a long burst reaches its receiver
         in pieces, which it decodes while later ones are issued). A failure to
         send it fails ``dst`` (``Arrivals.failed``), as a send to a dead peer
-        does.
+        does. A message (``DATA``) joins a run (``send_data``).
         """
+        if kind == _DATA:
+            self.send_data(dst, tag, seq, body)
+            return
         packet = self._packets.get(dst)
         if (packet is None or len(packet) + len(body) > self._packet_limit
                 or packet.frames >= self.packet_frames):
             packet = self._start(dst)
+        elif packet.run >= 0:
+            self._end_run(packet)
         packet += _small_head(_FRAME, kind, _U64, tag, _U64, seq)
         packet += body
         packet.frames += 1
+        packet.items += 1
+
+    def send_data(self, dst: int, tag: int, seq: int, body: bytes) -> None:
+        """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``): the hot path.
+
+        The message after the last one queued for ``dst`` on the same channel
+        (the commonest, in a burst) adds its body to that run; any other
+        starts a run of its own.
+        """
+        packet = self._packets.get(dst)
+        if (packet is not None and packet.next == seq and packet.run == tag
+                and len(packet) + len(body) <= self._packet_bytes
+                and packet.frames < self.packet_frames):
+            packet += body
+            packet.frames += 1
+            packet.next = seq + 1
+            return
+        if (packet is None or len(packet) + _RUN_HEAD_BYTES + len(body) > self._packet_bytes
+                or packet.frames >= self.packet_frames):
+            packet = self._start(dst)
+        elif packet.run >= 0:
+            self._end_run(packet)
+        packet.run_at, packet.run_from = len(packet), packet.frames
+        packet += _run_head(_FRAME, _RUN, _U64, tag, _U64, seq, _ARRAY, 0)
+        packet += body
+        packet.frames += 1
+        packet.items += 1
+        packet.run, packet.next = tag, seq + 1
+
+    @staticmethod
+    def _end_run(packet: Packet) -> None:
+        """Lay the open run's count: what follows in ``packet`` is not of it."""
+        _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
+        packet.run = -1
 
     def _start(self, dst: int) -> Packet:
         """Send ``dst``'s packet, if any; return a new one, sent when the iteration ends."""
         if dst in self._packets:
             self._flush_to(dst)
         packet = self._packets[dst] = Packet(_PACKET_AT)
-        packet.frames = 0
+        packet.frames = packet.items = 0
+        packet.run = packet.next = -1
         if not self._flush_due:
             self._flush_later()
         return packet
@@ -290,8 +340,10 @@ class Link(ABC):
         packet = self._packets.pop(dst, None)
         if packet is None:
             return
+        if packet.run >= 0:
+            self._end_run(packet)
         _PREAMBLE_INTO(packet, 0, 0, len(packet) - _PREAMBLE_BYTES, 0, PACKET)
-        _lay_packet_head(packet, _PREAMBLE_BYTES, packet.frames)
+        _lay_packet_head(packet, _PREAMBLE_BYTES, packet.items)
         message = self._packet(packet)
         handle = self._post(message, dst, tags.LINK_MESSAGE)
         if handle is not None:

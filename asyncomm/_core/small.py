@@ -10,9 +10,16 @@ frame's head), then its bytes::
 
 The frame's first three items are fixed-width (``HEAD``: a positive fixint
 and two uint64), so a sender lays the head of a message whose body is packed
-already in one step. Small frames to one rank are laid one after the other
-as the items of one msgpack array (a *packet*, see ``_core.link``), and a
-packet is decoded in one ``unpack`` call (``unpack_packet``): every
+already in one step. Consecutive messages of one channel to one rank travel
+as a *run*: one head, then their bodies as one array (``RUN_HEAD``)::
+
+    run          fixarray 4: RUN | tag | first seq | array 32 of bodies
+
+(message ``i`` of a run has sequence number ``first seq + i``), so each
+message after a run's first costs its sender its body's bytes alone, and
+its receiver no head. Small frames and runs to one rank are laid one after
+the other as the items of one msgpack array (a *packet*, see ``_core.link``),
+and a packet is decoded in one ``unpack`` call (``unpack_packet``): every
 extension and tuple checked as a frame's would be (a message decodes to
 what its frame would), none allocated before it is. A packet that does not
 decode as a whole is taken apart frame by frame (``split_packet``), so a
@@ -43,6 +50,7 @@ from asyncomm._core.wire import (
     BufferKind,
     Codec,
     Descriptor,
+    Kind,
     Limits,
     _descriptor,
     _lower,
@@ -56,12 +64,20 @@ from asyncomm._core.wire import (
     unpack,
 )
 
-__all__ = ["HEAD", "BYTES", "encode", "decode", "unpack_packet", "split_packet", "packet_head"]
+__all__ = ["HEAD", "RUN", "RUN_HEAD", "BYTES", "encode", "decode", "unpack_packet",
+           "split_packet", "packet_head", "run_head"]
 
 # a small frame's head, msgpack: fixarray 4, kind (a positive fixint), uint64 tag, uint64 seq
 HEAD: Final = struct.Struct(">BBBQBQ")
 FRAME_BYTE, U64_BYTE = 0x94, 0xcf  # its fixed bytes: HEAD.pack(FRAME_BYTE, kind, U64_BYTE, ...)
 _ARRAY: Final = struct.Struct(">BI")  # a packet's head: array 32, its frames
+ARRAY_BYTE: Final = 0xdd  # msgpack's array 32
+# A run's kind (a small frame's only: a wire frame has none such), and its head: a frame's,
+# then an array 32 of its bodies, their count laid last (``RUN_COUNT_AT``) once it is known.
+RUN: Final = 7
+RUN_HEAD: Final = struct.Struct(">BBBQBQBI")
+RUN_COUNT_AT: Final = HEAD.size + 1
+DATA: Final = int(Kind.DATA)
 BYTES: Final = 8 << 10  # the most bytes a small frame's body holds
 _LIMITS: Final = Limits()
 # Packs exact scalars, lists and dicts; refuses the rest (a packer of its own: one of the
@@ -270,6 +286,11 @@ def head(kind: int, tag: int, seq: int) -> bytes:
 _HEAD_PACK = HEAD.pack
 
 
+def run_head(tag: int, seq: int, count: int) -> bytes:
+    """Return the head of a run of ``count`` messages of channel ``tag`` from ``seq`` on."""
+    return RUN_HEAD.pack(FRAME_BYTE, RUN, U64_BYTE, tag, U64_BYTE, seq, ARRAY_BYTE, count)
+
+
 def packet_head(frames: int) -> bytes:
     """Return the head of a packet of ``frames`` small frames (before their bytes)."""
     return _ARRAY.pack(0xdd, frames)
@@ -330,20 +351,27 @@ def split_packet(data: bytes | memoryview, limits: Limits = _LIMITS
             kind, tag, seq = unpacker.unpack(), unpacker.unpack(), unpacker.unpack()
             if not (type(kind) is int and type(tag) is int and type(seq) is int):
                 raise ValueError("a frame head that is not three ints")
-            start = unpacker.tell()
-            unpacker.skip()
-            body = data[start:unpacker.tell()]
-            try:
-                message: object = decode(body, limits)
-            except ProtocolError as exc:
-                message = exc
-            yield kind, tag, seq, message
+            if kind != RUN:
+                yield kind, tag, seq, _message(unpacker, data, limits)
+                continue
+            for i in range(unpacker.read_array_header()):  # a run: its messages one by one
+                yield DATA, tag, seq + i, _message(unpacker, data, limits)
     except (ValueError, msgpack.OutOfData, msgpack.ExtraData, msgpack.FormatError,
             msgpack.StackError, TypeError, UnicodeDecodeError) as exc:
         yield ProtocolError(f"malformed packet: {exc}")
         return
     if unpacker.tell() != len(data):
         yield ProtocolError("a packet with bytes after its frames")
+
+
+def _message(unpacker: msgpack.Unpacker, data: bytes, limits: Limits) -> object:
+    """Decode the body ``unpacker`` is at: its message, or the ``ProtocolError`` it makes."""
+    start = unpacker.tell()
+    unpacker.skip()
+    try:
+        return decode(data[start:unpacker.tell()], limits)
+    except ProtocolError as exc:
+        return exc
 
 
 def _hook(limits: Limits) -> Callable[[int, bytes], object]:

@@ -24,7 +24,6 @@ from asyncomm._messaging.router import Router, Window
 __all__ = ["Channel", "Message", "codec_of"]
 
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
-_DATA = int(Kind.DATA)
 
 
 class Channel:
@@ -51,7 +50,7 @@ class Channel:
         self._windows: dict[int, Window] = {}  # per destination, as the router keeps them
         self._window = router.window  # the most messages out per destination
         self._batch_less_one = router.batch - 1  # messages taken before credit goes back
-        self._send_small = router.link.send_small
+        self._send_data = router.link.send_data
         self._probe_of = router.probe
         self._max_ndim = router.limits.max_ndim
 
@@ -65,12 +64,21 @@ class Channel:
         messages. Raises ``TypeError`` for objects the channel's codec cannot
         carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
         """
-        if type(dst) is int and dst in self._windows:  # a rank checked before, small messages
+        window = self._windows.get(dst) if type(dst) is int else None
+        if window is not None:  # a rank checked before, small messages: ``post`` inline
             body = small_encode(obj, self._small_room, self._max_ndim)
-            if body is not None and self.post(body, dst):
-                return  # the fast path: sent with the iteration's others, as it is now
-            await self._send(self._router.frame_of(self.tag, obj, self.codec)
-                             if body is None else body, dst, timeout)
+            if body is not None:
+                out = window.messages_out
+                if (window.open and out < self._window and not window.waiters
+                        and (not self._traced or self._probe_of.recording is None)):
+                    window.messages_out = out + 1
+                    seq = window.seq
+                    window.seq = seq + 1
+                    self._send_data(dst, self.tag, seq, body)
+                    return  # the fast path: sent with the iteration's others, as it is now
+                await self._send(body, dst, timeout)
+                return
+            await self._send(self._router.frame_of(self.tag, obj, self.codec), dst, timeout)
             return
         await self._send_slowly(obj, dst, timeout)
 
@@ -90,7 +98,7 @@ class Channel:
         window.messages_out = out + 1
         seq = window.seq
         window.seq = seq + 1
-        self._send_small(dst, _DATA, self.tag, seq, body)
+        self._send_data(dst, self.tag, seq, body)
         return True
 
     async def _send_slowly(self, obj: object, dst: int, timeout: float | None) -> None:

@@ -30,6 +30,7 @@ from asyncomm._core.wire import Head, Kind
 from asyncomm._messaging.mailbox import DATA, Frame, Mailbox, Message, message
 
 _new: Any = tuple.__new__
+RUN = small.RUN
 
 
 class Delivery:
@@ -78,44 +79,48 @@ class Delivery:
                 if not self._one(src, item):
                     return
             return
-        boxes, last, due = self._mailboxes, None, -1
-        box: Any = None
+        boxes = self._mailboxes
         for item in items:
             if type(item) is not list or len(item) != 4:
                 self._one(src, item)  # which refuses it
                 return
-            kind, tag, seq, obj = item
-            if tag != last or kind != DATA:  # another channel (or not a message): its mailbox
-                if kind != DATA or type(tag) is not int:
-                    last = None
-                    if not self._one(src, item):
-                        return
-                    continue
-                box = boxes.get(tag) or self.mailbox(tag)
-                last, due = tag, box.seqs.get(src, 0)
-            if seq != due or type(seq) is not int:  # out of sequence, or malformed
+            kind, tag, seq, data = item
+            if kind != RUN or type(data) is not list or type(tag) is not int:
+                if not self._one(src, item):  # a lone frame, or a malformed run
+                    return
+                continue
+            box = boxes.get(tag) or self.mailbox(tag)
+            if seq != box.seqs.get(src, 0) or type(seq) is not int:  # out of sequence
                 if not self._one(src, item):
                     return
-                due = box.seqs.get(src, 0)
                 continue
-            due += 1  # the commonest: the next message of the channel, kept inline
-            box.seqs[src] = due
-            entry = _new(Message, (src, tag, obj))
-            if box.listener is None:
-                box.frames.append(entry)
-                if box.waiters:
-                    box.came(src)
-            else:
-                box.listener(entry)
+            box.seqs[src] = seq + len(data)  # the commonest: the channel's next messages
+            if box.listener is None and not box.waiters:
+                box.frames.extend([_new(Message, (src, tag, obj)) for obj in data])
+                continue
+            for obj in data:
+                entry = _new(Message, (src, tag, obj))
+                if box.listener is None:
+                    box.frames.append(entry)
+                    if box.waiters:
+                        box.came(src)
+                else:
+                    box.listener(entry)
 
     def _one(self, src: int, item: object) -> bool:
-        """Take one item of a packet as a small frame; return whether ``src`` may go on."""
+        """Take one item of a packet as a small frame (or run); return whether ``src`` may
+        go on."""
         if (type(item) is not list or len(item) != 4
-                or not all(type(field) is int for field in item[:3])):
+                or not all(type(field) is int for field in item[:3])
+                or (item[0] == RUN and type(item[3]) is not list)):
             self.refuse(src, ProtocolError(f"malformed small frame from rank {src}"), None)
             return False
-        self._small(src, *item)
-        return src not in self._broken
+        kind, tag, seq, data = item
+        for i, obj in enumerate(data) if kind == RUN else ((0, data),):
+            self._small(src, DATA if kind == RUN else kind, tag, seq + i, obj)
+            if src in self._broken:
+                return False
+        return True
 
     def _packet_slowly(self, src: int, data: memoryview) -> None:
         """Take a packet that does not decode as a whole: frame by frame, each refused alone."""

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import math
 import time
 import warnings
@@ -112,6 +113,14 @@ def _as_tensor(buffer: wire.Buffer) -> torch.Tensor:
     with warnings.catch_warnings():  # read-only memory is only read from here
         warnings.simplefilter("ignore", UserWarning)
         return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+@functools.lru_cache(maxsize=64)
+def _credit_body(messages: int, nbytes: int) -> bytes:
+    """Return the body of a credit frame (a batch of small messages: the same, kept)."""
+    body = small.encode([messages, nbytes])
+    assert body is not None
+    return body
 
 
 class Window:
@@ -470,8 +479,7 @@ class Router(Delivery):
         if src == self.rank:
             self._credit(self.rank, tag, messages, nbytes)
         elif not self._closed and src not in self.dead:
-            body = small.encode([messages, nbytes])
-            assert body is not None
+            body = _credit_body(messages, nbytes)
             self.link.send_small(src, Kind.CREDIT, tag, 0, body)
 
     async def close(self, timeout: float) -> None:
