@@ -71,6 +71,9 @@ _run_head, _RUN_HEAD_BYTES = small.RUN_HEAD.pack, small.RUN_HEAD.size
 _lay_count, _COUNT_AT = struct.Struct(">I").pack_into, small.RUN_COUNT_AT
 _FRAME, _U64, _ARRAY, _RUN = small.FRAME_BYTE, small.U64_BYTE, small.ARRAY_BYTE, small.RUN
 _DATA = small.DATA
+# a lone message's head becomes a run's: its kind set, then these bytes (array 32, count)
+_RUN_MORE = bytes([_ARRAY]) + bytes(4)
+_RUN_MORE_BYTES = _RUN_HEAD_BYTES - _SMALL_HEAD_BYTES
 
 
 _PACKET_AT = PREAMBLE.size + small.PACKET_HEAD_BYTES  # a packet's first frame
@@ -84,16 +87,18 @@ class Packet(bytearray):
 
     Made as ``Packet(_PACKET_AT)`` (bytearray's own constructor: zeroed), then its fields
     set (``_start``): a constructor in Python costs as much as the rest of queuing a frame.
-    The last item may be an open run (``small.RUN_HEAD``): its count is laid once it ends.
+    Its last item may be an open run (``small.RUN_HEAD``): its count is laid once it ends;
+    a lone message becomes a run when the next of its channel follows.
     """
 
-    __slots__ = ("frames", "items", "next", "run", "run_at", "run_from")
+    __slots__ = ("after", "frames", "items", "next", "run", "run_at", "run_from")
     frames: int  # messages in it (a run's each counted)
     items: int  # its array's items: frames and runs
-    run: int  # the tag of the open run (-1: none)
-    next: int  # the sequence number that continues the open run
-    run_at: int  # where the open run's head begins
-    run_from: int  # ``frames`` when the open run began
+    run: int  # the channel of its last item, if a message or a run (-1: none)
+    next: int  # the sequence number that continues its last item, a run (-1: not a run)
+    after: int  # the sequence number after its last item, a lone message (-1: not one)
+    run_at: int  # where its last item's head begins
+    run_from: int  # ``frames`` when its last item began
 BYE: bytes = wire.encode(wire.Kind.EOS, tags.BYE, 0, None)[0]  # a link's goodbye (see close)
 
 
@@ -265,8 +270,10 @@ class Link(ABC):
         if (packet is None or len(packet) + len(body) > self._packet_limit
                 or packet.frames >= self.packet_frames):
             packet = self._start(dst)
-        elif packet.run >= 0:
-            self._end_run(packet)
+        else:
+            if packet.next >= 0:  # a run is open: it ends here
+                _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
+            packet.run = packet.next = packet.after = -1
         packet += _small_head(_FRAME, kind, _U64, tag, _U64, seq)
         packet += body
         packet.frames += 1
@@ -276,8 +283,8 @@ class Link(ABC):
         """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``): the hot path.
 
         The message after the last one queued for ``dst`` on the same channel
-        (the commonest, in a burst) adds its body to that run; any other
-        starts a run of its own.
+        (the commonest, in a burst) adds its body to that run; after a lone
+        frame, it makes the frame a run first. Any other goes as a lone frame.
         """
         packet = self._packets.get(dst)
         if (packet is not None and packet.next == seq and packet.run == tag
@@ -287,23 +294,28 @@ class Link(ABC):
             packet.frames += 1
             packet.next = seq + 1
             return
-        if (packet is None or len(packet) + _RUN_HEAD_BYTES + len(body) > self._packet_bytes
+        if (packet is not None and packet.after == seq and packet.run == tag
+                and len(packet) + _RUN_MORE_BYTES + len(body) <= self._packet_bytes
+                and packet.frames < self.packet_frames):  # the second of a run: the first
+            at = packet.run_at  # frame's head becomes the run's (its count laid at the end)
+            packet[at + 1] = _RUN
+            packet[at + _SMALL_HEAD_BYTES:at + _SMALL_HEAD_BYTES] = _RUN_MORE
+            packet += body
+            packet.frames += 1
+            packet.next, packet.after = seq + 1, -1
+            return
+        if (packet is None or len(packet) + _SMALL_HEAD_BYTES + len(body) > self._packet_bytes
                 or packet.frames >= self.packet_frames):
             packet = self._start(dst)
-        elif packet.run >= 0:
-            self._end_run(packet)
+        elif packet.next >= 0:  # a run is open: it ends here
+            _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
+            packet.next = -1
         packet.run_at, packet.run_from = len(packet), packet.frames
-        packet += _run_head(_FRAME, _RUN, _U64, tag, _U64, seq, _ARRAY, 0)
+        packet += _small_head(_FRAME, _DATA, _U64, tag, _U64, seq)
         packet += body
         packet.frames += 1
         packet.items += 1
-        packet.run, packet.next = tag, seq + 1
-
-    @staticmethod
-    def _end_run(packet: Packet) -> None:
-        """Lay the open run's count: what follows in ``packet`` is not of it."""
-        _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
-        packet.run = -1
+        packet.run, packet.after = tag, seq + 1
 
     def _start(self, dst: int) -> Packet:
         """Send ``dst``'s packet, if any; return a new one, sent when the iteration ends."""
@@ -311,7 +323,7 @@ class Link(ABC):
             self._flush_to(dst)
         packet = self._packets[dst] = Packet(_PACKET_AT)
         packet.frames = packet.items = 0
-        packet.run = packet.next = -1
+        packet.run = packet.next = packet.after = -1
         if not self._flush_due:
             self._flush_later()
         return packet
@@ -340,8 +352,8 @@ class Link(ABC):
         packet = self._packets.pop(dst, None)
         if packet is None:
             return
-        if packet.run >= 0:
-            self._end_run(packet)
+        if packet.next >= 0:  # a run is open: its count
+            _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
         _PREAMBLE_INTO(packet, 0, 0, len(packet) - _PREAMBLE_BYTES, 0, PACKET)
         _lay_packet_head(packet, _PREAMBLE_BYTES, packet.items)
         message = self._packet(packet)

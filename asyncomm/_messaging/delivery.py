@@ -85,8 +85,8 @@ class Delivery:
                 self._one(src, item)  # which refuses it
                 return
             kind, tag, seq, data = item
-            if kind != RUN or type(data) is not list or type(tag) is not int:
-                if not self._one(src, item):  # a lone frame, or a malformed run
+            if type(tag) is not int or (kind != DATA and (kind != RUN or type(data) is not list)):
+                if not self._one(src, item):  # not a message, or a malformed run
                     return
                 continue
             box = boxes.get(tag) or self.mailbox(tag)
@@ -94,18 +94,28 @@ class Delivery:
                 if not self._one(src, item):
                     return
                 continue
-            box.seqs[src] = seq + len(data)  # the commonest: the channel's next messages
-            if box.listener is None and not box.waiters:
-                box.frames.extend([_new(Message, (src, tag, obj)) for obj in data])
-                continue
-            for obj in data:
-                entry = _new(Message, (src, tag, obj))
+            if kind == DATA:  # the commonest: the channel's next message (or messages)
+                box.seqs[src] = seq + 1
+                entry = _new(Message, (src, tag, data))
                 if box.listener is None:
                     box.frames.append(entry)
                     if box.waiters:
                         box.came(src)
                 else:
                     box.listener(entry)
+                continue
+            box.seqs[src] = seq + len(data)
+            if box.listener is not None:
+                for obj in data:
+                    box.put(_new(Message, (src, tag, obj)))
+                continue
+            if len(data) == 1:  # (an answer, in request and response)
+                box.frames.append(_new(Message, (src, tag, data[0])))
+            else:
+                box.frames.extend([_new(Message, (src, tag, obj)) for obj in data])
+            if box.waiters:
+                for _ in data:  # each wakes a receiver waiting for src (if one still waits)
+                    box.came(src)
 
     def _one(self, src: int, item: object) -> bool:
         """Take one item of a packet as a small frame (or run); return whether ``src`` may
