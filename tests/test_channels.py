@@ -1307,6 +1307,35 @@ def test_bursts_travel_as_runs(world: World) -> None:
     world.run(check_bursts_travel_as_runs)
 
 
+async def check_a_lone_credit_waits_for_the_turn(comm: Comm) -> None:
+    # A task about to wait sends what it issued, but a lone credit frame waits for the
+    # iteration's end (its sender has messages on their way); two go at once. The held
+    # credit still reaches its sender: the last message is sent only once it has.
+    async with fresh(comm) as sub:
+        ch = sub.channel(916)
+        batch = sub._router.batch
+        if sub.rank == 0:
+            for i in range(2 * batch):
+                await ch.send(i, 1)
+            window = sub._router._windows[(1, 916)]
+            await until(lambda: window.messages_out == 0, "credited for every message")
+            await ch.send("last", 1)
+        elif sub.rank == 1:
+            await until(lambda: arrived(sub, 916) == 2 * batch, "sent the messages")
+            link = sub._router.link
+            for held in (True, False):  # (recv takes what is there without a loop turn)
+                assert [(await ch.recv(0)).data for _ in range(batch)] == list(
+                    range(0 if held else batch, batch if held else 2 * batch))
+                sub._router.flush(waiting=True)
+                assert (0 in link._packets) is held, held
+            assert (await ch.recv(0, timeout=10.0)).data == "last"
+        await sub.barrier()
+
+
+def test_a_lone_credit_waits_for_the_turn(world: World) -> None:
+    world.run(check_a_lone_credit_waits_for_the_turn)
+
+
 async def check_flush_before_blocking(comm: Comm) -> None:
     # A small message waits for the loop iteration's end; comm.flush() sends it now, so a
     # rank may then block its loop in a raw call that its peer joins only once it has it.

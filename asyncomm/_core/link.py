@@ -70,7 +70,7 @@ _small_head, _SMALL_HEAD_BYTES = small.HEAD.pack, small.HEAD.size
 _run_head, _RUN_HEAD_BYTES = small.RUN_HEAD.pack, small.RUN_HEAD.size
 _lay_count, _COUNT_AT = struct.Struct(">I").pack_into, small.RUN_COUNT_AT
 _FRAME, _U64, _ARRAY, _RUN = small.FRAME_BYTE, small.U64_BYTE, small.ARRAY_BYTE, small.RUN
-_DATA = small.DATA
+_DATA, _CREDIT = small.DATA, int(wire.Kind.CREDIT)
 # a lone message's head becomes a run's: its kind set, then these bytes (array 32, count)
 _RUN_MORE = bytes([_ARRAY]) + bytes(4)
 _RUN_MORE_BYTES = _RUN_HEAD_BYTES - _SMALL_HEAD_BYTES
@@ -91,8 +91,9 @@ class Packet(bytearray):
     a lone message becomes a run when the next of its channel follows.
     """
 
-    __slots__ = ("after", "frames", "items", "next", "run", "run_at", "run_from")
+    __slots__ = ("after", "credits", "frames", "items", "next", "run", "run_at", "run_from")
     frames: int  # messages in it (a run's each counted)
+    credits: int  # credit frames in it
     items: int  # its array's items: frames and runs
     run: int  # the channel of its last item, if a message or a run (-1: none)
     next: int  # the sequence number that continues its last item, a run (-1: not a run)
@@ -278,6 +279,8 @@ class Link(ABC):
         packet += body
         packet.frames += 1
         packet.items += 1
+        if kind == _CREDIT:
+            packet.credits += 1
 
     def send_data(self, dst: int, tag: int, seq: int, body: bytes) -> None:
         """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``): the hot path.
@@ -322,7 +325,7 @@ class Link(ABC):
         if dst in self._packets:
             self._flush_to(dst)
         packet = self._packets[dst] = Packet(_PACKET_AT)
-        packet.frames = packet.items = 0
+        packet.frames = packet.items = packet.credits = 0
         packet.run = packet.next = packet.after = -1
         if not self._flush_due:
             self._flush_later()
@@ -345,6 +348,22 @@ class Link(ABC):
         if self._packets:
             for dst in list(self._packets):
                 self._flush_to(dst)
+
+    def flush_waiting(self) -> None:
+        """``flush``, for a task about to wait for a message: all but a packet that holds a
+        lone credit frame, which goes when the iteration ends or with what follows it.
+
+        Its sender has then messages on their way whatever it waits for (see
+        ``Router.took``): the credit cannot be what the wait depends on.
+        """
+        while self._batches:
+            self._send_batch(next(iter(self._batches)))
+        packets = self._packets
+        if packets:
+            for dst in list(packets):
+                packet = packets[dst]
+                if packet.items != 1 or packet.credits != 1:
+                    self._flush_to(dst)
 
     def _flush_to(self, dst: int) -> None:
         if self._batches:  # a batch pending beside a packet holds older frames

@@ -207,7 +207,7 @@ class Host:
             else:
                 self._answer(message, True, result)
             if inbox.empty():  # the last request in: its caller waits, send the answers now
-                self._router.flush()
+                self._router.flush(waiting=True)
 
     def _answer(self, request: Message, ok: bool, result: Any) -> None:
         call_id, wants_reply = request.data[0], request.data[3]

@@ -192,7 +192,8 @@ class Channel:
     async def _wait(self, src: int | None, limit: float) -> Message:
         """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds."""
         router, box = self._router, self._box
-        router.flush()  # what this rank issued leaves first: an answer may be awaited
+        router.flush(waiting=True)  # what this rank issued leaves first: an answer may be
+        # awaited
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + limit
         while True:  # ``recv`` found nothing just now: check, wait, then look again

@@ -151,6 +151,7 @@ class Router(Delivery):
         self.window, self.window_bytes = window, window_bytes
         # credit comes back in batches of a quarter window (see ``took``)
         self.batch, self._batch_bytes = max(1, window // 4), window_bytes // 4
+        self._hold_credit = 2 * self.batch <= window  # see ``took``
         self.limits = limits or frame_limits()
         # the most bytes of a small frame's body (see ``small``)
         self.small_room = min(link.small_room, self.limits.max_message_bytes)
@@ -378,12 +379,19 @@ class Router(Delivery):
         waits for an answer adds nothing more, and the answer cannot come before
         the question has left: they go now.
         """
-        self.link.flush()
+        self.flush(waiting=True)
         self.link.expect()
 
-    def flush(self) -> None:
-        """Send the small frames issued so far now, not when the loop iteration ends."""
-        self.link.flush()
+    def flush(self, waiting: bool = False) -> None:
+        """Send the small frames issued so far now, not when the loop iteration ends.
+
+        ``waiting``: for a task about to wait for a message, which a lone credit frame
+        cannot be holding back (see ``took``): that goes when the iteration ends.
+        """
+        if waiting and self._hold_credit:
+            self.link.flush_waiting()
+        else:
+            self.link.flush()
 
     def patrol(self) -> None:
         """Wake every waiting receiver within ``probe_s`` (to check its peers, its deadline).
@@ -457,6 +465,15 @@ class Router(Delivery):
         """Count a message the user took from ``box``; return credit to its sender in batches.
 
         Credit travels as a small frame: with other traffic to the sender, if any.
+        A lone credit frame to a rank is not sent when a task begins to wait
+        (``flush(waiting=True)``), but when the loop iteration ends, or with
+        what follows it: a batch is at most half a window, so a sender that
+        waits for that credit has messages on their way to the waiting task
+        (beside what it holds of the window: under a batch uncredited, one
+        batch in the frame), which take it further. Only a message larger
+        than the window (it waits until no more than a batch is out) may wait
+        for that credit until this rank's loop turns: 50 µs at most, as a
+        waiting task looks for messages (``Hurry``).
         """
         if type(entry) is Message:
             src, charge = entry[0], 0
