@@ -74,6 +74,8 @@ _DATA, _CREDIT = small.DATA, int(wire.Kind.CREDIT)
 # a lone message's head becomes a run's: its kind set, then these bytes (array 32, count)
 _RUN_MORE = bytes([_ARRAY]) + bytes(4)
 _RUN_MORE_BYTES = _RUN_HEAD_BYTES - _SMALL_HEAD_BYTES
+# a lone message's channel and sequence number, read back from its head (">BBBQBQ")
+_SEQ_AT, _TAG_OFFSET, _SEQ_OFFSET = struct.Struct(">Q").unpack_from, 3, 12
 
 
 _PACKET_AT = PREAMBLE.size + small.PACKET_HEAD_BYTES  # a packet's first frame
@@ -88,18 +90,19 @@ class Packet(bytearray):
     Made as ``Packet(_PACKET_AT)`` (bytearray's own constructor: zeroed), then its fields
     set (``_start``): a constructor in Python costs as much as the rest of queuing a frame.
     Its last item may be an open run (``small.RUN_HEAD``): its count is laid once it ends;
-    a lone message becomes a run when the next of its channel follows.
+    a lone message becomes a run when the next of its channel follows (its channel and
+    sequence number read back from its head then: nothing is kept for it before).
     """
 
-    __slots__ = ("after", "credits", "frames", "items", "next", "run", "run_at", "run_from")
+    __slots__ = ("credits", "frames", "items", "lone", "next", "run", "run_at", "run_from")
     frames: int  # messages in it (a run's each counted)
     credits: int  # credit frames in it
     items: int  # its array's items: frames and runs
-    run: int  # the channel of its last item, if a message or a run (-1: none)
-    next: int  # the sequence number that continues its last item, a run (-1: not a run)
-    after: int  # the sequence number after its last item, a lone message (-1: not one)
-    run_at: int  # where its last item's head begins
-    run_from: int  # ``frames`` when its last item began
+    next: int  # the sequence number that continues its last item, an open run (-1: none)
+    run: int  # the open run's channel
+    run_at: int  # where the open run's head begins
+    run_from: int  # ``frames`` when the open run began
+    lone: int  # where its last item's head begins, a lone message (-1: not one)
 BYE: bytes = wire.encode(wire.Kind.EOS, tags.BYE, 0, None)[0]  # a link's goodbye (see close)
 
 
@@ -274,7 +277,7 @@ class Link(ABC):
         else:
             if packet.next >= 0:  # a run is open: it ends here
                 _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
-            packet.run = packet.next = packet.after = -1
+            packet.next = packet.lone = -1
         packet += _small_head(_FRAME, kind, _U64, tag, _U64, seq)
         packet += body
         packet.frames += 1
@@ -287,38 +290,43 @@ class Link(ABC):
 
         The message after the last one queued for ``dst`` on the same channel
         (the commonest, in a burst) adds its body to that run; after a lone
-        frame, it makes the frame a run first. Any other goes as a lone frame.
+        message, it makes that a run first. Any other goes as a lone message.
         """
         packet = self._packets.get(dst)
-        if (packet is not None and packet.next == seq and packet.run == tag
+        if packet is None:
+            packet = self._start(dst)
+        elif (packet.next == seq and packet.run == tag
                 and len(packet) + len(body) <= self._packet_bytes
                 and packet.frames < self.packet_frames):
             packet += body
             packet.frames += 1
             packet.next = seq + 1
             return
-        if (packet is not None and packet.after == seq and packet.run == tag
-                and len(packet) + _RUN_MORE_BYTES + len(body) <= self._packet_bytes
-                and packet.frames < self.packet_frames):  # the second of a run: the first
-            at = packet.run_at  # frame's head becomes the run's (its count laid at the end)
-            packet[at + 1] = _RUN
-            packet[at + _SMALL_HEAD_BYTES:at + _SMALL_HEAD_BYTES] = _RUN_MORE
-            packet += body
-            packet.frames += 1
-            packet.next, packet.after = seq + 1, -1
-            return
-        if (packet is None or len(packet) + _SMALL_HEAD_BYTES + len(body) > self._packet_bytes
-                or packet.frames >= self.packet_frames):
-            packet = self._start(dst)
-        elif packet.next >= 0:  # a run is open: it ends here
-            _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
-            packet.next = -1
-        packet.run_at, packet.run_from = len(packet), packet.frames
+        else:
+            at = packet.lone
+            if (at >= 0 and len(packet) + _RUN_MORE_BYTES + len(body) <= self._packet_bytes
+                    and packet.frames < self.packet_frames
+                    and _SEQ_AT(packet, at + _SEQ_OFFSET)[0] + 1 == seq
+                    and _SEQ_AT(packet, at + _TAG_OFFSET)[0] == tag):
+                # the second of a run: the lone message's head becomes the run's
+                packet[at + 1] = _RUN
+                packet[at + _SMALL_HEAD_BYTES:at + _SMALL_HEAD_BYTES] = _RUN_MORE
+                packet += body
+                packet.run, packet.run_at, packet.run_from = tag, at, packet.frames - 1
+                packet.frames += 1
+                packet.next, packet.lone = seq + 1, -1
+                return
+            if (len(packet) + _SMALL_HEAD_BYTES + len(body) > self._packet_bytes
+                    or packet.frames >= self.packet_frames):
+                packet = self._start(dst)
+            elif packet.next >= 0:  # a run is open: it ends here
+                _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
+                packet.next = -1
+        packet.lone = len(packet)
         packet += _small_head(_FRAME, _DATA, _U64, tag, _U64, seq)
         packet += body
         packet.frames += 1
         packet.items += 1
-        packet.run, packet.after = tag, seq + 1
 
     def _start(self, dst: int) -> Packet:
         """Send ``dst``'s packet, if any; return a new one, sent when the iteration ends."""
@@ -326,7 +334,7 @@ class Link(ABC):
             self._flush_to(dst)
         packet = self._packets[dst] = Packet(_PACKET_AT)
         packet.frames = packet.items = packet.credits = 0
-        packet.run = packet.next = packet.after = -1
+        packet.next = packet.lone = -1
         if not self._flush_due:
             self._flush_later()
         return packet
