@@ -606,3 +606,10 @@ def test_a_packet_decodes_to_what_each_frame_would(objs: list[object], seqs: int
     assert same([item[3] for item in items], expected)
     split = list(small.split_packet(frames_of(*frames)))  # one by one: the same
     assert same([frame[3] for frame in split], expected)  # type: ignore[index]
+    run = small.packet_head(1) + small.run_head(7, seqs, len(frames)) + b"".join(
+        f[3] for f in frames)  # as one run: the same messages, numbered from its first
+    (item,) = small.unpack_packet(run)
+    assert item[:3] == [small.RUN, 7, seqs] and same(item[3], expected)
+    split = list(small.split_packet(run))
+    assert [f[:3] for f in split] == [(1, 7, seqs + i) for i in range(len(frames))]  # type: ignore
+    assert same([frame[3] for frame in split], expected)  # type: ignore[index]
