@@ -1128,7 +1128,7 @@ def test_padded_gloo_link_messages(world: World) -> None:
 
 def forged_batches() -> dict[str, bytes]:
     """Link messages that claim to hold envelopes of large frames, but do not."""
-    from asyncomm._core.link import BATCH, PREAMBLE
+    from asyncomm._core.messages import BATCH, PREAMBLE
 
     def batch(*entries: bytes) -> bytes:
         body = b"".join(entries)

@@ -78,19 +78,8 @@ from asyncomm._backends import gloo_p2p
 from asyncomm._core import tags, wire
 from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError
 from asyncomm._core.handle import Handle
-from asyncomm._core.link import (
-    BATCH,
-    PREAMBLE,
-    Arrivals,
-    Link,
-    Packet,
-    Pending,
-    Transport,
-    bye_from,
-    envelopes,
-    proxy_bye,
-    signal,
-)
+from asyncomm._core.link import Arrivals, Link, Packet, Transport, bye_from, proxy_bye, signal
+from asyncomm._core.messages import BATCH, PREAMBLE, Pending, envelopes
 from asyncomm._core.progress import Classify, Inbox, Waiters
 
 # gloo's TCP transport (Linux) takes a message into a longer receive; its libuv transport

@@ -25,7 +25,7 @@ import torch
 
 from asyncomm._core import small, wire
 from asyncomm._core.errors import CommError, ProtocolError
-from asyncomm._core.link import Pending
+from asyncomm._core.messages import Pending
 from asyncomm._core.wire import Head, Kind
 from asyncomm._messaging.mailbox import DATA, Frame, Mailbox, Message, message
 
