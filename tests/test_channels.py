@@ -1308,9 +1308,10 @@ def test_bursts_travel_as_runs(world: World) -> None:
 
 
 async def check_a_lone_credit_waits_for_the_turn(comm: Comm) -> None:
-    # A task about to wait sends what it issued, but a lone credit frame waits for the
-    # iteration's end (its sender has messages on their way); two go at once. The held
-    # credit still reaches its sender: the last message is sent only once it has.
+    # A task about to wait sends what it issued, but a lone batch of credit waits for the
+    # iteration's end (its sender has messages on their way); two go at once, as one
+    # frame. The held credit still reaches its sender: the last message is sent only once
+    # it has.
     async with fresh(comm) as sub:
         ch = sub.channel(916)
         batch = sub._router.batch
@@ -1322,12 +1323,12 @@ async def check_a_lone_credit_waits_for_the_turn(comm: Comm) -> None:
             await ch.send("last", 1)
         elif sub.rank == 1:
             await until(lambda: arrived(sub, 916) == 2 * batch, "sent the messages")
-            link = sub._router.link
+            router = sub._router
             for held in (True, False):  # (recv takes what is there without a loop turn)
                 assert [(await ch.recv(0)).data for _ in range(batch)] == list(
                     range(0 if held else batch, batch if held else 2 * batch))
-                sub._router.flush(waiting=True)
-                assert (0 in link._packets) is held, held
+                router.flush(waiting=True)
+                assert ((0, 916) in router._owed) is held, held
             assert (await ch.recv(0, timeout=10.0)).data == "last"
         await sub.barrier()
 

@@ -77,7 +77,7 @@ _small_head, _SMALL_HEAD_BYTES = small.HEAD.pack, small.HEAD.size
 _run_head, _RUN_HEAD_BYTES = small.RUN_HEAD.pack, small.RUN_HEAD.size
 _lay_count, _COUNT_AT = struct.Struct(">I").pack_into, small.RUN_COUNT_AT
 _FRAME, _U64, _ARRAY, _RUN = small.FRAME_BYTE, small.U64_BYTE, small.ARRAY_BYTE, small.RUN
-_DATA, _CREDIT = small.DATA, int(wire.Kind.CREDIT)
+_DATA = small.DATA
 # a lone message's head becomes a run's: its kind set, then these bytes (array 32, count)
 _RUN_MORE = bytes([_ARRAY]) + bytes(4)
 _RUN_MORE_BYTES = _RUN_HEAD_BYTES - _SMALL_HEAD_BYTES
@@ -101,9 +101,8 @@ class Packet(bytearray):
     sequence number read back from its head then: nothing is kept for it before).
     """
 
-    __slots__ = ("credits", "frames", "items", "lone", "next", "run", "run_at", "run_from")
+    __slots__ = ("frames", "items", "lone", "next", "run", "run_at", "run_from")
     frames: int  # messages in it (a run's each counted)
-    credits: int  # credit frames in it
     items: int  # its array's items: frames and runs
     next: int  # the sequence number that continues its last item, an open run (-1: none)
     run: int  # the open run's channel
@@ -289,8 +288,6 @@ class Link(ABC):
         packet += body
         packet.frames += 1
         packet.items += 1
-        if kind == _CREDIT:
-            packet.credits += 1
 
     def send_data(self, dst: int, tag: int, seq: int, body: bytes) -> None:
         """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``): the hot path.
@@ -340,7 +337,7 @@ class Link(ABC):
         if dst in self._packets:
             self._flush_to(dst)
         packet = self._packets[dst] = Packet(_PACKET_AT)
-        packet.frames = packet.items = packet.credits = 0
+        packet.frames = packet.items = 0
         packet.next = packet.lone = -1
         if not self._flush_due:
             self._flush_later()
@@ -364,21 +361,9 @@ class Link(ABC):
             for dst in list(self._packets):
                 self._flush_to(dst)
 
-    def flush_waiting(self) -> None:
-        """``flush``, for a task about to wait for a message: all but a packet that holds a
-        lone credit frame, which goes when the iteration ends or with what follows it.
-
-        Its sender has then messages on their way whatever it waits for (see
-        ``Router.took``): the credit cannot be what the wait depends on.
-        """
-        while self._batches:
-            self._send_batch(next(iter(self._batches)))
-        packets = self._packets
-        if packets:
-            for dst in list(packets):
-                packet = packets[dst]
-                if packet.items != 1 or packet.credits != 1:
-                    self._flush_to(dst)
+    def queued(self, dst: int) -> bool:
+        """Return whether small frames to ``dst`` wait to be sent."""
+        return dst in self._packets
 
     def _flush_to(self, dst: int) -> None:
         if self._batches:  # a batch pending beside a packet holds older frames

@@ -151,7 +151,9 @@ class Router(Delivery):
         self.window, self.window_bytes = window, window_bytes
         # credit comes back in batches of a quarter window (see ``took``)
         self.batch, self._batch_bytes = max(1, window // 4), window_bytes // 4
-        self._hold_credit = 2 * self.batch <= window  # see ``took``
+        self._hold_credit = 2 * self.batch <= window  # see the note on credit (``took``)
+        self._owed: dict[tuple[int, int], list[int]] = {}  # credit owed: messages, bytes
+        self._paying = False  # whether the owed credit goes when this iteration ends
         self.limits = limits or frame_limits()
         # the most bytes of a small frame's body (see ``small``)
         self.small_room = min(link.small_room, self.limits.max_message_bytes)
@@ -385,13 +387,12 @@ class Router(Delivery):
     def flush(self, waiting: bool = False) -> None:
         """Send the small frames issued so far now, not when the loop iteration ends.
 
-        ``waiting``: for a task about to wait for a message, which a lone credit frame
-        cannot be holding back (see ``took``): that goes when the iteration ends.
+        ``waiting``: for a task about to wait for a message, which a lone batch of
+        credit cannot be holding back (see ``took``): that goes when the iteration ends.
         """
-        if waiting and self._hold_credit:
-            self.link.flush_waiting()
-        else:
-            self.link.flush()
+        if self._owed:
+            self._pay(waiting and self._hold_credit)
+        self.link.flush()
 
     def patrol(self) -> None:
         """Wake every waiting receiver within ``probe_s`` (to check its peers, its deadline).
@@ -464,16 +465,20 @@ class Router(Delivery):
     def took(self, entry: Entry, box: Mailbox) -> None:
         """Count a message the user took from ``box``; return credit to its sender in batches.
 
-        Credit travels as a small frame: with other traffic to the sender, if any.
-        A lone credit frame to a rank is not sent when a task begins to wait
-        (``flush(waiting=True)``), but when the loop iteration ends, or with
-        what follows it: a batch is at most half a window, so a sender that
-        waits for that credit has messages on their way to the waiting task
-        (beside what it holds of the window: under a batch uncredited, one
-        batch in the frame), which take it further. Only a message larger
-        than the window (it waits until no more than a batch is out) may wait
-        for that credit until this rank's loop turns: 50 µs at most, as a
-        waiting task looks for messages (``Hurry``).
+        Note on credit
+        --------------
+        A batch of credit is owed, not sent, when it is taken: it goes as
+        a small frame when the loop iteration ends, with whatever else
+        goes to its sender before, or when a task begins to wait
+        (``flush``), one frame for every batch owed on a channel. A
+        task about to wait leaves a lone batch owed (``flush(waiting=True)``):
+        a batch is at most half a window, so a sender that waits for it
+        has messages on their way to the waiting task (beside what it holds
+        of the window: under a batch uncredited, one batch owed), which take
+        it further. Only a message larger than the room left (it waits until
+        no more than a batch is out) may wait for that credit until this
+        rank's loop turns: 50 µs at most, as a waiting task looks for
+        messages (``Hurry``).
         """
         if type(entry) is Message:
             src, charge = entry[0], 0
@@ -495,9 +500,36 @@ class Router(Delivery):
         done[0] = done[1] = 0
         if src == self.rank:
             self._credit(self.rank, tag, messages, nbytes)
-        elif not self._closed and src not in self.dead:
-            body = _credit_body(messages, nbytes)
-            self.link.send_small(src, Kind.CREDIT, tag, 0, body)
+            return
+        owed = self._owed.get((src, tag))
+        if owed is None:
+            self._owed[(src, tag)] = [messages, nbytes]
+            if not self._paying:  # (once an iteration)
+                self._paying = True
+                asyncio.get_running_loop().call_soon(self._pay_all)
+        else:
+            owed[0] += messages
+            owed[1] += nbytes
+
+    def _pay_all(self) -> None:
+        """The iteration ended: send the credit still owed."""
+        self._paying = False
+        if self._owed:
+            self._pay(False)
+            self.link.flush()
+
+    def _pay(self, hold: bool) -> None:
+        """Queue a credit frame for each channel credit is owed on, but (``hold``) a lone
+        batch to a rank nothing else goes to now (see the note on credit)."""
+        owed, batch, batch_bytes = self._owed, self.batch, self._batch_bytes
+        for key in list(owed):
+            messages, nbytes = owed[key]
+            src, tag = key
+            if hold and messages <= batch and nbytes <= batch_bytes and not self.link.queued(src):
+                continue
+            del owed[key]
+            if not self._closed and src not in self.dead:
+                self.link.send_small(src, Kind.CREDIT, tag, 0, _credit_body(messages, nbytes))
 
     async def close(self, timeout: float) -> None:
         """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
