@@ -30,6 +30,8 @@ from asyncomm._core.wire import (
     encode,
     head_size,
 )
+from asyncomm._messaging.delivery import Delivery
+from asyncomm._messaging.mailbox import Frame, Message
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -613,3 +615,38 @@ def test_a_packet_decodes_to_what_each_frame_would(objs: list[object], seqs: int
     split = list(small.split_packet(run))
     assert [f[:3] for f in split] == [(1, 7, seqs + i) for i in range(len(frames))]  # type: ignore
     assert same([frame[3] for frame in split], expected)  # type: ignore[index]
+
+
+class _Delivered(Delivery):
+    """A delivery with the router's two hooks as no-ops (credit, control frames)."""
+
+    def _credit(self, src: int, tag: int, messages: int, nbytes: int) -> None:
+        pass
+
+    def _control(self, frame: Frame) -> None:
+        pass
+
+
+_kinds = st.sampled_from([int(Kind.DATA), small.RUN, int(Kind.CREDIT), 99, -1])
+_items = st.lists(st.one_of(
+    st.tuples(_kinds, st.one_of(st.integers(0, 3), st.just("3")), st.integers(-1, 5),
+              st.one_of(st.lists(plain_values, max_size=3), plain_values)).map(list),
+    plain_values), max_size=6)
+
+
+@FUZZ
+@given(packets=st.lists(_items, min_size=1, max_size=3))
+def test_forged_packets_are_taken_without_raising(packets: list[list[object]]) -> None:
+    """Any packet that decodes -- frames, runs, out of sequence, malformed -- is taken
+    without raising (the link's poll would die of it): what is kept is a message of its
+    channel or a refusal."""
+    delivery = _Delivered(0, wire.Limits())
+    for items in packets:
+        data = msgpack.packb(items)
+        view = memoryview(bytearray(16) + data)
+        delivery.packet(1, view, 16, len(view))
+    for tag, box in delivery._mailboxes.items():
+        for entry in box.frames:
+            assert type(entry) is Message or entry.error is not None, entry
+            if type(entry) is Message:
+                assert entry.src == 1 and entry.tag == tag
