@@ -642,7 +642,10 @@ def test_forged_packets_are_taken_without_raising(packets: list[list[object]]) -
     channel or a refusal."""
     delivery = _Delivered(0, wire.Limits())
     for items in packets:
-        data = msgpack.packb(items)
+        try:
+            data = msgpack.packb(items)
+        except OverflowError:  # an int msgpack cannot carry: no such packet comes
+            continue
         view = memoryview(bytearray(16) + data)
         delivery.packet(1, view, 16, len(view))
     for tag, box in delivery._mailboxes.items():
