@@ -640,7 +640,7 @@ def test_forged_packets_are_taken_without_raising(packets: list[list[object]]) -
     """Any packet that decodes -- frames, runs, out of sequence, malformed -- is taken
     without raising (the link's poll would die of it): what is kept is a message of its
     channel or a refusal."""
-    delivery = _Delivered(0, wire.Limits())
+    delivery, one_by_one = _Delivered(0, wire.Limits()), _Delivered(0, wire.Limits())
     for items in packets:
         try:
             data = msgpack.packb(items)
@@ -648,8 +648,15 @@ def test_forged_packets_are_taken_without_raising(packets: list[list[object]]) -
             continue
         view = memoryview(bytearray(16) + data)
         delivery.packet(1, view, 16, len(view))
+        one_by_one._packet_slowly(1, view[16:])  # the oracle: frame by frame
     for tag, box in delivery._mailboxes.items():
         for entry in box.frames:
             assert type(entry) is Message or entry.error is not None, entry
             if type(entry) is Message:
                 assert entry.src == 1 and entry.tag == tag
+
+    def kept(d: Delivery) -> dict[int, list[object]]:
+        return {tag: [e.data if type(e) is Message else "refused" for e in box.frames]
+                for tag, box in d._mailboxes.items() if box.frames}
+
+    assert kept(delivery) == kept(one_by_one)
