@@ -160,7 +160,8 @@ class Router(Delivery):
         super().__init__(rank, self.limits)
         self._windows: dict[tuple[int, int], Window] = {}
         self._byes: set[int] = set()  # ranks whose router said goodbye
-        self._all_byes: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._loop = asyncio.get_running_loop()
+        self._all_byes: asyncio.Future[None] = self._loop.create_future()
         self._inflight: set[Any] = set()
         self._closed = False
         self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
@@ -506,7 +507,7 @@ class Router(Delivery):
             self._owed[(src, tag)] = [messages, nbytes]
             if not self._paying:  # (once an iteration)
                 self._paying = True
-                asyncio.get_running_loop().call_soon(self._pay_all)
+                self._loop.call_soon(self._pay_all)
         else:
             owed[0] += messages
             owed[1] += nbytes
@@ -514,7 +515,9 @@ class Router(Delivery):
     def _pay_all(self) -> None:
         """The iteration ended: send the credit still owed."""
         self._paying = False
-        if self._owed:
+        if self._closed:
+            self._owed.clear()  # (its peers are closing too: nothing waits for it)
+        elif self._owed:
             self._pay(False)
             self.link.flush()
 
