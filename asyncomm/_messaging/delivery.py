@@ -11,9 +11,10 @@ Note on small messages
 ----------------------
 A packet of small frames is decoded in one call (``small.unpack_packet``),
 and each message kept as the ``Message`` its receiver gets: no object per
-frame beside it, no call per frame on the commonest path (the next message
-of the channel just before). A packet that does not decode as a whole is
-taken apart frame by frame, so a malformed message fails its own channel.
+frame beside it, no call per frame on the commonest paths (a run of a
+channel's messages, checked once and kept in one step; the channel's next
+message alone). A packet that does not decode as a whole is taken apart
+frame by frame, so a malformed message fails its own channel.
 """
 
 from __future__ import annotations
