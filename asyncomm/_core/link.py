@@ -338,7 +338,7 @@ class Link(ABC):
             self._flush_to(dst)
         packet = self._packets[dst] = Packet(_PACKET_AT)
         packet.frames = packet.items = 0
-        packet.next = packet.lone = -1
+        packet.next = packet.lone = packet.run = -1  # (``run`` is read only with ``next``)
         if not self._flush_due:
             self._flush_later()
         return packet
