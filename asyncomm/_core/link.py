@@ -81,8 +81,8 @@ _DATA = small.DATA
 # a lone message's head becomes a run's: its kind set, then these bytes (array 32, count)
 _RUN_MORE = bytes([_ARRAY]) + bytes(4)
 _RUN_MORE_BYTES = _RUN_HEAD_BYTES - _SMALL_HEAD_BYTES
-# a lone message's channel and sequence number, read back from its head (">BBBQBQ")
-_SEQ_AT, _TAG_OFFSET, _SEQ_OFFSET = struct.Struct(">Q").unpack_from, 3, 12
+# a lone message's channel and sequence number, read back from its head (``small.HEAD``)
+_U64_AT, _TAG_OFFSET, _SEQ_OFFSET = struct.Struct(">Q").unpack_from, small.TAG_AT, small.SEQ_AT
 
 
 _PACKET_AT = PREAMBLE.size + small.PACKET_HEAD_BYTES  # a packet's first frame
@@ -310,8 +310,8 @@ class Link(ABC):
             at = packet.lone
             if (at >= 0 and len(packet) + _RUN_MORE_BYTES + len(body) <= self._packet_bytes
                     and packet.frames < self.packet_frames
-                    and _SEQ_AT(packet, at + _SEQ_OFFSET)[0] + 1 == seq
-                    and _SEQ_AT(packet, at + _TAG_OFFSET)[0] == tag):
+                    and _U64_AT(packet, at + _SEQ_OFFSET)[0] + 1 == seq
+                    and _U64_AT(packet, at + _TAG_OFFSET)[0] == tag):
                 # the second of a run: the lone message's head becomes the run's
                 packet[at + 1] = _RUN
                 packet[at + _SMALL_HEAD_BYTES:at + _SMALL_HEAD_BYTES] = _RUN_MORE

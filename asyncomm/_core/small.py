@@ -70,11 +70,13 @@ __all__ = ["HEAD", "RUN", "RUN_HEAD", "BYTES", "encode", "decode", "unpack_packe
 # a small frame's head, msgpack: fixarray 4, kind (a positive fixint), uint64 tag, uint64 seq
 HEAD: Final = struct.Struct(">BBBQBQ")
 FRAME_BYTE, U64_BYTE = 0x94, 0xcf  # its fixed bytes: HEAD.pack(FRAME_BYTE, kind, U64_BYTE, ...)
+TAG_AT, SEQ_AT = struct.calcsize(">BBB"), struct.calcsize(">BBBQB")  # where its uint64s lie
 _ARRAY: Final = struct.Struct(">BI")  # a packet's head: array 32, its frames
 ARRAY_BYTE: Final = 0xdd  # msgpack's array 32
 # A run's kind (a small frame's only: a wire frame has none such), and its head: a frame's,
 # then an array 32 of its bodies, their count laid last (``RUN_COUNT_AT``) once it is known.
 RUN: Final = 7
+assert RUN not in set(Kind), "a run's kind is a small frame's only"
 RUN_HEAD: Final = struct.Struct(">BBBQBQBI")
 RUN_COUNT_AT: Final = HEAD.size + 1
 DATA: Final = int(Kind.DATA)

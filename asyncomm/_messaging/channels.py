@@ -64,21 +64,12 @@ class Channel:
         messages. Raises ``TypeError`` for objects the channel's codec cannot
         carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
         """
-        window = self._windows.get(dst) if type(dst) is int else None
-        if window is not None:  # a rank checked before, small messages: ``post`` inline
+        if type(dst) is int and dst in self._windows:  # a rank checked before, small messages
             body = small_encode(obj, self._small_room, self._max_ndim)
-            if body is not None:
-                out = window.messages_out
-                if (window.open and out < self._window and not window.waiters
-                        and (not self._traced or self._probe_of.recording is None)):
-                    window.messages_out = out + 1
-                    seq = window.seq
-                    window.seq = seq + 1
-                    self._send_data(dst, self.tag, seq, body)
-                    return  # the fast path: sent with the iteration's others, as it is now
-                await self._send(body, dst, timeout)
-                return
-            await self._send(self._router.frame_of(self.tag, obj, self.codec), dst, timeout)
+            if body is not None and self.post(body, dst):
+                return  # the fast path: sent with the iteration's others, as it is now
+            await self._send(self._router.frame_of(self.tag, obj, self.codec)
+                             if body is None else body, dst, timeout)
             return
         await self._send_slowly(obj, dst, timeout)
 
@@ -192,8 +183,7 @@ class Channel:
     async def _wait(self, src: int | None, limit: float) -> Message:
         """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds."""
         router, box = self._router, self._box
-        router.flush(waiting=True)  # what this rank issued leaves first: an answer may be
-        # awaited
+        router.flush(waiting=True)  # what this rank issued goes first: it may be answered
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + limit
         while True:  # ``recv`` found nothing just now: check, wait, then look again
