@@ -50,7 +50,10 @@ class Comm:
     (op, dtype)) takes the usual path, which checks and words the errors.
     Measured on 2 ranks: an awaited 8-byte all_reduce 4.3 -> 2.8-3.0 µs, a
     ping-pong leg 3.0 -> 2.4 µs (``bench all --sizes 8``; see the poller's
-    note on hurrying for the second test at issue, half of it).
+    note on hurrying for the second test at issue, half of it). The checks,
+    the numbering and the deadline are inline here, not in calls of their
+    own, and MPI's quick sends and receives start persistent requests (see
+    ``MpiBackend``): a leg 2.4 -> 1.9 µs, 1.92x raw in three launches.
     """
 
     def __init__(self, backend: Backend, own: Backend, loop: asyncio.AbstractEventLoop,
@@ -175,28 +178,6 @@ class Comm:
             self._deadlines.add(handle, self._timeout if timeout is None else timeout)
         return handle
 
-    def _quickly(self, op: str, issue: Callable[..., Handle[Any] | None], tensor: object,
-                 peer: object, tag: object) -> Handle[Any] | None:
-        """Issue a send or receive by the backend's quick path if its arguments are plain and
-        in range (see the note); return its handle, numbered, or ``None``: the usual path."""
-        if (type(tensor) is torch.Tensor and type(peer) is int and type(tag) is int
-                and 0 <= peer < self._size and peer != self._rank and 0 <= tag <= self._max_tag
-                and tensor.dtype in self._dtypes and tensor.is_contiguous()
-                and tensor.is_cuda is self._cuda and not self._closed
-                and self._probe.recording is None):
-            seq = self._seq + 1
-            handle = issue(tensor, peer, tag, (self._rank, op, seq, peer, tag))
-            if handle is not None:
-                return self._issued(handle, seq, op)
-        return None
-
-    def _issued(self, handle: Handle[Any], seq: int, op: str) -> Handle[Any]:
-        """Number a quick operation's handle; give it its deadline if it is still in flight."""
-        self._seq, self._last_op = seq, op
-        if not handle.done():
-            self._deadlines.add(handle, self._timeout)
-        return handle
-
     def _start(self, handle: Handle[Any], start: Callable[..., None], args: tuple[Any, ...],
                deferred: bool = False) -> None:
         """Start an operation on the backend; a bad argument raises unless it was deferred."""
@@ -240,8 +221,11 @@ class Comm:
                 seq = self._seq + 1
                 handle = self._backend.quick_all_reduce(
                     tensor, quick_op, (self._rank, "all_reduce", seq, None, None))
-                if handle is not None:
-                    return self._issued(handle, seq, "all_reduce")
+                if handle is not None:  # numbered; its deadline set if it is in flight
+                    self._seq, self._last_op = seq, "all_reduce"
+                    if not handle._state:
+                        self._deadlines.add(handle, self._timeout)
+                    return handle
         t = self._args.tensor(tensor, "all_reduce")
         reduce_op = self._args.reduce_op(op, t.dtype, "all_reduce")
         if self._quick and (op, t.dtype) not in self._quick_ops:
@@ -324,9 +308,19 @@ class Comm:
     def send(self, tensor: torch.Tensor | np.ndarray, dst: int,  # type: ignore[type-arg]
              tag: int = 0, *, timeout: float | None = None) -> Handle[None]:
         """Send ``tensor`` to ``dst``; the handle completes when the buffer may be reused."""
-        if timeout is None and self._quick:  # see the note on quick operations
-            handle = self._quickly("send", self._backend.quick_send, tensor, dst, tag)
-            if handle is not None:
+        if (timeout is None and self._quick and type(tensor) is torch.Tensor  # see the note
+                and type(dst) is int and type(tag) is int and 0 <= dst < self._size
+                and dst != self._rank and 0 <= tag <= self._max_tag
+                and tensor.dtype in self._dtypes and tensor.is_contiguous()
+                and tensor.is_cuda is self._cuda and not self._closed
+                and self._probe.recording is None):
+            seq = self._seq + 1
+            handle = self._backend.quick_send(tensor, dst, tag, (self._rank, "send", seq, dst,
+                                                                 tag))
+            if handle is not None:  # (as all_reduce's)
+                self._seq, self._last_op = seq, "send"
+                if not handle._state:
+                    self._deadlines.add(handle, self._timeout)
                 return handle
         t = self._args.tensor(tensor, "send", writes=False)
         dst = self._args.peer(dst, "send", "dst", self_ok=False)
@@ -337,9 +331,19 @@ class Comm:
     def recv(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
              src: int | None = None, tag: int = 0, *, timeout: float | None = None) -> Handle[int]:
         """Receive into ``tensor`` from ``src`` (``None``: any source); resolve to the source."""
-        if timeout is None and self._quick:
-            handle = self._quickly("recv", self._backend.quick_recv, tensor, src, tag)
+        if (timeout is None and self._quick and type(tensor) is torch.Tensor
+                and type(src) is int and type(tag) is int and 0 <= src < self._size
+                and src != self._rank and 0 <= tag <= self._max_tag
+                and tensor.dtype in self._dtypes and tensor.is_contiguous()
+                and tensor.is_cuda is self._cuda and not self._closed
+                and self._probe.recording is None):
+            seq = self._seq + 1
+            handle = self._backend.quick_recv(tensor, src, tag, (self._rank, "recv", seq, src,
+                                                                 tag))
             if handle is not None:
+                self._seq, self._last_op = seq, "recv"
+                if not handle._state:
+                    self._deadlines.add(handle, self._timeout)
                 return handle
         t = self._args.tensor(tensor, "recv")
         peer = None if src is None else self._args.peer(src, "recv", "src", self_ok=False)

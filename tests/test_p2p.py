@@ -370,6 +370,75 @@ def test_receives_that_probe_first(world2: World) -> None:
     assert closed == "closed"
 
 
+async def check_one_buffer_again_and_again(comm: Comm) -> list[object]:
+    """The same buffer, peer and tag time after time (MPI keeps a persistent request for
+    them), twice in flight at once (the kept request is busy: the second has its own),
+    and more buffers than are kept: every message arrives whole, in order."""
+    peer, big = 1 - comm.rank, 1 << 18  # (large: on MPI in flight until it is received)
+    backend, declined = comm._backend, []
+    for name in ("quick_send", "quick_recv"):  # note those that leave it to the usual path
+        issue = getattr(backend, name)
+
+        def noted(*args: object, _issue: object = issue) -> object:
+            handle = _issue(*args)  # type: ignore[operator]
+            if handle is None:
+                declined.append(args[1:3])
+            return handle
+
+        setattr(backend, name, noted)
+    try:
+        return [*await one_buffer_again_and_again(comm, peer, big), declined]
+    finally:
+        for name in ("quick_send", "quick_recv"):
+            delattr(backend, name)
+
+
+async def one_buffer_again_and_again(comm: Comm, peer: int, big: int) -> list[object]:
+    if comm.rank == 0:
+        t = torch.zeros(4)
+        for i in range(40):
+            t.fill_(float(i))
+            await comm.send(t, peer, 9)
+        large = torch.arange(big, dtype=torch.float32)
+        first, second = comm.send(large, peer, 10), comm.send(large, peer, 10)
+        pending = not first.done() if comm.backend == "mpi" else True
+        await comm.send(torch.zeros(1), peer, 11)  # the receiver receives them now
+        await asyncio.gather(first, second)
+        for i in range(100):  # more buffers than are kept
+            await comm.send(torch.full((3,), float(i)), peer, 13)
+        await comm.recv(torch.zeros(1), peer, 14)  # its receives of one buffer are posted
+        for value in (1.0, 2.0):
+            await comm.send(torch.full((4,), value), peer, 12)
+        return [pending]
+    t, got = torch.zeros(4), []
+    for _ in range(40):
+        await comm.recv(t, peer, 9)
+        got.append(t[0].item())
+    await comm.recv(torch.zeros(1), peer, 11)
+    large, whole = torch.zeros(big), []
+    for _ in range(2):
+        large.zero_()
+        await comm.recv(large, peer, 10)
+        whole.append(torch.equal(large, torch.arange(big, dtype=torch.float32)))
+    kept = [torch.zeros(3) for _ in range(100)]
+    for buf in kept:
+        await comm.recv(buf, peer, 13)
+    buf = torch.zeros(4)
+    first, second = comm.recv(buf, peer, 12), comm.recv(buf, peer, 12)
+    await comm.send(torch.zeros(1), peer, 14)
+    assert await first == peer and await second == peer
+    return [got == [float(i) for i in range(40)], whole,
+            [b[0].item() for b in kept] == [float(i) for i in range(100)], buf.tolist()]
+
+
+def test_one_buffer_again_and_again(world2: World) -> None:
+    sender, receiver = world2.run(check_one_buffer_again_and_again)
+    assert sender == [True, []], sender  # the second large send went while the first waited
+    # every message whole and in order; on MPI every one by the quick path (none declined:
+    # a kept request in flight is not started again, which MPI refuses)
+    assert receiver == [True, [True, True], True, [2.0] * 4, []], receiver
+
+
 async def check_quick_and_usual_paths(comm: Comm) -> list[tuple[object, ...]]:
     """Plain CPU tensors take the quick path where the backend has one (MPI); arrays and
     explicit deadlines the usual one. Both number their operations in turn, name the same

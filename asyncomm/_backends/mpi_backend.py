@@ -70,6 +70,16 @@ _bf16_ops: dict[ReduceOp, Any] = {}
 _op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
 _IN_PLACE = MPI.IN_PLACE
 _TEST = MPI.Request.Test
+_PERSISTENT = 64  # persistent requests kept per communicator, of sends and of receives
+
+
+class _Idle:
+    """What a kept persistent request's last operation is before it has one: done."""
+
+    _keep = None
+
+
+_IDLE = _Idle()
 
 # Requests still in MPI's hands when their communicator was freed, with their sinks
 # (which hold the buffers MPI may still write into): kept for the life of the process,
@@ -167,7 +177,26 @@ def _nothing(_: Any) -> object:
 
 
 class MpiBackend(Backend):
-    """An MPI communicator driven by polling from the event loop."""
+    """An MPI communicator driven by polling from the event loop.
+
+    Note on persistent requests
+    ---------------------------
+    A quick send or receive (see the note in ``Comm``) starts a persistent
+    request kept for its buffer (address, bytes, dtype), peer and tag: the
+    loops of a program send and receive the same tensors again and again,
+    and ``MPI_Start`` of a kept request costs less than posting a new one
+    (2 ranks, MPICH, an 8-byte ping-pong in a bare loop: 0.93 -> 0.61 µs a
+    leg). Each kept request remembers the handle of its last operation: it
+    is started again only once that handle's buffers are released (the
+    operation is over, also when its await timed out or was cancelled and
+    MPI finished it later); while it is in flight, the next operation on the
+    same buffer, peer and tag posts a request of its own. At most
+    ``_PERSISTENT`` of each are kept (the idle ones freed when that many
+    are); closing frees the idle ones, and those in flight are orphans like
+    any other request. Collectives are not persistent: a persistent
+    collective is made collectively and matches only its own kind, so every
+    rank would have to make and start them in step.
+    """
 
     name = "mpi"
     dtypes = frozenset(DATATYPES)
@@ -192,6 +221,10 @@ class MpiBackend(Backend):
         self.posted = InFlight()  # ``Posted`` operations (cancelled at close)
         self._probe_first = PROBE_FIRST
         self._probing: list[_Probing] = []  # receives looking for their message, in order
+        # persistent requests of quick sends and receives, by (address, bytes, dtype, peer,
+        # tag), with the handle of the last operation they did (see the note)
+        self._sends: dict[tuple[Any, ...], list[Any]] = {}
+        self._recvs: dict[tuple[Any, ...], list[Any]] = {}
 
     def _op(self, dtype: torch.dtype, op: ReduceOp) -> Any:
         mpi_op = _op_cache.get((dtype, op))
@@ -279,27 +312,74 @@ class MpiBackend(Backend):
     def quick_send(self, tensor: torch.Tensor, dst: int, tag: int,
                    what: tuple[Any, ...]) -> Handle[Any] | None:
         if self.lost is None:
+            key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, dst, tag)
+            kept = self._sends.get(key)
             try:
-                request = self._comm.Isend(spec(tensor), dst, tag)
+                if kept is not None and kept[1]._keep is None:  # the commonest (see the note)
+                    request = kept[0]
+                    request.Start()
+                else:
+                    request, kept = self._begin(self._sends, key, kept, self._comm.Send_init,
+                                                self._comm.Isend, tensor, dst, tag)
             except MPI.Exception:
-                return None
-            return self._quickly(request, Handle(self._loop, what, None, tensor))
+                return None  # nothing issued: the usual path issues it again, words its error
+            handle: Handle[Any] = Handle(self._loop, what, None, tensor)
+            try:
+                if _TEST(request) or _TEST(request):  # (``_quickly``, inline)
+                    handle._succeed(None)  # the commonest: small messages leave at once
+                    return handle
+            except MPI.Exception as exc:  # (the request is done: only its error is left)
+                handle._fail(self._classify(exc), exc)
+                return handle
+            if kept is not None:
+                kept[1] = handle  # in flight
+            self._poller.follow(request, handle, None)
+            return handle
         return None
 
     def quick_recv(self, tensor: torch.Tensor, src: int, tag: int,
                    what: tuple[Any, ...]) -> Handle[Any] | None:
         if self.lost is None and not self._probe_first:
+            key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, src, tag)
+            kept = self._recvs.get(key)
             try:
-                request = self._comm.Irecv(spec(tensor), src, tag)
+                if kept is not None and kept[1]._keep is None:  # (as ``quick_send``)
+                    request = kept[0]
+                    request.Start()
+                else:
+                    request, kept = self._begin(self._recvs, key, kept, self._comm.Recv_init,
+                                                self._comm.Irecv, tensor, src, tag)
             except MPI.Exception:
                 return None
             handle: Handle[Any] = Handle(self._loop, what, FROM_BACKEND, tensor)
+            if kept is not None:
+                kept[1] = handle
             self._poller.watch(request, handle, None, False)
             return handle
         return None
 
+    def _begin(self, kept: dict[tuple[Any, ...], list[Any]], key: tuple[Any, ...],
+               last: list[Any] | None, init: Callable[..., Any], once: Callable[..., Any],
+               tensor: torch.Tensor, peer: int, tag: int) -> tuple[Any, list[Any] | None]:
+        """Start a quick send or receive whose buffer, peer and tag have no idle persistent
+        request: one made (``init``) and kept for the next, or, while the kept one is
+        still in flight (or all are), a request of its own (``once``). Return the
+        request, and what is kept of it (``None``: nothing)."""
+        if last is None and len(kept) >= _PERSISTENT:
+            self._free_idle(kept)
+        if last is not None or len(kept) >= _PERSISTENT:
+            return once(spec(tensor), peer, tag), None
+        request = init(spec(tensor), peer, tag)
+        try:
+            request.Start()
+        except MPI.Exception:
+            request.Free()
+            raise
+        entry = kept[key] = [request, _IDLE]
+        return request, entry
+
     def _quickly(self, request: Any, handle: Handle[Any]) -> Handle[Any]:
-        """Settle the handle of a quick send or all-reduce, made once ``request`` was posted,
+        """Settle the handle of a quick all-reduce, made once ``request`` was posted,
         if two tests find it done, as ``watch`` tests (the commonest: no outcome asked for);
         else the poller follows it."""
         try:
@@ -311,6 +391,17 @@ class MpiBackend(Backend):
             return handle
         self._poller.follow(request, handle, None)
         return handle
+
+    @staticmethod
+    def _free_idle(kept: dict[tuple[Any, ...], list[Any]]) -> None:
+        """Free the kept persistent requests that are not in flight (and forget them)."""
+        for key, (request, last) in list(kept.items()):
+            if last._keep is None:
+                del kept[key]
+                try:
+                    request.Free()
+                except MPI.Exception:
+                    pass
 
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
         mpi_op = _op_cache.get((tensor.dtype, op)) or self._op(tensor.dtype, op)  # (a hot path)
@@ -469,6 +560,10 @@ class MpiBackend(Backend):
             sink._fail(CommClosedError, CommClosedError("the communicator was closed"))
         self._probing.clear()
         self._drop_unreceived()
+        self._free_idle(self._sends)  # (those in flight are the poller's orphans now)
+        self._free_idle(self._recvs)
+        self._sends.clear()
+        self._recvs.clear()
         self._comm.Free()
 
     def _drop_unreceived(self) -> None:
