@@ -131,3 +131,16 @@ def test_iterations_shrink_with_size() -> None:
     assert counts == sorted(counts, reverse=True) and counts[-1] >= 4
     assert all(harness.iterations(s, quick=True)[1] < harness.iterations(s)[1]
                for s in core.DEFAULT_SIZES)
+
+
+def test_the_core_table_says_whether_targets_are_met() -> None:
+    def rec(op: str, size: int, backend: str, ours: float, naive: float) -> dict[str, Any]:
+        return {"op": op, "size": size, "backend": backend, "raw_us": 1.0, "asyncomm_us": ours,
+                "naive_us": naive, "ratio_asyncomm_raw": ours, "ratio_naive_raw": naive}
+
+    assert core.verdict(rec("pingpong", 8, "mpi", 1.9, 1.5)) == "<= 2x: met"
+    assert core.verdict(rec("pingpong", 8, "mpi", 2.1, 1.5)) == "<= 2x: MISSED"
+    assert core.verdict(rec("allreduce", 8, "mpi", 1.9, 1.8)) == "<= 2x, <= naive: MISSED"
+    assert core.verdict(rec("allreduce", 8, "mpi", 1.9, 2.3)) == "<= 2x, <= naive: met"
+    assert core.verdict(rec("allreduce", 8, "gloo", 3.0, 3.1)) == "<= naive: met"
+    assert core.verdict(rec("pingpong", 64, "mpi", 9.0, 1.0)) == ""
