@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 
 import pytest
 import torch
 from test_collectives import DTYPES, value
 
-from asyncomm import Comm, CommClosedError, CommError, MismatchError
+from asyncomm import Comm, CommClosedError, CommError, CommTimeoutError, MismatchError
 from asyncomm.testing import World, fresh
 
 
@@ -370,15 +372,14 @@ def test_receives_that_probe_first(world2: World) -> None:
     assert closed == "closed"
 
 
-async def check_one_buffer_again_and_again(comm: Comm) -> list[object]:
-    """The same buffer, peer and tag time after time (MPI keeps a persistent request for
-    them), twice in flight at once (the kept request is busy: the second has its own),
-    and more buffers than are kept: every message arrives whole, in order."""
-    peer, big = 1 - comm.rank, 1 << 18  # (large: on MPI in flight until it is received)
+@contextlib.contextmanager
+def declines(comm: Comm) -> Iterator[list[object]]:
+    """Note the quick sends and receives that leave it to the usual path (where receives
+    probe first, all receives do): their peer and tag."""
     backend, declined = comm._backend, []
-    # note those that leave it to the usual path (where receives probe first, all receives)
-    for name in ("quick_send",) if getattr(backend, "_probe_first", False) else (
-            "quick_send", "quick_recv"):
+    names = ("quick_send",) if getattr(backend, "_probe_first", False) else (
+        "quick_send", "quick_recv")
+    for name in names:
         issue = getattr(backend, name)
 
         def noted(*args: object, _issue: object = issue) -> object:
@@ -389,11 +390,19 @@ async def check_one_buffer_again_and_again(comm: Comm) -> list[object]:
 
         setattr(backend, name, noted)
     try:
-        return [*await one_buffer_again_and_again(comm, peer, big), declined]
+        yield declined
     finally:
-        for name in ("quick_send", "quick_recv"):
-            if name in vars(backend):
-                delattr(backend, name)
+        for name in names:
+            delattr(backend, name)
+
+
+async def check_one_buffer_again_and_again(comm: Comm) -> list[object]:
+    """The same buffer, peer and tag time after time (MPI keeps a persistent request for
+    them), twice in flight at once (the kept request is busy: the second has its own),
+    and more buffers than are kept: every message arrives whole, in order."""
+    peer, big = 1 - comm.rank, 1 << 18  # (large: on MPI in flight until it is received)
+    with declines(comm) as declined:
+        return [*await one_buffer_again_and_again(comm, peer, big), declined]
 
 
 async def one_buffer_again_and_again(comm: Comm, peer: int, big: int) -> list[object]:
@@ -453,6 +462,50 @@ def test_one_buffer_again_and_again(world2: World) -> None:
     # into one buffer both complete (which wrote last is the backend's affair).
     assert receiver[:3] == [True, [True] * 4, True] and receiver[4] == [], receiver
     assert receiver[3] in ([1.0] * 4, [2.0] * 4), receiver
+
+
+async def check_a_receive_that_timed_out_keeps_its_buffer(comm: Comm) -> list[object]:
+    """A receive (of a buffer MPI keeps a request for) that times out stays posted and takes
+    the next message; a receive into the same buffer meanwhile takes the one after, and
+    once the first is done its buffer's request serves again."""
+    async with fresh(comm) as sub:
+        with declines(sub) as declined:
+            return [*await receive_timed_out(sub), declined]
+
+
+async def receive_timed_out(sub: Comm) -> list[object]:
+    peer, buf = 1 - sub.rank, torch.zeros(2)
+    if sub.rank == 0:
+        await sub.send(torch.full((2,), 0.0), peer, 20)
+        await sub.recv(torch.zeros(1), peer, 21)  # its receive timed out
+        for value in (1.0, 2.0, 3.0):
+            await sub.send(torch.full((2,), value), peer, 20)
+        await sub.recv(torch.zeros(1), peer, 21)
+        return []
+    await sub.recv(buf, peer, 20)  # the buffer seen once: kept from the next on
+    sub._timeout = 0.3  # (the default deadline, which quick receives take)
+    timed_out = sub.recv(buf, peer, 20)
+    try:
+        await timed_out
+    except CommTimeoutError:
+        pass
+    sub._timeout = 30.0
+    second = sub.recv(buf, peer, 20)  # the kept request is still posted: one of its own
+    await sub.send(torch.zeros(1), peer, 21)
+    assert await second == peer
+    for _ in range(1000):  # the timed-out receive took 1.0; the poller sees it done
+        if timed_out._keep is None:
+            break
+        await asyncio.sleep(0.001)
+    third = await sub.recv(buf, peer, 20)
+    got = buf.tolist()
+    await sub.send(torch.zeros(1), peer, 21)
+    return [timed_out.done(), timed_out._keep is None, third, got]
+
+
+def test_a_receive_that_timed_out_keeps_its_buffer(world2: World) -> None:
+    receiver = world2.run(check_a_receive_that_timed_out_keeps_its_buffer)[1]
+    assert receiver == [True, True, 0, [3.0, 3.0], []], receiver  # none declined
 
 
 async def check_quick_and_usual_paths(comm: Comm) -> list[tuple[object, ...]]:
