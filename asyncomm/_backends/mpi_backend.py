@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from asyncomm._backends import mpi_kept
 from asyncomm._backends.mpi_link import DATATYPES, ProbeLink, spec
 from asyncomm._core import tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
@@ -70,20 +71,6 @@ _bf16_ops: dict[ReduceOp, Any] = {}
 _op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
 _IN_PLACE = MPI.IN_PLACE
 _TEST = MPI.Request.Test
-_PERSISTENT = 64  # persistent requests kept per communicator, of sends and of receives
-
-
-class _Mark:
-    """What a kept entry holds for its last operation (a handle: ``_keep`` None once done)."""
-
-    __slots__ = ("_keep",)
-
-    def __init__(self, keep: object) -> None:
-        self._keep = keep
-
-
-_IDLE = _Mark(None)  # a persistent request's last operation before its first: none, done
-_SEEN: Any = [None, _Mark(True)]  # a buffer, peer and tag seen once (no request made yet)
 
 # Requests still in MPI's hands when their communicator was freed, with their sinks
 # (which hold the buffers MPI may still write into): kept for the life of the process,
@@ -183,29 +170,8 @@ def _nothing(_: Any) -> object:
 class MpiBackend(Backend):
     """An MPI communicator driven by polling from the event loop.
 
-    Note on persistent requests
-    ---------------------------
-    A quick send or receive (see the note in ``Comm``) of a buffer (address,
-    bytes, dtype), peer and tag seen before starts a persistent request kept
-    for them: the loops of a program send and receive the same tensors again
-    and again, and ``MPI_Start`` of a kept request costs less than posting a
-    new one (2 ranks, MPICH, an 8-byte ping-pong in a bare loop: 0.93 ->
-    0.61 µs a leg). The first time, a request of its own is posted and the
-    buffer noted: one made and freed for every fresh buffer would cost more
-    than it saves (a ping-pong of a new tensor each time, 8 B: +0.35 µs a
-    leg made at once, +0.1-0.15 made the second time; 16 KiB: +0.8 and
-    +0.2-0.4). Each kept request remembers the handle of its last operation:
-    it is started again only once that handle's buffers are released (the
-    operation is over, also when its await timed out or was cancelled and
-    MPI finished it later); while it is in flight, the next operation on the
-    same buffer, peer and tag posts a request of its own. At most
-    ``_PERSISTENT`` buffers of each kind are noted or kept (when that many
-    are, those not in flight are forgotten, their requests freed); closing
-    frees the idle ones, and those in flight are orphans like any other
-    request. Collectives are not persistent: a persistent collective is made
-    collectively and matches only its own kind, so every rank would have to
-    make and start them in step (and one of 8 bytes made so, in a script
-    with nothing else, still measured 2.05-2.16x raw, against 2.26-2.35x).
+    Quick sends and receives start persistent requests kept for their buffers
+    (``mpi_kept``).
     """
 
     name = "mpi"
@@ -232,7 +198,7 @@ class MpiBackend(Backend):
         self._probe_first = PROBE_FIRST
         self._probing: list[_Probing] = []  # receives looking for their message, in order
         # persistent requests of quick sends and receives, by (address, bytes, dtype, peer,
-        # tag), with the handle of the last operation they did (see the note)
+        # tag), with the handle of the last operation they did (see ``mpi_kept``)
         self._sends: dict[tuple[Any, ...], list[Any]] = {}
         self._recvs: dict[tuple[Any, ...], list[Any]] = {}
 
@@ -325,12 +291,12 @@ class MpiBackend(Backend):
             key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, dst, tag)
             kept = self._sends.get(key)
             try:
-                if kept is not None and kept[1]._keep is None:  # the commonest (see the note)
+                if kept is not None and kept[1]._keep is None:  # the commonest (``mpi_kept``)
                     request = kept[0]
                     request.Start()
                 else:
-                    request, kept = self._begin(self._sends, key, kept, self._comm.Send_init,
-                                                self._comm.Isend, tensor, dst, tag)
+                    request, kept = mpi_kept.begin(self._sends, key, kept, self._comm.Send_init,
+                                                   self._comm.Isend, spec(tensor), dst, tag)
             except MPI.Exception:
                 return None  # nothing issued: the usual path issues it again, words its error
             handle: Handle[Any] = Handle(self._loop, what, None, tensor)
@@ -349,7 +315,11 @@ class MpiBackend(Backend):
 
     def quick_recv(self, tensor: torch.Tensor, src: int, tag: int,
                    what: tuple[Any, ...]) -> Handle[Any] | None:
-        if self.lost is None and not self._probe_first:
+        if self.lost is None and self._probe_first:  # see PROBE_FIRST
+            probing: Handle[Any] = Handle(self._loop, what, FROM_BACKEND, tensor)
+            self._recv_probed(probing, tensor, src, tag)
+            return probing
+        if self.lost is None:
             key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, src, tag)
             kept = self._recvs.get(key)
             try:
@@ -357,8 +327,8 @@ class MpiBackend(Backend):
                     request = kept[0]
                     request.Start()
                 else:
-                    request, kept = self._begin(self._recvs, key, kept, self._comm.Recv_init,
-                                                self._comm.Irecv, tensor, src, tag)
+                    request, kept = mpi_kept.begin(self._recvs, key, kept, self._comm.Recv_init,
+                                                   self._comm.Irecv, spec(tensor), src, tag)
             except MPI.Exception:
                 return None
             handle: Handle[Any] = Handle(self._loop, what, FROM_BACKEND, tensor)
@@ -367,30 +337,6 @@ class MpiBackend(Backend):
             self._poller.watch(request, handle, None, False)
             return handle
         return None
-
-    def _begin(self, kept: dict[tuple[Any, ...], list[Any]], key: tuple[Any, ...],
-               last: list[Any] | None, init: Callable[..., Any], once: Callable[..., Any],
-               tensor: torch.Tensor, peer: int, tag: int) -> tuple[Any, list[Any] | None]:
-        """Start a quick send or receive whose buffer, peer and tag have no idle persistent
-        request (see the note): a request of its own (``once``) the first time they come,
-        or while the kept one is in flight; a persistent one (``init``), kept, the second
-        time. Return the request, and what is kept of it (``None``: nothing)."""
-        if last is _SEEN:
-            request = init(spec(tensor), peer, tag)
-            try:
-                request.Start()
-            except MPI.Exception:
-                request.Free()
-                raise
-            entry = kept[key] = [request, _IDLE]
-            return request, entry
-        request = once(spec(tensor), peer, tag)
-        if last is None:  # new: noted, if there is room
-            if len(kept) >= _PERSISTENT:
-                self._free_idle(kept)
-            if len(kept) < _PERSISTENT:
-                kept[key] = _SEEN
-        return request, None
 
     def _quickly(self, request: Any, handle: Handle[Any]) -> Handle[Any]:
         """Settle the handle of a quick all-reduce, made once ``request`` was posted,
@@ -405,18 +351,6 @@ class MpiBackend(Backend):
             return handle
         self._poller.follow(request, handle, None)
         return handle
-
-    @staticmethod
-    def _free_idle(kept: dict[tuple[Any, ...], list[Any]]) -> None:
-        """Forget what is kept of buffers that are not in flight, freeing their requests."""
-        for key, (request, last) in list(kept.items()):
-            if last._keep is None or request is None:
-                del kept[key]
-                if request is not None:
-                    try:
-                        request.Free()
-                    except MPI.Exception:
-                        pass
 
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
         mpi_op = _op_cache.get((tensor.dtype, op)) or self._op(tensor.dtype, op)  # (a hot path)
@@ -497,6 +431,22 @@ class MpiBackend(Backend):
                 return  # found (or failed)
             self._poller.probe(self._look)
         self._probing.append(receive)
+        if hasattr(sink, "_hurry"):  # a handle: awaited, it looks for its message itself
+            sink._hurry = (self,)
+
+    def hurry(self, sink: Handle[Any]) -> bool:
+        """An awaited receive that probes first: look for its message a while now, as a
+        channel's receive does (``Poller.hurry_until``: the poller's probe looks, for this
+        receive and those before it, in order). Return whether its handle may look again
+        after a loop turn (see ``Handle.__await__``): once its message is found, as the
+        poller's requests do; while it is not, no (it waits; the poller goes on looking)."""
+        sink._hurry = None  # (taken, its receive is done, or the poller's: see ``follow``)
+        if not self._poller.hurry_until(lambda: sink.done() or sink._hurry is not None):
+            if any(r[0] is sink for r in self._probing):
+                sink._hurry = (self,)  # (awaited again later, it looks again)
+            return False
+        engine = sink._hurry  # found: its receive is posted, and the poller's to finish
+        return engine is not None and bool(engine[0].hurry(sink))
 
     def _look(self) -> bool:
         """The poller's probe while receives look for their messages (see PROBE_FIRST)."""
@@ -522,8 +472,8 @@ class MpiBackend(Backend):
             if message is None:
                 continue
             sender = status.Get_source()
-            owner = next(r for r in receives if r[3] == receive[3]
-                         and r[2] in (sender, MPI.ANY_SOURCE))
+            owner = receive if len(receives) == 1 else next(
+                r for r in receives if r[3] == receive[3] and r[2] in (sender, MPI.ANY_SOURCE))
             receives.remove(owner)
             self._take(owner, message, sender, status.Get_count(MPI.BYTE))
             found = True
@@ -575,8 +525,8 @@ class MpiBackend(Backend):
             sink._fail(CommClosedError, CommClosedError("the communicator was closed"))
         self._probing.clear()
         self._drop_unreceived()
-        self._free_idle(self._sends)  # (those in flight are the poller's orphans now)
-        self._free_idle(self._recvs)
+        mpi_kept.free_idle(self._sends)  # (those in flight are the poller's orphans now)
+        mpi_kept.free_idle(self._recvs)
         self._sends.clear()
         self._recvs.clear()
         self._comm.Free()

@@ -10,7 +10,7 @@ Not part of asyncomm. Run with ``mpiexec -n 2 python docs/prototypes/persistent_
   own (copied in and out, as a request kept for every rank alike would need).
 
 asyncomm's quick sends and receives start kept requests (see the note on persistent
-requests in ``_backends/mpi_backend.py``; figures in docs/benchmarks.md, "What these say").
+requests in ``_backends/mpi_kept.py``; figures in docs/benchmarks.md, "What these say").
 """
 
 import time
