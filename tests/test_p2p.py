@@ -348,6 +348,8 @@ async def check_probed_receives(comm: Comm) -> list[object]:
             mixed = await check_sizes_mixed_on_one_tag(sub)
             posted = await check_posted_too_small(sub)
             await check_posted_receive_cancelled(sub)
+            timed_out = await receive_timed_out(sub)
+            turns = min([await loop_turns_of_a_ping_pong(sub) for _ in range(3)])
             waiting = sub.recv(torch.zeros(1), (sub.rank + 1) % sub.size, tag=99)
             await sub.barrier()
         try:
@@ -355,21 +357,48 @@ async def check_probed_receives(comm: Comm) -> list[object]:
             closed = "received"
         except CommClosedError:
             closed = "closed"
-        return [refused, mixed, posted, closed]
+        return [refused, mixed, posted, closed, timed_out, turns]
     finally:
         mpi_backend.PROBE_FIRST = saved
+
+
+async def loop_turns_of_a_ping_pong(comm: Comm, n: int = 200) -> int:
+    """The loop iterations a ping-pong of ``n`` exchanges takes on this rank: few where an
+    awaited receive looks for its message itself, one or more each where it parks."""
+    loop, turns, t = asyncio.get_running_loop(), [0], torch.zeros(2)
+
+    def turn() -> None:
+        turns[0] += 1
+        if counting:
+            loop.call_soon(turn)
+
+    counting = True
+    loop.call_soon(turn)
+    peer = 1 - comm.rank
+    for _ in range(n):
+        if comm.rank == 0:
+            await comm.send(t, peer, 30)
+            await comm.recv(t, peer, 30)
+        else:
+            await comm.recv(t, peer, 30)
+            await comm.send(t, peer, 30)
+    counting = False
+    return turns[0]
 
 
 def test_receives_that_probe_first(world2: World) -> None:
     if world2.backend != "mpi":
         pytest.skip("gloo's sends say their size (gloo_p2p)")
-    refused, mixed, posted, closed = world2.run(check_probed_receives)[1]
+    refused, mixed, posted, closed, timed_out, turns = world2.run(check_probed_receives)[1]
     assert refused == ["100: refused", "next 100", f"{BIG}: refused", f"next {BIG}",
                        "4: [0.0, -1.0]", "next 4"], refused
     assert mixed[:7] == [[float(i), float(i), -1.0] for i in range(7)], mixed
     assert sorted(mixed[7:]) == [[float(i), float(i), -1.0] for i in range(7)], mixed
     assert posted == "refused, then [1.0, 1.0, 1.0]"
     assert closed == "closed"
+    assert timed_out == [True, True, 0, [3.0, 3.0]], timed_out  # (as on the quick path)
+    assert turns < 50, turns  # awaited, a receive looks for its message (200 exchanges; the
+    # fewest of three ping-pongs: one parked at each receive took 200 or more)
 
 
 @contextlib.contextmanager
