@@ -23,7 +23,7 @@ import torch
 from mpi4py import MPI
 
 from asyncomm._backends import mpi_kept
-from asyncomm._backends.mpi_link import DATATYPES, ProbeLink, spec
+from asyncomm._backends.mpi_link import AT_ONCE_BYTES, DATATYPES, ProbeLink, spec
 from asyncomm._core import tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
 from asyncomm._core.errors import (
@@ -481,6 +481,14 @@ class MpiBackend(Backend):
 
     def _take(self, receive: _Probing, message: Any, sender: int, size: int) -> None:
         sink, tensor = receive[0], receive[1]
+        if size <= AT_ONCE_BYTES and size <= tensor.nbytes:  # here whole: taken at once
+            try:
+                message.Recv(spec(tensor))
+            except MPI.Exception as exc:
+                sink._fail(classify(exc), exc)
+                return
+            sink._succeed(sender)
+            return
         if size <= tensor.nbytes:
             self._watch(sink, message.Irecv(spec(tensor)), active=False)
             return
