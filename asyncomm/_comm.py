@@ -54,6 +54,9 @@ class Comm:
     the numbering and the deadline are inline here, not in calls of their
     own, and MPI's quick sends and receives start persistent requests (see
     ``_backends.mpi_kept``): a leg 2.4 -> 1.9 µs, 1.92x raw in three launches.
+    (``send`` and ``recv`` check and number inline, each its own copy: one
+    helper for both cost a leg 0.08 µs, 1.86-1.94 -> 1.96-2.04 in five
+    launches alternated, against a target of 2x with ~0.1 µs to spare.)
     """
 
     def __init__(self, backend: Backend, own: Backend, loop: asyncio.AbstractEventLoop,

@@ -299,49 +299,39 @@ class MpiBackend(Backend):
                                                    self._comm.Isend, spec(tensor), dst, tag)
             except MPI.Exception:
                 return None  # nothing issued: the usual path issues it again, words its error
-            handle: Handle[Any] = Handle(self._loop, what, None, tensor)
-            try:
-                if _TEST(request) or _TEST(request):  # (``_quickly``, inline)
-                    handle._succeed(None)  # the commonest: small messages leave at once
-                    return handle
-            except MPI.Exception as exc:  # (the request is done: only its error is left)
-                handle._fail(self._classify(exc), exc)
-                return handle
-            if kept is not None:
-                kept[1] = handle  # in flight
-            self._poller.follow(request, handle, None)
-            return handle
+            return self._quickly(request, Handle(self._loop, what, None, tensor), kept)
         return None
 
     def quick_recv(self, tensor: torch.Tensor, src: int, tag: int,
                    what: tuple[Any, ...]) -> Handle[Any] | None:
-        if self.lost is None and self._probe_first:  # see PROBE_FIRST
-            probing: Handle[Any] = Handle(self._loop, what, FROM_BACKEND, tensor)
-            self._recv_probed(probing, tensor, src, tag)
-            return probing
-        if self.lost is None:
-            key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, src, tag)
-            kept = self._recvs.get(key)
-            try:
-                if kept is not None and kept[1]._keep is None:  # (as ``quick_send``)
-                    request = kept[0]
-                    request.Start()
-                else:
-                    request, kept = mpi_kept.begin(self._recvs, key, kept, self._comm.Recv_init,
-                                                   self._comm.Irecv, spec(tensor), src, tag)
-            except MPI.Exception:
-                return None
-            handle: Handle[Any] = Handle(self._loop, what, FROM_BACKEND, tensor)
-            if kept is not None:
-                kept[1] = handle
-            self._poller.watch(request, handle, None, False)
+        if self.lost is not None:
+            return None  # the usual path fails it
+        handle: Handle[Any] = Handle(self._loop, what, FROM_BACKEND, tensor)
+        if self._probe_first:  # see PROBE_FIRST
+            self._recv_probed(handle, tensor, src, tag)
             return handle
-        return None
+        key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, src, tag)
+        kept = self._recvs.get(key)
+        try:
+            if kept is not None and kept[1]._keep is None:  # (as ``quick_send``)
+                request = kept[0]
+                request.Start()
+            else:
+                request, kept = mpi_kept.begin(self._recvs, key, kept, self._comm.Recv_init,
+                                               self._comm.Irecv, spec(tensor), src, tag)
+        except MPI.Exception:
+            return None
+        if kept is not None:
+            kept[1] = handle
+        self._poller.watch(request, handle, None, False)
+        return handle
 
-    def _quickly(self, request: Any, handle: Handle[Any]) -> Handle[Any]:
-        """Settle the handle of a quick all-reduce, made once ``request`` was posted,
+    def _quickly(self, request: Any, handle: Handle[Any],
+                 kept: list[Any] | None = None) -> Handle[Any]:
+        """Settle the handle of a quick send or all-reduce, made once ``request`` was posted,
         if two tests find it done, as ``watch`` tests (the commonest: no outcome asked for);
-        else the poller follows it."""
+        else the poller follows it, and ``kept`` (a persistent request's entry, see
+        ``mpi_kept``) notes it in flight."""
         try:
             if _TEST(request, self._status) or _TEST(request, self._status):
                 handle._succeed(None)
@@ -349,6 +339,8 @@ class MpiBackend(Backend):
         except MPI.Exception as exc:  # (the request is freed: only its error is left)
             handle._fail(self._classify(exc), exc)
             return handle
+        if kept is not None:
+            kept[1] = handle
         self._poller.follow(request, handle, None)
         return handle
 
@@ -485,7 +477,7 @@ class MpiBackend(Backend):
             try:
                 message.Recv(spec(tensor))
             except MPI.Exception as exc:
-                sink._fail(classify(exc), exc)
+                sink._fail(self._classify(exc), exc)
                 return
             sink._succeed(sender)
             return

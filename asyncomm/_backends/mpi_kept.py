@@ -43,7 +43,8 @@ Key = tuple[Any, ...]  # (address, bytes, dtype, peer, tag)
 
 
 class _Mark:
-    """What an entry holds for its last operation (as a handle: ``_keep`` None once done)."""
+    """What an entry holds for its last operation before it has a handle: read as a
+    handle's ``_keep`` is (None: done, the request idle)."""
 
     __slots__ = ("_keep",)
 
@@ -52,7 +53,7 @@ class _Mark:
 
 
 IDLE = _Mark(None)  # a persistent request's last operation before its first: none, done
-SEEN: Any = [None, _Mark(True)]  # a buffer, peer and tag seen once (no request made yet)
+SEEN: Any = (None, _Mark(True))  # a buffer, peer and tag seen once (no request made yet)
 
 
 def begin(kept: dict[Key, list[Any]], key: Key, last: list[Any] | None,

@@ -37,7 +37,9 @@ class Handle(Generic[T]):
         self._loop = loop
         self._what = what  # (rank, op, seq, peer, tag): worded only on error
         self._result = result  # what a success resolves to, unless FROM_BACKEND
-        self._keep = keep  # buffers the backend is using, kept until it is done
+        # buffers the backend is using, kept until it is done (None then: an engine that
+        # starts a request again reads it, see ``_backends.mpi_kept``)
+        self._keep = keep
         self._state = _PENDING
         self._value: Any = None
         self._error: BaseException | None = None
