@@ -24,6 +24,7 @@ from mpi4py import MPI
 
 from asyncomm._backends import mpi_kept
 from asyncomm._backends.mpi_link import AT_ONCE_BYTES, DATATYPES, ProbeLink, spec
+from asyncomm._backends.mpi_reduce import Reductions, in_turn
 from asyncomm._core import tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
 from asyncomm._core.errors import (
@@ -69,7 +70,6 @@ _BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = 
 }
 _bf16_ops: dict[ReduceOp, Any] = {}
 _op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
-_IN_PLACE = MPI.IN_PLACE
 _TEST = MPI.Request.Test
 
 # Requests still in MPI's hands when their communicator was freed, with their sinks
@@ -201,6 +201,8 @@ class MpiBackend(Backend):
         # tag), with the handle of the last operation they did (see ``mpi_kept``)
         self._sends: dict[tuple[Any, ...], list[Any]] = {}
         self._recvs: dict[tuple[Any, ...], list[Any]] = {}
+        # small all-reduces by persistent requests, and the collectives they hold back
+        self._reductions = Reductions(comm, loop, self._poller, self._status, self._classify)
 
     def _op(self, dtype: torch.dtype, op: ReduceOp) -> Any:
         mpi_op = _op_cache.get((dtype, op))
@@ -266,23 +268,23 @@ class MpiBackend(Backend):
 
     # -- collectives ------------------------------------------------------------------
 
+    @in_turn
     def barrier(self, sink: Sink) -> None:
         self._watch(sink, self._comm.Ibarrier())
 
+    @in_turn
     def broadcast(self, sink: Sink, tensor: torch.Tensor, src: int) -> None:
         self._watch(sink, self._comm.Ibcast(spec(tensor), root=src))
 
     def quick_op(self, dtype: torch.dtype, op: ReduceOp) -> object | None:
-        return None if op is ReduceOp.AVG else self._op(dtype, op)
+        if op is ReduceOp.AVG:
+            return None
+        return self._op(dtype, op), self._reductions.table(dtype, op)
 
     def quick_all_reduce(self, tensor: torch.Tensor, op: object,
                          what: tuple[Any, ...]) -> Handle[Any] | None:
         if self.lost is None:
-            try:
-                request = self._comm.Iallreduce(_IN_PLACE, spec(tensor), op)
-            except MPI.Exception:
-                return None  # nothing issued: the usual path issues it again, words its error
-            return self._quickly(request, Handle(self._loop, what, tensor, tensor))
+            return self._reductions.quick(tensor, op, what)  # (see ``mpi_reduce``)
         return None  # the usual path fails it
 
     def quick_send(self, tensor: torch.Tensor, dst: int, tag: int,
@@ -344,12 +346,20 @@ class MpiBackend(Backend):
         self._poller.follow(request, handle, None)
         return handle
 
+    @in_turn
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
         mpi_op = _op_cache.get((tensor.dtype, op)) or self._op(tensor.dtype, op)  # (a hot path)
+        reductions = self._reductions
+        kinds = reductions.table(tensor.dtype, op)
+        kept = None if kinds is None else reductions.next(kinds, tensor, mpi_op)
+        if kept is not None:  # (see ``mpi_reduce``)
+            reductions.start(sink, kept, tensor, self._average(tensor, op))
+            return
         request = self._comm.Iallreduce(MPI.IN_PLACE, spec(tensor), mpi_op)
         self._poller.watch(request, sink, None if op is not ReduceOp.AVG else
                            self._average(tensor, op))
 
+    @in_turn
     def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
         mpi_op = self._op(tensor.dtype, op)
         if self.rank == dst:
@@ -358,12 +368,14 @@ class MpiBackend(Backend):
         else:
             self._watch(sink, self._comm.Ireduce(spec(tensor), None, mpi_op, root=dst))
 
+    @in_turn
     def all_gather(self, sink: Sink, out: Tensors, tensor: torch.Tensor) -> None:
         flat = _consecutive(out)
         gathered = flat if flat is not None else tensor.new_empty(tensor.numel() * self.size)
         request = self._comm.Iallgather(spec(tensor), spec(gathered))
         self._watch(sink, request, _unflatten(gathered, out), keep=gathered)
 
+    @in_turn
     def gather(self, sink: Sink, out: Tensors | None, tensor: torch.Tensor, dst: int) -> None:
         if out is None:
             self._watch(sink, self._comm.Igather(spec(tensor), None, root=dst))
@@ -373,6 +385,7 @@ class MpiBackend(Backend):
         request = self._comm.Igather(spec(tensor), spec(gathered), root=dst)
         self._watch(sink, request, _unflatten(gathered, out), keep=gathered)
 
+    @in_turn
     def scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors | None,
                 src: int) -> None:
         if chunks is None:
@@ -381,6 +394,7 @@ class MpiBackend(Backend):
         flat = _flatten(chunks)
         self._watch(sink, self._comm.Iscatter(spec(flat), spec(tensor), root=src), keep=flat)
 
+    @in_turn
     def reduce_scatter(self, sink: Sink, tensor: torch.Tensor, chunks: Tensors,
                        op: ReduceOp) -> None:
         flat = _flatten(chunks)
@@ -388,6 +402,7 @@ class MpiBackend(Backend):
                                                    self._op(tensor.dtype, op))
         self._watch(sink, request, self._average(tensor, op), keep=flat)
 
+    @in_turn
     def all_to_all(self, sink: Sink, outputs: Tensors, inputs: Tensors) -> None:
         send_flat, recv_flat = _flatten(inputs), _flatten(outputs)
         send_counts = [t.numel() for t in inputs]
@@ -507,6 +522,7 @@ class MpiBackend(Backend):
         member = self.rank in ranks
         color = 0 if member else MPI.UNDEFINED
         key = ranks.index(self.rank) if member else 0
+        await self._reductions.settled()  # (a collective: after those held, see ``mpi_reduce``)
         comm = await self._loop.run_in_executor(None, self._comm.Split, color, key)
         if comm == MPI.COMM_NULL:
             return None
@@ -524,6 +540,7 @@ class MpiBackend(Backend):
         for sink, *_ in self._probing:  # (nothing posted: nothing to keep)
             sink._fail(CommClosedError, CommClosedError("the communicator was closed"))
         self._probing.clear()
+        self._reductions.close()
         self._drop_unreceived()
         mpi_kept.free_idle(self._sends)  # (those in flight are the poller's orphans now)
         mpi_kept.free_idle(self._recvs)
