@@ -330,7 +330,7 @@ class MpiBackend(Backend):
 
     def _quickly(self, request: Any, handle: Handle[Any],
                  kept: list[Any] | None = None) -> Handle[Any]:
-        """Settle the handle of a quick send or all-reduce, made once ``request`` was posted,
+        """Settle the handle of a quick send, made once ``request`` was posted,
         if two tests find it done, as ``watch`` tests (the commonest: no outcome asked for);
         else the poller follows it, and ``kept`` (a persistent request's entry, see
         ``mpi_kept``) notes it in flight."""

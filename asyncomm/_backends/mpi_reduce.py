@@ -164,26 +164,26 @@ class Reductions:
         return kept
 
     def start(self, sink: Handle[Any] | Sink, kept: Kept, tensor: torch.Tensor,
-              then: Callable[[Any], object] | None = None) -> bool:
+              then: Callable[[Any], object] | None = None) -> None:
         """Start ``kept`` for ``tensor`` (``then`` after its copy out), or hold it back
-        first (its request is in flight). Return whether it started."""
+        first, ahead of the others held (its request is in flight)."""
         if kept.last._keep is not None:
             kept.wanted = True
             self._hold_first(sink, functools.partial(self.start, sink, kept, tensor, then))
-            return False
+            return
         request = kept.start(tensor)
         finish: Callable[[Any], object] = kept.finish
         if then is not None:
             finish = functools.partial(_both, kept.finish, then)
         kept.last = sink
         self._poller.watch(request, sink, finish)
-        return True
 
     def quick(self, tensor: torch.Tensor, op: Any, what: tuple[Any, ...]) -> Handle[Any] | None:
         """``Backend.quick_all_reduce`` (``op``: ``quick_op``'s pair of the MPI op and its
-        kinds), or ``None`` before anything is counted or issued."""
+        kinds), or ``None`` while collectives are held (before anything is counted: the
+        usual path, which counts it, holds it back behind them)."""
         if self.held is not None:
-            return None  # the usual path holds it back behind the others
+            return None
         mpi_op, kinds = op
         kind = None if kinds is None else kinds.get(tensor.nbytes)
         if kind is not None and self._on:  # (``next``'s commonest case, inline)
@@ -207,11 +207,9 @@ class Reductions:
                 handle: Handle[Any] = Handle(self._loop, what, tensor, tensor)
                 self.start(handle, kept, tensor)
                 return handle
-        except MPI.Exception as exc:
-            if kept is None:
-                return None  # nothing issued: the usual path issues it again, words its error
+        except MPI.Exception as exc:  # (counted: the usual path would count it again)
             handle = Handle(self._loop, what, tensor, tensor)
-            handle._fail(self._classify(exc), exc)  # (counted: it cannot go again)
+            handle._fail(self._classify(exc), exc)
             return handle
         # Made after the start, so that MPI has the while to finish; three tests (the first
         # only sends this rank's part, the second mostly finds the peers' there).
@@ -251,6 +249,9 @@ class Reductions:
                            else self._classify(exc), exc)
             if len(held) > left:  # it went back first: its request's end calls again
                 return
+        self._none_held()
+
+    def _none_held(self) -> None:
         self.held = None
         for waiter in self._settled:
             if not waiter.done():
@@ -266,7 +267,8 @@ class Reductions:
 
     def close(self) -> None:
         """Fail what is held; free the requests not in flight (those are the poller's)."""
-        held, self.held = self.held or (), None
+        held = self.held or ()
+        self._none_held()  # (a split waiting goes on, to find the communicator closed)
         for sink, _ in held:
             sink._fail(CommClosedError, CommClosedError("the communicator was closed"))
         for kept in self._kept:
@@ -284,8 +286,8 @@ def _both(first: Callable[[Any], object], then: Callable[[Any], object], outcome
 
 
 def in_turn(method: F) -> F:
-    """A backend's collective: issued now, or held back behind the collectives held
-    (see the note)."""
+    """A collective of a backend whose ``_reductions`` is its ``Reductions``: issued now, or
+    held back behind the collectives held (see the note)."""
     @functools.wraps(method)
     def issue(self: Any, sink: Sink, *args: Any) -> None:
         held = self._reductions.held
