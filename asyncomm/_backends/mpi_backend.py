@@ -23,7 +23,7 @@ import torch
 from mpi4py import MPI
 
 from asyncomm._backends import mpi_kept
-from asyncomm._backends.mpi_link import AT_ONCE_BYTES, DATATYPES, ProbeLink, spec
+from asyncomm._backends.mpi_link import AT_ONCE_BYTES, DATATYPES, PostedLink, ProbeLink, spec
 from asyncomm._backends.mpi_reduce import Reductions, in_turn
 from asyncomm._core import tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
@@ -581,7 +581,8 @@ class MpiBackend(Backend):
                 "(source, tag, bytes): %s", self.rank, len(dropped), dropped[:8])
 
     def link(self) -> Link:
-        return ProbeLink(self, self._comm, self._loop, self._poller, classify)
+        kind = ProbeLink if self._probe_first else PostedLink  # (see PostedLink's note)
+        return kind(self, self._comm, self._loop, self._poller, classify)
 
     def abort_job(self, code: int) -> None:
         """End the job; this process ends here, at once, even where ``MPI_Abort`` returns.

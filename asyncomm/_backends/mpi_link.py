@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -227,3 +228,89 @@ class ProbeLink(Link):
             del self._behind[src]
 
 
+
+
+class PostedLink(ProbeLink):
+    """Link messages received into one buffer kept posted, from any source.
+
+    Note on the posted receive
+    --------------------------
+    A persistent any-source receive of ``MESSAGE_BYTES`` stays started on the
+    link's tag: MPI matches each message to it as it lands, and the poller
+    finds it with one ``Test`` (a probe's matched receive costs a probe, a
+    receive and a buffer sized from the probe: measured, an 8-byte channel
+    ping-pong 8.4 -> 7.5 µs a leg on 2 ranks; mpi4py alone, 1.62 -> 1.35 µs).
+    Each message is copied out and the receive started again at once, before
+    the message is taken, so the next one lands in it; messages that come
+    meanwhile wait in MPI's queue, in order (one source's messages match the
+    receive in the order they were sent). No sender of ours sends a link
+    message beyond ``MESSAGE_BYTES``; a larger one is cut short by MPI
+    (``MPI_ERR_TRUNCATE``, its source known): refused as a probed one would be,
+    and the receive goes on. Only where a truncated receive is safe (MPICH;
+    Open MPI's crashed the process: ``PROBE_FIRST``) -- elsewhere the link
+    probes (``ProbeLink``).
+    """
+
+    def __init__(self, backend: Transport, comm: Any, loop: asyncio.AbstractEventLoop,
+                 poller: Poller, classify: Classify) -> None:
+        super().__init__(backend, comm, loop, poller, classify)
+        self._slot = bytearray(MESSAGE_BYTES)
+        self._posted: Any = None  # the persistent receive, while the link is open
+
+    def open(self, arrivals: Any, limits: Any) -> None:
+        self._posted = self._comm.Recv_init([self._slot, MPI.BYTE], MPI.ANY_SOURCE,
+                                            tags.LINK_MESSAGE)
+        self._posted.Start()
+        super().open(arrivals, limits)
+
+    def stop(self) -> None:
+        posted, self._posted = self._posted, None
+        super().stop()
+        if posted is None:
+            return
+        status = MPI.Status()
+        try:
+            posted.Cancel()
+            posted.Wait(status)
+            posted.Free()
+        except MPI.Exception:
+            return
+        if not status.Is_cancelled():  # a message came as it stopped (after every goodbye)
+            logging.getLogger("asyncomm").warning(
+                "rank %d: a link message from rank %d (%d bytes) came after the link "
+                "closed; dropped", self._rank, status.Get_source(), status.Get_count(MPI.BYTE))
+
+    def pump(self) -> bool:
+        """Take the message that is there, if any; return whether one was.
+
+        One message a call (the poller calls again while messages come): a
+        frame's receiver takes it, and frees its buffer for the next, before
+        the next is fetched. (Taking every message there, as ``ProbeLink``
+        does, took all 64 envelopes of a 64 x 1 MiB stream in one call, so each
+        data message went into a fresh buffer: 14.4 GiB/s against 19.4.)
+        """
+        if not self._open:
+            return False
+        posted, status = self._posted, self._status
+        try:
+            if not posted.Test(status):
+                return False
+            message: bytearray | None = self._slot[:status.Get_count(MPI.BYTE)]
+        except MPI.Exception as exc:  # cut short: more than ``MESSAGE_BYTES``
+            message, error = None, exc
+        src = status.Get_source()
+        try:
+            posted.Start()
+        except MPI.Exception as exc:  # (not seen: the receive completed above)
+            self._open = False
+            self._loop.call_exception_handler({
+                "message": f"asyncomm: rank {self._rank}: the link's receive failed; "
+                           "channel messages are no longer received",
+                "exception": exc})
+        if message is None:
+            assert self._arrivals is not None
+            self._arrivals.refuse(src, ProtocolError(
+                f"message from rank {src} beyond {MESSAGE_BYTES} bytes: {error}"), None)
+        else:
+            self._arrive(src, message)
+        return True
