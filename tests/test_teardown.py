@@ -128,3 +128,34 @@ def test_a_release_for_a_rank_that_left_is_quiet(tmp_path: Path) -> None:
     proc = run_script(RELEASE_AFTER_LEAVING, tmp_path, 2, "gloo", timeout=60)
     assert "released quietly" in proc.stdout, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
+
+
+NEVER_CLOSED = """
+import asyncio, torch, asyncomm
+
+async def main():
+    comm = await asyncomm.init()  # closing is left to the program, which never does
+    ch = comm.channel(1)
+    group = await comm.group(range(comm.size))
+    if comm.rank == 0:
+        await ch.send(torch.ones(2), 1)
+        await group.channel(2).send("hello", 1)
+    elif comm.rank == 1:
+        assert (await ch.recv(0)).data.sum().item() == 2.0
+        assert (await group.channel(2).recv(0)).data == "hello"
+    await comm.barrier()
+    print("ended", flush=True)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_a_communicator_never_closed_ends_quietly(tmp_path: Path, backend: str) -> None:
+    # MPI: each communicator's link keeps a receive posted (MPICH); those of communicators
+    # never closed are cancelled at exit, before MPI finalizes (UCX warned of each left).
+    proc = run_script(NEVER_CLOSED, tmp_path, 2, backend, timeout=60)
+    said = proc.stdout + proc.stderr
+    assert proc.returncode == 0, said
+    assert proc.stdout.count("ended") == 2, said
+    assert "WARN" not in said and "Traceback" not in said and "warning" not in said, said

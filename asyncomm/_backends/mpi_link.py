@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import logging
 from collections.abc import Callable
@@ -230,6 +231,17 @@ class ProbeLink(Link):
 
 
 
+_posted: set[PostedLink] = set()  # links whose receive is posted: cancelled at exit at last
+
+
+@atexit.register  # (registered after mpi4py's finalize, so it runs before it)
+def _cancel_posted() -> None:
+    """Stop the links of communicators never closed: MPI finalizes with no receive posted
+    (UCX warned of each one left)."""
+    for link in list(_posted):
+        link.stop()
+
+
 class PostedLink(ProbeLink):
     """Link messages received into one buffer kept posted, from any source.
 
@@ -261,10 +273,12 @@ class PostedLink(ProbeLink):
         self._posted = self._comm.Recv_init([self._slot, MPI.BYTE], MPI.ANY_SOURCE,
                                             tags.LINK_MESSAGE)
         self._posted.Start()
+        _posted.add(self)
         super().open(arrivals, limits)
 
     def stop(self) -> None:
         posted, self._posted = self._posted, None
+        _posted.discard(self)
         super().stop()
         if posted is None:
             return

@@ -1,17 +1,20 @@
 """The floor under asyncomm's small messages, for measuring only: small dicts with its semantics.
 
-Not part of asyncomm. Run with ``mpiexec -n 2 python docs/prototypes/lean_semantics.py [N]``
-(mpi4py, uvloop, msgpack). Like ``lean_channel.py``, but doing what asyncomm must do per
-message: each message packed when it is sent (``send`` returns once its buffers may be
-reused, so it cannot be packed later with the others), its bytes checked for msgpack
-extensions (a ``msgpack.ExtType`` in it must not pass for one of asyncomm's own), a
-fixed-width head per frame, frames in packets of ``N`` (default 16) as one msgpack array,
-one ``unpackb`` per packet, a ``Message`` tuple per message kept in a deque, sequence
-numbers checked, credit counted, ``send`` and ``recv`` coroutines. It has no checks of
-tensors, no dead-peer probes, no timeouts and no cancellation. It prints its rate against
-mpi4py's pickle ``send``/``recv``, and a ping-pong of an 8-byte tensor (its bytes packed
-when sent, a tensor rebuilt when received) against raw ``Send``/``Recv`` (see
-docs/benchmarks.md, "Channels").
+Not part of asyncomm. Run with ``mpiexec -n 2 python docs/prototypes/lean_semantics.py
+[N] [probe|posted]`` (mpi4py, uvloop, msgpack). Like ``lean_channel.py``, but doing what
+asyncomm must do per message: each message packed when it is sent (``send`` returns
+once its buffers may be reused, so it cannot be packed later with the others), its
+bytes checked for msgpack extensions (a ``msgpack.ExtType`` in it must not pass for one
+of asyncomm's own), a fixed-width head per frame, frames in packets of ``N`` (default
+16) as one msgpack array, one ``unpackb`` per packet, a ``Message`` tuple per message
+kept in a deque, sequence numbers checked, credit counted, ``send`` and ``recv``
+coroutines. It has no checks of tensors, no dead-peer probes, no timeouts and no
+cancellation. It prints its rate against mpi4py's pickle ``send``/``recv``, and a
+ping-pong of an 8-byte tensor (its bytes packed when sent, a tensor rebuilt when
+received) against raw ``Send``/``Recv`` (see docs/benchmarks.md, "Channels"). Packets
+are found by matched probe (``probe``, the default: ``Improbe``, a receive sized from
+it) or taken by one persistent any-source receive kept started (``posted``, as
+asyncomm's MPI link does on MPICH).
 """
 
 import asyncio
@@ -34,6 +37,7 @@ peer = 1 - rank
 TAG = 5
 HEAD = struct.Struct(">BBBQBQ")  # fixarray 4, kind, uint64 tag, uint64 seq
 PACKET_FRAMES = int(sys.argv[1]) if len(sys.argv) > 1 else 16
+POSTED = (sys.argv[2] if len(sys.argv) > 2 else "probe") == "posted"
 EXT = bytes(1 if 0xC7 <= b <= 0xC9 or 0xD4 <= b <= 0xD8 else 0 for b in range(256))
 pack = msgpack.Packer(use_bin_type=True, strict_types=True).pack
 MESSAGE = {"step": 0, "loss": 0.5, "ids": [1, 2, 3]}
@@ -66,21 +70,40 @@ class Lane:
         self.frames = 0
         self.seq: dict[int, int] = {}
         self.flush_due = False
+        self.slot = bytearray(1 << 16)
+        self.posted = comm.Recv_init([self.slot, MPI.BYTE], MPI.ANY_SOURCE, TAG)
+        if POSTED:
+            self.posted.Start()
+        self.open = True
         loop.call_soon(self.poll)
 
     def box(self, tag: int) -> Box:
         return self.boxes.get(tag) or self.boxes.setdefault(tag, Box())
 
     def poll(self) -> None:
-        self.pump()
-        self.loop.call_soon(self.poll)
+        if self.open:
+            self.pump()
+            self.loop.call_soon(self.poll)
+
+    def take(self) -> tuple[int, bytearray] | None:
+        status = self.status
+        if POSTED:
+            if not self.posted.Test(status):
+                return None
+            data = self.slot[:status.Get_count(MPI.BYTE)]
+            self.posted.Start()
+            return status.Get_source(), data
+        message = comm.Improbe(MPI.ANY_SOURCE, TAG, status)
+        if message is None:
+            return None
+        data = bytearray(status.Get_count(MPI.BYTE))
+        message.Recv([data, MPI.BYTE])
+        return status.Get_source(), data
 
     def pump(self) -> bool:
         found = False
-        while (message := comm.Improbe(MPI.ANY_SOURCE, TAG, self.status)) is not None:
-            src = self.status.Get_source()
-            data = bytearray(self.status.Get_count(MPI.BYTE))
-            message.Recv([data, MPI.BYTE])
+        while (taken := self.take()) is not None:
+            src, data = taken
             found = True
             last, box, due = None, None, 0
             for item in msgpack.unpackb(data, raw=False, strict_map_key=False, timestamp=1):
@@ -216,6 +239,12 @@ async def main() -> None:
         o, p = statistics.median(ours), statistics.median(theirs)
         print(f"packets of {PACKET_FRAMES}: {o / 300 / 64 * 1e6:.2f} us a message, pickle "
               f"{p / 300 / 64 * 1e6:.2f}: {p / o:.2f}x pickle's rate")
+    comm.Barrier()
+    lane.open = False
+    if POSTED:
+        lane.posted.Cancel()
+        lane.posted.Wait()
+    lane.posted.Free()
 
 
 uvloop.run(main())
