@@ -18,8 +18,8 @@ import time
 import msgpack
 import torch
 import uvloop
+from baselines import pickled, raw_ping_pong
 from mpi4py import MPI
-from pickle_baseline import pickled
 
 comm = MPI.COMM_WORLD.Dup()
 rank = comm.Get_rank()
@@ -96,20 +96,6 @@ async def ping_pong(lane: Lane, n: int) -> float:
     return time.perf_counter() - start
 
 
-def raw_ping_pong(n: int) -> float:
-    buffer = [torch.zeros(2).numpy(), MPI.FLOAT]
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(n):
-        if rank == 0:
-            comm.Send(buffer, peer, 9)
-            comm.Recv(buffer, peer, 9)
-        else:
-            comm.Recv(buffer, peer, 9)
-            comm.Send(buffer, peer, 9)
-    return time.perf_counter() - start
-
-
 MESSAGE = {"step": 0, "loss": 0.5, "ids": [1, 2, 3]}
 
 
@@ -138,7 +124,7 @@ async def main() -> None:
     lane = Lane(asyncio.get_running_loop())
     n = 20000
     await ping_pong(lane, n)  # warm-up
-    ours, raw = await ping_pong(lane, n), raw_ping_pong(n)
+    ours, raw = await ping_pong(lane, n), raw_ping_pong(comm, rank, peer, n)
     rounds, per_round = 300, 64
     ours_dicts = await dicts(lane, rounds, per_round)
     pickle_dicts = pickled(comm, rank, peer, MESSAGE, rounds, per_round)

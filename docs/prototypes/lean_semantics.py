@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import msgpack
 import torch
 import uvloop
+from baselines import Taker, pickled, raw_ping_pong
 from mpi4py import MPI
-from pickle_baseline import pickled
 
 comm = MPI.COMM_WORLD.Dup()
 rank = comm.Get_rank()
@@ -64,16 +64,12 @@ class Lane:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.status = MPI.Status()
         self.boxes: dict[int, Box] = {}
         self.pieces: list[bytes] | None = None
         self.frames = 0
         self.seq: dict[int, int] = {}
         self.flush_due = False
-        self.slot = bytearray(1 << 16)
-        self.posted = comm.Recv_init([self.slot, MPI.BYTE], MPI.ANY_SOURCE, TAG)
-        if POSTED:
-            self.posted.Start()
+        self.taker = Taker(comm, TAG, POSTED, 1 << 16)
         self.open = True
         loop.call_soon(self.poll)
 
@@ -85,24 +81,9 @@ class Lane:
             self.pump()
             self.loop.call_soon(self.poll)
 
-    def take(self) -> tuple[int, bytearray] | None:
-        status = self.status
-        if POSTED:
-            if not self.posted.Test(status):
-                return None
-            data = self.slot[:status.Get_count(MPI.BYTE)]
-            self.posted.Start()
-            return status.Get_source(), data
-        message = comm.Improbe(MPI.ANY_SOURCE, TAG, status)
-        if message is None:
-            return None
-        data = bytearray(status.Get_count(MPI.BYTE))
-        message.Recv([data, MPI.BYTE])
-        return status.Get_source(), data
-
     def pump(self) -> bool:
         found = False
-        while (taken := self.take()) is not None:
+        while (taken := self.taker.take()) is not None:
             src, data = taken
             found = True
             last, box, due = None, None, 0
@@ -209,25 +190,11 @@ async def ping_pong(lane: Lane, n: int) -> float:
     return time.perf_counter() - start
 
 
-def raw_ping_pong(n: int) -> float:
-    buffer = [torch.zeros(2).numpy(), MPI.FLOAT]
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(n):
-        if rank == 0:
-            comm.Send(buffer, peer, 9)
-            comm.Recv(buffer, peer, 9)
-        else:
-            comm.Recv(buffer, peer, 9)
-            comm.Send(buffer, peer, 9)
-    return time.perf_counter() - start
-
-
 async def main() -> None:
     lane = Lane(asyncio.get_running_loop())
     n = 20000
     await ping_pong(lane, 2000)
-    ours_pp, raw_pp = await ping_pong(lane, n), raw_ping_pong(n)
+    ours_pp, raw_pp = await ping_pong(lane, n), raw_ping_pong(comm, rank, peer, n)
     await dicts(lane, 50, 64)
     ours, theirs = [], []
     for _ in range(5):
@@ -241,10 +208,7 @@ async def main() -> None:
               f"{p / 300 / 64 * 1e6:.2f}: {p / o:.2f}x pickle's rate")
     comm.Barrier()
     lane.open = False
-    if POSTED:
-        lane.posted.Cancel()
-        lane.posted.Wait()
-    lane.posted.Free()
+    lane.taker.close()
 
 
 uvloop.run(main())

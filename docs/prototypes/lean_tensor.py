@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 import uvloop
+from baselines import Taker, raw_ping_pong
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD.Dup()
@@ -70,15 +71,11 @@ class Lane:
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
-        self.status = MPI.Status()
         self.boxes: dict[int, Box] = {}
         self.windows: dict[tuple[int, int], Window] = {}
         self.pending: list[tuple[bytes, int]] = []
         self.open = True
-        self.slot = bytearray(MAX_BYTES + HEAD.size)
-        self.posted = comm.Recv_init([self.slot, MPI.BYTE], MPI.ANY_SOURCE, TAG)
-        if POSTED:
-            self.posted.Start()
+        self.taker = Taker(comm, TAG, POSTED, MAX_BYTES + HEAD.size)
         loop.call_soon(self.poll)
 
     def box(self, tag: int) -> Box:
@@ -92,24 +89,9 @@ class Lane:
             self.pump()
             self.loop.call_soon(self.poll)
 
-    def take(self) -> tuple[int, bytearray] | None:
-        status = self.status
-        if POSTED:
-            if not self.posted.Test(status):
-                return None
-            data = self.slot[:status.Get_count(MPI.BYTE)]
-            self.posted.Start()
-            return status.Get_source(), data
-        message = comm.Improbe(MPI.ANY_SOURCE, TAG, status)
-        if message is None:
-            return None
-        data = bytearray(status.Get_count(MPI.BYTE))
-        message.Recv([data, MPI.BYTE])
-        return status.Get_source(), data
-
     def pump(self) -> bool:
         found = False
-        while (taken := self.take()) is not None:
+        while (taken := self.taker.take()) is not None:
             src, data = taken
             found = True
             kind, code, tag, seq, nbytes = HEAD.unpack_from(data)
@@ -218,37 +200,20 @@ async def ping_pong(ch: Channel, n: int) -> float:
     return time.perf_counter() - start
 
 
-def raw_ping_pong(n: int) -> float:
-    buffer = [torch.zeros(2).numpy(), MPI.FLOAT]
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(n):
-        if rank == 0:
-            comm.Send(buffer, peer, 9)
-            comm.Recv(buffer, peer, 9)
-        else:
-            comm.Recv(buffer, peer, 9)
-            comm.Send(buffer, peer, 9)
-    return time.perf_counter() - start
-
-
 async def main() -> None:
     lane = Lane(asyncio.get_running_loop())
     ch = Channel(lane, 3)
     n = 20000
     await ping_pong(ch, 2000)
     for _ in range(3):
-        ours, raw = await ping_pong(ch, n), raw_ping_pong(n)
+        ours, raw = await ping_pong(ch, n), raw_ping_pong(comm, rank, peer, n)
         if rank == 0:
             print(f"ping-pong 8 B ({'posted' if POSTED else 'probe'}): "
                   f"{ours / n / 2 * 1e6:.2f} us one way, raw {raw / n / 2 * 1e6:.2f} us: "
                   f"{ours / raw:.2f}x", flush=True)
     comm.Barrier()
     lane.open = False
-    if POSTED:
-        lane.posted.Cancel()
-        lane.posted.Wait()
-    lane.posted.Free()
+    lane.taker.close()
 
 
 uvloop.run(main())

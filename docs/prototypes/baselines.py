@@ -1,0 +1,78 @@
+"""What the prototypes share: their baselines, and how they take their messages.
+
+Imported by ``lean_channel.py``, ``lean_semantics.py`` and ``lean_tensor.py`` (run from
+anywhere: a script's own folder is on its path).
+"""
+
+import time
+from typing import Any
+
+import numpy
+from mpi4py import MPI
+
+
+def pickled(comm: Any, rank: int, peer: int, message: object, rounds: int,
+            per_round: int) -> float:
+    """Rank 0 sends ``per_round`` messages with pickle, rank 1 receives them and acks."""
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(rounds):
+        if rank == 0:
+            for _ in range(per_round):
+                comm.send(message, peer, 11)
+            comm.recv(source=peer, tag=12)
+        else:
+            for _ in range(per_round):
+                comm.recv(source=peer, tag=11)
+            comm.send(None, peer, 12)
+    return time.perf_counter() - start
+
+
+def raw_ping_pong(comm: Any, rank: int, peer: int, n: int) -> float:
+    """``n`` round trips of 8 bytes (two floats) by blocking ``Send``/``Recv``."""
+    buffer = [numpy.zeros(2, dtype=numpy.float32), MPI.FLOAT]
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        if rank == 0:
+            comm.Send(buffer, peer, 9)
+            comm.Recv(buffer, peer, 9)
+        else:
+            comm.Recv(buffer, peer, 9)
+            comm.Send(buffer, peer, 9)
+    return time.perf_counter() - start
+
+
+class Taker:
+    """Messages on ``tag`` from any source: found by matched probe (``Improbe``, a receive
+    sized from it) or, ``posted``, taken from one persistent receive kept started."""
+
+    def __init__(self, comm: Any, tag: int, posted: bool, most: int) -> None:
+        self.comm, self.tag, self.posted = comm, tag, posted
+        self.status = MPI.Status()
+        self.slot = bytearray(most)
+        self.request = comm.Recv_init([self.slot, MPI.BYTE], MPI.ANY_SOURCE, tag)
+        if posted:
+            self.request.Start()
+
+    def take(self) -> tuple[int, bytearray] | None:
+        """Return the next message's source and bytes, or ``None``."""
+        status = self.status
+        if self.posted:
+            if not self.request.Test(status):
+                return None
+            data = self.slot[:status.Get_count(MPI.BYTE)]
+            self.request.Start()
+            return status.Get_source(), data
+        message = self.comm.Improbe(MPI.ANY_SOURCE, self.tag, status)
+        if message is None:
+            return None
+        data = bytearray(status.Get_count(MPI.BYTE))
+        message.Recv([data, MPI.BYTE])
+        return status.Get_source(), data
+
+    def close(self) -> None:
+        if self.posted:
+            self.request.Cancel()
+            self.request.Wait()
+        self.request.Free()
