@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncomm._tools.bench.core import TAG, Calls, step, variants
+from asyncomm._tools.bench.core import TAG, Calls, timed, variants
 from asyncomm._tools.bench.harness import (
     MIB,
     Record,
@@ -122,7 +122,7 @@ class Case:
 def _exchange(rank: int, send: Callable[[], Any], recv: Callable[[], Any],
               blocking: bool) -> Timed:
     """A ping-pong between ranks 0 and 1 (the core bench's ``step``)."""
-    return Timed(step("pingpong", Calls(send, recv, _no_allreduce, blocking), rank), blocking)
+    return timed("pingpong", Calls(send, recv, _no_allreduce, blocking), rank)
 
 
 def _no_allreduce() -> None:
@@ -243,7 +243,7 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
         iters = max(2, iters // 2)  # more rounds than the core bench, each shorter
         raw = variants(comm, t, peer)["raw"]
         cases.append(Case("pingpong", size, {
-            "raw": Timed(step("pingpong", raw, rank), True),
+            "raw": timed("pingpong", raw, rank),
             "asyncomm": _exchange(rank, functools.partial(ch.send, t, peer),
                                   lambda: ch.recv(peer), blocking=False),
         }, warmup, iters, 0.5))
@@ -252,7 +252,7 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
         warmup, iters = iterations(min(sizes), quick)
         awaited = _awaited(comm, t, peer)
         cases.append(Case("awaited", t.nbytes, {
-            "raw": Timed(step("pingpong", variants(comm, t, peer)["raw"], rank), True),
+            "raw": timed("pingpong", variants(comm, t, peer)["raw"], rank),
             "awaited": _exchange(rank, awaited.send, awaited.recv, blocking=False),
         }, warmup, max(2, iters // 2), 0.5))
 
@@ -372,15 +372,12 @@ def _actor_case(comm: Comm, rank: int, peer: int, quick: bool) -> Case:
     echo = comm.actor(1, "bench-echo").echo
     ch = comm.channel(_TAGS["echo"])
 
-    async def call() -> None:
-        await echo(t)
-
     warmup, iters = iterations(t.nbytes, quick)
     iters = max(2, iters // 2)
     return Case("actor", t.nbytes, {
         "channel": _exchange(rank, functools.partial(ch.send, t, peer), lambda: ch.recv(peer),
                              blocking=False),
-        "actor call": Timed(call if rank == 0 else None, False),
+        "actor call": Timed(functools.partial(echo, t) if rank == 0 else None, False),
     }, warmup, iters, 1.0)
 
 

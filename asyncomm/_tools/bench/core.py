@@ -96,25 +96,20 @@ def variants(comm: Comm, t: torch.Tensor, peer: int) -> dict[str, Calls]:
     }
 
 
-def step(op: str, calls: Calls, rank: int) -> Callable[[], Any] | None:
-    """One iteration of ``op`` on this rank (``None``: this rank sits it out)."""
+def timed(op: str, calls: Calls, rank: int) -> Timed:
+    """One iteration of ``op`` on this rank (a step of ``None``: this rank sits it out)."""
     if op == "allreduce":
-        return calls.allreduce
+        return Timed(calls.allreduce, calls.blocking)
     if rank > 1:
-        return None
+        return Timed(None, calls.blocking)
     first, second = (calls.send, calls.recv) if rank == 0 else (calls.recv, calls.send)
     if calls.blocking:
         def both() -> None:
             first()
             second()
 
-        return both
-
-    async def step_async() -> None:
-        await first()
-        await second()
-
-    return step_async
+        return Timed(both, True)
+    return Timed(first, False, then=second)
 
 
 async def measure(comm: Comm, ops: Sequence[str], sizes: Sequence[int], rounds: int,
@@ -128,9 +123,8 @@ async def measure(comm: Comm, ops: Sequence[str], sizes: Sequence[int], rounds: 
         for size in sizes:
             calls = variants(comm, torch.zeros(size // 4), peer)
             warmup, iters = iterations(size, quick)
-            timed = {v: Timed(step(op, calls[v], comm.rank), calls[v].blocking)
-                     for v in VARIANTS}
-            samples = await alternate(comm, timed, rounds, warmup, iters)
+            each = {v: timed(op, calls[v], comm.rank) for v in VARIANTS}
+            samples = await alternate(comm, each, rounds, warmup, iters)
             if op == "pingpong":  # one-way latency: half a round trip
                 samples = {v: [s / 2 for s in samples[v]] for v in VARIANTS}
             if comm.rank == 0:

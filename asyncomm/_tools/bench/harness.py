@@ -33,23 +33,35 @@ class Timed:
 
     step: Callable[[], Any] | None  # None: this rank sits the variant out
     blocking: bool  # True: ``step()`` returns when done; False: it returns an awaitable
+    # awaited right after ``step``'s in each iteration (a ping-pong's other half), as a
+    # program's loop of two awaits runs: no coroutine made per iteration to hold both
+    then: Callable[[], Any] | None = None
 
 
 async def seconds_per_call(step: Callable[[], Any], blocking: bool, warmup: int,
-                            iters: int) -> float:
-    """Run ``step`` ``warmup`` times, then time ``iters`` calls; return seconds per call."""
+                            iters: int, then: Callable[[], Any] | None = None) -> float:
+    """Run ``step`` (then ``then``) ``warmup`` times, then time ``iters``; return seconds
+    per iteration."""
     if blocking:
         for _ in range(warmup):
             step()
         start = time.perf_counter()
         for _ in range(iters):
             step()
-    else:
+    elif then is None:
         for _ in range(warmup):
             await step()
         start = time.perf_counter()
         for _ in range(iters):
             await step()
+    else:
+        for _ in range(warmup):
+            await step()
+            await then()
+        start = time.perf_counter()
+        for _ in range(iters):
+            await step()
+            await then()
     return (time.perf_counter() - start) / iters
 
 
@@ -70,7 +82,8 @@ async def alternate(comm: Comm, variants: dict[str, Timed], rounds: int, warmup:
             timed = variants[name]
             if timed.step is not None:
                 samples[name].append(await seconds_per_call(
-                    timed.step, timed.blocking, warmup + (prime if r == 0 else 0), iters))
+                    timed.step, timed.blocking, warmup + (prime if r == 0 else 0), iters,
+                    timed.then))
     return samples
 
 
