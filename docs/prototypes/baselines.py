@@ -5,10 +5,18 @@ anywhere: a script's own folder is on its path).
 """
 
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy
 from mpi4py import MPI
+
+
+class Message(NamedTuple):
+    """What a prototype's ``recv`` returns, as asyncomm's does."""
+
+    src: int
+    tag: int
+    data: Any
 
 
 def pickled(comm: Any, rank: int, peer: int, message: object, rounds: int,

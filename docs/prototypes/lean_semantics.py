@@ -23,12 +23,11 @@ import statistics
 import struct
 import sys
 import time
-from typing import Any, NamedTuple
 
 import msgpack
 import torch
 import uvloop
-from baselines import Taker, pickled, raw_ping_pong
+from baselines import Message, Taker, pickled, raw_ping_pong
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD.Dup()
@@ -41,12 +40,6 @@ POSTED = (sys.argv[2] if len(sys.argv) > 2 else "probe") == "posted"
 EXT = bytes(1 if 0xC7 <= b <= 0xC9 or 0xD4 <= b <= 0xD8 else 0 for b in range(256))
 pack = msgpack.Packer(use_bin_type=True, strict_types=True).pack
 MESSAGE = {"step": 0, "loss": 0.5, "ids": [1, 2, 3]}
-
-
-class Message(NamedTuple):
-    src: int
-    tag: int
-    data: Any
 
 
 class Box:

@@ -22,11 +22,11 @@ import ctypes
 import struct
 import sys
 import time
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import uvloop
-from baselines import Taker, raw_ping_pong
+from baselines import Message, Taker, raw_ping_pong
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD.Dup()
@@ -41,12 +41,6 @@ DTYPES = {code: (dtype, torch.empty(0, dtype=dtype).element_size())
           for dtype, code in CODES.items()}
 MAX_BYTES = 8 << 10
 WINDOW, BATCH = 64, 16
-
-
-class Message(NamedTuple):
-    src: int
-    tag: int
-    data: Any
 
 
 class Box:
