@@ -7,6 +7,7 @@ import asyncio
 import atexit
 import functools
 import logging
+from abc import abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -71,16 +72,10 @@ AT_ONCE_BYTES = 1024
 PACKET_FRAMES = 16
 
 
-class ProbeLink(Link):
-    """Link messages sized exactly, found by matched probe from any source.
-
-    The poller probes at every poll (``MPI_Improbe``), so a message is taken
-    as soon as it is there, with no receive standing. Each message is
-    received into a buffer of the size the probe reports (never more than
-    ``MESSAGE_BYTES``). A message that is not complete at once (rare: only
-    large ones) delays the later messages of its source until it is, so
-    data receives are always posted in the order the frames were sent.
-    """
+class MpiLink(Link):
+    """Link messages of at most ``MESSAGE_BYTES``, sized exactly, polled from the loop: what
+    both forms share (sending, data receives); each finds link messages its own way
+    (``pump``, the poller's probe)."""
 
     def __init__(self, backend: Transport, comm: Any, loop: asyncio.AbstractEventLoop,
                  poller: Poller, classify: Classify) -> None:
@@ -90,7 +85,6 @@ class ProbeLink(Link):
         self._poller = poller
         self._classify = classify
         self._status = MPI.Status()
-        self._behind: dict[int, asyncio.Task[None]] = {}  # last pending message per source
         self.packet_frames = PACKET_FRAMES
         self._open = False
 
@@ -148,6 +142,28 @@ class ProbeLink(Link):
         handle: Handle[None] = Handle(self._loop, (self._rank, op, None, peer, tag), None, buffer)
         self._poller.watch(request, handle, None, active)
         return handle
+
+    @abstractmethod
+    def pump(self) -> bool:
+        """Take the link messages that are there (the poller's probe); return whether any
+        was."""
+
+
+class ProbeLink(MpiLink):
+    """Link messages found by matched probe from any source (Open MPI: see ``PostedLink``).
+
+    The poller probes at every poll (``MPI_Improbe``), so a message is taken
+    as soon as it is there, with no receive standing. Each message is
+    received into a buffer of the size the probe reports (never more than
+    ``MESSAGE_BYTES``). A message that is not complete at once (rare: only
+    large ones) delays the later messages of its source until it is, so
+    data receives are always posted in the order the frames were sent.
+    """
+
+    def __init__(self, backend: Transport, comm: Any, loop: asyncio.AbstractEventLoop,
+                 poller: Poller, classify: Classify) -> None:
+        super().__init__(backend, comm, loop, poller, classify)
+        self._behind: dict[int, asyncio.Task[None]] = {}  # last pending message per source
 
     def pump(self) -> bool:
         """Take the messages that are there; return whether any was.
@@ -241,7 +257,7 @@ def _cancel_posted() -> None:
         link.stop()
 
 
-class PostedLink(ProbeLink):
+class PostedLink(MpiLink):
     """Link messages received into one buffer kept posted, from any source.
 
     Note on the posted receive
