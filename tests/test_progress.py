@@ -161,6 +161,31 @@ def test_awaited_collectives_let_other_tasks_run(world2: World) -> None:
     assert max(longest) <= (100 if world2.backend == "gloo" else 1000), longest
 
 
+async def check_a_message_goes_before_a_look(comm: Comm) -> int:
+    # A channel message waits for the loop iteration's end to leave (with the iteration's
+    # others); a task that then awaits an operation the peer joins only once the message is
+    # in (gloo: a collective, MPI: a receive) must send it before it looks. Looks made
+    # long: a gloo look up to 10 s (learnt: each wait that came soon widens the next by
+    # half), an MPI one of 10**7 tests (~2.5 s): a message held back by the look misses
+    # the peer's 1 s deadline (gloo: within about 20 rounds; checked on the code before).
+    hurry = {"ASYNCOMM_HURRY_TESTS": str(10**7), "ASYNCOMM_GLOO_HURRY_MAX_US": str(10**7)}
+    async with fresh(comm, env=hurry) as sub:
+        ch, t, rounds = sub.channel(9), torch.zeros(2), 0
+        for i in range(40):
+            if sub.rank == 0:
+                assert (await ch.recv(1, timeout=1.0)).data == i
+                await (sub.all_reduce(t) if sub.backend == "gloo" else sub.send(t, 1, tag=4))
+                rounds += 1
+            elif sub.rank == 1:
+                await ch.send(i, 0)
+                await (sub.all_reduce(t) if sub.backend == "gloo" else sub.recv(t, 0, tag=4))
+        return rounds
+
+
+def test_a_message_goes_before_its_task_looks(world2: World) -> None:
+    assert world2.run(check_a_message_goes_before_a_look)[0] == 40
+
+
 async def check_finished_once(comm: Comm) -> list[list[int]]:
     # An int16 sum comes back from gloo as a copy of an int32 one (``finish``). A handle
     # whose callback was given (the loop turned after it was issued) and which its task

@@ -3,6 +3,20 @@
 Two engines use it: the MPI poller (a request's ``Test``, looked at a bounded
 number of times and for a learnt while) and the future bridge of gloo's
 collectives (one ``wait`` bounded by the learnt while: ``block``).
+
+Note on what is due
+-------------------
+Some work waits for the loop iteration's end: a link's packet of small
+frames (so that the frames of one iteration travel together). A task that
+looks holds the loop, so the iteration cannot end while it does; and what
+it looks for may be the peer's answer to that very work (a channel message,
+then an awaited collective the peer joins once the message is in). So such
+work is queued in ``DUE`` as well, and a task that may look does it first
+(``run_due``). (Not the credit a router owes: a task about to wait holds a
+lone batch of it back on purpose, see the note on credit in ``router``.)
+Measured before: a channel message followed by an awaited 8-byte gloo
+all_reduce reached its peer 1.3 ms late (the look's whole budget; ~0.15
+ms after), and 18 µs against 10 on MPI.
 """
 
 from __future__ import annotations
@@ -12,6 +26,19 @@ import time
 from collections.abc import Callable
 
 FAIR_S = 1e-3  # tasks that hurry hold the loop from its other work at most about so long
+
+Due = tuple[asyncio.AbstractEventLoop, Callable[[], object]]  # work, on its loop
+# Work due when its loop's iteration ends, not done yet (one loop per thread): its owner
+# appends it and removes it once done; a task that looks does it first (``run_due``).
+DUE: list[Due] = []
+
+
+def run_due(loop: asyncio.AbstractEventLoop) -> None:
+    """Do the work due at ``loop``'s iteration end now, in the order it was queued."""
+    for entry in [entry for entry in DUE if entry[0] is loop]:
+        if entry in DUE:  # (work may do other work)
+            DUE.remove(entry)
+            entry[1]()
 
 
 class Hurry:
@@ -79,9 +106,13 @@ class Hurry:
 
     def allowed(self) -> bool:
         """Return whether a task may look now (see the note: never without tests, and not
-        while a loop turn asked for ``FAIR_S`` ago has not come); ask for a turn if none is."""
+        while a loop turn asked for ``FAIR_S`` ago has not come); ask for a turn if none is.
+
+        A task that may look does the work due at the iteration's end first."""
         if not self.tests:
             return False
+        if DUE:  # what the peers may be waiting for goes first (see the note on what is due)
+            run_due(self._loop)
         if not self._turn:
             self._turn = time.perf_counter()
             self._loop.call_soon(self._turned)

@@ -59,6 +59,7 @@ from asyncomm._core import small, tags, wire
 from asyncomm._core.buffers import Buffers
 from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError, ProtocolError
 from asyncomm._core.handle import FROM_BACKEND, Handle
+from asyncomm._core.hurry import DUE, Due
 from asyncomm._core.messages import (
     BATCH,
     PACKET,
@@ -190,7 +191,9 @@ class Link(ABC):
         self._packet_bytes = PREAMBLE.size + room
         self._packet_limit = self._packet_bytes - _SMALL_HEAD_BYTES  # a frame's (and head)
         self.packet_frames = 1 << 61  # the most frames a packet holds (see ``send_small``)
-        self._flush_due = False
+        self._flush_due = False  # whether a flush is asked of the loop (at its iteration's end)
+        self._due: Due = (loop, self.flush)  # ... and due while frames wait (see ``hurry``)
+        self._waiting = False  # whether frames wait to be sent
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         """Start receiving: every frame that arrives goes to ``arrivals``."""
@@ -339,22 +342,31 @@ class Link(ABC):
         packet = self._packets[dst] = Packet(_PACKET_AT)
         packet.frames = packet.items = 0
         packet.next = packet.lone = packet.run = -1  # (``run`` is read only with ``next``)
-        if not self._flush_due:
+        if not self._waiting:
             self._flush_later()
         return packet
 
     def _flush_later(self) -> None:
-        """Call ``flush`` when the loop iteration ends (once, however often asked)."""
+        """Call ``flush`` when the loop iteration ends (once, however often asked), or before,
+        when a task begins to look for what it awaits (``hurry``)."""
+        if not self._waiting:
+            self._waiting = True
+            DUE.append(self._due)
         if not self._flush_due:
             self._flush_due = True
             self._loop.call_soon(self._flush_due_now)
 
     def _flush_due_now(self) -> None:
         self._flush_due = False
-        self.flush()
+        if self._waiting:
+            self.flush()
 
     def flush(self) -> None:
         """Send every batch and packet queued (the loop calls this once an iteration ends)."""
+        if self._waiting:
+            self._waiting = False
+            if self._due in DUE:  # (not if a task that looked does this flush)
+                DUE.remove(self._due)
         while self._batches:
             self._send_batch(next(iter(self._batches)))
         if self._packets:
