@@ -104,8 +104,9 @@ class Endpoint(Transport, Protocol):
     """What the gloo link needs of its backend beyond receives: its eager sends."""
 
     def send_raw(self, sink: Any, tensor: torch.Tensor, dst: int, tag: int,
-                 eager: bool = True) -> None:
-        """Issue a send of the bytes as they are (``eager``: of a copy, done at once)."""
+                 eager: bool = True, copied: bool = False) -> None:
+        """Issue a send of the bytes as they are (``eager``: done at once, of a copy unless
+        ``tensor`` is one already, never written again)."""
 
 
 class _OnLoop:
@@ -205,7 +206,7 @@ class GlooLink(Link):
             self._threads.append(thread)
 
     def _packet(self, packet: Packet) -> bytes | bytearray:
-        return packet  # sent as it is (a copy, padded where it must be: see ``_post``)
+        return packet  # sent as it is (padded where it must be: see ``_post``)
 
     def probe(self, dst: int) -> BaseException | None:
         """Send ``dst`` a PING; a send to a dead peer fails at once (see the note).
@@ -287,11 +288,12 @@ class GlooLink(Link):
             buffer, dtype=torch.uint8)
         handle: Handle[None] = Handle(self._loop, (self._backend.rank, "send", None, dst, tag),
                                       None, tensor)
-        if tag == tags.LINK_MESSAGE:  # small: sent eagerly (a copy) by the backend
+        if tag == tags.LINK_MESSAGE:  # small: sent eagerly by the backend
             if not SHORT and tensor.numel() < ENVELOPE_BYTES:
                 tensor = torch.cat([tensor, tensor.new_zeros(ENVELOPE_BYTES - tensor.numel())])
-            try:
-                self._endpoint.send_raw(handle, tensor, dst, tag, eager=True)
+            try:  # (sent as it is: every link message is a buffer of its own, never written
+                # again once it goes; the send's work holds it until gloo is done)
+                self._endpoint.send_raw(handle, tensor, dst, tag, eager=True, copied=True)
             except RuntimeError as exc:  # gloo closed dst's connection: it died
                 handle._fail(self._classify(exc), exc)
             except CommError as exc:
