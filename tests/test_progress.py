@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncomm import Comm, CommTimeoutError
-from asyncomm._core.hurry import FAIR_S, Hurry
+from asyncomm._core.hurry import DUE, FAIR_S, Hurry
 from asyncomm._core.polling import Ticker
 from asyncomm.testing import World, fresh
 
@@ -95,6 +95,26 @@ async def test_no_hurry_while_the_loop_is_kept_from_its_turn() -> None:
     assert look.calls == 0
     await asyncio.sleep(0)  # the loop turns
     assert hurry.run(Looks(found=1))
+
+
+async def test_a_look_does_the_work_due_first_and_only_its_loops() -> None:
+    loop, done = asyncio.get_running_loop(), []
+    other = asyncio.new_event_loop()  # (another thread's loop, say)
+    try:
+        mine = [(loop, lambda: done.append("first")), (loop, lambda: done.append("second"))]
+        theirs = (other, lambda: done.append("theirs"))
+        DUE.extend([mine[0], theirs, mine[1]])
+        assert Hurry(loop, tests=4, max_s=1e-3).run(Looks(found=1))
+        assert done == ["first", "second"]  # before the look, in the order queued
+        assert DUE[:] == [theirs]
+        other.close()  # closed before its iteration ended: its work is forgotten
+        assert not Hurry(loop, tests=0, max_s=1e-3).run(Looks())  # (no look: nothing done)
+        assert DUE[:] == [theirs]
+        assert Hurry(loop, tests=4, max_s=1e-3).run(Looks(found=1))
+        assert not DUE and done == ["first", "second"]
+    finally:
+        DUE.clear()
+        other.close()
 
 
 async def check_ping_pong_lets_the_loop_turn(comm: Comm) -> int:

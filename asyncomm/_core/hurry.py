@@ -34,11 +34,13 @@ DUE: list[Due] = []
 
 
 def run_due(loop: asyncio.AbstractEventLoop) -> None:
-    """Do the work due at ``loop``'s iteration end now, in the order it was queued."""
-    for entry in [entry for entry in DUE if entry[0] is loop]:
+    """Do the work due at ``loop``'s iteration end now, in the order it was queued (and
+    forget the work of loops closed before their iteration ended)."""
+    for entry in [entry for entry in DUE if entry[0] is loop or entry[0].is_closed()]:
         if entry in DUE:  # (work may do other work)
             DUE.remove(entry)
-            entry[1]()
+            if entry[0] is loop:
+                entry[1]()
 
 
 class Hurry:
