@@ -1132,9 +1132,9 @@ async def check_padded_link_messages(comm: Comm) -> list[int]:
             send = endpoint.send_raw
 
             def measured(sink: Any, tensor: torch.Tensor, dst: int, tag: int,
-                         eager: bool = True) -> None:
+                         eager: bool = True, copied: bool = False) -> None:
                 lengths.append(tensor.numel())
-                send(sink, tensor, dst, tag, eager)
+                send(sink, tensor, dst, tag, eager, copied)
 
             endpoint.send_raw = measured
             await check_large_envelopes_share_messages(sub)

@@ -192,7 +192,7 @@ class Link(ABC):
         self._packet_limit = self._packet_bytes - _SMALL_HEAD_BYTES  # a frame's (and head)
         self.packet_frames = 1 << 61  # the most frames a packet holds (see ``send_small``)
         self._flush_due = False  # whether a flush is asked of the loop (at its iteration's end)
-        self._due: Due = (loop, self.flush)  # ... and due while frames wait (see ``hurry``)
+        self._due: Due = (loop, self._flush_looked)  # ... and due while frames wait (``hurry``)
         self._waiting = False  # whether frames wait to be sent
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
@@ -342,8 +342,12 @@ class Link(ABC):
         packet = self._packets[dst] = Packet(_PACKET_AT)
         packet.frames = packet.items = 0
         packet.next = packet.lone = packet.run = -1  # (``run`` is read only with ``next``)
-        if not self._waiting:
-            self._flush_later()
+        if not self._waiting:  # (``_flush_later``, inline: once a round trip in a ping-pong)
+            self._waiting = True
+            DUE.append(self._due)
+            if not self._flush_due:
+                self._flush_due = True
+                self._loop.call_soon(self._flush_due_now)
         return packet
 
     def _flush_later(self) -> None:
@@ -361,12 +365,16 @@ class Link(ABC):
         if self._waiting:
             self.flush()
 
+    def _flush_looked(self) -> None:
+        """``flush``, for a task about to look (``hurry.run_due``, which took it off ``DUE``)."""
+        self._waiting = False
+        self.flush()
+
     def flush(self) -> None:
         """Send every batch and packet queued (the loop calls this once an iteration ends)."""
         if self._waiting:
             self._waiting = False
-            if self._due in DUE:  # (not if a task that looked does this flush)
-                DUE.remove(self._due)
+            DUE.remove(self._due)
         while self._batches:
             self._send_batch(next(iter(self._batches)))
         if self._packets:
