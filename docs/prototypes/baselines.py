@@ -1,10 +1,12 @@
 """What the prototypes share: their baselines, and how they take their messages.
 
-Imported by ``lean_channel.py``, ``lean_semantics.py`` and ``lean_tensor.py`` (run from
-anywhere: a script's own folder is on its path).
+Imported by ``lean_channel.py``, ``lean_semantics.py``, ``lean_tensor.py`` and
+``compiled_lane.py`` (run from anywhere: a script's own folder is on its path).
 """
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable, Sized
 from typing import Any, NamedTuple
 
 import numpy
@@ -49,6 +51,49 @@ def raw_ping_pong(comm: Any, rank: int, peer: int, n: int) -> float:
             comm.Recv(buffer, peer, 9)
             comm.Send(buffer, peer, 9)
     return time.perf_counter() - start
+
+
+async def channel_ping_pong(comm: Any, rank: int, peer: int, n: int,
+                            send: Callable[[Any, int], Awaitable[None]],
+                            recv: Callable[[int], Awaitable[object]],
+                            flush: Callable[[], None], message: object) -> float:
+    """``n`` round trips of ``message`` by a prototype's ``send`` and ``recv`` coroutines
+    (``flush``: what its rank issued leaves, before and after)."""
+    flush()
+    comm.Barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        if rank == 0:
+            await send(message, peer)
+            await recv(peer)
+        else:
+            await recv(peer)
+            await send(message, peer)
+    flush()
+    return time.perf_counter() - start
+
+
+def looked(pump: Callable[[], bool], frames: Sized) -> bool:
+    """Look for a message as a prototype's ``recv`` does before it parks: ``pump()`` 32
+    times, then for up to 50 µs in all, until ``frames`` holds one; return whether it does."""
+    end = time.perf_counter() + 50e-6
+    for _ in range(32):
+        if pump() and frames:
+            return True
+    while time.perf_counter() < end:
+        if pump() and frames:
+            return True
+    return False
+
+
+async def park(loop: asyncio.AbstractEventLoop, waiters: list[asyncio.Future[None]]) -> None:
+    """Wait until woken (a ``recv`` that looked and found nothing): a future in ``waiters``."""
+    waiter = loop.create_future()
+    waiters.append(waiter)
+    try:
+        await waiter
+    finally:
+        waiters.remove(waiter)
 
 
 class Taker:

@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 import torch
 import uvloop
-from baselines import Message, pickled, raw_ping_pong
+from baselines import Message, channel_ping_pong, looked, park, pickled, raw_ping_pong
 from mpi4py import MPI
 from torch.utils import cpp_extension
 
@@ -106,37 +106,13 @@ class Channel:
                 return message
             if lane.waiting():
                 lane.flush()
-            end = time.perf_counter() + 50e-6
-            for _ in range(32):
-                if self.pump() and frames:
-                    break
-            else:
-                while time.perf_counter() < end:
-                    if self.pump() and frames:
-                        break
-                else:
-                    waiter = self.loop.create_future()
-                    box.waiters.append(waiter)
-                    try:
-                        await waiter
-                    finally:
-                        box.waiters.remove(waiter)
+            if not looked(self.pump, frames):
+                await park(self.loop, box.waiters)
 
 
 async def ping_pong(ch: Channel, n: int) -> float:
-    t = torch.zeros(2)
-    ch.lane.flush()
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(n):
-        if rank == 0:
-            await ch.send(t, peer)
-            await ch.recv(peer)
-        else:
-            await ch.recv(peer)
-            await ch.send(t, peer)
-    ch.lane.flush()
-    return time.perf_counter() - start
+    return await channel_ping_pong(comm, rank, peer, n, ch.send, ch.recv, ch.lane.flush,
+                                   torch.zeros(2))
 
 
 async def dicts(small: Channel, ack: Channel, rounds: int, per_round: int) -> float:

@@ -21,12 +21,11 @@ import collections
 import ctypes
 import struct
 import sys
-import time
 from typing import Any
 
 import torch
 import uvloop
-from baselines import Message, Taker, raw_ping_pong
+from baselines import Message, Taker, channel_ping_pong, looked, park, raw_ping_pong
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD.Dup()
@@ -161,37 +160,13 @@ class Channel:
                 return message
             if lane.pending:
                 lane.flush()
-            end = time.perf_counter() + 50e-6
-            for _ in range(32):
-                if lane.pump() and frames:
-                    break
-            else:
-                while time.perf_counter() < end:
-                    if lane.pump() and frames:
-                        break
-                else:
-                    waiter = lane.loop.create_future()
-                    box.waiters.append(waiter)
-                    try:
-                        await waiter
-                    finally:
-                        box.waiters.remove(waiter)
+            if not looked(lane.pump, frames):
+                await park(lane.loop, box.waiters)
 
 
 async def ping_pong(ch: Channel, n: int) -> float:
-    t = torch.zeros(2)
-    ch.lane.flush()
-    comm.Barrier()
-    start = time.perf_counter()
-    for _ in range(n):
-        if rank == 0:
-            await ch.send(t, peer)
-            await ch.recv(peer)
-        else:
-            await ch.recv(peer)
-            await ch.send(t, peer)
-    ch.lane.flush()
-    return time.perf_counter() - start
+    return await channel_ping_pong(comm, rank, peer, n, ch.send, ch.recv, ch.lane.flush,
+                                   torch.zeros(2))
 
 
 async def main() -> None:
