@@ -374,7 +374,10 @@ class Link(ABC):
         """Send every batch and packet queued (the loop calls this once an iteration ends)."""
         if self._waiting:
             self._waiting = False
-            DUE.remove(self._due)
+            try:
+                DUE.remove(self._due)
+            except ValueError:  # (forgotten already: its loop closed before it was done)
+                pass
         while self._batches:
             self._send_batch(next(iter(self._batches)))
         if self._packets:
