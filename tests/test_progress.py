@@ -112,9 +112,16 @@ async def test_a_look_does_the_work_due_first_and_only_its_loops() -> None:
         assert DUE[:] == [theirs]
         assert Hurry(loop, tests=4, max_s=1e-3).run(Looks(found=1))
         assert not DUE and done == ["first", "second"]
+        said: list[dict[str, object]] = []
+        loop.set_exception_handler(lambda _, context: said.append(context))
+        DUE.extend([(loop, lambda: 1 / 0), mine[0]])  # a failing work: said, the next done
+        assert Hurry(loop, tests=4, max_s=1e-3).run(Looks(found=1))
+        assert done == ["first", "second", "first"] and not DUE
+        assert isinstance(said[0]["exception"], ZeroDivisionError), said
     finally:
         DUE.clear()
         other.close()
+        loop.set_exception_handler(None)
 
 
 async def check_ping_pong_lets_the_loop_turn(comm: Comm) -> int:

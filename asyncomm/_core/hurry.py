@@ -40,7 +40,12 @@ def run_due(loop: asyncio.AbstractEventLoop) -> None:
         if entry in DUE:  # (work may do other work)
             DUE.remove(entry)
             if entry[0] is loop:
-                entry[1]()
+                try:
+                    entry[1]()
+                except Exception as exc:  # a bug: said as the loop's callback would, not
+                    loop.call_exception_handler({  # raised into the task that looks
+                        "message": "asyncomm: work due at the loop iteration's end failed",
+                        "exception": exc})
 
 
 class Hurry:
