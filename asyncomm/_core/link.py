@@ -193,7 +193,7 @@ class Link(ABC):
         self.packet_frames = 1 << 61  # the most frames a packet holds (see ``send_small``)
         self._flush_due = False  # whether a flush is asked of the loop (at its iteration's end)
         self._due: Due = (loop, self._flush_looked)  # ... and due while frames wait (``hurry``)
-        self._waiting = False  # whether frames wait to be sent
+        self._waiting = False  # whether frames wait to be sent (its flush is in ``DUE`` then)
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         """Start receiving: every frame that arrives goes to ``arrivals``."""
@@ -342,12 +342,8 @@ class Link(ABC):
         packet = self._packets[dst] = Packet(_PACKET_AT)
         packet.frames = packet.items = 0
         packet.next = packet.lone = packet.run = -1  # (``run`` is read only with ``next``)
-        if not self._waiting:  # (``_flush_later``, inline: once a round trip in a ping-pong)
-            self._waiting = True
-            DUE.append(self._due)
-            if not self._flush_due:
-                self._flush_due = True
-                self._loop.call_soon(self._flush_due_now)
+        if not self._waiting:
+            self._flush_later()
         return packet
 
     def _flush_later(self) -> None:
