@@ -86,6 +86,23 @@ def looked(pump: Callable[[], bool], frames: Sized) -> bool:
     return False
 
 
+class Poll:
+    """A loop callback that calls ``pump()`` once every loop iteration until ``stop``: what
+    wakes a prototype's parked ``recv``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, pump: Callable[[], object]) -> None:
+        self.loop, self.pump, self.open = loop, pump, True
+        loop.call_soon(self)
+
+    def __call__(self) -> None:
+        if self.open:
+            self.pump()
+            self.loop.call_soon(self)
+
+    def stop(self) -> None:
+        self.open = False
+
+
 async def park(loop: asyncio.AbstractEventLoop, waiters: list[asyncio.Future[None]]) -> None:
     """Wait until woken (a ``recv`` that looked and found nothing): a future in ``waiters``."""
     waiter = loop.create_future()

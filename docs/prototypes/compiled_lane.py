@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 import torch
 import uvloop
-from baselines import Message, channel_ping_pong, looked, park, pickled, raw_ping_pong
+from baselines import Message, Poll, channel_ping_pong, looked, park, pickled, raw_ping_pong
 from mpi4py import MPI
 from torch.utils import cpp_extension
 
@@ -65,24 +65,15 @@ class Box:
         self.waiters: list[asyncio.Future[None]] = []
 
 
-class Channel:
-    def __init__(self, lane: Any, boxes: dict[int, Box], tag: int) -> None:
-        self.lane, self.boxes, self.tag = lane, boxes, tag
-        self.box = boxes.setdefault(tag, Box())
+class Receiver:
+    """The lane's messages, into their channels' mailboxes: taken by ``pump`` (one loop
+    callback for the lane, and every ``recv`` that looks)."""
+
+    def __init__(self, lane: Any) -> None:
+        self.lane = lane
+        self.boxes: dict[int, Box] = {}
         self.loop = asyncio.get_running_loop()
-        self.open = True
-        self.loop.call_soon(self.poll)
-
-    def poll(self) -> None:  # (a parked recv is woken by this loop callback)
-        if self.open:
-            self.pump()
-            self.loop.call_soon(self.poll)
-
-    async def send(self, obj: object, dst: int) -> None:
-        if type(obj) is torch.Tensor:
-            self.lane.send(obj, dst, self.tag)
-        else:
-            self.lane.send_object(obj, dst, self.tag)
+        self.poll = Poll(self.loop, self.pump)
 
     def pump(self) -> bool:
         found = self.lane.pump()
@@ -95,6 +86,19 @@ class Channel:
             if box.waiters and not box.waiters[0].done():
                 box.waiters[0].set_result(None)
         return True
+
+
+class Channel:
+    def __init__(self, receiver: Receiver, tag: int) -> None:
+        self.receiver, self.lane, self.tag = receiver, receiver.lane, tag
+        self.box = receiver.boxes.setdefault(tag, Box())
+        self.pump, self.loop = receiver.pump, receiver.loop
+
+    async def send(self, obj: object, dst: int) -> None:
+        if type(obj) is torch.Tensor:
+            self.lane.send(obj, dst, self.tag)
+        else:
+            self.lane.send_object(obj, dst, self.tag)
 
     async def recv(self, src: int | None = None) -> Message:
         box, lane = self.box, self.lane
@@ -138,8 +142,8 @@ async def main(module: Any) -> None:
         return msgpack.unpackb(data, raw=False, strict_map_key=False, timestamp=1)
 
     lane = module.Lane(comm.py2f(), TAG, pack, unpackb)
-    boxes: dict[int, Box] = {}
-    ch, small, ack = Channel(lane, boxes, 3), Channel(lane, boxes, 4), Channel(lane, boxes, 6)
+    receiver = Receiver(lane)
+    ch, small, ack = Channel(receiver, 3), Channel(receiver, 4), Channel(receiver, 6)
     n = 20000
     await ping_pong(ch, 2000)
     for _ in range(3):
@@ -157,8 +161,7 @@ async def main(module: Any) -> None:
         print(f"small dicts (compiled duties): {o / 300 / 64 * 1e6:.2f} us a message, pickle "
               f"{p / 300 / 64 * 1e6:.2f}: {p / o:.2f}x pickle's rate", flush=True)
     comm.Barrier()
-    for channel in (ch, small, ack):
-        channel.open = False
+    receiver.poll.stop()
     lane.close()
 
 

@@ -23,11 +23,12 @@ import statistics
 import struct
 import sys
 import time
+from typing import Any
 
 import msgpack
 import torch
 import uvloop
-from baselines import Message, Taker, pickled, raw_ping_pong
+from baselines import Message, Poll, Taker, pickled, raw_ping_pong
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD.Dup()
@@ -63,23 +64,18 @@ class Lane:
         self.seq: dict[int, int] = {}
         self.flush_due = False
         self.taker = Taker(comm, TAG, POSTED, 1 << 16)
-        self.open = True
-        loop.call_soon(self.poll)
+        self.poll = Poll(loop, self.pump)
 
     def box(self, tag: int) -> Box:
         return self.boxes.get(tag) or self.boxes.setdefault(tag, Box())
-
-    def poll(self) -> None:
-        if self.open:
-            self.pump()
-            self.loop.call_soon(self.poll)
 
     def pump(self) -> bool:
         found = False
         while (taken := self.taker.take()) is not None:
             src, data = taken
             found = True
-            last, box, due = None, None, 0
+            last, due = None, 0
+            box: Any = None
             for item in msgpack.unpackb(data, raw=False, strict_map_key=False, timestamp=1):
                 if type(item) is not list or len(item) != 4:
                     raise ValueError("malformed frame")
@@ -200,7 +196,7 @@ async def main() -> None:
         print(f"packets of {PACKET_FRAMES}: {o / 300 / 64 * 1e6:.2f} us a message, pickle "
               f"{p / 300 / 64 * 1e6:.2f}: {p / o:.2f}x pickle's rate")
     comm.Barrier()
-    lane.open = False
+    lane.poll.stop()
     lane.taker.close()
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 import uvloop
-from baselines import Message, Taker, channel_ping_pong, looked, park, raw_ping_pong
+from baselines import Message, Poll, Taker, channel_ping_pong, looked, park, raw_ping_pong
 from mpi4py import MPI
 
 comm = MPI.COMM_WORLD.Dup()
@@ -67,20 +67,14 @@ class Lane:
         self.boxes: dict[int, Box] = {}
         self.windows: dict[tuple[int, int], Window] = {}
         self.pending: list[tuple[bytes, int]] = []
-        self.open = True
         self.taker = Taker(comm, TAG, POSTED, MAX_BYTES + HEAD.size)
-        loop.call_soon(self.poll)
+        self.poll = Poll(loop, self.pump)
 
     def box(self, tag: int) -> Box:
         box = self.boxes.get(tag)
         if box is None:
             box = self.boxes[tag] = Box()
         return box
-
-    def poll(self) -> None:
-        if self.open:
-            self.pump()
-            self.loop.call_soon(self.poll)
 
     def pump(self) -> bool:
         found = False
@@ -181,7 +175,7 @@ async def main() -> None:
                   f"{ours / n / 2 * 1e6:.2f} us one way, raw {raw / n / 2 * 1e6:.2f} us: "
                   f"{ours / raw:.2f}x", flush=True)
     comm.Barrier()
-    lane.open = False
+    lane.poll.stop()
     lane.taker.close()
 
 
