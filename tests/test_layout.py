@@ -11,8 +11,8 @@ PACKAGE = Path(asyncomm.__file__).resolve().parent
 ROOT = PACKAGE.parent
 MAX_LINES = 700
 # Each layer imports only from the layers before it (and the standard library, torch...).
-LAYERS = ["_core", "_backends", "_messaging", "_observe", "_comm", "_overlap", "pipeline",
-          "_runtime", "trace", "_tools", "testing"]
+LAYERS = ["_native", "_core", "_backends", "_messaging", "_observe", "_comm", "_overlap",
+          "pipeline", "_runtime", "trace", "_tools", "testing"]
 
 
 def _module_file(name: str) -> Path | None:

@@ -37,6 +37,8 @@ from typing import Any, Final, NamedTuple
 import msgpack
 import torch
 
+from asyncomm import _native
+from asyncomm._core import settings
 from asyncomm._core.errors import ProtocolError
 from asyncomm._core.wire import (
     _BUFFER_KINDS,
@@ -65,7 +67,8 @@ from asyncomm._core.wire import (
 )
 
 __all__ = ["HEAD", "RUN", "RUN_HEAD", "BYTES", "encode", "decode", "unpack_packet",
-           "split_packet", "packet_head", "run_head"]
+           "split_packet", "packet_head", "run_head", "inline_buffer", "NATIVE",
+           "DTYPE_TABLE"]
 
 # a small frame's head, msgpack: fixarray 4, kind (a positive fixint), uint64 tag, uint64 seq
 HEAD: Final = struct.Struct(">BBBQBQ")
@@ -82,6 +85,13 @@ RUN_COUNT_AT: Final = HEAD.size + 1
 DATA: Final = int(Kind.DATA)
 BYTES: Final = 8 << 10  # the most bytes a small frame's body holds
 _LIMITS: Final = Limits()
+# The compiled twins of the lone tensor's encoding and the inline tensor's making (see
+# ``asyncomm._native``), if built and not turned off; ``None``: these Python ones alone.
+NATIVE: Final = (_native.load(settings.cache_dir()) if settings.read().native else None)
+DTYPE_TABLE: Final = [(code, torch.empty(0, dtype=dtype)) for code, dtype in _DTYPES.items()]
+if NATIVE is not None:
+    NATIVE.setup(DTYPE_TABLE)
+_native_encode = None if NATIVE is None else NATIVE.encode
 # Packs exact scalars, lists and dicts; refuses the rest (a packer of its own: one of the
 # thread's would do as well, but costs a lookup; this one calls no Python code while it
 # packs, so the GIL keeps threads from sharing it at once).
@@ -160,15 +170,21 @@ def _laid(code: int, kind: int, shape: tuple[int, ...], nbytes: int) -> bytes:
     return _DESCS[len(shape)].pack(code, kind, len(shape), *shape, nbytes)
 
 
-def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
+def encode(obj: object, room: int = BYTES, max_ndim: int = 16, compiled: bool = True
+           ) -> bytes | None:
     """Return the body of a small frame (DEFAULT codec) carrying ``obj``, or ``None``.
 
     ``None``: ``obj`` needs more than ``room`` bytes; it travels as a frame (``encode``).
+    ``compiled=False``: the Python twin alone, though ``NATIVE`` is there (the same bytes).
 
     Raises:
         TypeError: the DEFAULT codec cannot carry something in ``obj`` (names it and where).
     """
     if type(obj) is torch.Tensor:  # a lone tensor, the commonest: laid out here
+        if _native_encode is not None and compiled:
+            laid_out: bytes | None = _native_encode(obj, room, max_ndim)
+            if laid_out is not None:
+                return laid_out
         known = _known(obj, max_ndim)
         if known is not None and known.nbytes <= room - 256:
             return known.lone + known.data(obj)
@@ -385,11 +401,13 @@ def _hook(limits: Limits) -> Callable[[int, bytes], object]:
     if hook is None:
         def hook(code: int, payload: bytes) -> object:
             if code == _EXT_INLINE:
-                return _inline(payload, limits)
+                return inline_buffer(payload, limits)
             if code == _EXT_TUPLE:
                 raise _HasTuple  # (``read_structure`` takes tuple markers before the hook)
             raise ProtocolError(f"frame structure has an unknown extension {code}")
 
+        if NATIVE is not None:  # the commonest made compiled, the rest by the hook above
+            hook = functools.partial(NATIVE.inline, hook, limits.max_ndim)
         _HOOKS[limits] = hook
     _LAST_HOOK[0] = (limits, hook)
     return hook
@@ -403,8 +421,9 @@ _HOOKS: dict[Limits, Callable[[int, bytes], object]] = {}
 _LAST_HOOK: list[tuple[Limits | None, Callable[[int, bytes], object]]] = [(None, print)]
 
 
-def _inline(payload: bytes | memoryview, limits: Limits) -> object:
-    """Rebuild an inline buffer, checked as ``decode_head`` checks a descriptor."""
+def inline_buffer(payload: bytes | memoryview, limits: Limits = _LIMITS) -> object:
+    """Rebuild an inline buffer, checked as ``decode_head`` checks a descriptor (the Python
+    twin of the compiled ``inline``, which hands it whatever it does not make itself)."""
     if len(payload) < _DESC.size or payload[2] > limits.max_ndim:
         raise ProtocolError("inline buffer: truncated, or too many dims")
     size = _DESCS[payload[2]].size
@@ -421,6 +440,8 @@ def _inline(payload: bytes | memoryview, limits: Limits) -> object:
         raise ProtocolError(f"inline buffer of {len(data)} bytes declares {d.nbytes}")
     if d.kind is BufferKind.TENSOR and d.nbytes and d.dtype is not torch.bool:
         _TENSORS[raw] = (d.dtype, d.nbytes, None if len(d.shape) == 1 else d.shape)
+        if NATIVE is not None:
+            NATIVE.keep(raw)
         tensor = torch.frombuffer(bytearray(data), dtype=d.dtype)
         return tensor if len(d.shape) == 1 else tensor.reshape(d.shape)
     if d.kind is BufferKind.BYTES:
@@ -447,5 +468,7 @@ def _inline_descriptor(raw: bytes) -> Descriptor:
     if len(_INLINE_DESCRIPTORS) >= 1024:
         _INLINE_DESCRIPTORS.clear()
         _TENSORS.clear()
+        if NATIVE is not None:
+            NATIVE.forget()
     d = _INLINE_DESCRIPTORS[raw] = _descriptor(code, bkind, shape, nbytes)
     return d

@@ -1,0 +1,89 @@
+"""asyncomm's compiled part (optional): the tensor work of small frames, in C++.
+
+``asyncomm build`` compiles ``small.cpp`` with torch's C++ extension loader
+(a C++ compiler and ninja needed) into a directory of asyncomm's cache
+(``settings.cache_dir``), named after the source, torch, Python and the
+machine, so a build serves only the code and the torch it was made from.
+``load`` imports it if it is there and never compiles anything: without a
+build asyncomm runs the Python twins of these functions (``_core.small``),
+which write and read the same bytes, so ranks with and without it talk to
+each other. ``ASYNCOMM_NATIVE=0`` runs the Python twins although it is built.
+
+Note on what is compiled
+------------------------
+A lone tensor's small frame, encoded (``encode``), and an inline tensor made
+from its bytes on arrival (``inline``, msgpack's extension hook): in Python
+each costs a handful of calls into torch (its checks, ``torch.frombuffer``),
+0.9 and 1.4 µs, of the 8 µs an 8-byte channel message takes a leg on MPI
+(see docs/benchmarks.md). Checking an inline tensor's descriptor stays in
+Python: the compiled hook makes only the tensors whose descriptors the
+Python twin checked and handed over (``keep``), and hands every other
+payload to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import platform
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+SOURCE = Path(__file__).with_name("small.cpp")
+
+
+def name() -> str:
+    """Return the module's name: the source, torch, Python and the machine hashed into it."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(f"{torch.__version__} {sys.version} {platform.machine()}".encode())
+    return f"asyncomm_small_{key.hexdigest()[:16]}"
+
+
+def directory(root: Path) -> Path:
+    """Return the build directory of this source under ``root``."""
+    return root / "native" / name()
+
+
+def load(root: Path) -> ModuleType | None:
+    """Return the compiled module if it is built under ``root``, else None.
+
+    A build that is there but cannot be loaded (a broken file, another torch's
+    ABI) counts as none: asyncomm runs its Python twins.
+    """
+    module_name = name()
+    path = directory(root) / f"{module_name}.so"
+    if not path.is_file():
+        return None
+    loaded = sys.modules.get(module_name)
+    if loaded is not None and getattr(loaded, "__file__", None) == str(path):
+        return loaded
+    try:
+        loader = importlib.machinery.ExtensionFileLoader(module_name, str(path))
+        spec = importlib.util.spec_from_file_location(module_name, path, loader=loader)
+        assert spec is not None
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except (ImportError, OSError):
+        return None
+    sys.modules[module_name] = module
+    return module
+
+
+def build(root: Path, verbose: bool = False) -> Path:
+    """Compile ``small.cpp`` under ``root``; return the module's path.
+
+    Raises what torch's extension loader raises where it cannot (no compiler,
+    no ninja: ``RuntimeError``, ``OSError``).
+    """
+    from torch.utils import cpp_extension  # (imported only to build: it is slow to import)
+
+    target = directory(root)
+    target.mkdir(parents=True, exist_ok=True)
+    module_name = name()
+    cpp_extension.load(name=module_name, sources=[str(SOURCE)], build_directory=str(target),
+                       extra_cflags=["-O2"], verbose=verbose)
+    return target / f"{module_name}.so"

@@ -1,0 +1,58 @@
+"""``asyncomm build``: compile asyncomm's optional C++ part (see ``asyncomm._native``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from types import ModuleType
+
+import torch
+
+from asyncomm import _native
+from asyncomm._core import settings, small
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the options of ``asyncomm build`` on its subparser."""
+    parser.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    parser.set_defaults(func=run_command)
+
+
+def check(module: ModuleType) -> str | None:
+    """Return what the compiled module gets wrong against its Python twins, or ``None``."""
+    encode, inline = module.encode, module.inline
+    module.setup(small.DTYPE_TABLE)
+    for t in (torch.arange(6.0).reshape(2, 3), torch.tensor(7, dtype=torch.int64),
+              torch.ones(3, dtype=torch.bfloat16), torch.zeros(0, 4)):
+        body = encode(t, small.BYTES, 16)
+        if body is None or body != small.encode(t, compiled=False):
+            return f"a {t.dtype} tensor of shape {tuple(t.shape)} encodes differently"
+        payload = body[3:]
+        twin = small.inline_buffer(payload)
+        if t.numel():
+            module.keep(payload[:len(payload) - t.nbytes])
+        made = inline(lambda code, data: small.inline_buffer(data), 16, 3, payload)
+        if not (type(made) is torch.Tensor and type(twin) is torch.Tensor
+                and made.dtype == t.dtype
+                and made.shape == t.shape and torch.equal(made, twin)):
+            return f"a {t.dtype} tensor of shape {tuple(t.shape)} decodes differently"
+    module.forget()
+    return None
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Run ``asyncomm build`` as parsed; return its exit code."""
+    root = settings.cache_dir()
+    try:
+        path = _native.build(root, verbose=args.verbose)
+    except (RuntimeError, OSError, ImportError) as err:
+        print(f"asyncomm build: cannot compile ({err}); asyncomm runs without it, in Python",
+              file=sys.stderr)
+        return 1
+    module = _native.load(root)
+    problem = "it does not load" if module is None else check(module)
+    if problem is not None:
+        print(f"asyncomm build: built {path}, but {problem}", file=sys.stderr)
+        return 1
+    print(f"asyncomm build: {path}")
+    return 0

@@ -1,0 +1,185 @@
+"""asyncomm's compiled part (``asyncomm build``) against its Python twins, and ranks with and
+without it talking to each other on both backends."""
+
+from __future__ import annotations
+
+import functools
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from asyncomm import _native
+from asyncomm._core import small
+from asyncomm._core.errors import ProtocolError
+from asyncomm._core.settings import cache_dir
+from asyncomm.testing import run_script
+
+NATIVE = small.NATIVE
+built = pytest.mark.skipif(NATIVE is None, reason="not built (asyncomm build)")
+DTYPES = list(small._DTYPES.values())
+SHAPES = [(), (0,), (3,), (2, 3), (1, 2, 1, 2), (4, 0, 2)]
+
+
+def _tensor(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return (torch.arange(max(1, torch.Size(shape).numel())) % 2)[:torch.Size(shape).numel()
+                                                                   ].reshape(shape).to(dtype)
+
+
+def _python_hook(code: int, payload: bytes) -> object:
+    if code != 3:
+        raise ProtocolError(f"frame structure has an unknown extension {code}")
+    return small.inline_buffer(payload)
+
+
+def _same(a: object, b: object) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a, b))
+    return type(a) is type(b) and a == b
+
+
+def test_a_build_is_found_when_there_and_only_then(tmp_path: Path) -> None:
+    assert _native.load(tmp_path) is None  # nothing built there
+    target = _native.directory(tmp_path)
+    target.mkdir(parents=True)
+    (target / f"{_native.name()}.so").write_bytes(b"not a library")
+    assert _native.load(tmp_path) is None  # broken: Python twins instead, no error
+    assert cache_dir({"ASYNCOMM_CACHE": str(tmp_path)}) == tmp_path
+    assert cache_dir({"XDG_CACHE_HOME": "/x"}) == Path("/x/asyncomm")
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_asyncomm_build_builds_and_checks_its_twins() -> None:
+    proc = subprocess.run([sys.executable, "-m", "asyncomm", "build"], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert str(_native.directory(cache_dir())) in proc.stdout
+
+
+@built
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_compiled_encoding_is_the_pythons(dtype: torch.dtype) -> None:
+    for shape in SHAPES:
+        t = _tensor(dtype, shape)
+        body = small.encode(t)
+        assert body is not None and body == small.encode(t, compiled=False), shape
+        assert NATIVE.encode(t, small.BYTES, 16) == body
+        made, again = small.decode(body), small.decode(body)
+        assert _same(made, small.read_structure(body, _python_hook)), (dtype, shape)
+        assert _same(made, t) and isinstance(again, torch.Tensor)
+        if t.numel():  # each made with memory of its own
+            assert made.data_ptr() != again.data_ptr()
+
+
+@built
+def test_the_compiled_encoding_leaves_the_rest_to_python() -> None:
+    x = torch.arange(6.0).reshape(2, 3)
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    others = {
+        "not contiguous": (x.t(), small.BYTES, 16),
+        "a neg view": (torch._neg_view(x), small.BYTES, 16),
+        "a conj view": (z.conj(), small.BYTES, 16),
+        "a subclass": (torch.nn.Parameter(x), small.BYTES, 16),
+        "too large": (torch.zeros(100), 300, 16),
+        "too many dims": (x, small.BYTES, 1),
+        "no tensor": ([x], small.BYTES, 16),
+    }
+    for why, (obj, room, ndim) in others.items():
+        assert NATIVE.encode(obj, room, ndim) is None, why
+        assert small.encode(obj, room, ndim) == small.encode(obj, room, ndim, compiled=False)
+    assert small.decode(small.encode(z.conj())).tolist() == z.conj().tolist()
+
+
+def _hooks() -> tuple[object, object]:
+    twin = _python_hook
+    return functools.partial(NATIVE.inline, twin, 16), twin
+
+
+def _outcome(hook: object, code: int, payload: bytes) -> object:
+    try:
+        return hook(code, payload)  # type: ignore[operator]
+    except ProtocolError:
+        return ProtocolError
+    except Exception as exc:  # what the twin raises, the compiled hook must raise too
+        return type(exc)
+
+
+@built
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([t for t in DTYPES if t is not torch.bool]),
+       st.sampled_from([(2,), (3, 1), ()]), st.integers(0, 3), st.binary(max_size=40),
+       st.integers(-2, 3))
+def test_the_compiled_hook_makes_what_python_would(dtype: torch.dtype, shape: tuple[int, ...],
+                                                   how: int, noise: bytes, code: int) -> None:
+    """A kept descriptor's payload, whole, cut, padded or replaced: the compiled hook gives
+    what the Python one gives (the same tensor, or the same error)."""
+    body = small.encode(_tensor(dtype, shape), compiled=False)
+    assert body is not None
+    payload = body[3:]
+    small.inline_buffer(payload)  # checked and kept
+    cut = [payload, payload[:-1], payload + noise[:1], noise][how]
+    compiled, twin = _hooks()
+    assert _same(_outcome(compiled, code, cut), _outcome(twin, code, cut))
+
+
+@built
+def test_the_compiled_hook_keeps_to_the_limits() -> None:
+    """A descriptor kept under one limit is still refused by a receiver with a lower one."""
+    body = small.encode(torch.zeros(2, 2), compiled=False)
+    assert body is not None
+    payload = body[3:]
+    assert _same(small.inline_buffer(payload), torch.zeros(2, 2))  # checked and kept
+    limits = small.Limits(max_ndim=1)
+    twin = functools.partial(small.inline_buffer, limits=limits)
+    with pytest.raises(ProtocolError):
+        twin(payload)
+    with pytest.raises(ProtocolError):
+        NATIVE.inline(lambda code, data: twin(data), limits.max_ndim, 3, payload)
+
+
+BOTH_WAYS = r"""
+import os, sys
+rank = int(os.environ.get("RANK") or os.environ.get("PMI_RANK") or 0)
+if rank % 2:
+    os.environ["ASYNCOMM_NATIVE"] = "0"  # odd ranks run the Python twins
+import asyncio, torch, asyncomm
+from asyncomm._core import small
+
+async def main(comm):
+    assert (small.NATIVE is None) == (rank % 2 == 1 or os.environ["EXPECT"] == "0")
+    ch = comm.channel(5)
+    peer = 1 - comm.rank
+
+    def made(r):  # of each kind, values that differ round by round
+        return [torch.arange(6.0).reshape(2, 3) + r, torch.tensor(3 + r, dtype=torch.int64),
+                torch.ones(2, dtype=torch.bfloat16) * r, torch.tensor([True, r % 2 == 0]),
+                (torch.arange(4.0).reshape(2, 2) + r).t(), torch.zeros(0, 3, dtype=torch.float16),
+                torch.tensor([1 + 2j * r]).conj(), torch.tensor([r, 2, 3], dtype=torch.uint16)]
+
+    for r in range(3):  # the first of each kind goes the Python way, later ones need not
+        for t in made(r):
+            await ch.send(t, peer)
+        for want in made(r):
+            got = (await ch.recv(peer)).data
+            assert got.dtype == want.dtype and got.shape == want.shape, (got, want)
+            assert torch.equal(got, want.resolve_conj()), (got, want)
+    print("both ways", comm.rank, small.NATIVE is not None, flush=True)
+
+asyncomm.run(main)
+"""
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_ranks_with_and_without_it_talk(backend: str, tmp_path: Path) -> None:
+    expect = "0" if NATIVE is None else "1"
+    proc = run_script(BOTH_WAYS, tmp_path, 2, backend, env={"EXPECT": expect})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "both ways 0" in proc.stdout and "both ways 1" in proc.stdout, proc.stdout
+    assert f"both ways 0 {NATIVE is not None}" in proc.stdout
+    assert "both ways 1 False" in proc.stdout
