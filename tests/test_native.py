@@ -143,6 +143,66 @@ def test_the_compiled_hook_keeps_to_the_limits() -> None:
         NATIVE.inline(lambda code, data: twin(data), limits.max_ndim, 3, payload)
 
 
+def _packet(*items: bytes) -> bytes:
+    return small.packet_head(len(items)) + b"".join(items)
+
+
+def _message(tag: int, seq: int, body: bytes) -> bytes:
+    return small.head(small.DATA, tag, seq) + body
+
+
+def _run(tag: int, seq: int, *bodies: bytes) -> bytes:
+    return small.run_head(tag, seq, len(bodies)) + b"".join(bodies)
+
+
+@built
+def test_the_compiled_packet_reader_reads_what_python_reads() -> None:
+    a, b = torch.arange(3.0), torch.tensor([[1, 2]], dtype=torch.int32)
+    ta, tb = small.encode(a, compiled=False), small.encode(b, compiled=False)
+    d = small.encode({"x": 1}, compiled=False)
+    assert ta is not None and tb is not None and d is not None
+    for body in (ta, tb):
+        small.inline_buffer(body[3:])  # checked and kept
+    lone = _packet(_message(3, 0, ta), _run(5, 7, tb, tb, tb), _message(2**64 - 1, 2**63, tb))
+    made = NATIVE.unpack_packet(lone, 16)
+    assert made is not None and _same_items(made, small.unpack_packet(lone, compiled=False))
+    assert _same_items(small.unpack_packet(memoryview(bytearray(lone))), made)
+    for other in (_packet(_message(3, 0, d)),  # not a tensor: the Python twin's
+                  _packet(_message(3, 0, ta), _message(3, 1, d)),
+                  _packet(small.head(small.DATA + 1, 3, 0) + ta),  # not a message
+                  _packet(_message(3, 0, small.encode(torch.ones(9), compiled=False) or b"")),
+                  lone + b"\0", lone[:-1], _packet()[:-1]):
+        assert NATIVE.unpack_packet(other, 16) is None
+    assert NATIVE.unpack_packet(lone, 0) is None  # beyond its receiver's dims
+
+
+def _same_items(a: list[object], b: list[object]) -> bool:
+    return len(a) == len(b) and all(
+        _same_items(x, y) if isinstance(x, list) and isinstance(y, list) else _same(x, y)
+        for x, y in zip(a, b, strict=True))
+
+
+@built
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 200), st.integers(0, 255), st.integers(0, 3))
+def test_the_compiled_packet_reader_reads_a_damaged_packet_as_python_or_not_at_all(
+        at: int, value: int, how: int) -> None:
+    t = small.encode(torch.arange(4.0), compiled=False)
+    assert t is not None
+    small.inline_buffer(t[3:])
+    data = bytearray(_packet(_message(3, 0, t), _run(4, 1, t, t)))
+    at %= len(data)
+    if how == 0:
+        data[at] = value
+    elif how == 1:
+        del data[at:]
+    elif how == 2:
+        data[at:at] = bytes([value])
+    made = NATIVE.unpack_packet(bytes(data), 16)
+    if made is not None:  # whatever it reads, Python reads the same
+        assert _same_items(made, small.unpack_packet(bytes(data), compiled=False))
+
+
 BOTH_WAYS = r"""
 import os, sys
 rank = int(os.environ.get("RANK") or os.environ.get("PMI_RANK") or 0)

@@ -92,6 +92,7 @@ DTYPE_TABLE: Final = [(code, torch.empty(0, dtype=dtype)) for code, dtype in _DT
 if NATIVE is not None:
     NATIVE.setup(DTYPE_TABLE)
 _native_encode = None if NATIVE is None else NATIVE.encode
+_native_packet = None if NATIVE is None else NATIVE.unpack_packet
 # Packs exact scalars, lists and dicts; refuses the rest (a packer of its own: one of the
 # thread's would do as well, but costs a lookup; this one calls no Python code while it
 # packs, so the GIL keeps threads from sharing it at once).
@@ -331,15 +332,20 @@ def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
     return read_structure(body, _hook(limits))
 
 
-def unpack_packet(data: bytes | memoryview, limits: Limits = _LIMITS) -> list[Any]:
+def unpack_packet(data: bytes | memoryview, limits: Limits = _LIMITS, compiled: bool = True
+                  ) -> list[Any]:
     """Return the items of a packet (each should be a frame: ``[kind, tag, seq, message]``).
 
     The caller checks each item's shape; the messages are checked here, as ``decode``
-    checks a body.
+    checks a body. ``compiled=False``: the Python twin alone (the same items).
 
     Raises:
         ProtocolError: a malformed packet or frame (``split_packet`` tells which).
     """
+    if _native_packet is not None and compiled:  # lone tensors alone (the commonest): made
+        made: list[Any] | None = _native_packet(data, limits.max_ndim)
+        if made is not None:
+            return made
     try:
         items = unpack(data, _hook(limits), passing=_HasTuple)
     except _HasTuple:  # a tuple in it (its marker, an extension): unpacked again, tuples rebuilt

@@ -22,6 +22,7 @@ namespace {
 constexpr long EXT_INLINE = 3;  // msgpack extension code of an inline buffer
 constexpr uint8_t TENSOR = 0;   // BufferKind.TENSOR
 constexpr Py_ssize_t ROOM_LEFT = 256;  // encode's margin: a lone tensor's body <= room - this
+constexpr uint8_t DATA = 1, RUN = 7;   // a small frame's kinds: a message, a run of messages
 
 // A descriptor (as in a frame's head): code, kind, ndim (uint8 each), then ndim + 1 uint64
 // little-endian: the shape, then the bytes.
@@ -38,6 +39,7 @@ struct Kept {
   int64_t nbytes;
 };
 std::unordered_map<std::string, Kept> kept;
+const std::pair<const std::string, Kept>* last = nullptr;  // the one found last (a stream's)
 
 void put_u64(char* p, uint64_t v) {
   for (int i = 0; i < 8; i++) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
@@ -154,7 +156,10 @@ PyObject* keep(PyObject*, PyObject* raw) {
     }
     Kept k{dtype->second, {}, static_cast<int64_t>(get_u64(p + 3 + 8 * ndim))};
     for (size_t i = 0; i < ndim; i++) k.shape.push_back(static_cast<int64_t>(get_u64(p + 3 + 8 * i)));
-    if (kept.size() >= 1024) kept.clear();
+    if (kept.size() >= 1024) {
+      kept.clear();
+      last = nullptr;
+    }
     kept[std::string(p, PyBytes_GET_SIZE(raw))] = std::move(k);
     Py_RETURN_NONE;
   } catch (const std::exception& e) {
@@ -165,7 +170,27 @@ PyObject* keep(PyObject*, PyObject* raw) {
 
 PyObject* forget(PyObject*, PyObject*) {
   kept.clear();
+  last = nullptr;
   Py_RETURN_NONE;
+}
+
+// A fresh tensor of an inline payload whose descriptor is kept, of at most max_ndim dims,
+// holding its bytes exactly; an undefined one for any other payload.
+at::Tensor made(const char* p, size_t size, long max_ndim) {
+  if (kept.empty() || size < 3) return at::Tensor();
+  size_t ndim = static_cast<uint8_t>(p[2]);
+  size_t at = descriptor_bytes(ndim);
+  if (static_cast<long>(ndim) > max_ndim || size < at) return at::Tensor();
+  if (last == nullptr || last->first.size() != at || std::memcmp(last->first.data(), p, at)) {
+    auto k = kept.find(std::string(p, at));
+    if (k == kept.end()) return at::Tensor();
+    last = &*k;
+  }
+  const Kept& k = last->second;
+  if (static_cast<int64_t>(size - at) != k.nbytes) return at::Tensor();
+  at::Tensor t = at::empty(k.shape, at::TensorOptions().dtype(k.dtype));
+  std::memcpy(t.data_ptr(), p + at, size - at);
+  return t;
 }
 
 // inline(twin, max_ndim, code, payload): msgpack's extension hook for small frames (bound
@@ -179,27 +204,121 @@ PyObject* inline_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     PyObject* payload = args[3];
     if (!kept.empty() && PyLong_CheckExact(args[2]) && PyBytes_CheckExact(payload) &&
-        PyLong_AsLong(args[2]) == EXT_INLINE && PyBytes_GET_SIZE(payload) >= 3) {
-      const char* p = PyBytes_AS_STRING(payload);
-      size_t size = static_cast<size_t>(PyBytes_GET_SIZE(payload));
-      size_t ndim = static_cast<uint8_t>(p[2]);
-      size_t at = descriptor_bytes(ndim);
+        PyLong_AsLong(args[2]) == EXT_INLINE) {
       long max_ndim = PyLong_AsLong(args[1]);
       if (PyErr_Occurred()) return nullptr;
-      if (static_cast<long>(ndim) <= max_ndim && size >= at) {
-        auto k = kept.find(std::string(p, at));
-        if (k != kept.end() && static_cast<int64_t>(size - at) == k->second.nbytes) {
-          at::Tensor t = at::empty(k->second.shape, at::TensorOptions().dtype(k->second.dtype));
-          std::memcpy(t.data_ptr(), p + at, size - at);
-          return THPVariable_Wrap(std::move(t));
-        }
-      }
+      at::Tensor t = made(PyBytes_AS_STRING(payload),
+                          static_cast<size_t>(PyBytes_GET_SIZE(payload)), max_ndim);
+      if (t.defined()) return THPVariable_Wrap(std::move(t));
     }
     return PyObject_Vectorcall(args[0], args + 2, 2, nullptr);
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
+}
+
+// Reads a packet (see asyncomm._core.link) of the commonest kind only: every frame a message
+// or a run of messages, each message a lone tensor made by ``made``; false for any other.
+struct Reader {
+  const uint8_t* p;
+  size_t left;
+  long max_ndim;
+
+  bool byte(uint8_t& out) {
+    if (!left) return false;
+    out = *p++;
+    left--;
+    return true;
+  }
+  bool big(size_t n, uint64_t& out) {  // an n-byte big-endian unsigned
+    if (left < n) return false;
+    out = 0;
+    for (size_t i = 0; i < n; i++) out = (out << 8) | p[i];
+    p += n;
+    left -= n;
+    return true;
+  }
+  bool u64(uint64_t& out) {
+    uint8_t marker;
+    return byte(marker) && marker == 0xcf && big(8, out);
+  }
+  bool array32(uint64_t& count) {
+    uint8_t marker;
+    return byte(marker) && marker == 0xdd && big(4, count);
+  }
+  // A lone tensor's body: an inline extension whose tensor ``made`` makes; a new reference.
+  PyObject* tensor() {
+    uint8_t marker;
+    uint64_t size = 0;
+    if (!byte(marker)) return nullptr;
+    if (!(marker == 0xc7 ? big(1, size) : marker == 0xc8 ? big(2, size)
+          : marker == 0xc9 ? big(4, size) : false))
+      return nullptr;
+    uint8_t code;
+    if (!byte(code) || code != EXT_INLINE || left < size) return nullptr;
+    at::Tensor t;
+    try {
+      t = made(reinterpret_cast<const char*>(p), size, max_ndim);
+    } catch (const std::exception&) {
+      return nullptr;  // (no memory for it: the Python twin meets that again)
+    }
+    if (!t.defined()) return nullptr;
+    p += size;
+    left -= size;
+    return THPVariable_Wrap(std::move(t));
+  }
+};
+
+// unpack_packet(data, max_ndim) -> list | None: the frames of a packet as
+// ``small.unpack_packet`` returns them ([kind, tag, seq, message or list of messages]), if it
+// holds only messages that are lone tensors of kept descriptors; None for any other (the
+// Python twin reads it, refuses what is malformed, and keeps the descriptors it checks).
+PyObject* unpack_packet(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2) {
+    PyErr_SetString(PyExc_TypeError, "unpack_packet(data, max_ndim)");
+    return nullptr;
+  }
+  long max_ndim = PyLong_AsLong(args[1]);
+  if (PyErr_Occurred()) return nullptr;
+  Py_buffer view;
+  if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return nullptr;
+  PyObject* items = nullptr;
+  {
+    Reader r{static_cast<const uint8_t*>(view.buf), static_cast<size_t>(view.len), max_ndim};
+    uint64_t count;
+    bool whole = !kept.empty() && r.array32(count) && count <= r.left;
+    items = whole ? PyList_New(static_cast<Py_ssize_t>(count)) : nullptr;
+    for (uint64_t i = 0; whole && items != nullptr && i < count; i++) {
+      uint8_t head, kind;
+      uint64_t tag, seq, messages = 1;
+      whole = r.byte(head) && head == 0x94 && r.byte(kind) && (kind == DATA || kind == RUN) &&
+              r.u64(tag) && r.u64(seq) && (kind == DATA || r.array32(messages)) &&
+              messages <= r.left;
+      PyObject* data = !whole ? nullptr : kind == DATA ? r.tensor()
+                       : PyList_New(static_cast<Py_ssize_t>(messages));
+      for (uint64_t j = 0; data != nullptr && kind == RUN && j < messages; j++) {
+        PyObject* message = r.tensor();
+        if (message == nullptr) Py_CLEAR(data);
+        else PyList_SET_ITEM(data, static_cast<Py_ssize_t>(j), message);
+      }
+      PyObject* item = data == nullptr ? nullptr
+                       : Py_BuildValue("[iKKN]", kind, static_cast<unsigned long long>(tag),
+                                       static_cast<unsigned long long>(seq), data);
+      if (item == nullptr) {  // (Py_BuildValue's N steals data even where it fails)
+        whole = false;
+        break;
+      }
+      PyList_SET_ITEM(items, static_cast<Py_ssize_t>(i), item);
+    }
+    if (!whole || r.left) Py_CLEAR(items);
+  }
+  PyBuffer_Release(&view);
+  if (items == nullptr) {
+    PyErr_Clear();  // (a failed allocation is the Python twin's to meet again)
+    Py_RETURN_NONE;
+  }
+  return items;
 }
 
 PyMethodDef methods[] = {
@@ -210,6 +329,8 @@ PyMethodDef methods[] = {
     {"forget", forget, METH_NOARGS, "forget(): no descriptor kept"},
     {"inline", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(inline_)),
      METH_FASTCALL, "inline(twin, max_ndim, code, payload) -> object"},
+    {"unpack_packet", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unpack_packet)),
+     METH_FASTCALL, "unpack_packet(data, max_ndim) -> list | None"},
     {nullptr, nullptr, 0, nullptr}};
 
 #define ASYNCOMM_STR2(name) #name

@@ -36,6 +36,10 @@ def check(module: ModuleType) -> str | None:
                 and made.dtype == t.dtype
                 and made.shape == t.shape and torch.equal(made, twin)):
             return f"a {t.dtype} tensor of shape {tuple(t.shape)} decodes differently"
+        packet = small.packet_head(1) + small.head(small.DATA, 3, 0) + body
+        items = module.unpack_packet(packet, 16)
+        if t.numel() and not (items and torch.equal(items[0][3], twin)):
+            return f"a packet of a {t.dtype} tensor of shape {tuple(t.shape)} reads differently"
     module.forget()
     return None
 
