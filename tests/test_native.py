@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import msgpack
 import pytest
 import torch
 from hypothesis import given, settings
@@ -88,12 +89,41 @@ def test_the_compiled_encoding_leaves_the_rest_to_python() -> None:
         "a subclass": (torch.nn.Parameter(x), small.BYTES, 16),
         "too large": (torch.zeros(100), 300, 16),
         "too many dims": (x, small.BYTES, 1),
-        "no tensor": ([x], small.BYTES, 16),
+        "a list of one not laid out": ([1, x.t()], small.BYTES, 16),
+        "a list in a list": ([1, [x]], small.BYTES, 16),
+        "a dict in a list": ([1, {}], small.BYTES, 16),
+        "a tuple": ((1, x), small.BYTES, 16),
+        "an int beyond 64 bits": ([2**64], small.BYTES, 16),
+        "a str not UTF-8": (["\ud800"], small.BYTES, 16),
+        "a list too large": ([x, x], 40, 16),
+        "a dict": ({"x": x}, small.BYTES, 16),
     }
     for why, (obj, room, ndim) in others.items():
         assert NATIVE.encode(obj, room, ndim) is None, why
-        assert small.encode(obj, room, ndim) == small.encode(obj, room, ndim, compiled=False)
+        try:
+            twin: object = small.encode(obj, room, ndim, compiled=False)
+        except (TypeError, ValueError) as exc:  # (a str not UTF-8: UnicodeEncodeError)
+            twin = type(exc)
+        try:
+            ours: object = small.encode(obj, room, ndim)
+        except (TypeError, ValueError) as exc:
+            ours = type(exc)
+        assert ours == twin, why
     assert small.decode(small.encode(z.conj())).tolist() == z.conj().tolist()
+
+
+_SCALARS = (st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1)
+            | st.floats(allow_nan=False) | st.text(max_size=40))
+_TENSORS = st.builds(_tensor, st.sampled_from(DTYPES), st.sampled_from(SHAPES))
+
+
+@built
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_SCALARS | _TENSORS, max_size=20))
+def test_the_compiled_encoding_of_a_list_is_the_pythons(items: list[object]) -> None:
+    body = small.encode(items)
+    assert body is not None and body == small.encode(items, compiled=False)
+    assert NATIVE.encode(items, small.BYTES, 16) == body
 
 
 def _hooks() -> tuple[object, object]:
@@ -159,21 +189,27 @@ def _run(tag: int, seq: int, *bodies: bytes) -> bytes:
 def test_the_compiled_packet_reader_reads_what_python_reads() -> None:
     a, b = torch.arange(3.0), torch.tensor([[1, 2]], dtype=torch.int32)
     ta, tb = small.encode(a, compiled=False), small.encode(b, compiled=False)
-    d = small.encode({"x": 1}, compiled=False)
-    assert ta is not None and tb is not None and d is not None
+    assert ta is not None and tb is not None
     for body in (ta, tb):
         small.inline_buffer(body[3:])  # checked and kept
-    lone = _packet(_message(3, 0, ta), _run(5, 7, tb, tb, tb), _message(2**64 - 1, 2**63, tb))
-    made = NATIVE.unpack_packet(lone, 16)
-    assert made is not None and _same_items(made, small.unpack_packet(lone, compiled=False))
-    assert _same_items(small.unpack_packet(memoryview(bytearray(lone))), made)
-    for other in (_packet(_message(3, 0, d)),  # not a tensor: the Python twin's
-                  _packet(_message(3, 0, ta), _message(3, 1, d)),
+    bodies = [ta, tb, msgpack.packb({"x": [1, 2.5, None], 3: b"raw", "": {"y": True}}),
+              msgpack.packb([7, "worker", "step", False, None, -5, 2**64 - 1, -2**63]),
+              msgpack.packb("é" * 300), msgpack.packb(list(range(20))), b"\xca\x3f\x80\0\0",
+              small.encode([1, a, "x", b], compiled=False) or b""]
+    packet = _packet(*[_message(3, i, body) for i, body in enumerate(bodies)],
+                     _run(5, 7, tb, ta, tb), _message(2**64 - 1, 2**63, tb))
+    made = NATIVE.unpack_packet(packet, 16)
+    assert made is not None and _same_items(made, small.unpack_packet(packet, compiled=False))
+    assert _same_items(small.unpack_packet(memoryview(bytearray(packet))), made)
+    for other in (_packet(_message(3, 0, small.encode((1, 2)) or b"")),  # a tuple: Python's
+                  _packet(_message(3, 0, ta), _message(3, 1, b"\xa1\xff")),  # not UTF-8
+                  _packet(_message(3, 0, msgpack.packb({(1,): 2}))),  # not a str or int key
                   _packet(small.head(small.DATA + 1, 3, 0) + ta),  # not a message
                   _packet(_message(3, 0, small.encode(torch.ones(9), compiled=False) or b"")),
-                  lone + b"\0", lone[:-1], _packet()[:-1]):
+                  _packet(_message(3, 0, msgpack.packb(msgpack.ExtType(5, b"x")))),
+                  packet + b"\0", packet[:-1], _packet()[:-1]):
         assert NATIVE.unpack_packet(other, 16) is None
-    assert NATIVE.unpack_packet(lone, 0) is None  # beyond its receiver's dims
+    assert NATIVE.unpack_packet(_packet(_message(3, 0, ta)), 0) is None  # beyond its dims
 
 
 def _same_items(a: list[object], b: list[object]) -> bool:
@@ -184,13 +220,14 @@ def _same_items(a: list[object], b: list[object]) -> bool:
 
 @built
 @settings(max_examples=300, deadline=None)
-@given(st.integers(0, 200), st.integers(0, 255), st.integers(0, 3))
+@given(st.integers(0, 400), st.integers(0, 255), st.integers(0, 3))
 def test_the_compiled_packet_reader_reads_a_damaged_packet_as_python_or_not_at_all(
         at: int, value: int, how: int) -> None:
     t = small.encode(torch.arange(4.0), compiled=False)
     assert t is not None
     small.inline_buffer(t[3:])
-    data = bytearray(_packet(_message(3, 0, t), _run(4, 1, t, t)))
+    mixed = msgpack.packb([{"a": 1.5, 2: "é"}, -70000, b"xy", [None, True]])
+    data = bytearray(_packet(_message(3, 0, t), _run(4, 1, t, mixed), _message(3, 1, mixed)))
     at %= len(data)
     if how == 0:
         data[at] = value
@@ -199,8 +236,12 @@ def test_the_compiled_packet_reader_reads_a_damaged_packet_as_python_or_not_at_a
     elif how == 2:
         data[at:at] = bytes([value])
     made = NATIVE.unpack_packet(bytes(data), 16)
+    try:
+        twin: object = small.unpack_packet(bytes(data), compiled=False)
+    except ProtocolError:
+        twin = ProtocolError
     if made is not None:  # whatever it reads, Python reads the same
-        assert _same_items(made, small.unpack_packet(bytes(data), compiled=False))
+        assert isinstance(twin, list) and _same_items(made, twin)
 
 
 BOTH_WAYS = r"""

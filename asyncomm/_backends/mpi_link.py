@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from asyncomm._core import tags
+from asyncomm._core import small, tags
 from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
 from asyncomm._core.link import Link, Packet, Transport
@@ -283,6 +283,8 @@ class PostedLink(MpiLink):
         super().__init__(backend, comm, loop, poller, classify)
         self._slot = bytearray(MESSAGE_BYTES)
         self._posted: Any = None  # the persistent receive, while the link is open
+        # a packet's frames decoded where it lies, if the compiled part is there (see pump)
+        self._unpack = None if small.NATIVE is None else small.NATIVE.unpack_message
 
     def open(self, arrivals: Any, limits: Any) -> None:
         self._posted = self._comm.Recv_init([self._slot, MPI.BYTE], MPI.ANY_SOURCE,
@@ -321,10 +323,14 @@ class PostedLink(MpiLink):
         if not self._open:
             return False
         posted, status = self._posted, self._status
+        items = None
         try:
             if not posted.Test(status):
                 return False
-            message: bytearray | None = self._slot[:status.Get_count(MPI.BYTE)]
+            count = status.Get_count(MPI.BYTE)
+            if self._unpack is not None and not self._held:  # a packet read where it lies
+                items = self._unpack(self._slot, count, self._limits.max_ndim)
+            message: bytearray | None = None if items is not None else self._slot[:count]
         except MPI.Exception as exc:  # cut short: more than ``MESSAGE_BYTES``
             message, error = None, exc
         src = status.Get_source()
@@ -336,7 +342,10 @@ class PostedLink(MpiLink):
                 "message": f"asyncomm: rank {self._rank}: the link's receive failed; "
                            "channel messages are no longer received",
                 "exception": exc})
-        if message is None:
+        if items is not None:  # (the commonest, with the compiled part: small messages)
+            assert self._arrivals is not None
+            self._arrivals.items(src, items)
+        elif message is None:
             assert self._arrivals is not None
             self._arrivals.refuse(src, ProtocolError(
                 f"message from rank {src} beyond {MESSAGE_BYTES} bytes: {error}"), None)

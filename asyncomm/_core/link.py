@@ -144,6 +144,10 @@ class Arrivals(Protocol):
         whole frames is refused (``refuse``) from the first one that is not.
         """
 
+    def items(self, src: int, items: list[Any]) -> None:
+        """The small frames of a packet from ``src``, decoded already (by the compiled part:
+        ``small.NATIVE.unpack_message``): ``small.unpack_packet``'s items."""
+
     def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are on their way (it comes before later ones)."""
 

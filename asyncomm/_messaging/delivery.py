@@ -75,6 +75,11 @@ class Delivery:
         except ProtocolError:
             self._packet_slowly(src, view[at:end])
             return
+        self.items(src, items)
+
+    def items(self, src: int, items: list[Any]) -> None:
+        """The small frames of a packet from ``src``, decoded (``small.unpack_packet``'s items):
+        each message kept in its mailbox (the link calls this where it decoded them itself)."""
         if (self._broken and src in self._broken) or (self._queued and src in self._queued):
             for item in items:
                 if not self._one(src, item):

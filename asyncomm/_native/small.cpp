@@ -83,55 +83,143 @@ PyObject* setup(PyObject*, PyObject* table) {
   }
 }
 
-// encode(tensor, room, max_ndim) -> bytes | None: a lone tensor's small-frame body (an
-// inline extension: its head, the descriptor, the bytes), for an exact torch.Tensor laid
-// out as it lies in host memory (strided, contiguous, no conj or neg bit) of a known dtype,
-// of at most max_ndim dims and room - 256 bytes; None for any other (small's twin decides).
+// A tensor as an inline extension takes it: exactly torch.Tensor (THPVariable_CheckExact
+// lets torch.nn.Parameter in too), laid out as it lies in host memory (strided, contiguous,
+// no conj or neg bit), of a known dtype and at most max_ndim dims; its code, or -1.
+int laid_out(PyObject* obj, Py_ssize_t max_ndim) {
+  if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != THPVariableClass) return -1;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.layout() != at::kStrided || !t.device().is_cpu() || t.is_neg() || t.is_conj() ||
+      !t.is_contiguous() || t.dim() > max_ndim || t.dim() > 255)
+    return -1;
+  auto code = codes.find(static_cast<int>(t.scalar_type()));
+  return code == codes.end() ? -1 : code->second;
+}
+
+// The inline extension of tensor ``t`` (of dtype ``code``) into ``out``: the extension's
+// head (ext 8 / 16 / 32: the marker, the size big-endian, the code), the descriptor, the bytes.
+void put_tensor(std::string& out, const at::Tensor& t, int code) {
+  int64_t ndim = t.dim(), nbytes = static_cast<int64_t>(t.nbytes());
+  size_t size = descriptor_bytes(ndim) + nbytes;
+  size_t at = out.size();
+  size_t head = size < (1u << 8) ? 3 : size < (1u << 16) ? 4 : 6;
+  out.resize(at + head + size);
+  char* p = out.data() + at;
+  if (head == 3) {
+    p[0] = static_cast<char>(0xc7);
+    p[1] = static_cast<char>(size);
+  } else if (head == 4) {
+    p[0] = static_cast<char>(0xc8);
+    p[1] = static_cast<char>(size >> 8);
+    p[2] = static_cast<char>(size & 0xff);
+  } else {
+    p[0] = static_cast<char>(0xc9);
+    for (int i = 0; i < 4; i++) p[1 + i] = static_cast<char>((size >> (8 * (3 - i))) & 0xff);
+  }
+  p[head - 1] = static_cast<char>(EXT_INLINE);
+  p += head;
+  p[0] = static_cast<char>(code);
+  p[1] = static_cast<char>(TENSOR);
+  p[2] = static_cast<char>(ndim);
+  for (int64_t i = 0; i < ndim; i++) put_u64(p + 3 + 8 * i, static_cast<uint64_t>(t.size(i)));
+  put_u64(p + 3 + 8 * ndim, static_cast<uint64_t>(nbytes));
+  if (nbytes) std::memcpy(p + descriptor_bytes(ndim), t.data_ptr(), nbytes);
+}
+
+void put_big(std::string& out, uint8_t marker, uint64_t v, int n) {
+  out.push_back(static_cast<char>(marker));
+  for (int i = n - 1; i >= 0; i--) out.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+// A scalar as msgpack (use_bin_type) packs it: None, bool, int, float, str, exactly those
+// types; false for any other (or an int beyond 64 bits, a str that is not UTF-8).
+bool put_scalar(std::string& out, PyObject* x) {
+  if (x == Py_None) {
+    out.push_back(static_cast<char>(0xc0));
+  } else if (x == Py_True || x == Py_False) {
+    out.push_back(static_cast<char>(x == Py_True ? 0xc3 : 0xc2));
+  } else if (PyLong_CheckExact(x)) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(x, &overflow);
+    if (overflow < 0 || (v == -1 && PyErr_Occurred())) return false;
+    if (overflow > 0) {
+      unsigned long long u = PyLong_AsUnsignedLongLong(x);
+      if (PyErr_Occurred()) return false;
+      put_big(out, 0xcf, u, 8);
+    } else if (v >= 0) {
+      if (v < 128) out.push_back(static_cast<char>(v));
+      else if (v < 256) put_big(out, 0xcc, v, 1);
+      else if (v < 65536) put_big(out, 0xcd, v, 2);
+      else if (v < 4294967296LL) put_big(out, 0xce, v, 4);
+      else put_big(out, 0xcf, v, 8);
+    } else {
+      if (v >= -32) out.push_back(static_cast<char>(v));
+      else if (v >= -128) put_big(out, 0xd0, static_cast<uint8_t>(v), 1);
+      else if (v >= -32768) put_big(out, 0xd1, static_cast<uint16_t>(v), 2);
+      else if (v >= -2147483648LL) put_big(out, 0xd2, static_cast<uint32_t>(v), 4);
+      else put_big(out, 0xd3, static_cast<uint64_t>(v), 8);
+    }
+  } else if (PyFloat_CheckExact(x)) {
+    double d = PyFloat_AS_DOUBLE(x);
+    uint64_t bits;
+    std::memcpy(&bits, &d, 8);
+    put_big(out, 0xcb, bits, 8);
+  } else if (PyUnicode_CheckExact(x)) {
+    Py_ssize_t n;
+    const char* utf8 = PyUnicode_AsUTF8AndSize(x, &n);
+    if (utf8 == nullptr) return false;
+    if (n < 32) out.push_back(static_cast<char>(0xa0 | n));
+    else if (n < 256) put_big(out, 0xd9, n, 1);
+    else if (n < 65536) put_big(out, 0xda, n, 2);
+    else put_big(out, 0xdb, static_cast<uint64_t>(n), 4);
+    out.append(utf8, static_cast<size_t>(n));
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// encode(obj, room, max_ndim) -> bytes | None: the small-frame body of a lone tensor, or of a
+// list of scalars (None, bool, int, float, str) and tensors side by side (an actor's request
+// or reply), as small's twin lays them out, if at most ``room`` bytes (a lone tensor's, room
+// - 256); None for any other (the twin decides).
 PyObject* encode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   try {
     if (nargs != 3) {
-      PyErr_SetString(PyExc_TypeError, "encode(tensor, room, max_ndim)");
+      PyErr_SetString(PyExc_TypeError, "encode(obj, room, max_ndim)");
       return nullptr;
     }
-    // (exactly torch.Tensor: THPVariable_CheckExact lets torch.nn.Parameter in too)
-    if (reinterpret_cast<PyObject*>(Py_TYPE(args[0])) != THPVariableClass) Py_RETURN_NONE;
     Py_ssize_t room = PyLong_AsSsize_t(args[1]);
     Py_ssize_t max_ndim = PyLong_AsSsize_t(args[2]);
     if (PyErr_Occurred()) return nullptr;
-    const at::Tensor& t = THPVariable_Unpack(args[0]);
-    if (t.layout() != at::kStrided || !t.device().is_cpu() || t.is_neg() || t.is_conj() ||
-        !t.is_contiguous())
-      Py_RETURN_NONE;
-    auto code = codes.find(static_cast<int>(t.scalar_type()));
-    int64_t ndim = t.dim();
-    if (code == codes.end() || ndim > max_ndim || ndim > 255) Py_RETURN_NONE;
-    int64_t nbytes = static_cast<int64_t>(t.nbytes());
-    if (nbytes > room - ROOM_LEFT) Py_RETURN_NONE;
-    size_t size = descriptor_bytes(ndim) + nbytes;
-    size_t head = size < (1u << 8) ? 3 : size < (1u << 16) ? 4 : 6;
-    PyObject* out = PyBytes_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(head + size));
-    if (out == nullptr) return nullptr;
-    char* p = PyBytes_AS_STRING(out);
-    if (head == 3) {  // fixed ext 8 / 16 / 32: the marker, the size (big-endian), the code
-      p[0] = static_cast<char>(0xc7);
-      p[1] = static_cast<char>(size);
-    } else if (head == 4) {
-      p[0] = static_cast<char>(0xc8);
-      p[1] = static_cast<char>(size >> 8);
-      p[2] = static_cast<char>(size & 0xff);
+    PyObject* obj = args[0];
+    std::string out;
+    if (PyList_CheckExact(obj)) {
+      Py_ssize_t n = PyList_GET_SIZE(obj);
+      if (n < 16) out.push_back(static_cast<char>(0x90 | n));
+      else if (n < 65536) put_big(out, 0xdc, n, 2);
+      else put_big(out, 0xdd, static_cast<uint64_t>(n), 4);
+      for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject* x = PyList_GET_ITEM(obj, i);
+        int code = laid_out(x, max_ndim);
+        if (code >= 0) {
+          const at::Tensor& t = THPVariable_Unpack(x);
+          if (static_cast<Py_ssize_t>(t.nbytes()) > room) Py_RETURN_NONE;
+          put_tensor(out, t, code);
+        } else if (!put_scalar(out, x)) {
+          PyErr_Clear();
+          Py_RETURN_NONE;
+        }
+        if (static_cast<Py_ssize_t>(out.size()) > room) Py_RETURN_NONE;
+      }
     } else {
-      p[0] = static_cast<char>(0xc9);
-      for (int i = 0; i < 4; i++) p[1 + i] = static_cast<char>((size >> (8 * (3 - i))) & 0xff);
+      int code = laid_out(obj, max_ndim);
+      if (code < 0) Py_RETURN_NONE;
+      const at::Tensor& t = THPVariable_Unpack(obj);
+      if (static_cast<Py_ssize_t>(t.nbytes()) > room - ROOM_LEFT) Py_RETURN_NONE;
+      put_tensor(out, t, code);
     }
-    p[head - 1] = static_cast<char>(EXT_INLINE);
-    p += head;
-    p[0] = static_cast<char>(code->second);
-    p[1] = static_cast<char>(TENSOR);
-    p[2] = static_cast<char>(ndim);
-    for (int64_t i = 0; i < ndim; i++) put_u64(p + 3 + 8 * i, static_cast<uint64_t>(t.size(i)));
-    put_u64(p + 3 + 8 * ndim, static_cast<uint64_t>(nbytes));
-    if (nbytes) std::memcpy(p + descriptor_bytes(ndim), t.data_ptr(), nbytes);
-    return out;
+    return PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size()));
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
@@ -247,33 +335,151 @@ struct Reader {
     uint8_t marker;
     return byte(marker) && marker == 0xdd && big(4, count);
   }
-  // A lone tensor's body: an inline extension whose tensor ``made`` makes; a new reference.
-  PyObject* tensor() {
-    uint8_t marker;
-    uint64_t size = 0;
-    if (!byte(marker)) return nullptr;
-    if (!(marker == 0xc7 ? big(1, size) : marker == 0xc8 ? big(2, size)
-          : marker == 0xc9 ? big(4, size) : false))
-      return nullptr;
+  bool skip(uint64_t n, const uint8_t*& at) {
+    if (left < n) return false;
+    at = p;
+    p += n;
+    left -= n;
+    return true;
+  }
+  // An inline extension's payload of ``size`` bytes made a tensor by ``made``.
+  PyObject* tensor(uint64_t size) {
     uint8_t code;
-    if (!byte(code) || code != EXT_INLINE || left < size) return nullptr;
+    const uint8_t* at;
+    if (!byte(code) || code != EXT_INLINE || !skip(size, at)) return nullptr;
     at::Tensor t;
     try {
-      t = made(reinterpret_cast<const char*>(p), size, max_ndim);
+      t = made(reinterpret_cast<const char*>(at), size, max_ndim);
     } catch (const std::exception&) {
       return nullptr;  // (no memory for it: the Python twin meets that again)
     }
-    if (!t.defined()) return nullptr;
-    p += size;
-    left -= size;
-    return THPVariable_Wrap(std::move(t));
+    return t.defined() ? THPVariable_Wrap(std::move(t)) : nullptr;
+  }
+  PyObject* text(uint64_t n) {
+    const uint8_t* at;
+    if (!skip(n, at)) return nullptr;
+    return PyUnicode_DecodeUTF8(reinterpret_cast<const char*>(at), static_cast<Py_ssize_t>(n),
+                                nullptr);
+  }
+  PyObject* array(uint64_t n, int depth) {
+    PyObject* list = n <= left ? PyList_New(static_cast<Py_ssize_t>(n)) : nullptr;
+    for (uint64_t i = 0; list != nullptr && i < n; i++) {
+      PyObject* item = value(depth + 1);
+      if (item == nullptr) Py_CLEAR(list);
+      else PyList_SET_ITEM(list, static_cast<Py_ssize_t>(i), item);
+    }
+    return list;
+  }
+  PyObject* map(uint64_t n, int depth) {
+    PyObject* dict = n <= left ? PyDict_New() : nullptr;
+    for (uint64_t i = 0; dict != nullptr && i < n; i++) {
+      PyObject* key = value(depth + 1);
+      PyObject* item = key == nullptr ? nullptr : value(depth + 1);
+      if (item == nullptr || !(PyUnicode_CheckExact(key) || PyLong_CheckExact(key)) ||
+          PyDict_SetItem(dict, key, item) < 0)
+        Py_CLEAR(dict);
+      Py_XDECREF(key);
+      Py_XDECREF(item);
+    }
+    return dict;
+  }
+  // A message's body, as msgpack's unpackb decodes a small frame's (see small.unpack_packet):
+  // nil, bools, ints, floats, str, bin, arrays, maps of str or int keys, and inline tensors
+  // that ``made`` makes; nullptr for anything else (another extension, a tensor not kept, a
+  // malformed or truncated body), which the Python twin reads instead.
+  PyObject* value(int depth) {
+    uint8_t m;
+    uint64_t n = 0;
+    const uint8_t* at;
+    if (depth > 32 || !byte(m)) return nullptr;
+    if (m <= 0x7f) return PyLong_FromLong(m);
+    if (m >= 0xe0) return PyLong_FromLong(static_cast<int8_t>(m));
+    if ((m & 0xe0) == 0xa0) return text(m & 0x1f);
+    if ((m & 0xf0) == 0x90) return array(m & 0x0f, depth);
+    if ((m & 0xf0) == 0x80) return map(m & 0x0f, depth);
+    switch (m) {
+      case 0xc0: Py_RETURN_NONE;
+      case 0xc2: Py_RETURN_FALSE;
+      case 0xc3: Py_RETURN_TRUE;
+      case 0xcc: case 0xcd: case 0xce: case 0xcf:
+        return big(size_t{1} << (m - 0xcc), n) ? PyLong_FromUnsignedLongLong(n) : nullptr;
+      case 0xd0: return big(1, n) ? PyLong_FromLong(static_cast<int8_t>(n)) : nullptr;
+      case 0xd1: return big(2, n) ? PyLong_FromLong(static_cast<int16_t>(n)) : nullptr;
+      case 0xd2: return big(4, n) ? PyLong_FromLong(static_cast<int32_t>(n)) : nullptr;
+      case 0xd3: return big(8, n) ? PyLong_FromLongLong(static_cast<int64_t>(n)) : nullptr;
+      case 0xca: {
+        if (!big(4, n)) return nullptr;
+        uint32_t bits = static_cast<uint32_t>(n);
+        float f;
+        std::memcpy(&f, &bits, 4);
+        return PyFloat_FromDouble(f);
+      }
+      case 0xcb: {
+        if (!big(8, n)) return nullptr;
+        double d;
+        std::memcpy(&d, &n, 8);
+        return PyFloat_FromDouble(d);
+      }
+      case 0xd9: case 0xda: case 0xdb:
+        return big(size_t{1} << (m - 0xd9), n) ? text(n) : nullptr;
+      case 0xc4: case 0xc5: case 0xc6:
+        if (!big(size_t{1} << (m - 0xc4), n) || !skip(n, at)) return nullptr;
+        return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(at),
+                                         static_cast<Py_ssize_t>(n));
+      case 0xdc: return big(2, n) ? array(n, depth) : nullptr;
+      case 0xdd: return big(4, n) ? array(n, depth) : nullptr;
+      case 0xde: return big(2, n) ? map(n, depth) : nullptr;
+      case 0xdf: return big(4, n) ? map(n, depth) : nullptr;
+      case 0xc7: case 0xc8: case 0xc9:
+        return big(size_t{1} << (m - 0xc7), n) ? tensor(n) : nullptr;
+      default:
+        return nullptr;  // a fixext (another extension), or not msgpack
+    }
   }
 };
 
+// The frames of the packet in ``data[0:size]`` (a new list), or nullptr with no error set.
+PyObject* read_packet(const uint8_t* data, size_t size, long max_ndim) {
+  Reader r{data, size, max_ndim};
+  uint64_t count;
+  bool whole = r.array32(count) && count <= r.left;
+  PyObject* items = whole ? PyList_New(static_cast<Py_ssize_t>(count)) : nullptr;
+  for (uint64_t i = 0; whole && items != nullptr && i < count; i++) {
+    uint8_t head, kind;
+    uint64_t tag, seq, messages = 1;
+    whole = r.byte(head) && head == 0x94 && r.byte(kind) && (kind == DATA || kind == RUN) &&
+            r.u64(tag) && r.u64(seq) && (kind == DATA || r.array32(messages)) &&
+            messages <= r.left;
+    PyObject* data = !whole ? nullptr : kind == DATA ? r.value(0)
+                     : PyList_New(static_cast<Py_ssize_t>(messages));
+    for (uint64_t j = 0; data != nullptr && kind == RUN && j < messages; j++) {
+      PyObject* message = r.value(0);
+      if (message == nullptr) Py_CLEAR(data);
+      else PyList_SET_ITEM(data, static_cast<Py_ssize_t>(j), message);
+    }
+    PyObject* item = data == nullptr ? nullptr
+                     : Py_BuildValue("[iKKN]", kind, static_cast<unsigned long long>(tag),
+                                     static_cast<unsigned long long>(seq), data);
+    if (item == nullptr) {  // (Py_BuildValue's N steals data even where it fails)
+      whole = false;
+      break;
+    }
+    PyList_SET_ITEM(items, static_cast<Py_ssize_t>(i), item);
+  }
+  if (!whole || r.left) Py_CLEAR(items);
+  if (items == nullptr) PyErr_Clear();  // (a failed allocation is the Python twin's to meet)
+  return items;
+}
+
+PyObject* list_or_none(PyObject* items) {
+  if (items != nullptr) return items;
+  Py_RETURN_NONE;
+}
+
 // unpack_packet(data, max_ndim) -> list | None: the frames of a packet as
 // ``small.unpack_packet`` returns them ([kind, tag, seq, message or list of messages]), if it
-// holds only messages that are lone tensors of kept descriptors; None for any other (the
-// Python twin reads it, refuses what is malformed, and keeps the descriptors it checks).
+// holds only messages (or runs of them) whose bodies ``Reader::value`` reads; None for any
+// other (the Python twin reads it, refuses what is malformed, keeps the descriptors it checks).
 PyObject* unpack_packet(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2) {
     PyErr_SetString(PyExc_TypeError, "unpack_packet(data, max_ndim)");
@@ -283,42 +489,38 @@ PyObject* unpack_packet(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (PyErr_Occurred()) return nullptr;
   Py_buffer view;
   if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return nullptr;
+  PyObject* items = read_packet(static_cast<const uint8_t*>(view.buf),
+                                static_cast<size_t>(view.len), max_ndim);
+  PyBuffer_Release(&view);
+  return list_or_none(items);
+}
+
+// unpack_message(buffer, count, max_ndim) -> list | None: a link message in
+// ``buffer[:count]`` (see asyncomm._core.messages: a preamble of four little-endian uint32,
+// head bytes, bytes inline, data messages, form) that is a packet (form 1, no head, nothing
+// following), read as ``unpack_packet`` reads it; None for any other message.
+PyObject* unpack_message(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_SetString(PyExc_TypeError, "unpack_message(buffer, count, max_ndim)");
+    return nullptr;
+  }
+  Py_ssize_t count = PyLong_AsSsize_t(args[1]);
+  long max_ndim = PyLong_AsLong(args[2]);
+  if (PyErr_Occurred()) return nullptr;
+  Py_buffer view;
+  if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return nullptr;
   PyObject* items = nullptr;
-  {
-    Reader r{static_cast<const uint8_t*>(view.buf), static_cast<size_t>(view.len), max_ndim};
-    uint64_t count;
-    bool whole = !kept.empty() && r.array32(count) && count <= r.left;
-    items = whole ? PyList_New(static_cast<Py_ssize_t>(count)) : nullptr;
-    for (uint64_t i = 0; whole && items != nullptr && i < count; i++) {
-      uint8_t head, kind;
-      uint64_t tag, seq, messages = 1;
-      whole = r.byte(head) && head == 0x94 && r.byte(kind) && (kind == DATA || kind == RUN) &&
-              r.u64(tag) && r.u64(seq) && (kind == DATA || r.array32(messages)) &&
-              messages <= r.left;
-      PyObject* data = !whole ? nullptr : kind == DATA ? r.tensor()
-                       : PyList_New(static_cast<Py_ssize_t>(messages));
-      for (uint64_t j = 0; data != nullptr && kind == RUN && j < messages; j++) {
-        PyObject* message = r.tensor();
-        if (message == nullptr) Py_CLEAR(data);
-        else PyList_SET_ITEM(data, static_cast<Py_ssize_t>(j), message);
-      }
-      PyObject* item = data == nullptr ? nullptr
-                       : Py_BuildValue("[iKKN]", kind, static_cast<unsigned long long>(tag),
-                                       static_cast<unsigned long long>(seq), data);
-      if (item == nullptr) {  // (Py_BuildValue's N steals data even where it fails)
-        whole = false;
-        break;
-      }
-      PyList_SET_ITEM(items, static_cast<Py_ssize_t>(i), item);
-    }
-    if (!whole || r.left) Py_CLEAR(items);
+  const uint8_t* p = static_cast<const uint8_t*>(view.buf);
+  if (count >= 16 && count <= view.len) {
+    uint32_t field[4];
+    for (int i = 0; i < 4; i++)
+      field[i] = p[4 * i] | (p[4 * i + 1] << 8) | (p[4 * i + 2] << 16) |
+                 (static_cast<uint32_t>(p[4 * i + 3]) << 24);
+    if (field[0] == 0 && field[2] == 0 && field[3] == 1 && field[1] <= count - 16)
+      items = read_packet(p + 16, field[1], max_ndim);
   }
   PyBuffer_Release(&view);
-  if (items == nullptr) {
-    PyErr_Clear();  // (a failed allocation is the Python twin's to meet again)
-    Py_RETURN_NONE;
-  }
-  return items;
+  return list_or_none(items);
 }
 
 PyMethodDef methods[] = {
@@ -331,6 +533,9 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "inline(twin, max_ndim, code, payload) -> object"},
     {"unpack_packet", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unpack_packet)),
      METH_FASTCALL, "unpack_packet(data, max_ndim) -> list | None"},
+    {"unpack_message",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unpack_message)),
+     METH_FASTCALL, "unpack_message(buffer, count, max_ndim) -> list | None"},
     {nullptr, nullptr, 0, nullptr}};
 
 #define ASYNCOMM_STR2(name) #name

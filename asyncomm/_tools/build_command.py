@@ -40,6 +40,9 @@ def check(module: ModuleType) -> str | None:
         items = module.unpack_packet(packet, 16)
         if t.numel() and not (items and torch.equal(items[0][3], twin)):
             return f"a packet of a {t.dtype} tensor of shape {tuple(t.shape)} reads differently"
+    request = [7, "worker", "step", True, None, -300, 2.5, torch.arange(3.0)]
+    if encode(request, small.BYTES, 16) != small.encode(request, compiled=False):
+        return "a list of scalars and a tensor encodes differently"
     module.forget()
     return None
 
