@@ -199,10 +199,10 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16, compiled: bool = 
                 if len(shape) <= max_ndim:
                     _keep_known(obj, code, shape, t.nbytes)
                     return _lone_small(code, shape, t.nbytes) + _bytes_of(t)
-    elif type(obj) is list and _native_encode is not None and compiled:  # (an actor's)
-        laid_list: bytes | None = _native_encode(obj, room, max_ndim)
-        if laid_list is not None:
-            return laid_list
+    elif (type(obj) is list or type(obj) is dict) and _native_encode is not None and compiled:
+        laid_items: bytes | None = _native_encode(obj, room, max_ndim)
+        if laid_items is not None:  # (an actor's request or reply, a dict of scalars)
+            return laid_items
     if type(obj) is not list:  # a list is likelier to hold a tensor: lowered at once
         try:
             body: bytes = _strict(obj)  # only exact scalars, lists and dicts pass

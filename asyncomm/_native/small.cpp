@@ -179,10 +179,44 @@ bool put_scalar(std::string& out, PyObject* x) {
   return true;
 }
 
-// encode(obj, room, max_ndim) -> bytes | None: the small-frame body of a lone tensor, or of a
-// list of scalars (None, bool, int, float, str) and tensors side by side (an actor's request
-// or reply), as small's twin lays them out, if at most ``room`` bytes (a lone tensor's, room
-// - 256); None for any other (the twin decides).
+// A value as small's twin lays it out, into ``out``: a scalar (``put_scalar``), a tensor
+// laid out as it lies (``laid_out``: an inline extension), or a list or dict of them (a dict's
+// keys str or int), nested at most 32 deep, stopping once ``out`` holds more than ``room``
+// bytes; false for any other (the twin lowers it, or refuses it).
+bool put_value(std::string& out, PyObject* x, Py_ssize_t room, Py_ssize_t max_ndim, int depth) {
+  if (depth > 32 || static_cast<Py_ssize_t>(out.size()) > room) return false;
+  int code = laid_out(x, max_ndim);
+  if (code >= 0) {
+    const at::Tensor& t = THPVariable_Unpack(x);
+    if (static_cast<Py_ssize_t>(t.nbytes()) > room) return false;
+    put_tensor(out, t, code);
+  } else if (PyList_CheckExact(x)) {
+    Py_ssize_t n = PyList_GET_SIZE(x);
+    if (n < 16) out.push_back(static_cast<char>(0x90 | n));
+    else if (n < 65536) put_big(out, 0xdc, n, 2);
+    else put_big(out, 0xdd, static_cast<uint64_t>(n), 4);
+    for (Py_ssize_t i = 0; i < n; i++)
+      if (!put_value(out, PyList_GET_ITEM(x, i), room, max_ndim, depth + 1)) return false;
+  } else if (PyDict_CheckExact(x)) {
+    Py_ssize_t n = PyDict_GET_SIZE(x), at = 0;
+    if (n < 16) out.push_back(static_cast<char>(0x80 | n));
+    else if (n < 65536) put_big(out, 0xde, n, 2);
+    else put_big(out, 0xdf, static_cast<uint64_t>(n), 4);
+    PyObject *key, *value;
+    while (PyDict_Next(x, &at, &key, &value))
+      if (!(PyUnicode_CheckExact(key) || PyLong_CheckExact(key)) || !put_scalar(out, key) ||
+          !put_value(out, value, room, max_ndim, depth + 1))
+        return false;
+  } else {
+    return put_scalar(out, x);
+  }
+  return true;
+}
+
+// encode(obj, room, max_ndim) -> bytes | None: the small-frame body of a lone tensor (of at
+// most room - 256 bytes), or of a list or dict of scalars (None, bool, int, float, str),
+// tensors, lists and dicts (at most ``room`` bytes), as small's twin lays them out; None for
+// any other (the twin decides).
 PyObject* encode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   try {
     if (nargs != 3) {
@@ -194,23 +228,10 @@ PyObject* encode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     if (PyErr_Occurred()) return nullptr;
     PyObject* obj = args[0];
     std::string out;
-    if (PyList_CheckExact(obj)) {
-      Py_ssize_t n = PyList_GET_SIZE(obj);
-      if (n < 16) out.push_back(static_cast<char>(0x90 | n));
-      else if (n < 65536) put_big(out, 0xdc, n, 2);
-      else put_big(out, 0xdd, static_cast<uint64_t>(n), 4);
-      for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject* x = PyList_GET_ITEM(obj, i);
-        int code = laid_out(x, max_ndim);
-        if (code >= 0) {
-          const at::Tensor& t = THPVariable_Unpack(x);
-          if (static_cast<Py_ssize_t>(t.nbytes()) > room) Py_RETURN_NONE;
-          put_tensor(out, t, code);
-        } else if (!put_scalar(out, x)) {
-          PyErr_Clear();
-          Py_RETURN_NONE;
-        }
-        if (static_cast<Py_ssize_t>(out.size()) > room) Py_RETURN_NONE;
+    if (PyList_CheckExact(obj) || PyDict_CheckExact(obj)) {
+      if (!put_value(out, obj, room, max_ndim, 0) || static_cast<Py_ssize_t>(out.size()) > room) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
       }
     } else {
       int code = laid_out(obj, max_ndim);
