@@ -87,8 +87,8 @@ _U64_AT, _TAG_OFFSET, _SEQ_OFFSET = struct.Struct(">Q").unpack_from, small.TAG_A
 
 
 _PACKET_AT = PREAMBLE.size + small.PACKET_HEAD_BYTES  # a packet's first frame
-_PREAMBLE_INTO, _PREAMBLE_BYTES, _lay_packet_head = (PREAMBLE.pack_into, PREAMBLE.size,
-                                                     small.lay_packet_head)
+_PREAMBLE_INTO, _PREAMBLE_BYTES = PREAMBLE.pack_into, PREAMBLE.size
+_lay_packet_head = small.PACKET_HEAD.pack_into  # (buffer, at, ARRAY_BYTE, frames)
 
 
 class Packet(bytearray):
@@ -397,7 +397,7 @@ class Link(ABC):
         if packet.next >= 0:  # a run is open: its count
             _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
         _PREAMBLE_INTO(packet, 0, 0, len(packet) - _PREAMBLE_BYTES, 0, PACKET)
-        _lay_packet_head(packet, _PREAMBLE_BYTES, packet.items)
+        _lay_packet_head(packet, _PREAMBLE_BYTES, _ARRAY, packet.items)
         message = self._packet(packet)
         handle = self._post(message, dst, tags.LINK_MESSAGE)
         if handle is not None:

@@ -68,13 +68,14 @@ from asyncomm._core.wire import (
 
 __all__ = ["HEAD", "RUN", "RUN_HEAD", "BYTES", "encode", "decode", "unpack_packet",
            "split_packet", "packet_head", "run_head", "inline_buffer", "NATIVE",
-           "DTYPE_TABLE"]
+           "DTYPE_TABLE", "PACKET_HEAD"]
 
 # a small frame's head, msgpack: fixarray 4, kind (a positive fixint), uint64 tag, uint64 seq
 HEAD: Final = struct.Struct(">BBBQBQ")
 FRAME_BYTE, U64_BYTE = 0x94, 0xcf  # its fixed bytes: HEAD.pack(FRAME_BYTE, kind, U64_BYTE, ...)
 TAG_AT, SEQ_AT = struct.calcsize(">BBB"), struct.calcsize(">BBBQB")  # where its uint64s lie
 _ARRAY: Final = struct.Struct(">BI")  # a packet's head: array 32, its frames
+PACKET_HEAD: Final = _ARRAY
 ARRAY_BYTE: Final = 0xdd  # msgpack's array 32
 # A run's kind (a small frame's only: a wire frame has none such), and its head: a frame's,
 # then an array 32 of its bodies, their count laid last (``RUN_COUNT_AT``) once it is known.

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 from asyncomm._core import wire
 from asyncomm._core.errors import CommClosedError, CommTimeoutError, ProtocolError
+from asyncomm._core.small import NATIVE
 from asyncomm._core.small import encode as small_encode
 from asyncomm._core.wire import Codec, Kind
 from asyncomm._messaging.mailbox import Encoded, Entry, Frame, Message, size_of, wake
@@ -24,6 +25,9 @@ from asyncomm._messaging.router import Router, Window
 __all__ = ["Channel", "Message", "codec_of"]
 
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
+# The compiled encoding of a small message (tensors, lists, dicts), called first: ``None``
+# where it leaves the message to ``small.encode`` (which would call it again, a call later).
+_compiled_encode = None if NATIVE is None else NATIVE.encode
 
 
 class Channel:
@@ -65,7 +69,10 @@ class Channel:
         carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
         """
         if type(dst) is int and dst in self._windows:  # a rank checked before, small messages
-            body = small_encode(obj, self._small_room, self._max_ndim)
+            body = (None if _compiled_encode is None
+                    else _compiled_encode(obj, self._small_room, self._max_ndim))
+            if body is None:
+                body = small_encode(obj, self._small_room, self._max_ndim)
             if body is not None and self.post(body, dst):
                 return  # the fast path: sent with the iteration's others, as it is now
             await self._send(self._router.frame_of(self.tag, obj, self.codec)

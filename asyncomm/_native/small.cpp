@@ -10,6 +10,7 @@
 
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <ATen/EmptyTensor.h>
 
 #include <cstdint>
 #include <cstring>
@@ -285,19 +286,20 @@ PyObject* forget(PyObject*, PyObject*) {
 
 // A fresh tensor of an inline payload whose descriptor is kept, of at most max_ndim dims,
 // holding its bytes exactly; an undefined one for any other payload.
-at::Tensor made(const char* p, size_t size, long max_ndim) {
-  if (kept.empty() || size < 3) return at::Tensor();
+at::TensorBase made(const char* p, size_t size, long max_ndim) {
+  if (kept.empty() || size < 3) return at::TensorBase();
   size_t ndim = static_cast<uint8_t>(p[2]);
   size_t at = descriptor_bytes(ndim);
-  if (static_cast<long>(ndim) > max_ndim || size < at) return at::Tensor();
+  if (static_cast<long>(ndim) > max_ndim || size < at) return at::TensorBase();
   if (last == nullptr || last->first.size() != at || std::memcmp(last->first.data(), p, at)) {
     auto k = kept.find(std::string(p, at));
-    if (k == kept.end()) return at::Tensor();
+    if (k == kept.end()) return at::TensorBase();
     last = &*k;
   }
   const Kept& k = last->second;
-  if (static_cast<int64_t>(size - at) != k.nbytes) return at::Tensor();
-  at::Tensor t = at::empty(k.shape, at::TensorOptions().dtype(k.dtype));
+  if (static_cast<int64_t>(size - at) != k.nbytes) return at::TensorBase();
+  // (the CPU allocator's own call: at::empty's dispatch costs as much as the rest)
+  at::TensorBase t = at::detail::empty_cpu(k.shape, k.dtype);
   std::memcpy(t.data_ptr(), p + at, size - at);
   return t;
 }
@@ -316,7 +318,7 @@ PyObject* inline_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
         PyLong_AsLong(args[2]) == EXT_INLINE) {
       long max_ndim = PyLong_AsLong(args[1]);
       if (PyErr_Occurred()) return nullptr;
-      at::Tensor t = made(PyBytes_AS_STRING(payload),
+      at::TensorBase t = made(PyBytes_AS_STRING(payload),
                           static_cast<size_t>(PyBytes_GET_SIZE(payload)), max_ndim);
       if (t.defined()) return THPVariable_Wrap(std::move(t));
     }
@@ -368,7 +370,7 @@ struct Reader {
     uint8_t code;
     const uint8_t* at;
     if (!byte(code) || code != EXT_INLINE || !skip(size, at)) return nullptr;
-    at::Tensor t;
+    at::TensorBase t;
     try {
       t = made(reinterpret_cast<const char*>(at), size, max_ndim);
     } catch (const std::exception&) {
