@@ -256,7 +256,8 @@ def test_the_compiled_packet_reader_reads_a_damaged_packet_as_python_or_not_at_a
 
 BOTH_WAYS = r"""
 import os, sys
-rank = int(os.environ.get("RANK") or os.environ.get("PMI_RANK") or 0)
+rank = int(next((os.environ[v] for v in ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK",
+                                         "PMIX_RANK") if v in os.environ), 0))
 if rank % 2:
     os.environ["ASYNCOMM_NATIVE"] = "0"  # odd ranks run the Python twins
 import asyncio, torch, asyncomm
