@@ -136,6 +136,27 @@ def test_the_compiled_encoding_of_a_list_is_the_pythons(items: object) -> None:
         assert NATIVE.encode(items, small.BYTES, 16) == body
 
 
+@built
+def test_the_compiled_functions_refuse_bad_calls_with_errors() -> None:
+    """Wrong arguments are a Python error, never a crash."""
+    x = torch.ones(1)
+    calls = [lambda: NATIVE.encode(1), lambda: NATIVE.encode(torch.ones(1), "8", 16),
+             lambda: NATIVE.inline(_python_hook, 16, 3), lambda: NATIVE.unpack_packet(3, 16),
+             lambda: NATIVE.unpack_packet(b"", "x"), lambda: NATIVE.unpack_message(b"", 99),
+             lambda: NATIVE.keep(b"\1"), lambda: NATIVE.keep(b"\1\0\5"), lambda: NATIVE.keep(7),
+             lambda: NATIVE.setup(5), lambda: NATIVE.setup([(1,)]),
+             lambda: NATIVE.setup([(999, x)])]
+    for call in calls:
+        with pytest.raises((TypeError, ValueError)):
+            call()
+    assert NATIVE.unpack_message(bytearray(8), 99, 16) is None  # a count beyond the buffer
+    with pytest.raises(ProtocolError):  # not an int code: the twin's to refuse
+        NATIVE.inline(_python_hook, 16, 3.0, b"")
+    # a failed setup changed nothing: the dtypes are known still
+    assert NATIVE.encode(torch.ones(2), small.BYTES, 16) == small.encode(torch.ones(2),
+                                                                          compiled=False)
+
+
 def _hooks() -> tuple[object, object]:
     twin = _python_hook
     return functools.partial(NATIVE.inline, twin, 16), twin

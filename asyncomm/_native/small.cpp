@@ -52,6 +52,13 @@ uint64_t get_u64(const char* p) {
   return v;
 }
 
+// Whether a fast call has ``want`` arguments; if not, a TypeError saying ``usage`` is set.
+bool arity(Py_ssize_t nargs, Py_ssize_t want, const char* usage) {
+  if (nargs == want) return true;
+  PyErr_SetString(PyExc_TypeError, usage);
+  return false;
+}
+
 // setup(table): table is a list of (code, an empty tensor of that dtype).
 PyObject* setup(PyObject*, PyObject* table) {
   try {
@@ -59,8 +66,8 @@ PyObject* setup(PyObject*, PyObject* table) {
       PyErr_SetString(PyExc_TypeError, "setup(table): a list of (code, tensor)");
       return nullptr;
     }
-    codes.clear();
-    dtypes.clear();
+    std::unordered_map<int, uint8_t> new_codes;
+    std::unordered_map<int, at::ScalarType> new_dtypes;
     for (Py_ssize_t i = 0; i < PyList_GET_SIZE(table); i++) {
       PyObject* item = PyList_GET_ITEM(table, i);
       if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2 ||
@@ -74,9 +81,11 @@ PyObject* setup(PyObject*, PyObject* table) {
         return nullptr;
       }
       at::ScalarType dtype = THPVariable_Unpack(PyTuple_GET_ITEM(item, 1)).scalar_type();
-      codes[static_cast<int>(dtype)] = static_cast<uint8_t>(code);
-      dtypes[static_cast<int>(code)] = dtype;
+      new_codes[static_cast<int>(dtype)] = static_cast<uint8_t>(code);
+      new_dtypes[static_cast<int>(code)] = dtype;
     }
+    codes.swap(new_codes);  // (all or nothing: a table refused changes nothing)
+    dtypes.swap(new_dtypes);
     Py_RETURN_NONE;
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
@@ -220,10 +229,7 @@ bool put_value(std::string& out, PyObject* x, Py_ssize_t room, Py_ssize_t max_nd
 // any other (the twin decides).
 PyObject* encode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   try {
-    if (nargs != 3) {
-      PyErr_SetString(PyExc_TypeError, "encode(obj, room, max_ndim)");
-      return nullptr;
-    }
+    if (!arity(nargs, 3, "encode(obj, room, max_ndim)")) return nullptr;
     Py_ssize_t room = PyLong_AsSsize_t(args[1]);
     Py_ssize_t max_ndim = PyLong_AsSsize_t(args[2]);
     if (PyErr_Occurred()) return nullptr;
@@ -309,10 +315,7 @@ at::TensorBase made(const char* p, size_t size, long max_ndim) {
 // dims, with its bytes exactly: a fresh tensor of them; anything else: twin(code, payload).
 PyObject* inline_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   try {
-    if (nargs != 4) {
-      PyErr_SetString(PyExc_TypeError, "inline(twin, max_ndim, code, payload)");
-      return nullptr;
-    }
+    if (!arity(nargs, 4, "inline(twin, max_ndim, code, payload)")) return nullptr;
     PyObject* payload = args[3];
     if (!kept.empty() && PyLong_CheckExact(args[2]) && PyBytes_CheckExact(payload) &&
         PyLong_AsLong(args[2]) == EXT_INLINE) {
@@ -504,10 +507,7 @@ PyObject* list_or_none(PyObject* items) {
 // holds only messages (or runs of them) whose bodies ``Reader::value`` reads; None for any
 // other (the Python twin reads it, refuses what is malformed, keeps the descriptors it checks).
 PyObject* unpack_packet(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2) {
-    PyErr_SetString(PyExc_TypeError, "unpack_packet(data, max_ndim)");
-    return nullptr;
-  }
+  if (!arity(nargs, 2, "unpack_packet(data, max_ndim)")) return nullptr;
   long max_ndim = PyLong_AsLong(args[1]);
   if (PyErr_Occurred()) return nullptr;
   Py_buffer view;
@@ -523,10 +523,7 @@ PyObject* unpack_packet(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 // head bytes, bytes inline, data messages, form) that is a packet (form 1, no head, nothing
 // following), read as ``unpack_packet`` reads it; None for any other message.
 PyObject* unpack_message(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "unpack_message(buffer, count, max_ndim)");
-    return nullptr;
-  }
+  if (!arity(nargs, 3, "unpack_message(buffer, count, max_ndim)")) return nullptr;
   Py_ssize_t count = PyLong_AsSsize_t(args[1]);
   long max_ndim = PyLong_AsLong(args[2]);
   if (PyErr_Occurred()) return nullptr;
