@@ -228,14 +228,15 @@ def test_the_compiled_packet_reader_reads_what_python_reads() -> None:
               msgpack.packb("é" * 300), msgpack.packb(list(range(20))), b"\xca\x3f\x80\0\0",
               small.encode([1, a, "x", b], compiled=False) or b""]
     packet = _packet(*[_message(3, i, body) for i, body in enumerate(bodies)],
-                     _run(5, 7, tb, ta, tb), _message(2**64 - 1, 2**63, tb))
+                     _run(5, 7, tb, ta, tb), _message(2**64 - 1, 2**63, tb),
+                     small.head(3, 3, 0) + msgpack.packb([16, 0]))  # credit: any kind is read
     made = NATIVE.unpack_packet(packet, 16)
     assert made is not None and _same_items(made, small.unpack_packet(packet, compiled=False))
     assert _same_items(small.unpack_packet(memoryview(bytearray(packet))), made)
     for other in (_packet(_message(3, 0, small.encode((1, 2)) or b"")),  # a tuple: Python's
                   _packet(_message(3, 0, ta), _message(3, 1, b"\xa1\xff")),  # not UTF-8
                   _packet(_message(3, 0, msgpack.packb({(1,): 2}))),  # not a str or int key
-                  _packet(small.head(small.DATA + 1, 3, 0) + ta),  # not a message
+                  _packet(b"\x94\xcc\x01" + small.head(1, 3, 0)[2:] + ta),  # a kind not fixint
                   _packet(_message(3, 0, small.encode(torch.ones(9), compiled=False) or b"")),
                   _packet(_message(3, 0, msgpack.packb(msgpack.ExtType(5, b"x")))),
                   packet + b"\0", packet[:-1], _packet()[:-1]):

@@ -23,7 +23,7 @@ namespace {
 constexpr long EXT_INLINE = 3;  // msgpack extension code of an inline buffer
 constexpr uint8_t TENSOR = 0;   // BufferKind.TENSOR
 constexpr Py_ssize_t ROOM_LEFT = 256;  // encode's margin: a lone tensor's body <= room - this
-constexpr uint8_t DATA = 1, RUN = 7;   // a small frame's kinds: a message, a run of messages
+constexpr uint8_t RUN = 7;  // a small frame's kind: a run of messages (the rest: one body each)
 
 // A descriptor (as in a frame's head): code, kind, ndim (uint8 each), then ndim + 1 uint64
 // little-endian: the shape, then the bytes.
@@ -473,10 +473,9 @@ PyObject* read_packet(const uint8_t* data, size_t size, long max_ndim) {
   for (uint64_t i = 0; whole && items != nullptr && i < count; i++) {
     uint8_t head, kind;
     uint64_t tag, seq, messages = 1;
-    whole = r.byte(head) && head == 0x94 && r.byte(kind) && (kind == DATA || kind == RUN) &&
-            r.u64(tag) && r.u64(seq) && (kind == DATA || r.array32(messages)) &&
-            messages <= r.left;
-    PyObject* data = !whole ? nullptr : kind == DATA ? r.value(0)
+    whole = r.byte(head) && head == 0x94 && r.byte(kind) && kind < 0x80 && r.u64(tag) &&
+            r.u64(seq) && (kind != RUN || r.array32(messages)) && messages <= r.left;
+    PyObject* data = !whole ? nullptr : kind != RUN ? r.value(0)
                      : PyList_New(static_cast<Py_ssize_t>(messages));
     for (uint64_t j = 0; data != nullptr && kind == RUN && j < messages; j++) {
       PyObject* message = r.value(0);
@@ -503,9 +502,10 @@ PyObject* list_or_none(PyObject* items) {
 }
 
 // unpack_packet(data, max_ndim) -> list | None: the frames of a packet as
-// ``small.unpack_packet`` returns them ([kind, tag, seq, message or list of messages]), if it
-// holds only messages (or runs of them) whose bodies ``Reader::value`` reads; None for any
-// other (the Python twin reads it, refuses what is malformed, keeps the descriptors it checks).
+// ``small.unpack_packet`` returns them ([kind, tag, seq, body or a run's list of bodies]), if
+// every body is one ``Reader::value`` reads (of any kind: a message, credit, a request...);
+// None for any other (the Python twin reads it, refuses what is malformed, keeps the
+// descriptors it checks; the receiver checks each frame's kind).
 PyObject* unpack_packet(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!arity(nargs, 2, "unpack_packet(data, max_ndim)")) return nullptr;
   long max_ndim = PyLong_AsLong(args[1]);
