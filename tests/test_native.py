@@ -149,7 +149,10 @@ def test_the_compiled_functions_refuse_bad_calls_with_errors() -> None:
     for call in calls:
         with pytest.raises((TypeError, ValueError)):
             call()
-    assert NATIVE.unpack_message(bytearray(8), 99, 16) is None  # a count beyond the buffer
+    assert NATIVE.unpack_message(bytearray(8), 99, 16, 0, tuple) is None  # beyond the buffer
+    for src, wrap in ((0, list), ("0", tuple), (0, 5)):
+        with pytest.raises(TypeError):
+            NATIVE.unpack_message(bytearray(32), 16, 16, src, wrap)
     with pytest.raises(ProtocolError):  # not an int code: the twin's to refuse
         NATIVE.inline(_python_hook, 16, 3.0, b"")
     # a failed setup changed nothing: the dtypes are known still
@@ -242,6 +245,31 @@ def test_the_compiled_packet_reader_reads_what_python_reads() -> None:
                   packet + b"\0", packet[:-1], _packet()[:-1]):
         assert NATIVE.unpack_packet(other, 16) is None
     assert NATIVE.unpack_packet(_packet(_message(3, 0, ta)), 0) is None  # beyond its dims
+
+
+@built
+def test_a_link_message_is_read_with_its_messages_made() -> None:
+    """What the MPI link hands the receiver: a packet's frames, messages made ``Message``."""
+    from asyncomm._core.messages import PACKET, PREAMBLE
+    from asyncomm._messaging.mailbox import Message
+
+    t = small.encode(torch.arange(2.0), compiled=False)
+    assert t is not None
+    small.inline_buffer(t[3:])
+    packet = _packet(_message(3, 0, t), _run(4, 1, t, msgpack.packb({"a": 1})),
+                     small.head(3, 3, 0) + msgpack.packb([16, 0]))
+    message = bytearray(PREAMBLE.pack(0, len(packet), 0, PACKET) + packet + b"padding")
+    made = NATIVE.unpack_message(message, len(message) - 7, 16, 5, Message)
+    assert made is not None
+    assert [type(m) for m in [made[0][3], *made[1][3]]] == [Message] * 3
+    assert made[0][3].src == 5 and made[0][3].tag == 3 and made[1][3][1].tag == 4
+    bare = [[k, tag, seq, d[2] if k == small.DATA else [m[2] for m in d] if k == small.RUN
+             else d] for k, tag, seq, d in made]
+    assert _same_items(bare, small.unpack_packet(packet, compiled=False))
+    for other in (PREAMBLE.pack(0, len(packet), 0, 2) + packet,  # a batch: not a packet
+                  PREAMBLE.pack(4, len(packet), 0, PACKET) + packet,  # a head
+                  PREAMBLE.pack(0, len(packet) + 1, 0, PACKET) + packet):  # beyond it
+        assert NATIVE.unpack_message(bytearray(other), len(other), 16, 5, Message) is None
 
 
 def _same_items(a: list[object], b: list[object]) -> bool:

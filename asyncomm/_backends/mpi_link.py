@@ -287,6 +287,7 @@ class PostedLink(MpiLink):
         self._unpack = None if small.NATIVE is None else small.NATIVE.unpack_message
 
     def open(self, arrivals: Any, limits: Any) -> None:
+        self._message_type = arrivals.message_type
         self._posted = self._comm.Recv_init([self._slot, MPI.BYTE], MPI.ANY_SOURCE,
                                             tags.LINK_MESSAGE)
         self._posted.Start()
@@ -328,12 +329,14 @@ class PostedLink(MpiLink):
             if not posted.Test(status):
                 return False
             count = status.Get_count(MPI.BYTE)
+            src = status.Get_source()
             if self._unpack is not None and not self._held:  # a packet read where it lies
-                items = self._unpack(self._slot, count, self._limits.max_ndim)
+                items = self._unpack(self._slot, count, self._limits.max_ndim, src,
+                                     self._message_type)
             message: bytearray | None = None if items is not None else self._slot[:count]
         except MPI.Exception as exc:  # cut short: more than ``MESSAGE_BYTES``
             message, error = None, exc
-        src = status.Get_source()
+            src = status.Get_source()
         try:
             posted.Start()
         except MPI.Exception as exc:  # (not seen: the receive completed above)
@@ -344,7 +347,7 @@ class PostedLink(MpiLink):
                 "exception": exc})
         if items is not None:  # (the commonest, with the compiled part: small messages)
             assert self._arrivals is not None
-            self._arrivals.items(src, items)
+            self._arrivals.messages(src, items)
         elif message is None:
             assert self._arrivals is not None
             self._arrivals.refuse(src, ProtocolError(

@@ -144,9 +144,17 @@ class Arrivals(Protocol):
         whole frames is refused (``refuse``) from the first one that is not.
         """
 
+    @property
+    def message_type(self) -> type[tuple[Any, ...]]:
+        """What a message is delivered as: a tuple type of (src, tag, data)."""
+
     def items(self, src: int, items: list[Any]) -> None:
-        """The small frames of a packet from ``src``, decoded already (by the compiled part:
-        ``small.NATIVE.unpack_message``): ``small.unpack_packet``'s items."""
+        """The small frames of a packet from ``src``, decoded: ``small.unpack_packet``'s
+        items."""
+
+    def messages(self, src: int, items: list[Any]) -> None:
+        """``items``, decoded by the compiled part (``small.NATIVE.unpack_message``), the
+        bodies of its messages made ``message_type`` already."""
 
     def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are on their way (it comes before later ones)."""

@@ -23,7 +23,7 @@ namespace {
 constexpr long EXT_INLINE = 3;  // msgpack extension code of an inline buffer
 constexpr uint8_t TENSOR = 0;   // BufferKind.TENSOR
 constexpr Py_ssize_t ROOM_LEFT = 256;  // encode's margin: a lone tensor's body <= room - this
-constexpr uint8_t RUN = 7;  // a small frame's kind: a run of messages (the rest: one body each)
+constexpr uint8_t DATA = 1, RUN = 7;  // a small frame's kinds: a message, a run of messages
 
 // A descriptor (as in a frame's head): code, kind, ndim (uint8 each), then ndim + 1 uint64
 // little-endian: the shape, then the bytes.
@@ -464,8 +464,27 @@ struct Reader {
   }
 };
 
+// A message of channel ``tag`` from ``src``: ``wrap((src, tag, body))`` (a tuple subclass,
+// made as tuple.__new__ makes one); steals ``body``.
+PyObject* wrapped(PyTypeObject* wrap, PyObject* src, PyObject* tag, PyObject* body) {
+  PyObject* message = body == nullptr ? nullptr : wrap->tp_alloc(wrap, 3);
+  if (message == nullptr) {
+    Py_XDECREF(body);
+    return nullptr;
+  }
+  Py_INCREF(src);
+  Py_INCREF(tag);
+  PyTuple_SET_ITEM(message, 0, src);
+  PyTuple_SET_ITEM(message, 1, tag);
+  PyTuple_SET_ITEM(message, 2, body);
+  return message;
+}
+
 // The frames of the packet in ``data[0:size]`` (a new list), or nullptr with no error set.
-PyObject* read_packet(const uint8_t* data, size_t size, long max_ndim) {
+// With ``wrap`` (and ``src``), the bodies of messages (frames of kind DATA, and runs) come
+// as messages (``wrapped``), the others as they are.
+PyObject* read_packet(const uint8_t* data, size_t size, long max_ndim,
+                      PyTypeObject* wrap = nullptr, PyObject* src = nullptr) {
   Reader r{data, size, max_ndim};
   uint64_t count;
   bool whole = r.array32(count) && count <= r.left;
@@ -475,13 +494,20 @@ PyObject* read_packet(const uint8_t* data, size_t size, long max_ndim) {
     uint64_t tag, seq, messages = 1;
     whole = r.byte(head) && head == 0x94 && r.byte(kind) && kind < 0x80 && r.u64(tag) &&
             r.u64(seq) && (kind != RUN || r.array32(messages)) && messages <= r.left;
+    PyObject* channel = whole && wrap != nullptr && (kind == DATA || kind == RUN)
+                        ? PyLong_FromUnsignedLongLong(tag) : nullptr;
+    if (whole && wrap != nullptr && (kind == DATA || kind == RUN) && channel == nullptr)
+      whole = false;  // (no memory for it)
     PyObject* data = !whole ? nullptr : kind != RUN ? r.value(0)
                      : PyList_New(static_cast<Py_ssize_t>(messages));
+    if (channel != nullptr && kind == DATA) data = wrapped(wrap, src, channel, data);
     for (uint64_t j = 0; data != nullptr && kind == RUN && j < messages; j++) {
       PyObject* message = r.value(0);
+      if (channel != nullptr) message = wrapped(wrap, src, channel, message);
       if (message == nullptr) Py_CLEAR(data);
       else PyList_SET_ITEM(data, static_cast<Py_ssize_t>(j), message);
     }
+    Py_XDECREF(channel);
     PyObject* item = data == nullptr ? nullptr
                      : Py_BuildValue("[iKKN]", kind, static_cast<unsigned long long>(tag),
                                      static_cast<unsigned long long>(seq), data);
@@ -518,15 +544,21 @@ PyObject* unpack_packet(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return list_or_none(items);
 }
 
-// unpack_message(buffer, count, max_ndim) -> list | None: a link message in
-// ``buffer[:count]`` (see asyncomm._core.messages: a preamble of four little-endian uint32,
-// head bytes, bytes inline, data messages, form) that is a packet (form 1, no head, nothing
-// following), read as ``unpack_packet`` reads it; None for any other message.
+// unpack_message(buffer, count, max_ndim, src, wrap) -> list | None: a link message from
+// ``src`` in ``buffer[:count]`` (see asyncomm._core.messages: a preamble of four
+// little-endian uint32, head bytes, bytes inline, data messages, form) that is a packet
+// (form 1, no head, nothing following), read as ``unpack_packet`` reads it but with its
+// messages' bodies made ``wrap((src, tag, body))`` (a tuple type); None for any other.
 PyObject* unpack_message(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity(nargs, 3, "unpack_message(buffer, count, max_ndim)")) return nullptr;
+  if (!arity(nargs, 5, "unpack_message(buffer, count, max_ndim, src, wrap)")) return nullptr;
   Py_ssize_t count = PyLong_AsSsize_t(args[1]);
   long max_ndim = PyLong_AsLong(args[2]);
   if (PyErr_Occurred()) return nullptr;
+  if (!PyLong_CheckExact(args[3]) || !PyType_Check(args[4]) ||
+      !PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(args[4]), &PyTuple_Type)) {
+    PyErr_SetString(PyExc_TypeError, "unpack_message: src an int, wrap a tuple type");
+    return nullptr;
+  }
   Py_buffer view;
   if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) < 0) return nullptr;
   PyObject* items = nullptr;
@@ -537,7 +569,8 @@ PyObject* unpack_message(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       field[i] = p[4 * i] | (p[4 * i + 1] << 8) | (p[4 * i + 2] << 16) |
                  (static_cast<uint32_t>(p[4 * i + 3]) << 24);
     if (field[0] == 0 && field[2] == 0 && field[3] == 1 && field[1] <= count - 16)
-      items = read_packet(p + 16, field[1], max_ndim);
+      items = read_packet(p + 16, field[1], max_ndim, reinterpret_cast<PyTypeObject*>(args[4]),
+                          args[3]);
   }
   PyBuffer_Release(&view);
   return list_or_none(items);
@@ -555,7 +588,7 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "unpack_packet(data, max_ndim) -> list | None"},
     {"unpack_message",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unpack_message)),
-     METH_FASTCALL, "unpack_message(buffer, count, max_ndim) -> list | None"},
+     METH_FASTCALL, "unpack_message(buffer, count, max_ndim, src, wrap) -> list | None"},
     {nullptr, nullptr, 0, nullptr}};
 
 #define ASYNCOMM_STR2(name) #name
