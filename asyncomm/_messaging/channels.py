@@ -56,6 +56,7 @@ class Channel:
         self._batch_less_one = router.batch - 1  # messages taken before credit goes back
         self._send_data = router.link.send_data
         self._probe_of = router.probe
+        self._size = router.size
         self._max_ndim = router.limits.max_ndim
 
     def __repr__(self) -> str:
@@ -68,13 +69,21 @@ class Channel:
         messages. Raises ``TypeError`` for objects the channel's codec cannot
         carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
         """
-        if type(dst) is int and dst in self._windows:  # a rank checked before, small messages
+        window = self._windows.get(dst) if type(dst) is int else None
+        if window is not None:  # a rank checked before, small messages
             body = (None if _compiled_encode is None
                     else _compiled_encode(obj, self._small_room, self._max_ndim))
             if body is None:
                 body = small_encode(obj, self._small_room, self._max_ndim)
-            if body is not None and self.post(body, dst):
-                return  # the fast path: sent with the iteration's others, as it is now
+            out = window.messages_out
+            if body is not None and window.open and out < self._window and not (
+                    window.waiters or (self._traced and self._probe_of.recording is not None)):
+                # the fast path (``post``'s, inline: a call is a tenth of a send's cost)
+                window.messages_out = out + 1
+                seq = window.seq
+                window.seq = seq + 1
+                self._send_data(dst, self.tag, seq, body)
+                return  # sent with the iteration's others, as it is now
             await self._send(self._router.frame_of(self.tag, obj, self.codec)
                              if body is None else body, dst, timeout)
             return
@@ -148,9 +157,9 @@ class Channel:
         malformed frame (the next call goes on with the next message).
         """
         router = self._router
-        if src is not None and (type(src) is not int or not 0 <= src < router.size):
+        if src is not None and (type(src) is not int or not 0 <= src < self._size):
             self._check_rank("recv", "src", src)
-        if not self._traced or router.probe.recording is None:
+        if not self._traced or self._probe_of.recording is None:
             box = self._box
             frames = box.frames
             if frames:
@@ -167,7 +176,8 @@ class Channel:
                 if entry is not None:
                     return self._open(entry)
             return await self._wait(src, self._timeout if timeout is None else timeout)
-        trace = router.probe.recording
+        trace = self._probe_of.recording
+        assert trace is not None  # (traced: said above)
         start, error, message = time.perf_counter(), None, None
         try:
             message = await self._recv(src, timeout)
