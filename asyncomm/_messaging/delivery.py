@@ -103,24 +103,29 @@ class Delivery:
             if box is None or seq != box.seqs.get(src, 0):  # another kind, a new channel, or
                 self.items(src, [_bare(item) for item in items[i:]])  # out of sequence
                 return
-            if kind == DATA:
-                box.seqs[src] = seq + 1
-                if box.listener is None:
-                    box.frames.append(data)
-                    if box.waiters:
-                        box.came(src)
-                else:
-                    box.listener(data)
-                continue
-            box.seqs[src] = seq + len(data)
-            if box.listener is not None:
-                for message in data:
-                    box.put(message)
-                continue
-            box.frames.extend(data)
-            if box.waiters:
-                for _ in data:  # each wakes a receiver waiting for src (if one still waits)
+            self._in_order(box, src, kind, seq, data)
+
+    def _in_order(self, box: Mailbox, src: int, kind: int, seq: int, data: Any) -> None:
+        """Keep in ``box`` the next of ``src``'s messages: ``data`` a ``Message`` (a frame of
+        kind DATA, sequence number ``seq``) or a list of them (a run from ``seq`` on)."""
+        if kind == DATA:  # the commonest: the channel's next message
+            box.seqs[src] = seq + 1
+            if box.listener is None:
+                box.frames.append(data)
+                if box.waiters:
                     box.came(src)
+            else:
+                box.listener(data)
+            return
+        box.seqs[src] = seq + len(data)
+        if box.listener is not None:
+            for message in data:
+                box.put(message)
+            return
+        box.frames.extend(data)
+        if box.waiters:
+            for _ in data:  # each wakes a receiver waiting for src (if one still waits)
+                box.came(src)
 
     def items(self, src: int, items: list[Any]) -> None:
         """The small frames of a packet from ``src``, decoded (``small.unpack_packet``'s items):
@@ -145,28 +150,8 @@ class Delivery:
                 if not self._one(src, item):
                     return
                 continue
-            if kind == DATA:  # the commonest: the channel's next message (or messages)
-                box.seqs[src] = seq + 1
-                entry = _new(Message, (src, tag, data))
-                if box.listener is None:
-                    box.frames.append(entry)
-                    if box.waiters:
-                        box.came(src)
-                else:
-                    box.listener(entry)
-                continue
-            box.seqs[src] = seq + len(data)
-            if box.listener is not None:
-                for obj in data:
-                    box.put(_new(Message, (src, tag, obj)))
-                continue
-            if len(data) == 1:  # (an answer, in request and response)
-                box.frames.append(_new(Message, (src, tag, data[0])))
-            else:
-                box.frames.extend([_new(Message, (src, tag, obj)) for obj in data])
-            if box.waiters:
-                for _ in data:  # each wakes a receiver waiting for src (if one still waits)
-                    box.came(src)
+            self._in_order(box, src, kind, seq, _new(Message, (src, tag, data)) if kind == DATA
+                           else [_new(Message, (src, tag, obj)) for obj in data])
 
     def _one(self, src: int, item: object) -> bool:
         """Take one item of a packet as a small frame (or run); return whether ``src`` may
