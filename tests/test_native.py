@@ -272,6 +272,16 @@ def test_a_link_message_is_read_with_its_messages_made() -> None:
         assert NATIVE.unpack_message(bytearray(other), len(other), 16, 5, Message) is None
 
 
+@built
+def test_the_keys_kept_for_dicts_read_as_made() -> None:
+    """Map keys are kept once made (1024 at most): past that, and for every key, the same."""
+    for i in range(1100):
+        body = msgpack.packb({f"k{i % 1030}": i, "step": [i], "é" * (i % 5): None})
+        packet = _packet(_message(3, i, body))
+        made = NATIVE.unpack_packet(packet, 16)
+        assert made == small.unpack_packet(packet, compiled=False), i
+
+
 def _same_items(a: list[object], b: list[object]) -> bool:
     return len(a) == len(b) and all(
         _same_items(x, y) if isinstance(x, list) and isinstance(y, list) else _same(x, y)

@@ -156,7 +156,6 @@ class Channel:
         closed the channel and no message is left, ``ProtocolError`` for a
         malformed frame (the next call goes on with the next message).
         """
-        router = self._router
         if src is not None and (type(src) is not int or not 0 <= src < self._size):
             self._check_rank("recv", "src", src)
         if not self._traced or self._probe_of.recording is None:
@@ -187,7 +186,7 @@ class Channel:
         finally:
             nbytes = 0 if message is None else self._received
             peer = src if message is None else message.src
-            trace.message("channel_recv", nbytes, peer, self.tag, router.probe.id, start,
+            trace.message("channel_recv", nbytes, peer, self.tag, self._probe_of.id, start,
                           error)
         return message
 

@@ -41,6 +41,7 @@ struct Kept {
 };
 std::unordered_map<std::string, Kept> kept;
 const std::pair<const std::string, Kept>* last = nullptr;  // the one found last (a stream's)
+std::unordered_map<std::string, PyObject*> keys;  // short str keys of maps (see Reader::key)
 
 void put_u64(char* p, uint64_t v) {
   for (int i = 0; i < 8; i++) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
@@ -396,10 +397,32 @@ struct Reader {
     }
     return list;
   }
+  // A map's key: a short str is taken from ``keys`` (made, interned and kept there the
+  // first time: the keys of a stream of dicts repeat, and a kept str's hash is known).
+  PyObject* key(int depth) {
+    if (!left || (*p & 0xe0) != 0xa0) return value(depth);
+    size_t n = *p & 0x1f;
+    if (left < 1 + n) return nullptr;
+    std::string text(reinterpret_cast<const char*>(p + 1), n);
+    auto kept_key = keys.find(text);
+    if (kept_key != keys.end()) {
+      p += 1 + n;
+      left -= 1 + n;
+      Py_INCREF(kept_key->second);
+      return kept_key->second;
+    }
+    PyObject* made_key = value(depth);
+    if (made_key != nullptr && keys.size() < 1024) {
+      PyUnicode_InternInPlace(&made_key);
+      Py_INCREF(made_key);
+      keys.emplace(std::move(text), made_key);
+    }
+    return made_key;
+  }
   PyObject* map(uint64_t n, int depth) {
     PyObject* dict = n <= left ? PyDict_New() : nullptr;
     for (uint64_t i = 0; dict != nullptr && i < n; i++) {
-      PyObject* key = value(depth + 1);
+      PyObject* key = this->key(depth + 1);
       PyObject* item = key == nullptr ? nullptr : value(depth + 1);
       if (item == nullptr || !(PyUnicode_CheckExact(key) || PyLong_CheckExact(key)) ||
           PyDict_SetItem(dict, key, item) < 0)
