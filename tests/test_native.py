@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import functools
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ def _same(a: object, b: object) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         return (type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape
                 and torch.equal(a, b))
-    return type(a) is type(b) and a == b
+    return type(a) is type(b) and (a == b or repr(a) == repr(b))  # (a NaN is not itself)
 
 
 def test_a_build_is_found_when_there_and_only_then(tmp_path: Path) -> None:
@@ -144,6 +145,10 @@ def test_the_compiled_functions_refuse_bad_calls_with_errors() -> None:
              lambda: NATIVE.inline(_python_hook, 16, 3), lambda: NATIVE.unpack_packet(3, 16),
              lambda: NATIVE.unpack_packet(b"", "x"), lambda: NATIVE.unpack_message(b"", 99),
              lambda: NATIVE.keep(b"\1"), lambda: NATIVE.keep(b"\1\0\5"), lambda: NATIVE.keep(7),
+             # a descriptor whose bytes are not its shape's: 2 floats declaring 64 bytes, and
+             # a shape whose product overflows
+             lambda: NATIVE.keep(bytes([9, 0, 1]) + struct.pack("<QQ", 2, 64)),
+             lambda: NATIVE.keep(bytes([9, 0, 2]) + struct.pack("<QQQ", 2**40, 2**40, 0)),
              lambda: NATIVE.setup(5), lambda: NATIVE.setup([(1,)]),
              lambda: NATIVE.setup([(999, x)])]
     for call in calls:
@@ -155,6 +160,8 @@ def test_the_compiled_functions_refuse_bad_calls_with_errors() -> None:
             NATIVE.unpack_message(bytearray(32), 16, 16, src, wrap)
     with pytest.raises(ProtocolError):  # not an int code: the twin's to refuse
         NATIVE.inline(_python_hook, 16, 3.0, b"")
+    with pytest.raises(ProtocolError):  # nor a code beyond a C long
+        NATIVE.inline(_python_hook, 16, 2**70, b"")
     # a failed setup changed nothing: the dtypes are known still
     assert NATIVE.encode(torch.ones(2), small.BYTES, 16) == small.encode(torch.ones(2),
                                                                           compiled=False)

@@ -271,8 +271,22 @@ PyObject* keep(PyObject*, PyObject* raw) {
       PyErr_SetString(PyExc_ValueError, "keep: not a tensor's descriptor of a known dtype");
       return nullptr;
     }
-    Kept k{dtype->second, {}, static_cast<int64_t>(get_u64(p + 3 + 8 * ndim))};
-    for (size_t i = 0; i < ndim; i++) k.shape.push_back(static_cast<int64_t>(get_u64(p + 3 + 8 * i)));
+    // (its bytes must be its shape's, in a tensor of at most 2**62 bytes: else a payload
+    // of its declared bytes would overrun the tensor made for its shape)
+    uint64_t nbytes = get_u64(p + 3 + 8 * ndim), product = c10::elementSize(dtype->second);
+    Kept k{dtype->second, {}, static_cast<int64_t>(nbytes)};
+    for (size_t i = 0; i < ndim; i++) {
+      uint64_t size = get_u64(p + 3 + 8 * i);
+      if (__builtin_mul_overflow(product, size, &product) || product > (uint64_t{1} << 62)) {
+        product = ~uint64_t{0};
+        break;
+      }
+      k.shape.push_back(static_cast<int64_t>(size));
+    }
+    if (product != nbytes || nbytes == 0) {
+      PyErr_SetString(PyExc_ValueError, "keep: a descriptor whose bytes are not its shape's");
+      return nullptr;
+    }
     if (kept.size() >= 1024) {
       kept.clear();
       last = nullptr;
@@ -318,8 +332,9 @@ PyObject* inline_(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   try {
     if (!arity(nargs, 4, "inline(twin, max_ndim, code, payload)")) return nullptr;
     PyObject* payload = args[3];
+    int overflow = 0;
     if (!kept.empty() && PyLong_CheckExact(args[2]) && PyBytes_CheckExact(payload) &&
-        PyLong_AsLong(args[2]) == EXT_INLINE) {
+        PyLong_AsLongAndOverflow(args[2], &overflow) == EXT_INLINE) {
       long max_ndim = PyLong_AsLong(args[1]);
       if (PyErr_Occurred()) return nullptr;
       at::TensorBase t = made(PyBytes_AS_STRING(payload),
