@@ -87,6 +87,8 @@ _U64_AT, _TAG_OFFSET, _SEQ_OFFSET = struct.Struct(">Q").unpack_from, small.TAG_A
 
 
 _PACKET_AT = PREAMBLE.size + small.PACKET_HEAD_BYTES  # a packet's first frame
+# a link message's packet read, its messages made, by the compiled part (``None``: not built)
+_unpack_message = None if small.NATIVE is None else small.NATIVE.unpack_message
 _PREAMBLE_INTO, _PREAMBLE_BYTES = PREAMBLE.pack_into, PREAMBLE.size
 _lay_packet_head = small.PACKET_HEAD.pack_into  # (buffer, at, ARRAY_BYTE, frames)
 
@@ -500,7 +502,14 @@ class Link(ABC):
         head_bytes, inline, follow, form = _PREAMBLE_AT(view, 0)
         end = at + inline
         if form == PACKET and not head_bytes and not follow and end <= len(view):
-            arrivals.packet(src, view, at, end)  # the hot path of small messages
+            # the hot path of small messages: read by the compiled part where it can
+            items = (None if _unpack_message is None else
+                     _unpack_message(view, len(view), self._limits.max_ndim, src,
+                                     arrivals.message_type))
+            if items is not None:
+                arrivals.messages(src, items)
+            else:
+                arrivals.packet(src, view, at, end)
             return True
         if form == BATCH and not head_bytes and not follow and end <= len(view):
             self._batch(src, view[at:end])
