@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
-from asyncomm._core import small, tags
+from asyncomm._core import tags
 from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
 from asyncomm._core.link import Link, Packet, Transport
@@ -283,11 +283,8 @@ class PostedLink(MpiLink):
         super().__init__(backend, comm, loop, poller, classify)
         self._slot = bytearray(MESSAGE_BYTES)
         self._posted: Any = None  # the persistent receive, while the link is open
-        # a packet's frames decoded where it lies, if the compiled part is there (see pump)
-        self._unpack = None if small.NATIVE is None else small.NATIVE.unpack_message
 
     def open(self, arrivals: Any, limits: Any) -> None:
-        self._message_type = arrivals.message_type
         self._posted = self._comm.Recv_init([self._slot, MPI.BYTE], MPI.ANY_SOURCE,
                                             tags.LINK_MESSAGE)
         self._posted.Start()

@@ -87,8 +87,6 @@ _U64_AT, _TAG_OFFSET, _SEQ_OFFSET = struct.Struct(">Q").unpack_from, small.TAG_A
 
 
 _PACKET_AT = PREAMBLE.size + small.PACKET_HEAD_BYTES  # a packet's first frame
-# a link message's packet read, its messages made, by the compiled part (``None``: not built)
-_unpack_message = None if small.NATIVE is None else small.NATIVE.unpack_message
 _PREAMBLE_INTO, _PREAMBLE_BYTES = PREAMBLE.pack_into, PREAMBLE.size
 _lay_packet_head = small.PACKET_HEAD.pack_into  # (buffer, at, ARRAY_BYTE, frames)
 
@@ -208,10 +206,15 @@ class Link(ABC):
         self._flush_due = False  # whether a flush is asked of the loop (at its iteration's end)
         self._due: Due = (loop, self._flush_looked)  # ... and due while frames wait (``hurry``)
         self._waiting = False  # whether frames wait to be sent (its flush is in ``DUE`` then)
+        # a link message's packet read, its messages made, by the compiled part (``None``:
+        # not built), as ``arrivals.message_type`` (set when the link opens)
+        self._unpack = None if small.NATIVE is None else small.NATIVE.unpack_message
+        self._message_type: type[tuple[Any, ...]] = tuple
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         """Start receiving: every frame that arrives goes to ``arrivals``."""
         self._arrivals, self._limits = arrivals, limits
+        self._message_type = arrivals.message_type
 
     def hurry(self, done: Callable[[], bool]) -> bool:
         """A task is about to wait for ``done()``: look for frames now; return whether it is.
@@ -503,9 +506,9 @@ class Link(ABC):
         end = at + inline
         if form == PACKET and not head_bytes and not follow and end <= len(view):
             # the hot path of small messages: read by the compiled part where it can
-            items = (None if _unpack_message is None else
-                     _unpack_message(view, len(view), self._limits.max_ndim, src,
-                                     arrivals.message_type))
+            items = (None if self._unpack is None else
+                     self._unpack(view, len(view), self._limits.max_ndim, src,
+                                  self._message_type))
             if items is not None:
                 arrivals.messages(src, items)
             else:

@@ -105,9 +105,16 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         store=text("STORE"),
         test_address=text("TEST_ADDRESS"),
         test_key=text("TEST_KEY"),
-        native=text("NATIVE") != "0",
+        native=native_on(env),
         cache=text("CACHE"),
     )
+
+
+def native_on(environ: Mapping[str, str] | None = None) -> bool:
+    """Return whether asyncomm's compiled part may run (``ASYNCOMM_NATIVE`` is not ``0``),
+    reading that variable alone (asyncomm reads it when it is imported)."""
+    env = os.environ if environ is None else environ
+    return env.get("ASYNCOMM_NATIVE", "").strip() != "0"
 
 
 def cache_dir(environ: Mapping[str, str] | None = None) -> Path:

@@ -88,7 +88,7 @@ BYTES: Final = 8 << 10  # the most bytes a small frame's body holds
 _LIMITS: Final = Limits()
 # The compiled twins of the lone tensor's encoding and the inline tensor's making (see
 # ``asyncomm._native``), if built and not turned off; ``None``: these Python ones alone.
-NATIVE: Final = (_native.load(settings.cache_dir()) if settings.read().native else None)
+NATIVE: Final = _native.load(settings.cache_dir()) if settings.native_on() else None
 DTYPE_TABLE: Final = [(code, torch.empty(0, dtype=dtype)) for code, dtype in _DTYPES.items()]
 if NATIVE is not None:
     NATIVE.setup(DTYPE_TABLE)
@@ -347,7 +347,7 @@ def unpack_packet(data: bytes | memoryview, limits: Limits = _LIMITS, compiled: 
     Raises:
         ProtocolError: a malformed packet or frame (``split_packet`` tells which).
     """
-    if _native_packet is not None and compiled:  # lone tensors alone (the commonest): made
+    if _native_packet is not None and compiled:  # plain bodies, kept tensors (the commonest)
         made: list[Any] | None = _native_packet(data, limits.max_ndim)
         if made is not None:
             return made

@@ -73,17 +73,10 @@ class Channel:
         if window is not None:  # a rank checked before, small messages
             body = (None if _compiled_encode is None
                     else _compiled_encode(obj, self._small_room, self._max_ndim))
-            if body is None:
-                body = small_encode(obj, self._small_room, self._max_ndim)
-            out = window.messages_out
-            if body is not None and window.open and out < self._window and not (
-                    window.waiters or (self._traced and self._probe_of.recording is not None)):
-                # the fast path (``post``'s, inline: a call is a tenth of a send's cost)
-                window.messages_out = out + 1
-                seq = window.seq
-                window.seq = seq + 1
-                self._send_data(dst, self.tag, seq, body)
-                return  # sent with the iteration's others, as it is now
+            if body is None:  # (what the compiled part leaves: the Python twin alone)
+                body = small_encode(obj, self._small_room, self._max_ndim, compiled=False)
+            if body is not None and self._go(window, body, dst):
+                return  # the fast path: sent with the iteration's others, as it is now
             await self._send(self._router.frame_of(self.tag, obj, self.codec)
                              if body is None else body, dst, timeout)
             return
@@ -98,6 +91,10 @@ class Channel:
                     or not 0 <= dst < self._router.size):
                 return False
             window = self._windows[dst] = self._router.window_to(dst, self.tag)
+        return self._go(window, body, dst)
+
+    def _go(self, window: Window, body: bytes, dst: int) -> bool:
+        """``post`` to ``dst`` through its ``window``."""
         out = window.messages_out
         if (not window.open or out >= self._window or window.waiters
                 or (self._traced and self._probe_of.recording is not None)):
