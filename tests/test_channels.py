@@ -1305,14 +1305,14 @@ async def check_bursts_travel_as_runs(comm: Comm) -> None:
         if sub.rank == 0:
             for c in (ch, other):  # each channel's first message checks its rank
                 await c.send("first", 1)
-            packets = sub._router.link._packets
+            counts = sub._router.link._outbox.counts  # (items, frames) of a packet waiting
             await sub.barrier()  # the receivers wait
             for i in range(5):
                 await ch.send({"i": i}, 1)
-            assert (packets[1].items, packets[1].frames) == (1, 5)  # one run
+            assert counts(1) == (1, 5)  # one run
             await other.send(torch.arange(3), 1)  # another channel: a run of its own
             await ch.send({"i": 5}, 1)  # and the first again: a third
-            assert (packets[1].items, packets[1].frames) == (3, 7)
+            assert counts(1) == (3, 7)
         elif sub.rank == 1:
             assert (await ch.recv(0)).data == (await other.recv(0)).data == "first"
             waiting = asyncio.gather(*(ch.recv(0, timeout=10.0) for _ in range(6)),

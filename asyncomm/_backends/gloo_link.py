@@ -78,7 +78,7 @@ from asyncomm._backends import gloo_p2p
 from asyncomm._core import tags, wire
 from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError
 from asyncomm._core.handle import Handle
-from asyncomm._core.link import Arrivals, Link, Packet, Transport, bye_from, proxy_bye, signal
+from asyncomm._core.link import Arrivals, Link, Transport, bye_from, proxy_bye, signal
 from asyncomm._core.messages import BATCH, PREAMBLE, Pending, envelopes
 from asyncomm._core.progress import Classify, Inbox, Waiters
 
@@ -205,7 +205,7 @@ class GlooLink(Link):
             thread.start()
             self._threads.append(thread)
 
-    def _packet(self, packet: Packet) -> bytes | bytearray:
+    def _packet(self, packet: bytes | bytearray) -> bytes | bytearray:
         return packet  # sent as it is (padded where it must be: see ``_post``)
 
     def probe(self, dst: int) -> BaseException | None:

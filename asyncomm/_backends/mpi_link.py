@@ -14,10 +14,11 @@ from typing import Any
 import torch
 from mpi4py import MPI
 
+from asyncomm._backends import mpi_native
 from asyncomm._core import tags
 from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
-from asyncomm._core.link import Link, Packet, Transport
+from asyncomm._core.link import Link, Transport
 from asyncomm._core.messages import PREAMBLE, Pending
 from asyncomm._core.polling import Poller
 from asyncomm._core.progress import Classify
@@ -87,6 +88,10 @@ class MpiLink(Link):
         self._status = MPI.Status()
         self.packet_frames = PACKET_FRAMES
         self._open = False
+        # the compiled calls, where built (``mpi_native``): a message's send
+        self._native = mpi_native.NATIVE
+        self._isend = None if self._native is None else self._native.isend
+        self._comm_handle = comm.handle
 
     def open(self, arrivals: Any, limits: Any) -> None:
         super().open(arrivals, limits)
@@ -104,19 +109,28 @@ class MpiLink(Link):
     def expect(self) -> None:
         self._poller.kick()
 
-    def _packet(self, packet: Packet) -> bytearray:
+    def _packet(self, packet: bytes | bytearray) -> bytes | bytearray:
         return packet  # sized exactly: sent as it is
 
     def _post(self, buffer: bytes | bytearray | torch.Tensor, dst: int,
               tag: int) -> Handle[None] | None:
-        message = spec(buffer) if isinstance(buffer, torch.Tensor) else [buffer, MPI.BYTE]
-        handle: Handle[None]
         try:
-            request = self._comm.Isend(message, dst, tag)
-            if request.Test():
-                return None  # the common case: small messages are sent at once
+            if self._isend is not None and type(buffer) is not torch.Tensor:
+                try:
+                    pending = self._isend(self._comm_handle, buffer, dst, tag)
+                except self._native.Error as exc:  # type: ignore[union-attr]
+                    raise mpi_native.exception(exc) from None
+                if pending is None:
+                    return None  # the common case: small messages are sent at once
+                request = MPI.Request.fromhandle(pending)
+            else:
+                message = spec(buffer) if isinstance(buffer, torch.Tensor) else [buffer,
+                                                                                   MPI.BYTE]
+                request = self._comm.Isend(message, dst, tag)
+                if request.Test():
+                    return None
         except MPI.Exception as exc:
-            handle = Handle(self._loop, (self._rank, "send", None, dst, tag), None)
+            handle: Handle[None] = Handle(self._loop, (self._rank, "send", None, dst, tag), None)
             handle._fail(self._classify(exc), exc)
             return handle
         return self._watched(request, "send", dst, tag, buffer)
@@ -283,11 +297,13 @@ class PostedLink(MpiLink):
         super().__init__(backend, comm, loop, poller, classify)
         self._slot = bytearray(MESSAGE_BYTES)
         self._posted: Any = None  # the persistent receive, while the link is open
+        self._posted_handle = 0  # ... its handle, for the compiled calls
 
     def open(self, arrivals: Any, limits: Any) -> None:
         self._posted = self._comm.Recv_init([self._slot, MPI.BYTE], MPI.ANY_SOURCE,
                                             tags.LINK_MESSAGE)
         self._posted.Start()
+        self._posted_handle = self._posted.handle
         _posted.add(self)
         super().open(arrivals, limits)
 
@@ -320,6 +336,8 @@ class PostedLink(MpiLink):
         """
         if not self._open:
             return False
+        if self._native is not None and not self._held:
+            return self._pump_compiled()
         posted, status = self._posted, self._status
         items = None
         try:
@@ -351,4 +369,35 @@ class PostedLink(MpiLink):
                 f"message from rank {src} beyond {MESSAGE_BYTES} bytes: {error}"), None)
         else:
             self._arrive(src, message)
+        return True
+
+    def _pump_compiled(self) -> bool:
+        """``pump``, its MPI calls and the packet's reading made by the compiled part."""
+        native = self._native
+        assert native is not None and self._arrivals is not None
+        try:
+            found = native.pump(self._posted_handle, self._slot, self._unpack,
+                                self._limits.max_ndim, self._message_type)
+        except native.Error as exc:  # cut short: more than ``MESSAGE_BYTES``
+            src = exc.args[1]
+            self._arrivals.refuse(src, ProtocolError(
+                f"message from rank {src} beyond {MESSAGE_BYTES} bytes: "
+                f"{mpi_native.exception(exc)}"), None)
+            return True
+        if found is None:
+            return False
+        src, count, items = found
+        if items is not None:  # (the commonest: a packet of small messages)
+            self._arrivals.messages(src, items)
+            return True
+        message = self._slot[:count]  # another message: copied out, the receive started again
+        try:
+            native.start(self._posted_handle)
+        except native.Error as exc:  # (not seen: the receive completed above)
+            self._open = False
+            self._loop.call_exception_handler({
+                "message": f"asyncomm: rank {self._rank}: the link's receive failed; "
+                           "channel messages are no longer received",
+                "exception": mpi_native.exception(exc)})
+        self._arrive(src, message)
         return True

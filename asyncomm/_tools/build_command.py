@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -60,6 +61,31 @@ def run_command(args: argparse.Namespace) -> int:
     problem = "it does not load" if module is None else check(module)
     if problem is not None:
         print(f"asyncomm build: built {path}, but {problem}", file=sys.stderr)
+        return 1
+    print(f"asyncomm build: {path}")
+    return build_mpi(root, args.verbose)
+
+
+def build_mpi(root: Path, verbose: bool) -> int:
+    """Build the MPI link's compiled calls where mpi4py and MPI's header are there; return
+    the exit code (a build that fails where it could be made is one)."""
+    try:
+        from asyncomm._backends import mpi_native
+    except ImportError:  # no mpi4py: nothing to build
+        return 0
+    try:
+        path = mpi_native.build(root, verbose)
+    except (RuntimeError, OSError, ImportError) as err:
+        print(f"asyncomm build: cannot compile the MPI calls ({err}); the MPI link calls "
+              "mpi4py instead", file=sys.stderr)
+        return 1
+    if path is None:
+        print("asyncomm build: no MPI header beside the MPI library mpi4py loaded: the MPI "
+              "link calls mpi4py")
+        return 0
+    name = mpi_native.module_name()
+    if name is None or _native.load(root, name) is None:
+        print(f"asyncomm build: built {path}, but it does not load", file=sys.stderr)
         return 1
     print(f"asyncomm build: {path}")
     return 0
