@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncomm import _native
-from asyncomm._core import small
+from asyncomm._core import outbox, small
 from asyncomm._core.errors import ProtocolError
+from asyncomm._core.messages import PACKET, PREAMBLE
 from asyncomm._core.settings import cache_dir
 from asyncomm.testing import run_script
 
@@ -362,3 +363,149 @@ def test_ranks_with_and_without_it_talk(backend: str, tmp_path: Path) -> None:
     assert "both ways 0" in proc.stdout and "both ways 1" in proc.stdout, proc.stdout
     assert f"both ways 0 {NATIVE is not None}" in proc.stdout
     assert "both ways 1 False" in proc.stdout
+
+
+# -- the outbox: packets of small frames (``_core.outbox``), compiled and in Python ------
+
+_QUEUE_OPS = st.lists(st.tuples(
+    st.sampled_from(["data", "data", "data", "gap", "small", "take", "frames"]),
+    st.integers(0, 2), st.sampled_from([1, 2, 2**64 - 1]), st.integers(0, 70)),
+    min_size=1, max_size=80)
+
+
+def _queue_all(queue: object, packet_bytes: int, ops: list[tuple[str, int, int, int]]
+               ) -> list[object]:
+    """Run ``ops`` on ``queue``; return everything it answered and every packet it gave."""
+    seqs: collections.Counter[tuple[int, int]] = collections.Counter()
+    said: list[object] = []
+    for op, dst, tag, n in ops:
+        body = msgpack.packb(bytes(range(n)) if n % 3 else n)  # (a frame's body: msgpack)
+        if op in ("data", "gap"):
+            seq = seqs[dst, tag] + (5 if op == "gap" else 0)  # a gap: a lone message again
+            seqs[dst, tag] = seq + 1
+            queued = queue.data(dst, tag, seq, body)  # type: ignore[attr-defined]
+            said.append(queued)
+            if queued < 0:  # full: sent, and the message begins the next
+                said.append(bytes(queue.take(dst)))  # type: ignore[attr-defined]
+                said.append(queue.data(dst, tag, seq, body))  # type: ignore[attr-defined]
+        elif op == "small":
+            queued = queue.small(dst, 2 + n % 4, tag, n, body)  # type: ignore[attr-defined]
+            said.append(queued)
+            if queued < 0:
+                said.append(bytes(queue.take(dst)))  # type: ignore[attr-defined]
+                said.append(queue.small(dst, 2 + n % 4, tag, n, body))  # type: ignore
+        elif op == "take":
+            packet = queue.take(dst)  # type: ignore[attr-defined]
+            said.append(None if packet is None else bytes(packet))
+        else:
+            queue.packet_frames = 1 + n % 5  # type: ignore[attr-defined]
+        said.append((queue.dsts(), queue.queued(dst), queue.counts(dst)))  # type: ignore
+    for dst in queue.dsts():  # type: ignore[attr-defined]
+        said.append(bytes(queue.take(dst)))  # type: ignore[attr-defined]
+    return said
+
+
+@built
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([120, 300, 4096]), _QUEUE_OPS)
+def test_the_compiled_outbox_queues_what_python_queues(
+        packet_bytes: int, ops: list[tuple[str, int, int, int]]) -> None:
+    compiled, twin = outbox.make(packet_bytes), outbox.make(packet_bytes, compiled=False)
+    assert type(compiled) is not outbox.Outbox and type(twin) is outbox.Outbox
+    said = _queue_all(compiled, packet_bytes, ops)
+    assert said == _queue_all(twin, packet_bytes, ops)
+    for packet in said:  # and every packet reads as the frames queued, in order
+        if isinstance(packet, bytes):
+            assert len(packet) <= packet_bytes
+            head_bytes, inline, follow, form = PREAMBLE.unpack_from(packet)
+            assert (head_bytes, inline, follow, form) == (0, len(packet) - PREAMBLE.size, 0,
+                                                          PACKET)
+            assert small.unpack_packet(packet[PREAMBLE.size:], compiled=False) is not None
+
+
+@built
+def test_the_compiled_outbox_refuses_bad_calls_with_errors() -> None:
+    queue = outbox.make(4096)
+    for bad, error in [(lambda: queue.data(1, 2, 3), TypeError),
+                       (lambda: queue.data("1", 2, 3, b""), TypeError),
+                       (lambda: queue.data(1, -2, 3, b""), OverflowError),
+                       (lambda: queue.data(1, 2, 3, "text"), TypeError),
+                       (lambda: queue.small(1, 300, 2, 3, b""), ValueError),
+                       (lambda: queue.small(1, 3, 2, 2**64, b""), OverflowError),
+                       (lambda: queue.take("1"), TypeError),
+                       (lambda: outbox.make("big"), TypeError)]:
+        with pytest.raises(error):
+            bad()
+    assert queue.dsts() == [] and queue.take(1) is None  # nothing queued by any of them
+
+
+MPI_CALLS = r"""
+from mpi4py import MPI
+from asyncomm._backends import mpi_native
+
+native = mpi_native.NATIVE
+assert native is not None, "the MPI calls are not built"
+comm = MPI.COMM_WORLD.Dup()
+peer = 1 - comm.Get_rank()
+try:  # a bad call: mpi4py's exception of its code, naming the rank it was for
+    native.isend(comm.handle, bytearray(8), comm.Get_size() + 5, 3)
+except native.Error as exc:
+    assert exc.args[1] == comm.Get_size() + 5
+    assert mpi_native.exception(exc).Get_error_class() == MPI.ERR_RANK, exc
+else:
+    raise AssertionError("a send to no rank went")
+slot = bytearray(64)
+posted = comm.Recv_init([slot, MPI.BYTE], MPI.ANY_SOURCE, 77)
+posted.Start()
+leave = lambda *args: None  # (an unpack that leaves every message to the caller)
+assert native.pump(posted.handle, slot, leave, 16, tuple) is None  # nothing yet
+comm.Barrier()
+assert native.isend(comm.handle, bytearray(b"x" * 40), peer, 77) is None  # small: at once
+while (found := native.pump(posted.handle, slot, leave, 16, tuple)) is None:
+    pass
+assert found == (peer, 40, None) and slot[:40] == b"x" * 40, found
+native.start(posted.handle)  # (left: started again by the caller)
+comm.Barrier()
+assert native.isend(comm.handle, bytearray(100), peer, 77) is None  # beyond the slot
+while True:
+    try:
+        assert native.pump(posted.handle, slot, leave, 16, tuple) is None
+    except native.Error as exc:  # cut short, its source said; the receive is started again
+        assert exc.args[1] == peer, exc
+        assert mpi_native.exception(exc).Get_error_class() == MPI.ERR_TRUNCATE, exc
+        break
+comm.Barrier()
+assert native.isend(comm.handle, bytearray(b"y" * 8), peer, 77) is None
+while (found := native.pump(posted.handle, slot, leave, 16, tuple)) is None:
+    pass
+assert found == (peer, 8, None), found
+big, into = bytearray(b"z" * (8 << 20)), bytearray(8 << 20)
+pending = native.isend(comm.handle, big, peer, 78)  # not done at once: mpi4py's request
+receive = comm.Irecv([into, MPI.BYTE], peer, 78)
+if pending is not None:
+    MPI.Request.fromhandle(pending).Wait()
+receive.Wait()
+assert into == big
+native.start(posted.handle)
+posted.Cancel()
+posted.Wait()
+posted.Free()
+print("calls", comm.Get_rank(), native.library().split()[0], flush=True)
+"""
+
+
+@built
+def test_the_compiled_mpi_calls_send_receive_and_fail_as_mpi4py(tmp_path: Path) -> None:
+    pytest.importorskip("mpi4py")
+    if not mpi_native_built():
+        pytest.skip("the MPI calls are not built (no MPI header)")
+    proc = run_script(MPI_CALLS, tmp_path, 2, "mpi")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "calls 0" in proc.stdout and "calls 1" in proc.stdout, proc.stdout
+
+
+def mpi_native_built() -> bool:
+    """Whether ``asyncomm build`` built the MPI calls here (imports mpi4py)."""
+    from asyncomm._backends import mpi_native
+
+    return mpi_native.NATIVE is not None

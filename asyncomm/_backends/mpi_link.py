@@ -92,15 +92,16 @@ class MpiLink(Link):
         self._native = mpi_native.NATIVE
         self._isend = None if self._native is None else self._native.isend
         self._comm_handle = comm.handle
+        self._look: Callable[[], bool] = self.pump  # what the poller calls (see ``pump``)
 
     def open(self, arrivals: Any, limits: Any) -> None:
         super().open(arrivals, limits)
         self._open = True
-        self._poller.probe(self.pump)
+        self._poller.probe(self._look)
 
     def stop(self) -> None:
         self._open = False
-        self._poller.unprobe(self.pump)
+        self._poller.unprobe(self._look)
         self._buffers.clear()
 
     def hurry(self, done: Callable[[], bool]) -> bool:
@@ -298,6 +299,8 @@ class PostedLink(MpiLink):
         self._slot = bytearray(MESSAGE_BYTES)
         self._posted: Any = None  # the persistent receive, while the link is open
         self._posted_handle = 0  # ... its handle, for the compiled calls
+        if self._native is not None:  # (polled as often as the loop turns: a call less)
+            self._look = self._pump_compiled
 
     def open(self, arrivals: Any, limits: Any) -> None:
         self._posted = self._comm.Recv_init([self._slot, MPI.BYTE], MPI.ANY_SOURCE,
@@ -336,8 +339,6 @@ class PostedLink(MpiLink):
         """
         if not self._open:
             return False
-        if self._native is not None and not self._held:
-            return self._pump_compiled()
         posted, status = self._posted, self._status
         items = None
         try:
@@ -374,6 +375,8 @@ class PostedLink(MpiLink):
     def _pump_compiled(self) -> bool:
         """``pump``, its MPI calls and the packet's reading made by the compiled part."""
         native = self._native
+        if self._held or not self._open:  # (a big head is on its way: in order, in Python)
+            return self.pump()
         assert native is not None and self._arrivals is not None
         try:
             found = native.pump(self._posted_handle, self._slot, self._unpack,

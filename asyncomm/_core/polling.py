@@ -377,6 +377,12 @@ class Poller:
         Return whether ``done()`` became true.
         """
         sweep = self.sweep
+        if len(self._probes) == 1:
+            # the commonest (one link, no request in flight): the probe alone, a sweep while
+            # requests are in flight (or fresh: issued meanwhile)
+            probe = self._probes[0]
+            return self._hurry.run(
+                lambda: (sweep() if self._requests or self._fresh else probe()) and done())
         return self._hurry.run(lambda: sweep() and done())
 
     def _poll(self) -> None:

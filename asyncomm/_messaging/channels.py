@@ -56,6 +56,7 @@ class Channel:
         self._batch_less_one = router.batch - 1  # messages taken before credit goes back
         self._send_data = router.link.send_data
         self._flush = router.flush
+        self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
         self._probe_of = router.probe
         self._size = router.size
         self._max_ndim = router.limits.max_ndim
@@ -222,7 +223,11 @@ class Channel:
                 raise CommTimeoutError(f"rank {router.rank}: channel {self.tag} recv from peer "
                                        f"{peer} timed out after {limit:g} s")
             router.expect()  # what this rank issued leaves now: then look a while
-            if router.hurry(box.has_frames if src is None else functools.partial(box.has, src)):
+            if self._hurry(box.has_frames if src is None else functools.partial(box.has, src)):
+                first = box.frames[0]  # (there: ``hurry`` says so)
+                if type(first) is Message and (src is None or first[0] == src):
+                    box.frames.popleft()  # the commonest: the first, a small message
+                    return self._open(first)
                 frame = box.take(src)
                 if frame is not None:
                     return self._open(frame)

@@ -103,6 +103,12 @@ class Delivery:
             if box is None or seq != box.seqs.get(src, 0):  # another kind, a new channel, or
                 self.items(src, [_bare(item) for item in items[i:]])  # out of sequence
                 return
+            if kind == DATA and box.listener is None:  # (``_in_order``'s commonest, inline)
+                box.seqs[src] = seq + 1
+                box.frames.append(data)
+                if box.waiters:
+                    box.came(src)
+                continue
             self._in_order(box, src, kind, seq, data)
 
     def _in_order(self, box: Mailbox, src: int, kind: int, seq: int, data: Any) -> None:
