@@ -55,6 +55,7 @@ from asyncomm._core.errors import (
     PeerFailedError,
     RemoteError,
 )
+from asyncomm._core.small import NATIVE
 from asyncomm._core.wire import Codec
 from asyncomm._messaging.channels import Channel
 from asyncomm._messaging.mailbox import Encoded, Entry, Message, src_of
@@ -115,6 +116,11 @@ class Host:
         self._tasks = [loop.create_task(self._serve_requests()),
                        loop.create_task(self._serve_replies())]
         router.on_dead.append(self._fail_dead)
+        self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
+        # a request's or reply's encoding: the compiled part's first (``None``: left to
+        # ``Router.encode``, which gives a frame where it is not small)
+        self._compiled_encode = None if NATIVE is None else NATIVE.encode
+        self._small_room, self._max_ndim = router.small_room, router.limits.max_ndim
 
     # -- hosting -----------------------------------------------------------------
 
@@ -185,10 +191,11 @@ class Host:
 
     async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:
         endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far
+        items = inbox.items
         while True:
-            if inbox.empty():  # its next request may be microseconds away: look first
-                self._router.hurry(inbox.nonempty)
-            message = await inbox.get()
+            if not items:  # its next request may be microseconds away: look first
+                self._hurry(inbox.nonempty)
+            message = items.popleft() if items else await inbox.get()
             method, kwargs, args = message.data[2], message.data[4], message.data[5:]
             try:
                 target = endpoints.get(method)
@@ -206,7 +213,7 @@ class Host:
                                               traceback.format_exc()])
             else:
                 self._answer(message, True, result)
-            if inbox.empty():  # the last request in: its caller waits, send the answers now
+            if not items:  # the last request in: its caller waits, send the answers now
                 self._router.flush(waiting=True)
 
     def _answer(self, request: Message, ok: bool, result: Any) -> None:
@@ -248,9 +255,8 @@ class Host:
         future = self._loop.create_future()
         self._calls[call_id] = (rank, future, name, method)
         self._post(rank, self._requests, [call_id, name, method, True, kwargs or None, *args])
-        router = self._router
-        router.expect()
-        if router.hurry(future.done):  # an answer within microseconds: no loop turn, no timer
+        self._router.expect()
+        if self._hurry(future.done):  # an answer within microseconds: no loop turn, no timer
             del self._calls[call_id]
             ok, result = future.result()
         else:
@@ -297,7 +303,10 @@ class Host:
         Raises ``TypeError`` at once if the default codec cannot carry it: the
         message is encoded here, once, and sent as it is.
         """
-        frame = self._router.encode(channel.tag, message, Codec.DEFAULT)
+        encode = self._compiled_encode
+        frame = None if encode is None else encode(message, self._small_room, self._max_ndim)
+        if frame is None:
+            frame = self._router.encode(channel.tag, message, Codec.DEFAULT)
         if not self._backlog.get(rank) and type(frame) is bytes and channel.post(frame, rank):
             return  # the common case: sent now (with the loop iteration's other messages)
         outbox = self._outboxes.get(rank)
@@ -409,29 +418,29 @@ class Host:
 class _Inbox:
     """An actor's requests in arrival order, and the actor's wait for the next one."""
 
-    __slots__ = ("_items", "_waiter")
+    __slots__ = ("_waiter", "items")
 
     def __init__(self) -> None:
-        self._items: collections.deque[Message] = collections.deque()
+        self.items: collections.deque[Message] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
 
     def put(self, message: Message) -> None:
-        self._items.append(message)
+        self.items.append(message)
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     def empty(self) -> bool:
-        return not self._items
+        return not self.items
 
     def nonempty(self) -> bool:
-        return bool(self._items)
+        return bool(self.items)
 
     async def get(self) -> Message:
-        while not self._items:
+        while not self.items:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        return self._items.popleft()
+        return self.items.popleft()
 
 
 class ActorRef:
