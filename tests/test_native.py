@@ -490,6 +490,22 @@ native.start(posted.handle)
 posted.Cancel()
 posted.Wait()
 posted.Free()
+import time, torch  # a kept all-reduce: copied in, started, tested, copied out
+stage = torch.zeros(2, dtype=torch.float64)
+mine = torch.tensor([1.0, 2.0], dtype=torch.float64) * (comm.Get_rank() + 1)
+kept = comm.Allreduce_init(MPI.IN_PLACE, [MPI.buffer.fromaddress(stage.data_ptr(), 16),
+                                          MPI.DOUBLE], MPI.SUM)
+comm.Barrier()
+if comm.Get_rank() == 1:
+    time.sleep(0.05)  # late: rank 0's tests find it in flight
+tests = 4 if comm.Get_rank() == 0 else 10**8  # (rank 1, last, tests until it is done)
+done = native.allreduce(kept.handle, stage.data_ptr(), mine.data_ptr(), 16, tests)
+assert done == (comm.Get_rank() == 1), done
+if not done:
+    kept.Wait()
+    mine.copy_(stage)
+assert mine.tolist() == [3.0, 6.0], mine
+kept.Free()
 print("calls", comm.Get_rank(), native.library().split()[0], flush=True)
 """
 

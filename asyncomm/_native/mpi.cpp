@@ -16,6 +16,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 namespace {
@@ -137,6 +138,41 @@ PyObject* pump(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
+// allreduce(request, stage, user, nbytes, tests): a kept all-reduce (``mpi_reduce``):
+// copy ``nbytes`` from address ``user`` into ``stage`` (the persistent request's buffer),
+// start ``request`` and test it up to ``tests`` times; True, the result copied back to
+// ``user``, if it completed, else False (in flight: the caller follows it). The caller
+// owns both buffers, of ``nbytes`` each (addresses of its own tensors).
+PyObject* allreduce(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 5) {
+    PyErr_SetString(PyExc_TypeError, "allreduce(request, stage, user, nbytes, tests)");
+    return nullptr;
+  }
+  MPI_Request request = handle_of<MPI_Request>(args[0]);
+  void* stage = PyLong_AsVoidPtr(args[1]);
+  void* user = PyLong_AsVoidPtr(args[2]);
+  Py_ssize_t nbytes = PyLong_AsSsize_t(args[3]);
+  long tests = PyLong_AsLong(args[4]);
+  if (PyErr_Occurred()) return nullptr;
+  if (stage == nullptr || user == nullptr || nbytes < 0) {
+    PyErr_SetString(PyExc_ValueError, "allreduce: no buffer");
+    return nullptr;
+  }
+  std::memcpy(stage, user, static_cast<size_t>(nbytes));
+  int code = MPI_Start(&request);
+  if (code != MPI_SUCCESS) return fail(code, -1);
+  for (long i = 0; i < tests; i++) {
+    int done = 0;
+    code = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (code != MPI_SUCCESS) return fail(code, -1);
+    if (done) {
+      std::memcpy(user, stage, static_cast<size_t>(nbytes));
+      Py_RETURN_TRUE;
+    }
+  }
+  Py_RETURN_FALSE;
+}
+
 // start(request): start the persistent receive again (after ``pump`` left a message).
 PyObject* start(PyObject*, PyObject* arg) {
   MPI_Request request = handle_of<MPI_Request>(arg);
@@ -158,6 +194,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "isend(comm, buffer, dst, tag): None if sent at once, else a request"},
     {"pump", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pump)),
      METH_FASTCALL, "pump(request, slot, unpack, max_ndim, message_type)"},
+    {"allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(allreduce)),
+     METH_FASTCALL, "allreduce(request, stage, user, nbytes, tests) -> whether done"},
     {"start", start, METH_O, "start(request): start a persistent receive again"},
     {"library", library, METH_NOARGS, "the MPI library's version string"},
     {nullptr, nullptr, 0, nullptr}};
