@@ -112,7 +112,10 @@ def meta(comm: Comm, rounds: int, quick: bool) -> Record:
     if comm.backend == "mpi":
         from mpi4py import MPI
 
+        from asyncomm._backends import mpi_native
+
         meta["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0]
+        meta["compiled_mpi"] = mpi_native.NATIVE is not None
     return meta
 
 
