@@ -179,6 +179,8 @@ class ProbeLink(MpiLink):
                  poller: Poller, classify: Classify) -> None:
         super().__init__(backend, comm, loop, poller, classify)
         self._behind: dict[int, asyncio.Task[None]] = {}  # last pending message per source
+        if self._native is not None:  # (polled as often as the loop turns: a call less)
+            self._look = self._pump_compiled
 
     def pump(self) -> bool:
         """Take the messages that are there; return whether any was.
@@ -200,6 +202,40 @@ class ProbeLink(MpiLink):
                 break
             found = True
             if self._take(message, status.Get_source(), status.Get_count(MPI.BYTE)):
+                break
+        return found
+
+    def _pump_compiled(self) -> bool:
+        """``pump``, each message's probe and a small one's receive and reading made by the
+        compiled part (``mpi_native``); while a message is pending (``_behind``), ``pump``
+        itself, which keeps its source's later ones in order."""
+        native = self._native
+        assert native is not None and self._arrivals is not None
+        found = False
+        while self._open:
+            if self._behind:
+                return self.pump() or found
+            try:
+                got = native.probe(self._comm_handle, tags.LINK_MESSAGE, AT_ONCE_BYTES,
+                                   self._unpack, self._limits.max_ndim, self._message_type)
+            except native.Error as exc:
+                src = exc.args[1]
+                if src < 0:
+                    return found  # (the probe failed: freed under us)
+                self._arrivals.refuse(src, ProtocolError(
+                    f"message from rank {src} lost: {mpi_native.exception(exc)}"), None)
+                return True
+            if got is None:
+                break
+            found = True
+            src, count, items, buffer, matched = got
+            if items is not None:  # a packet of small messages: it ends the call
+                self._arrivals.messages(src, items)
+                break
+            if buffer is not None:
+                if self._arrive(src, buffer):
+                    break
+            elif self._take(MPI.Message.fromhandle(matched), src, count):
                 break
         return found
 

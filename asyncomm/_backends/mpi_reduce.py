@@ -243,12 +243,15 @@ class Reductions:
     def _quick_compiled(self, kept: Kept, tensor: torch.Tensor, what: tuple[Any, ...]
                         ) -> Handle[Any]:
         """``quick``'s commonest case by the compiled call: the copy in, the start, a few
-        tests and the copy out in one (``mpi_native``)."""
+        tests and the copy out in one (``mpi_native``). No tests while the loop's turn is
+        overdue (``Poller.may_look``): all-reduces done at once one after the other would
+        never let it turn (the handle's await yields for it)."""
         assert _allreduce is not None and mpi_native.NATIVE is not None
         ptr = tensor.data_ptr()
         handle: Handle[Any] = Handle(self._loop, what, tensor, tensor)
         try:
-            done = _allreduce(kept.handle, kept.stage_ptr, ptr, kept.nbytes, QUICK_TESTS)
+            done = _allreduce(kept.handle, kept.stage_ptr, ptr, kept.nbytes,
+                              QUICK_TESTS if self._poller.may_look() else 0)
         except mpi_native.NATIVE.Error as exc:
             error = mpi_native.exception(exc)
             handle._fail(self._classify(error), error)

@@ -371,6 +371,12 @@ class Poller:
                 news = True
         return news
 
+    def may_look(self) -> bool:
+        """Return whether a task may look for what it waits for now (``Hurry.allowed``: not
+        while a loop turn asked for long ago has not come): an operation that tests its
+        request as it is issued asks this first, so done ones cannot hold the loop."""
+        return self._hurry.allowed()
+
     def hurry_until(self, done: Callable[[], bool]) -> bool:
         """A task is about to wait for ``done()``: sweep while hurrying (see ``Hurry``).
 

@@ -138,6 +138,60 @@ PyObject* pump(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return result;
 }
 
+// probe(comm, tag, at_once, unpack, max_ndim, message_type): a message from any source
+// on ``tag``, found by matched probe; None if there is none. One of at most ``at_once``
+// bytes (sent eagerly: here whole) is received into a new bytearray and read by
+// ``unpack`` (as ``pump``): (source, count, items, buffer, None), ``items`` None where
+// ``unpack`` left it. A larger one is left matched for the caller to receive: (source,
+// count, None, None, the message's handle, for ``Message.fromhandle``). A failed receive
+// raises Error(code, source).
+PyObject* probe(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError,
+                    "probe(comm, tag, at_once, unpack, max_ndim, message_type)");
+    return nullptr;
+  }
+  MPI_Comm comm = handle_of<MPI_Comm>(args[0]);
+  int tag, at_once;
+  if (PyErr_Occurred() || !int_arg(args[1], &tag) || !int_arg(args[2], &at_once))
+    return nullptr;
+  int found = 0;
+  MPI_Message message;
+  MPI_Status status;
+  int code = MPI_Improbe(MPI_ANY_SOURCE, tag, comm, &found, &message, &status);
+  if (code != MPI_SUCCESS) return fail(code, -1);
+  if (!found) Py_RETURN_NONE;
+  int source = status.MPI_SOURCE, count = 0;
+  MPI_Get_count(&status, MPI_BYTE, &count);
+  if (count > at_once) {
+    PyObject* matched = handle_to_python(message);
+    if (matched == nullptr) return nullptr;
+    return Py_BuildValue("(iiOON)", source, count, Py_None, Py_None, matched);
+  }
+  PyObject* buffer = PyByteArray_FromStringAndSize(nullptr, count);
+  if (buffer == nullptr) return nullptr;  // (the message stays matched: not seen)
+  code = MPI_Mrecv(PyByteArray_AS_STRING(buffer), count, MPI_BYTE, &message, &status);
+  if (code != MPI_SUCCESS) {
+    Py_DECREF(buffer);
+    return fail(code, source);
+  }
+  PyObject* count_object = PyLong_FromLong(count);
+  PyObject* source_object = PyLong_FromLong(source);
+  PyObject* result = nullptr;
+  if (count_object != nullptr && source_object != nullptr) {
+    PyObject* call[5] = {buffer, count_object, args[4], source_object, args[5]};
+    PyObject* items = PyObject_Vectorcall(args[3], call, 5, nullptr);
+    if (items != nullptr) {
+      result = PyTuple_Pack(5, source_object, count_object, items, buffer, Py_None);
+      Py_DECREF(items);
+    }
+  }
+  Py_XDECREF(count_object);
+  Py_XDECREF(source_object);
+  Py_DECREF(buffer);
+  return result;
+}
+
 // allreduce(request, stage, user, nbytes, tests): a kept all-reduce (``mpi_reduce``):
 // copy ``nbytes`` from address ``user`` into ``stage`` (the persistent request's buffer),
 // start ``request`` and test it up to ``tests`` times; True, the result copied back to
@@ -194,6 +248,8 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "isend(comm, buffer, dst, tag): None if sent at once, else a request"},
     {"pump", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pump)),
      METH_FASTCALL, "pump(request, slot, unpack, max_ndim, message_type)"},
+    {"probe", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(probe)),
+     METH_FASTCALL, "probe(comm, tag, at_once, unpack, max_ndim, message_type)"},
     {"allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(allreduce)),
      METH_FASTCALL, "allreduce(request, stage, user, nbytes, tests) -> whether done"},
     {"start", start, METH_O, "start(request): start a persistent receive again"},
