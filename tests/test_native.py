@@ -490,6 +490,27 @@ native.start(posted.handle)
 posted.Cancel()
 posted.Wait()
 posted.Free()
+# found by matched probe (Open MPI's link): a small message received and read, or left to
+# the caller; a larger one left matched, received through mpi4py
+assert native.probe(comm.handle, 79, 64, leave, 16, tuple) is None  # nothing yet
+comm.Barrier()
+native.isend(comm.handle, bytearray(b"s" * 20), peer, 79)
+while (found := native.probe(comm.handle, 79, 64, leave, 16, tuple)) is None:
+    pass
+assert found[:3] == (peer, 20, None) and found[3] == b"s" * 20 and found[4] is None, found
+read = lambda buffer, count, *rest: ["read", bytes(buffer[:count])]
+native.isend(comm.handle, bytearray(b"r" * 12), peer, 79)
+while (found := native.probe(comm.handle, 79, 64, read, 16, tuple)) is None:
+    pass
+assert found[2] == ["read", b"r" * 12], found
+native.isend(comm.handle, bytearray(b"b" * 100), peer, 79)  # beyond at_once: left matched
+while (found := native.probe(comm.handle, 79, 64, leave, 16, tuple)) is None:
+    pass
+assert found[:4] == (peer, 100, None, None) and found[4] is not None, found
+into = bytearray(100)
+MPI.Message.fromhandle(found[4]).Recv([into, MPI.BYTE])
+assert into == b"b" * 100
+comm.Barrier()
 import time, torch  # a kept all-reduce: copied in, started, tested, copied out
 stage = torch.zeros(2, dtype=torch.float64)
 mine = torch.tensor([1.0, 2.0], dtype=torch.float64) * (comm.Get_rank() + 1)
