@@ -368,7 +368,7 @@ def test_ranks_with_and_without_it_talk(backend: str, tmp_path: Path) -> None:
 # -- the outbox: packets of small frames (``_core.outbox``), compiled and in Python ------
 
 _QUEUE_OPS = st.lists(st.tuples(
-    st.sampled_from(["data", "data", "data", "gap", "small", "take", "frames"]),
+    st.sampled_from(["data", "data", "data", "gap", "message", "small", "take", "frames"]),
     st.integers(0, 2), st.sampled_from([1, 2, 2**64 - 1]), st.integers(0, 70)),
     min_size=1, max_size=80)
 
@@ -388,6 +388,15 @@ def _queue_all(queue: object, packet_bytes: int, ops: list[tuple[str, int, int, 
             if queued < 0:  # full: sent, and the message begins the next
                 said.append(bytes(queue.take(dst)))  # type: ignore[attr-defined]
                 said.append(queue.data(dst, tag, seq, body))  # type: ignore[attr-defined]
+        elif op == "message":  # encoded by the outbox itself (what both encode)
+            seq = seqs[dst, tag]
+            seqs[dst, tag] = seq + 1
+            obj = [torch.arange(n % 5), [n, "x", 2.5, None], {"i": n, "t": torch.ones(2)}][n % 3]
+            queued = queue.message(dst, tag, seq, obj, 300, 16)  # type: ignore[attr-defined]
+            said.append(queued)
+            if queued == -1:
+                said.append(bytes(queue.take(dst)))  # type: ignore[attr-defined]
+                said.append(queue.message(dst, tag, seq, obj, 300, 16))  # type: ignore
         elif op == "small":
             queued = queue.small(dst, 2 + n % 4, tag, n, body)  # type: ignore[attr-defined]
             said.append(queued)
@@ -436,6 +445,8 @@ def test_the_compiled_outbox_refuses_bad_calls_with_errors() -> None:
                        (lambda: outbox.make("big"), TypeError)]:
         with pytest.raises(error):
             bad()
+    assert queue.message(1, 2, 3, "a lone str", 300, 16) == -2  # the Python twin's to encode
+    assert queue.message(1, 2, 3, torch.zeros(1000), 300, 16) == -2  # beyond the room
     assert queue.dsts() == [] and queue.take(1) is None  # nothing queued by any of them
 
 

@@ -36,7 +36,8 @@ def module_name() -> str | None:
     """Return the compiled MPI module's name for the MPI library loaded, or ``None`` where
     it cannot be built (see ``mpi_library``)."""
     library = mpi_library()
-    return None if library is None else _native.name(_native.MPI_SOURCE, str(library))
+    return None if library is None else _native.name(_native.MPI_SOURCE,
+                                                      _native.library_key(library))
 
 
 def build(root: Path, verbose: bool = False) -> Path | None:

@@ -167,6 +167,7 @@ class Link(ABC):
         # small frames queued, per destination (the most bytes of a packet: within ``room``)
         self._outbox: Queue = outbox.make(PREAMBLE.size + room)
         self._queue_data = self._outbox.data
+        self._queue_message = self._outbox.message
         self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
         self.batching = False  # whether large frames' envelopes go in batches (see the note)
         self._flush_due = False  # whether a flush is asked of the loop (at its iteration's end)
@@ -275,6 +276,21 @@ class Link(ABC):
                 self._outbox.small(dst, kind, tag, seq, body)
             if not self._waiting:
                 self._flush_later()
+
+    def send_message(self, dst: int, tag: int, seq: int, obj: object, room: int,
+                     max_ndim: int) -> bool:
+        """``send_data`` of ``obj``'s small body, encoded by the outbox (``Queue.message``);
+        return ``False`` (nothing queued) where the outbox does not encode it."""
+        queued = self._queue_message(dst, tag, seq, obj, room, max_ndim)
+        if queued:
+            if queued == -2:
+                return False
+            if queued < 0:  # the packet is full: it goes, and the message begins the next
+                self._flush_to(dst)
+                self._queue_message(dst, tag, seq, obj, room, max_ndim)
+            if not self._waiting:
+                self._flush_later()
+        return True
 
     def send_data(self, dst: int, tag: int, seq: int, body: bytes) -> None:
         """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``): the hot path."""

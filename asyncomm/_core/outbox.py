@@ -46,6 +46,11 @@ class Queue(Protocol):
         waits, 1 queued as the first of a new packet, -1 not queued: the packet is full
         (the caller sends it, ``take``, and calls again)."""
 
+    def message(self, dst: int, tag: int, seq: int, obj: object, room: int,
+                max_ndim: int) -> int:
+        """Queue ``obj`` as ``data`` would its small body (``small.encode``), or return -2
+        where this outbox does not encode it (nothing queued)."""
+
     def small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> int:
         """Queue a small frame of ``kind`` (as ``data``; a message, ``DATA``, is ``data``)."""
 
@@ -129,6 +134,12 @@ class Outbox:
         packet.frames += 1
         packet.items += 1
         return started
+
+    def message(self, dst: int, tag: int, seq: int, obj: object, room: int,
+                max_ndim: int) -> int:
+        """See ``Queue.message`` (the Python twin's encoding)."""
+        body = small.encode(obj, room, max_ndim, compiled=False)
+        return -2 if body is None else self.data(dst, tag, seq, body)
 
     def small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> int:
         """See ``Queue.small``."""

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator
 
 from asyncomm._core import wire
 from asyncomm._core.errors import CommClosedError, CommTimeoutError, ProtocolError
-from asyncomm._core.small import NATIVE
 from asyncomm._core.small import encode as small_encode
 from asyncomm._core.wire import Codec, Kind
 from asyncomm._messaging.mailbox import Encoded, Entry, Frame, Message, size_of, wake
@@ -25,9 +24,6 @@ from asyncomm._messaging.router import Router, Window
 __all__ = ["Channel", "Message", "codec_of"]
 
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
-# The compiled encoding of a small message (tensors, lists, dicts), called first: ``None``
-# where it leaves the message to ``small.encode`` (which would call it again, a call later).
-_compiled_encode = None if NATIVE is None else NATIVE.encode
 
 
 class Channel:
@@ -55,6 +51,7 @@ class Channel:
         self._window = router.window  # the most messages out per destination
         self._batch_less_one = router.batch - 1  # messages taken before credit goes back
         self._send_data = router.link.send_data
+        self._send_message = router.link.send_message
         self._flush = router.flush
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
         self._probe_of = router.probe
@@ -73,12 +70,15 @@ class Channel:
         """
         window = self._windows.get(dst) if type(dst) is int else None
         if window is not None:  # a rank checked before, small messages
-            body = (None if _compiled_encode is None
-                    else _compiled_encode(obj, self._small_room, self._max_ndim))
-            if body is None:  # (what the compiled part leaves: the Python twin alone)
-                body = small_encode(obj, self._small_room, self._max_ndim, compiled=False)
+            out = window.messages_out
+            if (self._may_go(window, out) and self._send_message(
+                    dst, self.tag, window.seq, obj, self._small_room, self._max_ndim)):
+                window.messages_out = out + 1  # the fast path: encoded and queued at once,
+                window.seq += 1  # sent with the iteration's others
+                return
+            body = small_encode(obj, self._small_room, self._max_ndim)
             if body is not None and self._go(window, body, dst):
-                return  # the fast path: sent with the iteration's others, as it is now
+                return  # (one the outbox does not encode: the Python twin's)
             await self._send(self._router.frame_of(self.tag, obj, self.codec)
                              if body is None else body, dst, timeout)
             return
@@ -95,12 +95,17 @@ class Channel:
             window = self._windows[dst] = self._router.window_to(dst, self.tag)
         return self._go(window, body, dst)
 
+    def _may_go(self, window: Window, out: int) -> bool:
+        """Return whether a message may go through ``window`` (``out`` of its messages out)
+        now; else ``send`` waits, says why, delivers it here, or traces it."""
+        return (window.open and out < self._window and not window.waiters
+                and (not self._traced or self._probe_of.recording is None))
+
     def _go(self, window: Window, body: bytes, dst: int) -> bool:
         """``post`` to ``dst`` through its ``window``."""
         out = window.messages_out
-        if (not window.open or out >= self._window or window.waiters
-                or (self._traced and self._probe_of.recording is not None)):
-            return False  # ``send`` waits, says why, delivers it here, or traces it
+        if not self._may_go(window, out):
+            return False
         window.messages_out = out + 1
         seq = window.seq
         window.seq = seq + 1

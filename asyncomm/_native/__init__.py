@@ -53,6 +53,13 @@ def name(source: Path = SOURCE, library: str = "") -> str:
     return f"asyncomm_{source.stem}_{key.hexdigest()[:16]}"
 
 
+def library_key(library: Path) -> str:
+    """Return what names a build against the MPI ``library``: its path, size and time (a
+    library reinstalled under the same path is another build's)."""
+    stat = library.stat()
+    return f"{library} {stat.st_size} {stat.st_mtime_ns}"
+
+
 def directory(root: Path, module_name: str | None = None) -> Path:
     """Return the build directory of a module (``small.cpp``'s by default) under ``root``."""
     return root / "native" / (module_name or name())
@@ -94,7 +101,7 @@ def build(root: Path, verbose: bool = False, source: Path = SOURCE,
     """
     from torch.utils import cpp_extension  # (imported only to build: it is slow to import)
 
-    module_name = name(source, "" if library is None else str(library))
+    module_name = name(source, "" if library is None else library_key(library))
     target = directory(root, module_name)
     target.mkdir(parents=True, exist_ok=True)
     includes: list[str] = []

@@ -235,31 +235,39 @@ bool put_value(std::string& out, PyObject* x, Py_ssize_t room, Py_ssize_t max_nd
 // most room - 256 bytes), or of a list or dict of scalars (None, bool, int, float, str),
 // tensors, lists and dicts (at most ``room`` bytes), as small's twin lays them out; None for
 // any other (the twin decides).
-PyObject* encode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// A small frame's body of ``obj`` into ``out``: 1 done, 0 not one (the Python twin's or a
+// frame's), -1 an error set. (``encode``'s and the outbox's ``message``'s.)
+int encode_into(std::string& out, PyObject* obj, Py_ssize_t room, Py_ssize_t max_ndim) {
   try {
-    if (!arity(nargs, 3, "encode(obj, room, max_ndim)")) return nullptr;
-    Py_ssize_t room = PyLong_AsSsize_t(args[1]);
-    Py_ssize_t max_ndim = PyLong_AsSsize_t(args[2]);
-    if (PyErr_Occurred()) return nullptr;
-    PyObject* obj = args[0];
-    std::string out;
     if (PyList_CheckExact(obj) || PyDict_CheckExact(obj)) {
       if (!put_value(out, obj, room, max_ndim, 0) || static_cast<Py_ssize_t>(out.size()) > room) {
         PyErr_Clear();
-        Py_RETURN_NONE;
+        return 0;
       }
-    } else {
-      int code = laid_out(obj, max_ndim);
-      if (code < 0) Py_RETURN_NONE;
-      const at::Tensor& t = THPVariable_Unpack(obj);
-      if (static_cast<Py_ssize_t>(t.nbytes()) > room - ROOM_LEFT) Py_RETURN_NONE;
-      put_tensor(out, t, code);
+      return 1;
     }
-    return PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size()));
+    int code = laid_out(obj, max_ndim);
+    if (code < 0) return 0;
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (static_cast<Py_ssize_t>(t.nbytes()) > room - ROOM_LEFT) return 0;
+    put_tensor(out, t, code);
+    return 1;
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
+    return -1;
   }
+}
+
+PyObject* encode(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 3, "encode(obj, room, max_ndim)")) return nullptr;
+  Py_ssize_t room = PyLong_AsSsize_t(args[1]);
+  Py_ssize_t max_ndim = PyLong_AsSsize_t(args[2]);
+  if (PyErr_Occurred()) return nullptr;
+  std::string out;
+  int done = encode_into(out, args[0], room, max_ndim);
+  if (done < 0) return nullptr;
+  if (done == 0) Py_RETURN_NONE;
+  return PyBytes_FromStringAndSize(out.data(), static_cast<Py_ssize_t>(out.size()));
 }
 
 // keep(descriptor): a descriptor small's twin checked (a non-empty tensor of a dtype every
@@ -701,38 +709,37 @@ bool frame_args(PyObject* const* args, Frame* f) {
 // data(dst, tag, seq, body) -> int: queue message ``seq`` of channel ``tag``: 0 queued in
 // the packet waiting, 1 queued as the first of a new packet, -1 not queued: the packet
 // is full (the caller sends it and calls again).
-long long queue_data(OutboxObject* self, const Frame& f) {
-  size_t n = static_cast<size_t>(f.body.len);
-  const char* body = static_cast<const char*>(f.body.buf);
-  Packet* p = find(self, f.dst);
+long long queue_body(OutboxObject* self, long dst, uint64_t tag, uint64_t seq,
+                     const char* body, size_t n) {
+  Packet* p = find(self, dst);
   bool started = false;
   if (p == nullptr) {
-    self->packets->emplace_back(f.dst, Packet());
+    self->packets->emplace_back(dst, Packet());
     p = &self->packets->back().second;
     started = true;
   } else {
     size_t size = p->bytes.size();
     bool room = p->frames < self->packet_frames;
-    if (p->next >= 0 && static_cast<uint64_t>(p->next) == f.seq && p->run == f.tag &&
+    if (p->next >= 0 && static_cast<uint64_t>(p->next) == seq && p->run == tag &&
         static_cast<long long>(size + n) <= self->packet_bytes && room) {
       p->bytes.append(body, n);
       p->frames++;
-      p->next = static_cast<long long>(f.seq) + 1;
+      p->next = static_cast<long long>(seq) + 1;
       return 0;
     }
     long long at = p->lone;
     if (at >= 0 && static_cast<long long>(size + RUN_MORE_BYTES + n) <= self->packet_bytes &&
-        room && get_be64(p->bytes, at + SEQ_AT) + 1 == f.seq &&
-        get_be64(p->bytes, at + TAG_AT) == f.tag) {  // the second of a run: the lone's head
+        room && get_be64(p->bytes, at + SEQ_AT) + 1 == seq &&
+        get_be64(p->bytes, at + TAG_AT) == tag) {  // the second of a run: the lone's head
       p->bytes[at + 1] = static_cast<char>(RUN);  // becomes the run's
       static const char more[RUN_MORE_BYTES] = {static_cast<char>(ARRAY_BYTE), 0, 0, 0, 0};
       p->bytes.insert(at + SMALL_HEAD_BYTES, more, RUN_MORE_BYTES);
       p->bytes.append(body, n);
-      p->run = f.tag;
+      p->run = tag;
       p->run_at = static_cast<size_t>(at);
       p->run_from = p->frames - 1;
       p->frames++;
-      p->next = static_cast<long long>(f.seq) + 1;
+      p->next = static_cast<long long>(seq) + 1;
       p->lone = -1;
       return 0;
     }
@@ -741,8 +748,36 @@ long long queue_data(OutboxObject* self, const Frame& f) {
     if (p->next >= 0) p->end_run();
   }
   p->lone = static_cast<long long>(p->bytes.size());
-  p->add(DATA, f.tag, f.seq, body, n);
+  p->add(DATA, tag, seq, body, n);
   return started ? 1 : 0;
+}
+
+long long queue_data(OutboxObject* self, const Frame& f) {
+  return queue_body(self, f.dst, f.tag, f.seq, static_cast<const char*>(f.body.buf),
+                    static_cast<size_t>(f.body.len));
+}
+
+// message(dst, tag, seq, obj, room, max_ndim) -> int: ``obj`` encoded as ``encode`` does
+// and queued as ``data`` (its answers), or -2: not one the compiled part encodes (nothing
+// queued: the caller encodes it otherwise).
+PyObject* outbox_message(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 6, "message(dst, tag, seq, obj, room, max_ndim)")) return nullptr;
+  long dst = PyLong_AsLong(args[0]);
+  if (dst == -1 && PyErr_Occurred()) return nullptr;
+  uint64_t tag = PyLong_AsUnsignedLongLong(args[1]);
+  if (PyErr_Occurred()) return nullptr;
+  uint64_t seq = PyLong_AsUnsignedLongLong(args[2]);
+  if (PyErr_Occurred()) return nullptr;
+  Py_ssize_t room = PyLong_AsSsize_t(args[4]);
+  Py_ssize_t max_ndim = PyLong_AsSsize_t(args[5]);
+  if (PyErr_Occurred()) return nullptr;
+  static std::string body;  // (the GIL is held throughout: one at a time)
+  body.clear();
+  int done = encode_into(body, args[3], room, max_ndim);
+  if (done < 0) return nullptr;
+  if (done == 0) return PyLong_FromLong(-2);
+  return PyLong_FromLongLong(queue_body(reinterpret_cast<OutboxObject*>(o), dst, tag, seq,
+                                        body.data(), body.size()));
 }
 
 PyObject* outbox_data(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
@@ -873,6 +908,8 @@ void outbox_dealloc(PyObject* o) {
 PyMethodDef outbox_methods[] = {
     {"data", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_data)),
      METH_FASTCALL, "data(dst, tag, seq, body) -> 0 queued, 1 a new packet, -1 full"},
+    {"message", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_message)),
+     METH_FASTCALL, "message(dst, tag, seq, obj, room, max_ndim) -> as data, or -2"},
     {"small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_small)),
      METH_FASTCALL, "small(dst, kind, tag, seq, body) -> as data"},
     {"take", outbox_take, METH_O, "take(dst) -> bytearray | None: the packet, laid out"},
