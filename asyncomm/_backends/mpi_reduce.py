@@ -115,6 +115,7 @@ class Reductions:
         self._comm = comm
         self._loop = loop
         self._poller = poller
+        self._may_look = poller.may_look
         self._status = status
         self._classify = classify
         self._tables: dict[tuple[torch.dtype, ops.ReduceOp], dict[int, _Kind]] = {}
@@ -251,7 +252,7 @@ class Reductions:
         handle: Handle[Any] = Handle(self._loop, what, tensor, tensor)
         try:
             done = _allreduce(kept.handle, kept.stage_ptr, ptr, kept.nbytes,
-                              QUICK_TESTS if self._poller.may_look() else 0)
+                              QUICK_TESTS if self._may_look() else 0)
         except mpi_native.NATIVE.Error as exc:
             error = mpi_native.exception(exc)
             handle._fail(self._classify(error), error)

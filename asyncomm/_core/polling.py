@@ -196,6 +196,10 @@ class Poller:
         self._active_spin_s = polling.active_spin_s
         self._max_backoff_s = polling.max_backoff_s
         self._hurry = Hurry(loop, polling.hurry_tests, polling.hurry_max_s)
+        # whether a task may look for what it waits for now (``Hurry.allowed``: not while a
+        # loop turn asked for long ago has not come): an operation that tests its request
+        # as it is issued asks this first, so done ones cannot hold the loop
+        self.may_look: Callable[[], bool] = self._hurry.allowed
         self._ticker = ticker(loop, polling.tick_s) if polling.tick_s < polling.max_backoff_s \
             else None
         if self._ticker is not None:
@@ -370,12 +374,6 @@ class Poller:
             if probe():  # (a probe may unregister itself: a copy of several)
                 news = True
         return news
-
-    def may_look(self) -> bool:
-        """Return whether a task may look for what it waits for now (``Hurry.allowed``: not
-        while a loop turn asked for long ago has not come): an operation that tests its
-        request as it is issued asks this first, so done ones cannot hold the loop."""
-        return self._hurry.allowed()
 
     def hurry_until(self, done: Callable[[], bool]) -> bool:
         """A task is about to wait for ``done()``: sweep while hurrying (see ``Hurry``).
