@@ -13,10 +13,11 @@ only the head (or nothing, for a head beyond the room) and the buffers follow
 as *data messages* on tag ``tags.LINK_DATA`` from the same source, in order: the
 receiver posts their receives as soon as the message arrives, so frames from
 one source never mix. Small frames (see ``small``) issued to one rank
-within one loop iteration travel together as one *packet*: a message on tag
-``tags.LINK_MESSAGE`` whose preamble says ``PACKET``, holding the frames as
-one msgpack array (decoded in one call), sent when the iteration ends
-(``flush``; no timer, so a lone frame waits for nothing). On links that
+within one loop iteration travel together as one *packet* (queued in the
+link's ``outbox``): a message on tag ``tags.LINK_MESSAGE`` whose preamble
+says ``PACKET``, holding the frames as one msgpack array (decoded in one
+call), sent when the iteration ends (``flush``; no timer, so a lone frame
+waits for nothing). On links that
 batch (``batching``: gloo), the envelopes of large frames issued to one rank
 within one iteration travel together too, as one *batch* (preamble form ``BATCH``,
 then each frame's preamble and head), sent when the iteration ends or once
