@@ -391,7 +391,8 @@ def _queue_all(queue: object, packet_bytes: int, ops: list[tuple[str, int, int, 
         elif op == "message":  # encoded by the outbox itself (what both encode)
             seq = seqs[dst, tag]
             seqs[dst, tag] = seq + 1
-            obj = [torch.arange(n % 5), [n, "x", 2.5, None], {"i": n, "t": torch.ones(2)}][n % 3]
+            obj = [torch.arange(n % 5), [n, "x", 2.5, None], {"i": n, "t": torch.ones(2)},
+                   f"lone {n}"][n % 4]  # (a str: the compiled outbox hands it to the twin)
             queued = queue.message(dst, tag, seq, obj, 300, 16)  # type: ignore[attr-defined]
             said.append(queued)
             if queued == -1:
@@ -445,9 +446,13 @@ def test_the_compiled_outbox_refuses_bad_calls_with_errors() -> None:
                        (lambda: outbox.make("big"), TypeError)]:
         with pytest.raises(error):
             bad()
-    assert queue.message(1, 2, 3, "a lone str", 300, 16) == -2  # the Python twin's to encode
     assert queue.message(1, 2, 3, torch.zeros(1000), 300, 16) == -2  # beyond the room
     assert queue.dsts() == [] and queue.take(1) is None  # nothing queued by any of them
+    # what the compiled encoding leaves (a lone str), the Python twin's encodes: as the twin
+    twin = outbox.make(4096, compiled=False)
+    assert queue.message(1, 2, 3, "a lone str", 300, 16) == 1 == twin.message(
+        1, 2, 3, "a lone str", 300, 16)
+    assert bytes(queue.take(1)) == bytes(twin.take(1))
 
 
 MPI_CALLS = r"""

@@ -117,10 +117,7 @@ class MpiLink(Link):
               tag: int) -> Handle[None] | None:
         try:
             if self._isend is not None and type(buffer) is not torch.Tensor:
-                try:
-                    pending = self._isend(self._comm_handle, buffer, dst, tag)
-                except self._native.Error as exc:  # type: ignore[union-attr]
-                    raise mpi_native.exception(exc) from None
+                pending = self._isend(self._comm_handle, buffer, dst, tag)
                 if pending is None:
                     return None  # the common case: small messages are sent at once
                 request = MPI.Request.fromhandle(pending)
@@ -130,7 +127,8 @@ class MpiLink(Link):
                 request = self._comm.Isend(message, dst, tag)
                 if request.Test():
                     return None
-        except MPI.Exception as exc:
+        except mpi_native.ERRORS as failure:
+            exc = mpi_native.exception(failure)
             handle: Handle[None] = Handle(self._loop, (self._rank, "send", None, dst, tag), None)
             handle._fail(self._classify(exc), exc)
             return handle
@@ -219,11 +217,9 @@ class ProbeLink(MpiLink):
                 got = native.probe(self._comm_handle, tags.LINK_MESSAGE, AT_ONCE_BYTES,
                                    self._unpack, self._limits.max_ndim, self._message_type)
             except native.Error as exc:
-                src = exc.args[1]
-                if src < 0:
+                if exc.args[1] < 0:
                     return found  # (the probe failed: freed under us)
-                self._arrivals.refuse(src, ProtocolError(
-                    f"message from rank {src} lost: {mpi_native.exception(exc)}"), None)
+                self._lost(exc.args[1], mpi_native.exception(exc))
                 return True
             if got is None:
                 break
@@ -261,8 +257,7 @@ class ProbeLink(MpiLink):
             try:
                 message.Recv([buffer, MPI.BYTE])
             except MPI.Exception as exc:
-                arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"),
-                                None)
+                self._lost(src, exc)
                 return False
             return self._arrive(src, buffer)
         try:
@@ -270,7 +265,7 @@ class ProbeLink(MpiLink):
             if before is None and request.Test():
                 return self._arrive(src, buffer)
         except MPI.Exception as exc:
-            arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"), None)
+            self._lost(src, exc)
             return False
         # matched: not cancellable; its data is on its way
         handle = self._watched(request, "recv", src, tags.LINK_MESSAGE, buffer)
@@ -286,11 +281,14 @@ class ProbeLink(MpiLink):
         try:
             await handle
         except CommError as exc:
-            assert self._arrivals is not None
-            self._arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {exc}"),
-                                  None)
+            self._lost(src, exc)
             return
         self._arrive(src, buffer)
+
+    def _lost(self, src: int, error: BaseException) -> None:
+        """A message from ``src`` was found but could not be received: its stream ends."""
+        assert self._arrivals is not None
+        self._arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {error}"), None)
 
     def _forget(self, src: int, task: asyncio.Task[None]) -> None:
         if self._behind.get(src) is task:
@@ -392,21 +390,29 @@ class PostedLink(MpiLink):
         try:
             posted.Start()
         except MPI.Exception as exc:  # (not seen: the receive completed above)
-            self._open = False
-            self._loop.call_exception_handler({
-                "message": f"asyncomm: rank {self._rank}: the link's receive failed; "
-                           "channel messages are no longer received",
-                "exception": exc})
+            self._receive_failed(exc)
         if items is not None:  # (the commonest, with the compiled part: small messages)
             assert self._arrivals is not None
             self._arrivals.messages(src, items)
         elif message is None:
-            assert self._arrivals is not None
-            self._arrivals.refuse(src, ProtocolError(
-                f"message from rank {src} beyond {MESSAGE_BYTES} bytes: {error}"), None)
+            self._oversized(src, error)
         else:
             self._arrive(src, message)
         return True
+
+    def _receive_failed(self, error: BaseException) -> None:
+        """The posted receive could not be started again: nothing more is received."""
+        self._open = False
+        self._loop.call_exception_handler({
+            "message": f"asyncomm: rank {self._rank}: the link's receive failed; "
+                       "channel messages are no longer received",
+            "exception": error})
+
+    def _oversized(self, src: int, error: BaseException) -> None:
+        """A message from ``src`` was cut short by MPI: its stream ends."""
+        assert self._arrivals is not None
+        self._arrivals.refuse(src, ProtocolError(
+            f"message from rank {src} beyond {MESSAGE_BYTES} bytes: {error}"), None)
 
     def _pump_compiled(self) -> bool:
         """``pump``, its MPI calls and the packet's reading made by the compiled part."""
@@ -418,10 +424,7 @@ class PostedLink(MpiLink):
             found = native.pump(self._posted_handle, self._slot, self._unpack,
                                 self._limits.max_ndim, self._message_type)
         except native.Error as exc:  # cut short: more than ``MESSAGE_BYTES``
-            src = exc.args[1]
-            self._arrivals.refuse(src, ProtocolError(
-                f"message from rank {src} beyond {MESSAGE_BYTES} bytes: "
-                f"{mpi_native.exception(exc)}"), None)
+            self._oversized(exc.args[1], mpi_native.exception(exc))
             return True
         if found is None:
             return False
@@ -433,10 +436,6 @@ class PostedLink(MpiLink):
         try:
             native.start(self._posted_handle)
         except native.Error as exc:  # (not seen: the receive completed above)
-            self._open = False
-            self._loop.call_exception_handler({
-                "message": f"asyncomm: rank {self._rank}: the link's receive failed; "
-                           "channel messages are no longer received",
-                "exception": mpi_native.exception(exc)})
+            self._receive_failed(mpi_native.exception(exc))
         self._arrive(src, message)
         return True

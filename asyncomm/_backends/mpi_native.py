@@ -3,7 +3,7 @@ against the MPI library mpi4py loaded: ``NATIVE``, else ``None`` (the link calls
 
 They are on where the compiled part is (``small.NATIVE``): ``ASYNCOMM_NATIVE=0`` turns
 both off. A call's failure is ``NATIVE.Error(code, source)``; ``exception`` makes
-mpi4py's exception of it, as the mpi4py call would have raised.
+mpi4py's exception of it, as the mpi4py call would have raised (``ERRORS``: either).
 """
 
 from __future__ import annotations
@@ -58,8 +58,12 @@ def load() -> ModuleType | None:
 
 
 def exception(error: BaseException) -> MPI.Exception:
-    """Return mpi4py's exception of a compiled call's ``Error(code, source)``."""
-    return MPI.Exception(error.args[0])
+    """Return mpi4py's exception of an MPI call's failure (one of ``ERRORS``): itself, or
+    that of a compiled call's ``Error(code, source)``."""
+    return error if isinstance(error, MPI.Exception) else MPI.Exception(error.args[0])
 
 
 NATIVE: ModuleType | None = load()
+# what an MPI call raises, through mpi4py or compiled (see ``exception``)
+ERRORS: tuple[type[BaseException], ...] = (
+    (MPI.Exception,) if NATIVE is None else (MPI.Exception, NATIVE.Error))

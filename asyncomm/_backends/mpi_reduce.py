@@ -247,14 +247,14 @@ class Reductions:
         tests and the copy out in one (``mpi_native``). No tests while the loop's turn is
         overdue (``Poller.may_look``): all-reduces done at once one after the other would
         never let it turn (the handle's await yields for it)."""
-        assert _allreduce is not None and mpi_native.NATIVE is not None
+        assert _allreduce is not None
         ptr = tensor.data_ptr()
         handle: Handle[Any] = Handle(self._loop, what, tensor, tensor)
         try:
             done = _allreduce(kept.handle, kept.stage_ptr, ptr, kept.nbytes,
                               QUICK_TESTS if self._may_look() else 0)
-        except mpi_native.NATIVE.Error as exc:
-            error = mpi_native.exception(exc)
+        except mpi_native.ERRORS as failure:
+            error = mpi_native.exception(failure)
             handle._fail(self._classify(error), error)
             return handle
         if done:

@@ -271,47 +271,42 @@ class Link(ABC):
         does. A message (``DATA``) joins a run (see ``outbox``).
         """
         queued = self._outbox.small(dst, kind, tag, seq, body)
-        if queued:
-            if queued < 0:  # the packet is full: it goes, and the frame begins the next
-                self._flush_to(dst)
-                self._outbox.small(dst, kind, tag, seq, body)
-            if not self._waiting:
-                self._flush_later()
+        if queued and self._begun(dst, queued):
+            self._outbox.small(dst, kind, tag, seq, body)
 
     def send_message(self, dst: int, tag: int, seq: int, obj: object, room: int,
                      max_ndim: int) -> bool:
         """``send_data`` of ``obj``'s small body, encoded by the outbox (``Queue.message``);
-        return ``False`` (nothing queued) where the outbox does not encode it."""
+        return ``False`` (nothing queued) where it is not small."""
         queued = self._queue_message(dst, tag, seq, obj, room, max_ndim)
-        if queued:
-            if queued == -2:
-                return False
-            if queued < 0:  # the packet is full: it goes, and the message begins the next
-                self._flush_to(dst)
-                self._queue_message(dst, tag, seq, obj, room, max_ndim)
-            if not self._waiting:
-                self._flush_later()
+        if queued == -2:
+            return False
+        if queued and self._begun(dst, queued):
+            self._queue_message(dst, tag, seq, obj, room, max_ndim)
         return True
 
     def send_data(self, dst: int, tag: int, seq: int, body: bytes) -> None:
-        """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``): the hot path."""
+        """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``)."""
         queued = self._queue_data(dst, tag, seq, body)
-        if queued:
-            if queued < 0:  # the packet is full: it goes, and the message begins the next
-                self._flush_to(dst)
-                self._queue_data(dst, tag, seq, body)
-            if not self._waiting:
-                self._flush_later()
+        if queued and self._begun(dst, queued):
+            self._queue_data(dst, tag, seq, body)
 
-    def _flush_later(self) -> None:
-        """Call ``flush`` when the loop iteration ends (once, however often asked), or before,
-        when a task begins to look for what it awaits (``hurry``)."""
+    def _begun(self, dst: int, queued: int = 1) -> bool:
+        """Something for ``dst`` begun (``queued``: a queuing call's answer, see
+        ``Queue.data``; 1: a packet or batch begun, -1: a full packet): call ``flush``
+        when the loop iteration ends (once, however often asked), or before, when a task
+        begins to look for what it awaits (``hurry``). Return whether the packet was full:
+        it is sent now, and the caller queues its frame again."""
         if not self._waiting:
             self._waiting = True
             DUE.append(self._due)
         if not self._flush_due:
             self._flush_due = True
             self._loop.call_soon(self._flush_due_now)
+        if queued < 0:
+            self._flush_to(dst)
+            return True
+        return False
 
     def _flush_due_now(self) -> None:
         self._flush_due = False
@@ -404,7 +399,7 @@ class Link(ABC):
             batch = None
         if batch is None:
             batch = self._batches[dst] = bytearray(_PREAMBLE_BYTES)  # laid when it goes
-            self._flush_later()
+            self._begun(dst)
         batch += PREAMBLE.pack(len(head), 0, follow, 0)
         batch += head
 

@@ -15,6 +15,7 @@ compiled one where it is built.
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Any, Protocol
 
@@ -49,7 +50,7 @@ class Queue(Protocol):
     def message(self, dst: int, tag: int, seq: int, obj: object, room: int,
                 max_ndim: int) -> int:
         """Queue ``obj`` as ``data`` would its small body (``small.encode``), or return -2
-        where this outbox does not encode it (nothing queued)."""
+        where it is not a small message (nothing queued)."""
 
     def small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> int:
         """Queue a small frame of ``kind`` (as ``data``; a message, ``DATA``, is ``data``)."""
@@ -197,6 +198,7 @@ class Outbox:
 def make(packet_bytes: int, compiled: bool = True) -> Any:
     """Return an outbox of packets of at most ``packet_bytes``: the compiled one where it is
     built (and ``compiled``), else ``Outbox``."""
-    if compiled and small.NATIVE is not None:
-        return small.NATIVE.Outbox(packet_bytes)
+    if compiled and small.NATIVE is not None:  # (what its encoding leaves, the twin's takes)
+        return small.NATIVE.Outbox(packet_bytes, functools.partial(small.encode,
+                                                                   compiled=False))
     return Outbox(packet_bytes)

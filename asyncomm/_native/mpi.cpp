@@ -92,6 +92,36 @@ PyObject* isend(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return handle_to_python(request);
 }
 
+// A message of ``count`` bytes from ``source`` received into ``buffer``, read by
+// ``unpack(buffer, count, max_ndim, source, message_type)`` (the compiled reader): a new
+// tuple (source, count, its answer, *more), or nullptr (an error set).
+PyObject* read_message(PyObject* unpack, PyObject* buffer, int count, int source,
+                       PyObject* max_ndim, PyObject* message_type, PyObject* const* more,
+                       Py_ssize_t nmore) {
+  PyObject* result = PyTuple_New(3 + nmore);
+  if (result == nullptr) return nullptr;
+  PyObject* source_object = PyLong_FromLong(source);
+  PyTuple_SET_ITEM(result, 0, source_object);
+  PyObject* count_object = PyLong_FromLong(count);
+  PyTuple_SET_ITEM(result, 1, count_object);
+  if (source_object == nullptr || count_object == nullptr) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  PyObject* call[5] = {buffer, count_object, max_ndim, source_object, message_type};
+  PyObject* items = PyObject_Vectorcall(unpack, call, 5, nullptr);
+  if (items == nullptr) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(result, 2, items);
+  for (Py_ssize_t i = 0; i < nmore; i++) {
+    Py_INCREF(more[i]);
+    PyTuple_SET_ITEM(result, 3 + i, more[i]);
+  }
+  return result;
+}
+
 // pump(request, slot, unpack, max_ndim, message_type): test the persistent receive
 // ``request`` (into ``slot``); None if nothing came. Else (source, count, items): the
 // message of ``count`` bytes from ``source`` read by ``unpack(slot, count, max_ndim,
@@ -118,23 +148,10 @@ PyObject* pump(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   int count = 0;
   MPI_Get_count(&status, MPI_BYTE, &count);
-  PyObject* count_object = PyLong_FromLong(count);
-  PyObject* source_object = PyLong_FromLong(source);
-  PyObject* items = nullptr;
-  if (count_object != nullptr && source_object != nullptr) {
-    PyObject* call[5] = {args[1], count_object, args[3], source_object, args[4]};
-    items = PyObject_Vectorcall(args[2], call, 5, nullptr);
-  }
-  PyObject* result = nullptr;
-  if (items != nullptr) {
-    if (items != Py_None) MPI_Start(&request);
-    result = PyTuple_Pack(3, source_object, count_object, items);
-    Py_DECREF(items);
-  } else {
-    MPI_Start(&request);  // (unpack raised: the message is lost either way)
-  }
-  Py_XDECREF(count_object);
-  Py_XDECREF(source_object);
+  PyObject* result =
+      read_message(args[2], args[1], count, source, args[3], args[4], nullptr, 0);
+  if (result == nullptr || PyTuple_GET_ITEM(result, 2) != Py_None)
+    MPI_Start(&request);  // (read: the receive goes on; unpack raised: lost either way)
   return result;
 }
 
@@ -175,19 +192,8 @@ PyObject* probe(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     Py_DECREF(buffer);
     return fail(code, source);
   }
-  PyObject* count_object = PyLong_FromLong(count);
-  PyObject* source_object = PyLong_FromLong(source);
-  PyObject* result = nullptr;
-  if (count_object != nullptr && source_object != nullptr) {
-    PyObject* call[5] = {buffer, count_object, args[4], source_object, args[5]};
-    PyObject* items = PyObject_Vectorcall(args[3], call, 5, nullptr);
-    if (items != nullptr) {
-      result = PyTuple_Pack(5, source_object, count_object, items, buffer, Py_None);
-      Py_DECREF(items);
-    }
-  }
-  Py_XDECREF(count_object);
-  Py_XDECREF(source_object);
+  PyObject* more[2] = {buffer, Py_None};
+  PyObject* result = read_message(args[3], buffer, count, source, args[4], args[5], more, 2);
   Py_DECREF(buffer);
   return result;
 }

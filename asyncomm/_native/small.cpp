@@ -682,6 +682,7 @@ struct OutboxObject {
   std::vector<std::pair<long, Packet>>* packets;  // per destination, in the order begun
   long long packet_bytes;
   long long packet_frames;
+  PyObject* encode;  // the Python twin's encoding: what ``message`` leaves, it takes
 };
 
 Packet* find(OutboxObject* self, long dst) {
@@ -758,8 +759,8 @@ long long queue_data(OutboxObject* self, const Frame& f) {
 }
 
 // message(dst, tag, seq, obj, room, max_ndim) -> int: ``obj`` encoded as ``encode`` does
-// and queued as ``data`` (its answers), or -2: not one the compiled part encodes (nothing
-// queued: the caller encodes it otherwise).
+// (or, what that leaves, by the Python twin given at construction) and queued as
+// ``data`` (its answers), or -2: not a small message (nothing queued).
 PyObject* outbox_message(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
   if (!arity(nargs, 6, "message(dst, tag, seq, obj, room, max_ndim)")) return nullptr;
   long dst = PyLong_AsLong(args[0]);
@@ -773,11 +774,27 @@ PyObject* outbox_message(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
   if (PyErr_Occurred()) return nullptr;
   static std::string body;  // (the GIL is held throughout: one at a time)
   body.clear();
+  auto* self = reinterpret_cast<OutboxObject*>(o);
   int done = encode_into(body, args[3], room, max_ndim);
   if (done < 0) return nullptr;
-  if (done == 0) return PyLong_FromLong(-2);
-  return PyLong_FromLongLong(queue_body(reinterpret_cast<OutboxObject*>(o), dst, tag, seq,
-                                        body.data(), body.size()));
+  if (done == 0) {  // the Python twin's, then: ``small.encode``
+    PyObject* twin = PyObject_Vectorcall(self->encode, args + 3, 3, nullptr);
+    if (twin == nullptr) return nullptr;
+    if (twin == Py_None) {
+      Py_DECREF(twin);
+      return PyLong_FromLong(-2);
+    }
+    char* data;
+    Py_ssize_t n;
+    if (PyBytes_AsStringAndSize(twin, &data, &n) < 0) {
+      Py_DECREF(twin);
+      return nullptr;
+    }
+    long long got = queue_body(self, dst, tag, seq, data, static_cast<size_t>(n));
+    Py_DECREF(twin);
+    return PyLong_FromLongLong(got);
+  }
+  return PyLong_FromLongLong(queue_body(self, dst, tag, seq, body.data(), body.size()));
 }
 
 PyObject* outbox_data(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
@@ -881,10 +898,15 @@ PyObject* outbox_dsts(PyObject* o, PyObject*) {
 
 PyObject* outbox_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   long long packet_bytes = 0;
-  static const char* names[] = {"packet_bytes", nullptr};
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "L", const_cast<char**>(names),
-                                   &packet_bytes))
+  PyObject* encode = nullptr;
+  static const char* names[] = {"packet_bytes", "encode", nullptr};
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "LO", const_cast<char**>(names),
+                                   &packet_bytes, &encode))
     return nullptr;
+  if (!PyCallable_Check(encode)) {
+    PyErr_SetString(PyExc_TypeError, "Outbox: encode must be callable");
+    return nullptr;
+  }
   auto* self = reinterpret_cast<OutboxObject*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
   self->packets = new (std::nothrow) std::vector<std::pair<long, Packet>>();
@@ -894,12 +916,15 @@ PyObject* outbox_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   }
   self->packet_bytes = packet_bytes;
   self->packet_frames = 1LL << 61;
+  Py_INCREF(encode);
+  self->encode = encode;
   return reinterpret_cast<PyObject*>(self);
 }
 
 void outbox_dealloc(PyObject* o) {
   auto* self = reinterpret_cast<OutboxObject*>(o);
   delete self->packets;
+  Py_XDECREF(self->encode);
   PyTypeObject* type = Py_TYPE(o);
   type->tp_free(o);
   Py_DECREF(type);
@@ -930,7 +955,7 @@ PyType_Slot outbox_slots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(outbox_dealloc)},
     {Py_tp_methods, outbox_methods},
     {Py_tp_members, outbox_members},
-    {Py_tp_doc, const_cast<char*>("Outbox(packet_bytes): small frames queued as packets")},
+    {Py_tp_doc, const_cast<char*>("Outbox(packet_bytes, encode): small frames queued as packets")},
     {0, nullptr}};
 
 PyType_Spec outbox_spec = {"asyncomm_small.Outbox", sizeof(OutboxObject), 0,
