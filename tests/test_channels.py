@@ -1117,6 +1117,65 @@ def test_frames_whose_data_comes_late_are_received_in_order(world: World) -> Non
     world.run(check_late_data)
 
 
+async def check_small_beside_a_stream(comm: Comm) -> None:
+    # Small messages both ways while large frames stream keep their order, exactly once.
+    # On gloo the loop posts nothing while data moves (its pair's lock would hold the
+    # loop, see gloo_link's note on posting): the sender thread posts them, in order.
+    async with fresh(comm) as sub:
+        link: Any = sub._router.link
+        gloo = sub.backend == "gloo"
+        posted_by_loop_while_busy = 0
+        if gloo:
+            endpoint = link._endpoint
+            send = endpoint.send_raw
+
+            def watched(sink: Any, tensor: torch.Tensor, dst: int, tag: int,
+                        eager: bool = True, copied: bool = False) -> None:
+                nonlocal posted_by_loop_while_busy
+                if link._data_out or link._expected:
+                    posted_by_loop_while_busy += 1
+                send(sink, tensor, dst, tag, eager, copied)
+
+            endpoint.send_raw = watched
+        big, small, back = sub.channel(908), sub.channel(909), sub.channel(910)
+        frames, n = 48, (256 << 10) // 4
+        if sub.rank == 0:
+            async def stream() -> None:
+                for i in range(frames):
+                    await big.send(torch.full((n,), float(i)), 1)
+                    if i % 4 == 3:
+                        await small.send({"after": i}, 1)
+
+            async def answers() -> None:
+                for j in range(100):
+                    assert (await back.recv(1)).data == {"j": j}
+
+            await asyncio.gather(stream(), answers())
+        elif sub.rank == 1:
+            async def take() -> None:
+                for i in range(frames):
+                    got = (await big.recv(0)).data
+                    assert got.shape == (n,) and bool(torch.all(got == i)), i
+                    if i % 4 == 3:
+                        assert (await small.recv(0)).data == {"after": i}
+
+            async def talk() -> None:
+                for j in range(100):
+                    await back.send({"j": j}, 0)
+                    if j % 10 == 9:
+                        await asyncio.sleep(0.001)
+
+            await asyncio.gather(take(), talk())
+            if gloo:
+                assert link._posted > 0  # some went while data was expected
+        assert posted_by_loop_while_busy == 0
+        await sub.barrier()
+
+
+def test_small_messages_beside_a_stream(world: World) -> None:
+    world.run(check_small_beside_a_stream)
+
+
 async def check_padded_link_messages(comm: Comm) -> list[int]:
     # Where gloo's transport reads as many bytes as a receive holds (libuv: macOS,
     # Windows), every link message is padded to the receives' size; the same traffic
