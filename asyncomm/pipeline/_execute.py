@@ -102,6 +102,7 @@ DEFAULT_TAG_BASE = 1 << 48
 _FORWARD, _BACKWARD, _EVAL, _NOTICES = 0, 1, 2, 3  # message directions (notices: one tag)
 _NOTICE_S = 5.0  # how long a failing rank tries to tell each other rank (see the note)
 # pipelines made so far per communicator and tag_base: every rank numbers its pipelines alike
+_Heard = CommError | tuple[int, dict[str, Any]]  # a failure told: see ``_notice``
 _generations: weakref.WeakKeyDictionary[Comm, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
@@ -238,7 +239,7 @@ class Pipeline:
         self._closed = False
         self._steps = 0  # steps started
         self._telling: asyncio.Future[None] | None = None  # a cancelled step's notice on its way
-        self._heard: CommError | None = None  # a notice the last step took as it ended
+        self._heard: _Heard | None = None  # a notice the last step took as it ended
         made = _generations.setdefault(comm, {})
         self._generation = made.get(tag_base, 0)  # see the note on failure
         made[tag_base] = self._generation + 1
@@ -447,10 +448,11 @@ class Pipeline:
         if notices is None:
             return await body
         if self._heard is not None:  # told as the previous step ended: this one stops
-            body.close()
-            self._failed, error, self._heard = _gist(self._heard), self._heard, None
+            body.close()  # (named in the error: the failure is of the step it stops)
+            error, self._heard = self._told(what, self._heard), None
+            self._failed = _gist(error)
             raise error
-        watch = asyncio.ensure_future(self._notice(notices, what))
+        watch = asyncio.ensure_future(self._notice(notices))
         task = asyncio.ensure_future(body)
         try:
             await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
@@ -461,7 +463,7 @@ class Pipeline:
                     self._failed = _gist(exc)
                     await self._tell(notices, exc)
                     raise
-            self._failed = _gist(error := watch.result())
+            self._failed = _gist(error := self._told(what, watch.result()))
             task.cancel()  # what it posted stays posted: its buffers stay with the handles
             await asyncio.wait((task,))
             raise error
@@ -476,8 +478,9 @@ class Pipeline:
             if self._failed is None and watch.done() and not watch.cancelled():
                 self._heard = watch.result()  # taken as the step ended: kept for the next
 
-    async def _notice(self, notices: Channel, what: str) -> CommError:
-        """Return the error of the first failure another rank tells of (or of the watch)."""
+    async def _notice(self, notices: Channel) -> _Heard:
+        """Return the first failure another rank tells of (its rank and notice), or the
+        watch's own error."""
         while True:
             try:
                 msg = await notices.recv(timeout=math.inf)
@@ -485,9 +488,16 @@ class Pipeline:
                 return exc
             notice = msg.data
             if isinstance(notice, dict) and notice.get("generation") == self._generation:
-                return RemoteError(f"rank {self.rank}: pipeline {self.schedule.name!r} {what}: "
-                                   f"rank {msg.src} failed: {notice.get('error')}", msg.src,
-                                   str(notice.get("traceback", "")))
+                return msg.src, notice
+
+    def _told(self, what: str, heard: _Heard) -> CommError:
+        """The error that stops ``what`` (a step): ``heard``, as ``_notice`` returned it."""
+        if isinstance(heard, CommError):
+            return heard
+        src, notice = heard
+        return RemoteError(f"rank {self.rank}: pipeline {self.schedule.name!r} {what}: "
+                           f"rank {src} failed: {notice.get('error')}", src,
+                           str(notice.get("traceback", "")))
 
     async def _tell(self, notices: Channel, exc: BaseException) -> None:
         """Tell every other rank that this rank's step failed, and how (best effort)."""
