@@ -2,65 +2,56 @@
 
 Note on how a step runs
 -----------------------
-Each rank executes its own action list of the ``Schedule`` in order. Every
-receive of the step is posted when the step starts (a channel receive costs a
-task, and the router buffers what arrives anyway), and awaited only by the F or
-B that needs its tensor. Sends are issued as tasks and not awaited until the
-end of the step: their tensors (a stage's output, the gradient of its input)
-are never written again. Forward and backward passes run through
-``asyncomm.compute``, on the loop's compute thread, so messages keep moving
-while a stage computes -- except where nothing needs the loop to move them.
-Once messages are point-to-point operations (the second step on), passes
-run on the loop thread itself on a backend whose operations progress on its
-own threads (gloo, nccl), and on MPI, whose requests move only when polled,
-from the step after one whose every send was done when issued (eager: small
-messages) and without ``grad_sync`` (its reductions need the polls); a send
-found pending hands the step's later passes back to the compute thread. The
-hop to the compute thread and back costs about 70 µs a pass on a small
-host, and a ZB-V schedule makes 24 passes a step per rank against a small
-bubble (MPI, bubble over the simulator's: 1.19-1.21 with the hops,
-1.11-1.14 without; see ``docs/benchmarks.md``).
+Each rank executes its own action list of the ``Schedule`` in order. Every receive of the
+step is posted when the step starts (a channel receive costs a task, and the router buffers
+what arrives anyway), and awaited only by the F or B that needs its tensor. Sends are issued
+as tasks and not awaited until the end of the step: their tensors (a stage's output, the
+gradient of its input) are never written again. Forward and backward passes run through
+``asyncomm.compute``, on the loop's compute thread, so messages keep moving while a stage
+computes -- except where nothing needs the loop to move them. Once messages are
+point-to-point operations (the second step on), passes run on the loop thread itself on a
+backend whose operations progress on its own threads (gloo, nccl), and on MPI, whose
+requests move only when polled, from the step after one whose every send was done when
+issued (eager: small messages) and without ``grad_sync`` (its reductions need the polls); a
+send found pending hands the step's later passes back to the compute thread. The hop to the
+compute thread and back costs about 70 µs a pass on a small host, and a ZB-V schedule makes
+24 passes a step per rank against a small bubble (MPI, bubble over the simulator's:
+1.19-1.21 with the hops, 1.11-1.14 without; see ``docs/benchmarks.md``).
 
 Note on messages
 ----------------
-In the first step, activations and gradients travel on channels of ``comm``
-(any shape and dtype of tensor), one channel per (direction, stage boundary,
-microbatch), from ``tag_base`` up: ``3 * n_stages * n_microbatches`` virtual
-tags (the third direction is ``forward``'s, for evaluation). A channel
-delivers in order per sender, so step k+1's message on a tag never passes step
-k's. Both ends note each message's shape and dtype. From the second step on,
-with ``fixed_shapes`` (the default), every message is one point-to-point
-send into a receive posted at the step's start with that shape, on a
-communicator of the pipeline's own (``comm.group`` over every rank, made at
-the start of the first step, closed with ``comm``), tag = the channel's offset
-from ``tag_base``: no envelope, no listener thread, no decoding, which on gloo
-is most of a small message's cost. That needs every message to keep its first
-step's shape and dtype, as ``torch.distributed.pipelining`` does; a sender
-checks before sending. A boundary inside one rank (a world of one) hands the
-tensor over locally.
+In the first step, activations and gradients travel on channels of ``comm`` (any shape and
+dtype of tensor), one channel per (direction, stage boundary, microbatch), from ``tag_base``
+up: ``3 * n_stages * n_microbatches`` virtual tags (the third direction is ``forward``'s,
+for evaluation). A channel delivers in order per sender, so step k+1's message on a tag
+never passes step k's. Both ends note each message's shape and dtype. From the second step
+on, with ``fixed_shapes`` (the default), every message is one point-to-point send into a
+receive posted at the step's start with that shape, on a communicator of the pipeline's own
+(``comm.group`` over every rank, made at the start of the first step, closed with ``comm``),
+tag = the channel's offset from ``tag_base``: no envelope, no listener thread, no decoding,
+which on gloo is most of a small message's cost. That needs every message to keep its first
+step's shape and dtype, as ``torch.distributed.pipelining`` does; a sender checks before
+sending. A boundary inside one rank (a world of one) hands the tensor over locally.
 
 Note on failure
 ---------------
-A rank whose step (or ``forward``) raises once it has started (a bad
-argument raises before: nothing is sent, nothing told) tells every other rank
-of the pipeline, on one more channel (``tag_base + 3 * n_stages *
-n_microbatches``): its rank and error. Every step watches that channel while
-it runs, and one that hears of a failure stops (what it posted stays posted)
-and raises ``RemoteError`` naming the failed rank, at once instead of at a
-receive's timeout; so does the next step of a rank that had finished its own. A notice
-names the pipeline it comes from (the how-manieth made on ``comm`` with this
-``tag_base``, counted alike on every rank), so one from a pipeline given up
-does not stop its successor. After a failure, a pipeline's later steps raise
-``RuntimeError``: make a new one.
+A rank whose step (or ``forward``) raises once it has started (a bad argument raises before:
+nothing is sent, nothing told) tells every other rank of the pipeline, on one more channel
+(``tag_base + 3 * n_stages * n_microbatches``): its rank and error. Every step watches that
+channel while it runs, and one that hears of a failure stops (what it posted stays posted)
+and raises ``RemoteError`` naming the failed rank, at once instead of at a receive's
+timeout; so does the next step of a rank that had finished its own (the error names the step
+it stops). A notice names the pipeline it comes from (the how-manieth made on ``comm`` with
+this ``tag_base``, counted alike on every rank), so one from a pipeline given up does not
+stop its successor. After a failure, a pipeline's later steps raise ``RuntimeError``: make a
+new one.
 
 Note on scaling
 ---------------
-The loss of a step is the mean of the microbatches' losses; each microbatch's
-backward starts from ``loss_fn(output, target) / n_microbatches``, so the
-gradients that accumulate in the stage modules' parameters are those of that
-mean. With microbatches of equal size and a mean-reducing ``loss_fn``, that is
-single-process training on the whole batch.
-"""
+The loss of a step is the mean of the microbatches' losses; each microbatch's backward
+starts from ``loss_fn(output, target) / n_microbatches``, so the gradients that accumulate
+in the stage modules' parameters are those of that mean. With microbatches of equal size and
+a mean-reducing ``loss_fn``, that is single-process training on the whole batch. """
 
 from __future__ import annotations
 
@@ -101,8 +92,8 @@ DEFAULT_TAG_BASE = 1 << 48
 
 _FORWARD, _BACKWARD, _EVAL, _NOTICES = 0, 1, 2, 3  # message directions (notices: one tag)
 _NOTICE_S = 5.0  # how long a failing rank tries to tell each other rank (see the note)
-# pipelines made so far per communicator and tag_base: every rank numbers its pipelines alike
 _Heard = CommError | tuple[int, dict[str, Any]]  # a failure told: see ``_notice``
+# pipelines made so far per communicator and tag_base: every rank numbers its pipelines alike
 _generations: weakref.WeakKeyDictionary[Comm, dict[int, int]] = weakref.WeakKeyDictionary()
 
 
@@ -479,24 +470,22 @@ class Pipeline:
                 self._heard = watch.result()  # taken as the step ended: kept for the next
 
     async def _notice(self, notices: Channel) -> _Heard:
-        """Return the first failure another rank tells of (its rank and notice), or the
-        watch's own error."""
+        """The first failure another rank tells of (its rank, its notice), or the watch's error."""
         while True:
             try:
                 msg = await notices.recv(timeout=math.inf)
             except CommError as exc:
                 return exc
-            notice = msg.data
-            if isinstance(notice, dict) and notice.get("generation") == self._generation:
-                return msg.src, notice
+            if isinstance(msg.data, dict) and msg.data.get("generation") == self._generation:
+                return msg.src, msg.data
 
     def _told(self, what: str, heard: _Heard) -> CommError:
-        """The error that stops ``what`` (a step): ``heard``, as ``_notice`` returned it."""
+        """The error that stops ``what`` (a step) for ``heard``, as ``_notice`` returned it."""
         if isinstance(heard, CommError):
             return heard
         src, notice = heard
-        return RemoteError(f"rank {self.rank}: pipeline {self.schedule.name!r} {what}: "
-                           f"rank {src} failed: {notice.get('error')}", src,
+        return RemoteError(f"rank {self.rank}: pipeline {self.schedule.name!r} {what}: rank "
+                           f"{src} failed: {notice.get('error')}", src,
                            str(notice.get("traceback", "")))
 
     async def _tell(self, notices: Channel, exc: BaseException) -> None:
