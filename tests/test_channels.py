@@ -1176,6 +1176,48 @@ def test_small_messages_beside_a_stream(world: World) -> None:
     world.run(check_small_beside_a_stream)
 
 
+async def check_messages_not_held_behind_data(comm: Comm) -> None:
+    # On gloo, a link message sent while a data send is out is posted at once, whatever
+    # the data send waits for (see gloo_link's note on posting): here rank 0's sender
+    # thread is held in its first data send's see-off until rank 1 has answered messages
+    # sent after that data. (MPI: the same traffic, nothing held.)
+    import threading
+
+    async with fresh(comm) as sub:
+        big, small = sub.channel(911), sub.channel(912)
+        release = threading.Event()
+        if sub.rank == 0:
+            if sub.backend == "gloo":  # (rank 0's only waits here: its sends')
+                from asyncomm._backends import gloo_link
+
+                wait_all = gloo_link._wait_all
+
+                def held(works: list[Any]) -> RuntimeError | None:
+                    release.wait(30.0)
+                    return wait_all(works)
+
+                gloo_link._wait_all = held
+            sent = asyncio.ensure_future(big.send(torch.ones(1 << 18), 1))
+            await asyncio.sleep(0)
+            for i in range(3):
+                await small.send(i, 1)
+            assert (await small.recv(1, timeout=20.0)).data == "got"
+            assert not release.is_set() and (sub.backend != "gloo" or not sent.done())
+            release.set()
+            await sent
+            if sub.backend == "gloo":
+                gloo_link._wait_all = wait_all
+        elif sub.rank == 1:
+            assert bool(torch.all((await big.recv(0)).data == 1))
+            assert [(await small.recv(0)).data for _ in range(3)] == [0, 1, 2]
+            await small.send("got", 0)
+        await sub.barrier()
+
+
+def test_link_messages_not_held_behind_data(world: World) -> None:
+    world.run(check_messages_not_held_behind_data)
+
+
 async def check_padded_link_messages(comm: Comm) -> list[int]:
     # Where gloo's transport reads as many bytes as a receive holds (libuv: macOS,
     # Windows), every link message is padded to the receives' size; the same traffic

@@ -1,4 +1,4 @@
-"""The link of torch backends: channel frames over gloo, served by three threads.
+"""The link of torch backends: channel frames over gloo, served by four threads.
 
 Note on threads
 ---------------
@@ -10,11 +10,12 @@ iteration and two thread hand-offs on the path of every large frame
 keeps ``DEPTH`` any-source receives of ``ENVELOPE_BYTES`` messages posted, and
 when one arrives posts that frame's data receives at once, in order. A
 *completer* thread waits for the data receives, frame after frame, and hands
-each whole frame to the loop through the backend's inbox. A *sender* thread
-posts the data sends and waits for them in the order they were issued (one
-thread, where the backend's own sends take a waiter thread each), and posts
-link messages while data moves (see the note on posting). The loop parses
-frames that came in one piece itself. The listener posts no receive after
+each whole frame to the loop through the backend's inbox. A *poster* thread
+posts the data sends, and link messages while data moves (see the note on
+posting), in order, and never waits for one; a *sender* thread waits for
+them in the order they were posted (one thread, where the backend's own
+sends take a waiter thread each). The loop parses frames that came in one
+piece itself. The listener posts no receive after
 the last peer's goodbye (see the note on closing in ``_link``).
 
 Note on batches and message sizes
@@ -44,13 +45,14 @@ frames sent by the receiving loop while 64 x 1 MiB streamed in held it in
 gloo's ``send`` 1.2 s of a 4.5 s run (p90 4.6 ms a send, up to 13 ms). So the
 loop posts nothing to gloo while data moves: data messages, and link
 messages while data messages are out or expected (or earlier link messages
-still wait to be posted), are posted by the sender thread, in order (then
+still wait to be posted), are posted by the poster thread, in order (then
 34-54 ms of the same run); a link message so sent counts as sent at once,
 as an eager send does. Otherwise the loop posts link messages itself: a
 round trip of small messages takes no thread hand-off. A data message is
-queued for the sender thread only once its envelope is posted (its
-batch's): the thread waits for its sends in order, and a data send
-completes only once the receiver has its envelope.
+queued for the poster only once its envelope is posted (its batch's). The
+poster never waits for a send: a link message is never held behind a data
+send that does not complete (its receiver refused its envelope: the rank's
+messages to every other peer would wait with it).
 
 Note on draining
 ----------------
@@ -201,7 +203,7 @@ def _reraise(exc: BaseException, _: object) -> None:
 
 
 class GlooLink(Link):
-    """Link messages of ``ENVELOPE_BYTES``; three threads listen, complete frames, see sends off."""
+    """Link messages of ``ENVELOPE_BYTES``, served by four threads (see the note on threads)."""
 
     def __init__(self, backend: Endpoint, pg: Any, loop: asyncio.AbstractEventLoop, inbox: Inbox,
                  waiters: Waiters, classify: Classify) -> None:
@@ -214,6 +216,7 @@ class GlooLink(Link):
         self._classify = classify
         self._frames: queue.SimpleQueue[tuple[Pending, list[Any]] | None] = queue.SimpleQueue()
         self._sends: queue.SimpleQueue[_Send | None] = queue.SimpleQueue()
+        self._posted_works: queue.SimpleQueue[tuple[Any, _Sink] | None] = queue.SimpleQueue()
         self._behind_batch: dict[int, list[_Send]] = {}  # data sends whose envelope's batch waits
         # Counted on the loop (see the note on posting): data sends not seen off, data
         # frames expected, link messages queued for the sender thread and (its count)
@@ -233,7 +236,9 @@ class GlooLink(Link):
         for target, name in ((self._listen, "asyncomm-listener"),
                              (functools.partial(_serve, self._frames, self._complete),
                               "asyncomm-completer"),
-                             (self._post_and_see_off, "asyncomm-sender")):
+                             (self._post_sends, "asyncomm-poster"),
+                             (functools.partial(_serve, self._posted_works, self._see_off),
+                              "asyncomm-sender")):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -360,40 +365,32 @@ class GlooLink(Link):
         self._data_out -= 1
         raise error
 
-    # -- the sender thread ------------------------------------------------------------
+    # -- the poster and sender threads --------------------------------------------------
 
-    def _post_and_see_off(self) -> None:
-        """Post the sends queued, in order; see them off in order (a data send's handle is
-        completed once gloo is done with it), posting what was queued meanwhile before
-        each wait. Until ``None``; what was posted before it is still seen off."""
-        posted: collections.deque[tuple[Any, _Sink]] = collections.deque()
-        sends, stopping = self._sends, False
-        while posted or not stopping:
-            while not stopping:  # post what is queued; block only with nothing in flight
-                try:
-                    item = sends.get(block=not posted)
-                except queue.Empty:
-                    break
-                if item is None:
-                    stopping = True
-                    break
-                tensor, dst, tag, sink = item
-                try:
-                    posted.append((self._pg.send([tensor], dst, tag), sink))
-                except RuntimeError as exc:  # gloo closed dst's connection: it died
-                    self._inbox.put(sink, functools.partial(self._failed_send, exc)
-                                    if isinstance(sink, Handle) else
-                                    functools.partial(_reraise, exc), None)
-                if tag == tags.LINK_MESSAGE:
-                    self._posted += 1
-            if posted:
-                work, sink = posted.popleft()
-                error = _wait_all([work])
-                if isinstance(sink, Handle):
-                    self._inbox.put(sink, self._seen_off if error is None
-                                    else functools.partial(self._failed_send, error), None)
-                elif error is not None:
-                    self._inbox.put(sink, functools.partial(_reraise, error), None)
+    def _post_sends(self) -> None:
+        """Post the sends queued, in order, and hand each to the sender thread (until
+        ``None``). It never waits for one: a link message is never held behind data."""
+        while (item := self._sends.get()) is not None:
+            tensor, dst, tag, sink = item
+            try:
+                self._posted_works.put((self._pg.send([tensor], dst, tag), sink))
+            except RuntimeError as exc:  # gloo closed dst's connection: it died
+                self._inbox.put(sink, functools.partial(self._failed_send, exc)
+                                if isinstance(sink, Handle) else
+                                functools.partial(_reraise, exc), None)
+            if tag == tags.LINK_MESSAGE:
+                self._posted += 1
+        self._posted_works.put(None)
+
+    def _see_off(self, work: Any, sink: _Sink) -> None:
+        """Complete a data send's handle once gloo is done with it (sends in posting order);
+        report a link message's failure."""
+        error = _wait_all([work])
+        if isinstance(sink, Handle):
+            self._inbox.put(sink, self._seen_off if error is None
+                            else functools.partial(self._failed_send, error), None)
+        elif error is not None:
+            self._inbox.put(sink, functools.partial(_reraise, error), None)
 
     # -- the listener thread --------------------------------------------------------------
 
