@@ -13,6 +13,7 @@ import math
 import os
 import random
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -1181,8 +1182,6 @@ async def check_messages_not_held_behind_data(comm: Comm) -> None:
     # the data send waits for (see gloo_link's note on posting): here rank 0's sender
     # thread is held in its first data send's see-off until rank 1 has answered messages
     # sent after that data. (MPI: the same traffic, nothing held.)
-    import threading
-
     async with fresh(comm) as sub:
         big, small = sub.channel(911), sub.channel(912)
         release = threading.Event()
