@@ -146,7 +146,7 @@ _ON_LOOP = _OnLoop()
 
 
 class _Watched:
-    """The sink of a link message nobody awaits (a PING, one the sender thread posted): a
+    """The sink of a link message nobody awaits (a PING, one the poster thread posted): a
     failure says the peer is gone."""
 
     def __init__(self, link: GlooLink, dst: int, ping: bool = False) -> None:
@@ -219,10 +219,10 @@ class GlooLink(Link):
         self._posted_works: queue.SimpleQueue[tuple[Any, _Sink] | None] = queue.SimpleQueue()
         self._behind_batch: dict[int, list[_Send]] = {}  # data sends whose envelope's batch waits
         # Counted on the loop (see the note on posting): data sends not seen off, data
-        # frames expected, link messages queued for the sender thread and (its count)
+        # frames expected, link messages queued for the poster thread and (its count)
         # posted by it.
         self._data_out = self._expected = self._queued = 0
-        self._posted = 0  # written by the sender thread only
+        self._posted = 0  # written by the poster thread only
         self._threads: list[threading.Thread] = []
         self._stopped = False
         self._drained = loop.create_future()  # the listener has nothing posted
@@ -344,7 +344,7 @@ class GlooLink(Link):
             return handle
         # Data messages are never eager: an eager data message behind its envelope
         # took ~7 ms to arrive (a 64 KiB channel round trip: 8 ms eager, 1 ms not).
-        # The sender thread posts them after their envelope (see the note on posting).
+        # The poster thread posts them after their envelope (see the note on posting).
         self._data_out += 1
         send = (tensor, dst, tag, handle)
         if dst in self._batches:
@@ -375,9 +375,7 @@ class GlooLink(Link):
             try:
                 self._posted_works.put((self._pg.send([tensor], dst, tag), sink))
             except RuntimeError as exc:  # gloo closed dst's connection: it died
-                self._inbox.put(sink, functools.partial(self._failed_send, exc)
-                                if isinstance(sink, Handle) else
-                                functools.partial(_reraise, exc), None)
+                self._settle(sink, exc)
             if tag == tags.LINK_MESSAGE:
                 self._posted += 1
         self._posted_works.put(None)
@@ -385,7 +383,11 @@ class GlooLink(Link):
     def _see_off(self, work: Any, sink: _Sink) -> None:
         """Complete a data send's handle once gloo is done with it (sends in posting order);
         report a link message's failure."""
-        error = _wait_all([work])
+        self._settle(sink, _wait_all([work]))
+
+    def _settle(self, sink: _Sink, error: RuntimeError | None) -> None:
+        """On a thread: settle a data send's handle on the loop, or report a link message's
+        failure (its handle counted it sent already)."""
         if isinstance(sink, Handle):
             self._inbox.put(sink, self._seen_off if error is None
                             else functools.partial(self._failed_send, error), None)
@@ -488,8 +490,10 @@ class GlooLink(Link):
         arrivals = self._arrivals
         assert arrivals is not None
 
+        coming = [frame for frame in frames if not isinstance(frame, ProtocolError)]
+
         def later() -> None:
-            self._expected += len(frames)
+            self._expected += len(coming)  # (a refused frame's data is never received)
             for frame in frames:
                 if isinstance(frame, ProtocolError):
                     arrivals.refuse(src, frame, None)
@@ -497,9 +501,8 @@ class GlooLink(Link):
                     arrivals.later(src, frame[0])
 
         self._inbox.put(_ON_LOOP, lambda _: later(), None)
-        for frame in frames:
-            if not isinstance(frame, ProtocolError):
-                self._frames.put(frame)
+        for frame in coming:
+            self._frames.put(frame)
 
     def _refuse(self, src: int, error: ProtocolError) -> None:
         assert self._arrivals is not None

@@ -51,7 +51,8 @@ Note on scaling
 The loss of a step is the mean of the microbatches' losses; each microbatch's backward
 starts from ``loss_fn(output, target) / n_microbatches``, so the gradients that accumulate
 in the stage modules' parameters are those of that mean. With microbatches of equal size and
-a mean-reducing ``loss_fn``, that is single-process training on the whole batch. """
+a mean-reducing ``loss_fn``, that is single-process training on the whole batch.
+"""
 
 from __future__ import annotations
 
