@@ -397,9 +397,10 @@ def test_receives_that_probe_first(world2: World) -> None:
     assert posted == "refused, then [1.0, 1.0, 1.0]"
     assert closed == "closed"
     assert timed_out == [True, True, 0, [3.0, 3.0]], timed_out  # (as on the quick path)
-    assert turns < 100, turns  # awaited, a receive looks for its message (200 exchanges;
-    # the fewest of three ping-pongs: one parked at each receive took 200 or more; a loaded
-    # 2-core machine read 54 once, where 20-40 is usual)
+    assert turns < 200, turns  # awaited, a receive looks for its message (200 exchanges;
+    # the fewest of three ping-pongs: one parked at each receive takes a turn or more each,
+    # 200 or more; 20-40 is usual, loaded CI runs on a slow 2-core machine read 54 and 107:
+    # a look that runs out of its budget parks)
 
 
 @contextlib.contextmanager
