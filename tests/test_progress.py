@@ -34,6 +34,14 @@ async def test_a_look_that_finds_ends_the_hurry() -> None:
     assert hurry.budget_s == 0.0
 
 
+async def test_a_look_that_finds_what_is_not_awaited_hands_over_to_then() -> None:
+    hurry = Hurry(asyncio.get_running_loop(), tests=8, max_s=1e-3)
+    look, then = Looks(found=2), Looks(found=3)  # (the probe finds a frame; a sweep its data)
+    done = iter([False, True])
+    assert hurry.run(look, lambda: next(done), then)
+    assert (look.calls, then.calls) == (2, 3)
+
+
 async def test_an_unlearnt_hurry_looks_its_tests_and_gives_up() -> None:
     hurry = Hurry(asyncio.get_running_loop(), tests=8, max_s=1e-3)
     look = Looks()

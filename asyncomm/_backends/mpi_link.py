@@ -104,6 +104,8 @@ class MpiLink(Link):
         self._poller.unprobe(self._look)
         self._buffers.clear()
 
+    looks = True
+
     def hurry(self, done: Callable[[], bool]) -> bool:
         return self._poller.hurry_until(done)
 

@@ -83,8 +83,11 @@ class Hurry:
         self._since = 0.0  # when the look that gave up began (0: no parked look pending)
         self._turn = 0.0  # when the loop was asked for a turn that has not come yet (0: none)
 
-    def run(self, look: Callable[[], bool]) -> bool:
-        """Call ``look()`` until it returns true (return true) or the budget is spent.
+    def run(self, look: Callable[[], bool], done: Callable[[], bool] = lambda: True,
+            then: Callable[[], bool] | None = None) -> bool:
+        """Call ``look()`` until it and then ``done()`` return true (return true) or the
+        budget is spent (``done`` is asked only after a look that found something; from
+        then on ``then`` looks, where given).
 
         With no tests (``ASYNCOMM_HURRY_TESTS=0``) there is no hurrying at all.
         """
@@ -93,12 +96,16 @@ class Hurry:
         start = time.perf_counter()
         for _ in range(self.tests):
             if look():
-                return True
+                if done():
+                    return True
+                look = then or look
         if self.budget_s:
             clock, end = time.perf_counter, start + self.budget_s
             while clock() < end:
                 if look():
-                    return True
+                    if done():
+                        return True
+                    look = then or look
         self._since = start
         return False
 

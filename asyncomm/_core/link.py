@@ -184,6 +184,8 @@ class Link(ABC):
         self._arrivals, self._limits = arrivals, limits
         self._message_type = arrivals.message_type
 
+    looks = False  # whether ``hurry`` may find anything (links that poll)
+
     def hurry(self, done: Callable[[], bool]) -> bool:
         """A task is about to wait for ``done()``: look for frames now; return whether it is.
 

@@ -380,14 +380,11 @@ class Poller:
 
         Return whether ``done()`` became true.
         """
-        sweep = self.sweep
-        if len(self._probes) == 1:
-            # the commonest (one link, no request in flight): the probe alone, a sweep while
-            # requests are in flight (or fresh: issued meanwhile)
-            probe = self._probes[0]
-            return self._hurry.run(
-                lambda: (sweep() if self._requests or self._fresh else probe()) and done())
-        return self._hurry.run(lambda: sweep() and done())
+        if len(self._probes) == 1 and not self._requests and not self._fresh:
+            # the commonest (one link, no request in flight): the probe alone, until it
+            # finds something not awaited (a frame whose data it began to receive)
+            return self._hurry.run(self._probes[0], done, self.sweep)
+        return self._hurry.run(self.sweep, done)
 
     def _poll(self) -> None:
         self._timer = None

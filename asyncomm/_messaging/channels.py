@@ -12,7 +12,7 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from asyncomm._core import wire
 from asyncomm._core.errors import CommClosedError, CommTimeoutError, ProtocolError
@@ -53,6 +53,8 @@ class Channel:
         self._send_message = router.link.send_message
         self._flush = router.flush
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
+        self._looks = router.link.looks  # whether ``hurry`` may find anything
+        self._has: dict[int, Callable[[], bool]] = {}  # per source: ``_has_from``
         self._probe_of = router.probe
         self._size = router.size
         self._max_ndim = router.limits.max_ndim
@@ -163,6 +165,13 @@ class Channel:
                 if entry is not None:
                     return self._open(entry)
             self._flush(True)  # (here, not in ``_wait``: it leaves before that is made)
+            # Looked for here, where the link polls (MPI): found, no ``_wait`` coroutine is
+            # made (a ping-pong's every message: 1 µs a leg of 10 on a slow machine)
+            if self._looks and (timeout is None or timeout > 0):
+                if self._hurry(box.has_frames if src is None else self._has_from(src)):
+                    return self._found(src)
+                return await self._wait(src, self._timeout if timeout is None else timeout,
+                                        looked=True)
             return await self._wait(src, self._timeout if timeout is None else timeout)
         trace = self._probe_of.recording
         assert trace is not None  # (traced: said above)
@@ -186,11 +195,29 @@ class Channel:
         self._flush(True)
         return await self._wait(src, self._timeout if timeout is None else timeout)
 
-    async def _wait(self, src: int | None, limit: float) -> Message:
+    def _has_from(self, src: int) -> Callable[[], bool]:
+        """What says whether a message from ``src`` is in the mailbox (made once a source)."""
+        has = self._has.get(src)
+        if has is None:
+            has = self._has[src] = functools.partial(self._box.has, src)
+        return has
+
+    def _found(self, src: int | None) -> Message:
+        """The message from ``src`` (any if ``None``) that a look found in the mailbox."""
+        frames = self._box.frames
+        first = frames[0]
+        if type(first) is Message and (src is None or first[0] == src):
+            frames.popleft()  # the commonest: the first, a small message
+            return self._open(first)
+        frame = self._box.take(src)
+        assert frame is not None  # (there: the look said so)
+        return self._open(frame)
+
+    async def _wait(self, src: int | None, limit: float, looked: bool = False) -> Message:
         """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds.
 
         What this rank issued is sent first (``Router.flush``, by the caller): it may be
-        answered.
+        answered. ``looked``: the caller looked for it already (``recv``), and found none.
         """
         router, box = self._router, self._box
         loop = asyncio.get_running_loop()
@@ -212,14 +239,10 @@ class Channel:
                 raise CommTimeoutError(f"rank {router.rank}: channel {self.tag} recv from peer "
                                        f"{peer} timed out after {limit:g} s")
             router.expect()  # what this rank issued leaves now: then look a while
-            if self._hurry(box.has_frames if src is None else functools.partial(box.has, src)):
-                first = box.frames[0]  # (there: ``hurry`` says so)
-                if type(first) is Message and (src is None or first[0] == src):
-                    box.frames.popleft()  # the commonest: the first, a small message
-                    return self._open(first)
-                frame = box.take(src)
-                if frame is not None:
-                    return self._open(frame)
+            if looked:
+                looked = False
+            elif self._hurry(box.has_frames if src is None else self._has_from(src)):
+                return self._found(src)
             waiter: asyncio.Future[None] = loop.create_future()
             entry = (src, waiter)
             box.waiters.append(entry)
