@@ -1153,14 +1153,18 @@ async def check_small_beside_a_stream(comm: Comm) -> None:
 
             await asyncio.gather(stream(), answers())
         elif sub.rank == 1:
+            streaming = asyncio.Event()
+
             async def take() -> None:
                 for i in range(frames):
                     got = (await big.recv(0)).data
+                    streaming.set()
                     assert got.shape == (n,) and bool(torch.all(got == i)), i
                     if i % 4 == 3:
                         assert (await small.recv(0)).data == {"after": i}
 
             async def talk() -> None:
+                await streaming.wait()  # (the stream has begun: the first answers go beside it)
                 for j in range(100):
                     await back.send({"j": j}, 0)
                     if j % 10 == 9:

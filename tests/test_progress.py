@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from asyncomm import Comm, CommTimeoutError
+from asyncomm._core import hurry
 from asyncomm._core.hurry import DUE, FAIR_S, Hurry
 from asyncomm._core.polling import Ticker
 from asyncomm.testing import World, fresh
@@ -178,6 +179,32 @@ def test_a_hurried_ping_pong_lets_other_tasks_run(world2: World) -> None:
     longest = world2.run(check_ping_pong_lets_the_loop_turn)
     # An exchange takes 20 us or more here: FAIR_S (1 ms) allows 50 between turns.
     assert max(longest) <= 200, longest
+
+
+async def check_a_turn_given_loses_no_message(comm: Comm) -> int:
+    # A recv whose look is refused until the loop turns yields that turn and looks again;
+    # what the turn brought (the poller took the message into the mailbox) is taken, not
+    # waited for. Turns made due often (FAIR_S 20 us); the peers checked only every 60 s:
+    # a recv that missed it would wait past its 10 s deadline (before the mailbox was
+    # checked after the turn: several in 2000 exchanges).
+    async with fresh(comm, env={"ASYNCOMM_PROBE_S": "60"}) as sub:
+        ch, peer, t = sub.channel(1), 1 - sub.rank, torch.zeros(2)
+        fair, hurry.FAIR_S = hurry.FAIR_S, 20e-6
+        try:
+            for _ in range(2000):
+                if sub.rank == 0:
+                    await ch.send(t, peer)
+                    await ch.recv(peer, timeout=10)
+                else:
+                    await ch.recv(peer, timeout=10)
+                    await ch.send(t, peer)
+        finally:
+            hurry.FAIR_S = fair
+        return sub.rank
+
+
+def test_a_recv_that_gives_the_loop_its_turn_loses_no_message(world2: World) -> None:
+    assert world2.run(check_a_turn_given_loses_no_message) == [0, 1]
 
 
 async def check_awaited_collectives_let_the_loop_turn(comm: Comm) -> int:

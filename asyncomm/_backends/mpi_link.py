@@ -109,6 +109,9 @@ class MpiLink(Link):
     def hurry(self, done: Callable[[], bool]) -> bool:
         return self._poller.hurry_until(done)
 
+    def refused(self) -> bool:
+        return self._poller.refused()
+
     def expect(self) -> None:
         self._poller.kick()
 

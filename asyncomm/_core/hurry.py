@@ -73,7 +73,7 @@ class Hurry:
     cost it a thread's wake-up or a poll).
     """
 
-    __slots__ = ("_loop", "_since", "_turn", "budget_s", "max_s", "tests")
+    __slots__ = ("_loop", "_since", "_turn", "budget_s", "max_s", "refused", "tests")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, tests: int, max_s: float) -> None:
         self._loop = loop
@@ -82,6 +82,9 @@ class Hurry:
         self.budget_s = 0.0
         self._since = 0.0  # when the look that gave up began (0: no parked look pending)
         self._turn = 0.0  # when the loop was asked for a turn that has not come yet (0: none)
+        # whether the last ``run`` was refused until that turn comes (not: it looked): its
+        # task yields the turn and looks then (parking costs it a poll and a wake-up)
+        self.refused = False
 
     def run(self, look: Callable[[], bool], done: Callable[[], bool] = lambda: True,
             then: Callable[[], bool] | None = None) -> bool:
@@ -92,7 +95,9 @@ class Hurry:
         With no tests (``ASYNCOMM_HURRY_TESTS=0``) there is no hurrying at all.
         """
         if not self.allowed():
+            self.refused = self.tests > 0
             return False
+        self.refused = False
         start = time.perf_counter()
         for _ in range(self.tests):
             if look():

@@ -194,6 +194,11 @@ class Link(ABC):
         """
         return False
 
+    def refused(self) -> bool:
+        """Return whether the last ``hurry`` was refused until the loop turns, without
+        looking (its task yields that turn and looks again)."""
+        return False
+
     def expect(self) -> None:  # noqa: B027
         """A receiver waits: watch closely for a while (where the link polls)."""
 

@@ -386,6 +386,11 @@ class Poller:
             return self._hurry.run(self._probes[0], done, self.sweep)
         return self._hurry.run(self.sweep, done)
 
+    def refused(self) -> bool:
+        """Return whether the last ``hurry_until`` was refused until the loop turns (see
+        ``Hurry``)."""
+        return self._hurry.refused
+
     def _poll(self) -> None:
         self._timer = None
         self._spinning = True  # what is issued from here on is polled when this poll ends

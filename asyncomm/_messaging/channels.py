@@ -54,6 +54,7 @@ class Channel:
         self._flush = router.flush
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
         self._looks = router.link.looks  # whether ``hurry`` may find anything
+        self._refused = router.link.refused
         self._has: dict[int, Callable[[], bool]] = {}  # per source: ``_has_from``
         self._probe_of = router.probe
         self._size = router.size
@@ -151,28 +152,32 @@ class Channel:
         if not self._traced or self._probe_of.recording is None:
             box = self._box
             frames = box.frames
-            if frames:
-                first = frames[0]
-                if (type(first) is Message and (src is None or first[0] == src)
-                        and self._small_room):  # the commonest: the first, a small message
-                    frames.popleft()
-                    done = box.taken.get(first[0])  # (``_took``'s commonest case, inline)
-                    if done is not None and done[0] < self._batch_less_one:
-                        done[0] += 1
-                        return first
-                    return self._took(first)
-                entry = box.take(src)
-                if entry is not None:
-                    return self._open(entry)
-            self._flush(True)  # (here, not in ``_wait``: it leaves before that is made)
-            # Looked for here, where the link polls (MPI): found, no ``_wait`` coroutine is
-            # made (a ping-pong's every message: 1 µs a leg of 10 on a slow machine)
-            if self._looks and (timeout is None or timeout > 0):
-                if self._hurry(box.has_frames if src is None else self._has_from(src)):
-                    return self._found(src)
-                return await self._wait(src, self._timeout if timeout is None else timeout,
-                                        looked=True)
-            return await self._wait(src, self._timeout if timeout is None else timeout)
+            looked = False
+            while True:
+                if frames:
+                    first = frames[0]
+                    if (type(first) is Message and (src is None or first[0] == src)
+                            and self._small_room):  # the commonest: the first, a small message
+                        frames.popleft()
+                        done = box.taken.get(first[0])  # (``_took``'s commonest case, inline)
+                        if done is not None and done[0] < self._batch_less_one:
+                            done[0] += 1
+                            return first
+                        return self._took(first)
+                    entry = box.take(src)
+                    if entry is not None:
+                        return self._open(entry)
+                limit = self._timeout if timeout is None else timeout
+                if looked:  # (what was found is not there: taken meanwhile)
+                    return await self._wait(src, limit)
+                self._flush(True)  # (here, not in ``_wait``: it leaves before that is made)
+                if not self._looks or limit <= 0:
+                    return await self._wait(src, limit)
+                # Looked for here, where the link polls (MPI): found, it is taken above and
+                # no ``_wait`` coroutine is made (a ping-pong's every message: 1 µs a leg)
+                if not self._hurry(box.has_frames if src is None else self._has_from(src)):
+                    return await self._wait(src, limit, looked=True)
+                looked = True
         trace = self._probe_of.recording
         assert trace is not None  # (traced: said above)
         start, error, message = time.perf_counter(), None, None
@@ -201,17 +206,6 @@ class Channel:
         if has is None:
             has = self._has[src] = functools.partial(self._box.has, src)
         return has
-
-    def _found(self, src: int | None) -> Message:
-        """The message from ``src`` (any if ``None``) that a look found in the mailbox."""
-        frames = self._box.frames
-        first = frames[0]
-        if type(first) is Message and (src is None or first[0] == src):
-            frames.popleft()  # the commonest: the first, a small message
-            return self._open(first)
-        frame = self._box.take(src)
-        assert frame is not None  # (there: the look said so)
-        return self._open(frame)
 
     async def _wait(self, src: int | None, limit: float, looked: bool = False) -> Message:
         """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds.
@@ -242,7 +236,19 @@ class Channel:
             if looked:
                 looked = False
             elif self._hurry(box.has_frames if src is None else self._has_from(src)):
-                return self._found(src)
+                first = box.frames[0]  # (there: ``hurry`` says so)
+                if type(first) is Message and (src is None or first[0] == src):
+                    box.frames.popleft()  # the commonest: the first, a small message
+                    return self._open(first)
+                frame = box.take(src)
+                if frame is not None:
+                    return self._open(frame)
+            if self._refused():  # no look until the loop turns: yield it, then look again
+                await asyncio.sleep(0)
+                frame = box.take(src)  # (the loop may have put it here meanwhile)
+                if frame is not None:
+                    return self._open(frame)
+                continue
             waiter: asyncio.Future[None] = loop.create_future()
             entry = (src, waiter)
             box.waiters.append(entry)
