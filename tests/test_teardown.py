@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,7 +132,7 @@ def test_a_release_for_a_rank_that_left_is_quiet(tmp_path: Path) -> None:
 
 
 NEVER_CLOSED = """
-import asyncio, torch, asyncomm
+import asyncio, time, torch, asyncomm
 
 async def main():
     comm = await asyncomm.init()  # closing is left to the program, which never does
@@ -144,7 +145,7 @@ async def main():
         assert (await ch.recv(0)).data.sum().item() == 2.0
         assert (await group.channel(2).recv(0)).data == "hello"
     await comm.barrier()
-    print("ended", flush=True)
+    print("ended at", time.monotonic(), flush=True)
 
 asyncio.run(main())
 """
@@ -158,4 +159,8 @@ def test_a_communicator_never_closed_ends_quietly(tmp_path: Path, backend: str) 
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said
     assert proc.stdout.count("ended") == 2, said
+    # nothing in flight, nothing waited for at exit (gloo's reaper of eager sends counted as
+    # busy while its thread lived: each communicator's exit waited 5 s, ~10 s here)
+    ended = max(float(line.split()[-1]) for line in proc.stdout.splitlines() if "ended" in line)
+    assert time.monotonic() - ended < 5.0, said
     assert "WARN" not in said and "Traceback" not in said and "warning" not in said, said

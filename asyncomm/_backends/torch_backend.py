@@ -493,14 +493,14 @@ class TorchBackend(Backend):
         """Return whether gloo may still wake a thread or a callback of ours on this group."""
         link = self._link
         return bool(self._waiters.waiting(endless=False) or self._waiters.waiting(endless=True)
-                    or self.posted.pending() or self._eager.running or self._bridge.pending
+                    or self.posted.pending() or self._eager.in_flight or self._bridge.pending
                     or (link is not None and (link.listening or link.completing)))
 
     def _ending(self) -> bool:
         """Return whether something that closing the connections ends has not ended yet."""
         link = self._link
         return bool(self._waiters.waiting(endless=False) or self.posted.waiting
-                    or self._eager.running or self._bridge.pending
+                    or self._eager.in_flight or self._bridge.pending
                     or (link is not None and link.completing))
 
     def _settle(self, timeout: float = 5.0) -> None:
