@@ -245,7 +245,7 @@ class Poller:
         """``watch`` a request its issuer has just tested and found pending (no test here)."""
         entry = (sink, finish, active)
         if self._hurry.tests and hasattr(sink, "_hurry"):
-            sink._hurry = (self, request, entry)
+            sink._hurry = (self, request, entry, 0.0)
             fresh = self._fresh
             if not fresh:
                 self._loop.call_soon(self._enlisted)
@@ -266,7 +266,7 @@ class Poller:
         for sink in fresh:
             hurried = sink._hurry
             if hurried is not None and hurried[2] is not None:  # not finished by its task
-                sink._hurry = (self, hurried[1], None)
+                sink._hurry = (self, hurried[1], None, hurried[3])
                 self._add(hurried[1], hurried[2])
                 added = True
         return added
@@ -282,18 +282,26 @@ class Poller:
 
         Only ``tests`` times, never for a learnt while: tasks that await requests are
         often many at once (a gather of sends), and each would hold the others back.
-        Return whether the loop's turn is due first (``Hurry.allowed``): then look again.
+        Return whether its task is to yield the loop a turn and look again: when the
+        loop's turn is due first (``Hurry.allowed``), or while the wait is young (within
+        ``max_s`` of its first look: an answer a little slower than the tests, as an
+        8-byte ping-pong's on a slow core, then costs a loop turn, not a park and a
+        poll's wake-up; measured: see benchmarks.md, session 22).
         """
         hurry, test, scratch = self._hurry, self._test, self._scratch
         if not hurry.allowed():
             return hurry.tests > 0
-        _, request, entry = sink._hurry
+        _, request, entry, since = sink._hurry
         try:
             for _ in range(hurry.tests):
                 if test(request, scratch):
                     break
             else:
-                return False
+                now = time.perf_counter()
+                if not since:
+                    sink._hurry = (self, request, entry, now)
+                    return True
+                return bool(now - since < hurry.max_s)
             outcome = self._outcome()
         except BaseException as exc:
             outcome = exc
