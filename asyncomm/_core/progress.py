@@ -391,11 +391,6 @@ class Reaper:
             if closing:
                 return
 
-    @property
-    def running(self) -> bool:
-        """Return whether the thread is alive (it may be inside a request's ``wait()``)."""
-        return self._thread is not None and self._thread.is_alive()
-
     def close(self, timeout: float = 2.0) -> None:
         """Stop the thread once the queued requests are seen off (or ``timeout`` passed)."""
         if self._thread is not None:

@@ -233,14 +233,10 @@ class Channel:
                 raise CommTimeoutError(f"rank {router.rank}: channel {self.tag} recv from peer "
                                        f"{peer} timed out after {limit:g} s")
             router.expect()  # what this rank issued leaves now: then look a while
-            if looked:
+            if looked:  # (``recv`` looked just now)
                 looked = False
             elif self._hurry(box.has_frames if src is None else self._has_from(src)):
-                first = box.frames[0]  # (there: ``hurry`` says so)
-                if type(first) is Message and (src is None or first[0] == src):
-                    box.frames.popleft()  # the commonest: the first, a small message
-                    return self._open(first)
-                frame = box.take(src)
+                frame = box.take(src)  # (there: ``hurry`` says so)
                 if frame is not None:
                     return self._open(frame)
             if self._refused():  # no look until the loop turns: yield it, then look again
