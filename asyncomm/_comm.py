@@ -75,11 +75,10 @@ class Comm:
         self._groups = 0  # groups split off so far: names the next one's label
         self._chain: asyncio.Future[Any] | None = None  # last multi-step op on ``_own``
         self._args = Arguments(backend, timeout)
-        # per (op, dtype) given: the backend's own reduction, where all_reduce is quick
-        self._quick_ops: dict[tuple[object, torch.dtype], object | None] = {}
+        # per op given, per dtype: the backend's own reduction, where all_reduce is quick
+        self._quick_ops: dict[object, dict[torch.dtype, object]] = {}
         # (the quick path's copies of the backend's facts)
-        self._size, self._max_tag, self._cuda = backend.size, backend.max_tag, backend.cuda
-        self._dtypes = backend.dtypes or frozenset()
+        self._size, self._max_tag = backend.size, backend.max_tag
         # Diagnostics (see _status): the same label on every member, each member's rank in
         # the world it was split from, and where each rank of that world answers.
         self._label = label
@@ -217,13 +216,12 @@ class Comm:
     def all_reduce(self, tensor: Buffer, op: ReduceOp | str = "sum", *,
                    timeout: float | None = None) -> Handle[Buffer]:
         """Reduce ``tensor`` over all ranks, in place; every rank gets the result."""
-        if self._quick and type(tensor) is torch.Tensor and timeout is None:  # see the note
-            quick_op = self._quick_ops.get((op, tensor.dtype))
-            if (quick_op is not None and tensor.is_contiguous() and tensor.is_cuda is self._cuda
-                    and not self._closed and self._probe.recording is None):
+        if self._quick and timeout is None:  # see the note
+            quick_ops = self._quick_ops.get(op)
+            if quick_ops is not None and not self._closed and self._probe.recording is None:
                 seq = self._seq + 1
                 handle = self._backend.quick_all_reduce(
-                    tensor, quick_op, (self._rank, "all_reduce", seq, None, None))
+                    tensor, quick_ops, (self._rank, "all_reduce", seq, None, None))
                 if handle is not None:  # numbered; its deadline set if it is in flight
                     self._seq, self._last_op = seq, "all_reduce"
                     if not handle._state:
@@ -231,8 +229,10 @@ class Comm:
                     return handle
         t = self._args.tensor(tensor, "all_reduce")
         reduce_op = self._args.reduce_op(op, t.dtype, "all_reduce")
-        if self._quick and (op, t.dtype) not in self._quick_ops:
-            self._quick_ops[(op, t.dtype)] = self._backend.quick_op(t.dtype, reduce_op)
+        if self._quick and t.dtype not in self._quick_ops.get(op, ()):
+            quick_op = self._backend.quick_op(t.dtype, reduce_op)
+            if quick_op is not None:
+                self._quick_ops.setdefault(op, {})[t.dtype] = quick_op
         return self._issue("all_reduce", self._backend.all_reduce, (t, reduce_op), tensor, t,
                            timeout)
 
@@ -311,11 +311,9 @@ class Comm:
     def send(self, tensor: torch.Tensor | np.ndarray, dst: int,  # type: ignore[type-arg]
              tag: int = 0, *, timeout: float | None = None) -> Handle[None]:
         """Send ``tensor`` to ``dst``; the handle completes when the buffer may be reused."""
-        if (timeout is None and self._quick and type(tensor) is torch.Tensor  # see the note
-                and type(dst) is int and type(tag) is int and 0 <= dst < self._size
-                and dst != self._rank and 0 <= tag <= self._max_tag
-                and tensor.dtype in self._dtypes and tensor.is_contiguous()
-                and tensor.is_cuda is self._cuda and not self._closed
+        if (timeout is None and self._quick and type(dst) is int  # see the note
+                and type(tag) is int and 0 <= dst < self._size and dst != self._rank
+                and 0 <= tag <= self._max_tag and not self._closed
                 and self._probe.recording is None):
             seq = self._seq + 1
             handle = self._backend.quick_send(tensor, dst, tag, (self._rank, "send", seq, dst,
@@ -334,11 +332,9 @@ class Comm:
     def recv(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
              src: int | None = None, tag: int = 0, *, timeout: float | None = None) -> Handle[int]:
         """Receive into ``tensor`` from ``src`` (``None``: any source); resolve to the source."""
-        if (timeout is None and self._quick and type(tensor) is torch.Tensor
-                and type(src) is int and type(tag) is int and 0 <= src < self._size
-                and src != self._rank and 0 <= tag <= self._max_tag
-                and tensor.dtype in self._dtypes and tensor.is_contiguous()
-                and tensor.is_cuda is self._cuda and not self._closed
+        if (timeout is None and self._quick and type(src) is int and type(tag) is int
+                and 0 <= src < self._size and src != self._rank
+                and 0 <= tag <= self._max_tag and not self._closed
                 and self._probe.recording is None):
             seq = self._seq + 1
             handle = self._backend.quick_recv(tensor, src, tag, (self._rank, "recv", seq, src,

@@ -549,8 +549,10 @@ async def check_quick_and_usual_paths(comm: Comm) -> list[tuple[object, ...]]:
         issue = getattr(backend, name)
 
         def counted(*args: object, _issue: object = issue, _name: str = name) -> object:
-            taken.append(_name)
-            return _issue(*args)  # type: ignore[operator]
+            handle = _issue(*args)  # type: ignore[operator]
+            if handle is not None:  # (None: not a tensor the backend takes quickly)
+                taken.append(_name)
+            return handle
 
         setattr(backend, name, counted)
     seen: list[tuple[object, ...]] = []

@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from asyncomm._backends import mpi_kept
+from asyncomm._backends import mpi_kept, mpi_native
 from asyncomm._backends.mpi_link import AT_ONCE_BYTES, DATATYPES, PostedLink, ProbeLink, spec
 from asyncomm._backends.mpi_reduce import Reductions, in_turn
-from asyncomm._core import tags
+from asyncomm._core import small, tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
 from asyncomm._core.errors import (
     CommClosedError,
@@ -34,7 +34,7 @@ from asyncomm._core.errors import (
     PeerFailedError,
     truncated,
 )
-from asyncomm._core.handle import FROM_BACKEND, Handle
+from asyncomm._core.handle import Handle
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.polling import Poller
@@ -71,6 +71,25 @@ _BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = 
 _bf16_ops: dict[ReduceOp, Any] = {}
 _op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
 _TEST = MPI.Request.Test
+# the MPI datatype of each dtype, as the compiled calls take it (its handle)
+_DATATYPE_HANDLES = {dtype: datatype.handle for dtype, datatype in DATATYPES.items()}
+
+
+def span(tensor: object, table: dict[torch.dtype, Any]) -> tuple[int, int, Any] | None:
+    """Return where a tensor a quick operation moves lies: (address, bytes, ``table``'s
+    value for its dtype), for exactly a ``torch.Tensor`` laid out in host memory whose
+    dtype ``table`` holds; else ``None`` (the usual path takes it). The Python twin of
+    the compiled part's ``span``, which does it in one call."""
+    if (type(tensor) is torch.Tensor and tensor.layout is torch.strided
+            and not tensor.is_cuda and tensor.is_contiguous()
+            and not tensor.is_conj() and not tensor.is_neg()):
+        value = table.get(tensor.dtype)
+        if value is not None and tensor.numel() <= _MAX_COUNT:
+            return tensor.data_ptr(), tensor.nbytes, value
+    return None
+
+
+_MAX_COUNT = 2**31 - 1  # the most elements an MPI count numbers
 
 # Requests still in MPI's hands when their communicator was freed, with their sinks
 # (which hold the buffers MPI may still write into): kept for the life of the process,
@@ -196,6 +215,15 @@ class MpiBackend(Backend):
         self._closed = False
         self.posted = InFlight()  # ``Posted`` operations (cancelled at close)
         self._probe_first = PROBE_FIRST
+        self._comm_handle = comm.handle
+        # Where the tensor of a quick operation lies (``span``), and the quick sends' and
+        # receives' compiled calls, where built (``mpi_native``): the tensor's place, and
+        # a send and its two tests, cost one call each, against a dozen of torch's and
+        # mpi4py's attributes and methods (~0.1 us each).
+        native = mpi_native.NATIVE
+        self._span = span if small.NATIVE is None else small.NATIVE.span
+        self._point = (None if native is None or small.NATIVE is None or self._probe_first
+                       else (native.send, native.recv))
         self._probing: list[_Probing] = []  # receives looking for their message, in order
         # persistent requests of quick sends and receives, by (address, bytes, dtype, peer,
         # tag), with the handle of the last operation they did (see ``mpi_kept``)
@@ -281,38 +309,50 @@ class MpiBackend(Backend):
             return None
         return self._op(dtype, op), self._reductions.table(dtype, op)
 
-    def quick_all_reduce(self, tensor: torch.Tensor, op: object,
+    def quick_all_reduce(self, tensor: Any, ops: dict[torch.dtype, Any],
                          what: tuple[Any, ...]) -> Handle[Any] | None:
-        if self.lost is None:
-            return self._reductions.quick(tensor, op, what)  # (see ``mpi_reduce``)
-        return None  # the usual path fails it
+        if self.lost is not None:
+            return None  # the usual path fails it
+        where = self._span(tensor, ops)
+        return None if where is None else self._reductions.quick(tensor, where, what)
 
-    def quick_send(self, tensor: torch.Tensor, dst: int, tag: int,
-                   what: tuple[Any, ...]) -> Handle[Any] | None:
-        if self.lost is None:
-            key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, dst, tag)
-            kept = self._sends.get(key)
-            try:
-                if kept is not None and kept[1]._keep is None:  # the commonest (``mpi_kept``)
-                    request = kept[0]
-                    request.Start()
-                else:
-                    request, kept = mpi_kept.begin(self._sends, key, kept, self._comm.Send_init,
-                                                   self._comm.Isend, spec(tensor), dst, tag)
-            except MPI.Exception:
-                return None  # nothing issued: the usual path issues it again, words its error
-            return self._quickly(request, Handle(self._loop, what, None, tensor), kept)
-        return None
-
-    def quick_recv(self, tensor: torch.Tensor, src: int, tag: int,
+    def quick_send(self, tensor: Any, dst: int, tag: int,
                    what: tuple[Any, ...]) -> Handle[Any] | None:
         if self.lost is not None:
             return None  # the usual path fails it
-        handle: Handle[Any] = Handle(self._loop, what, FROM_BACKEND, tensor)
+        where = self._span(tensor, _DATATYPE_HANDLES)
+        if where is None:
+            return None
+        handle: Handle[Any] = Handle(self._loop, what, None, tensor)
+        if self._point is not None:  # compiled (see ``_point``)
+            return self._quick_point(self._point[0], where, dst, tag, handle)
+        key = (*where, dst, tag)
+        kept = self._sends.get(key)
+        try:
+            if kept is not None and kept[1]._keep is None:  # the commonest (``mpi_kept``)
+                request = kept[0]
+                request.Start()
+            else:
+                request, kept = mpi_kept.begin(self._sends, key, kept, self._comm.Send_init,
+                                               self._comm.Isend, spec(tensor), dst, tag)
+        except MPI.Exception:
+            return None  # nothing issued: the usual path issues it again, words its error
+        return self._quickly(request, handle, kept)
+
+    def quick_recv(self, tensor: Any, src: int, tag: int,
+                   what: tuple[Any, ...]) -> Handle[Any] | None:
+        if self.lost is not None:
+            return None  # the usual path fails it
+        where = self._span(tensor, _DATATYPE_HANDLES)
+        if where is None:
+            return None
+        handle: Handle[Any] = Handle(self._loop, what, src, tensor)
+        if self._point is not None:  # (as ``quick_send``)
+            return self._quick_point(self._point[1], where, src, tag, handle)
         if self._probe_first:  # see PROBE_FIRST
             self._recv_probed(handle, tensor, src, tag)
             return handle
-        key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype, src, tag)
+        key = (*where, src, tag)
         kept = self._recvs.get(key)
         try:
             if kept is not None and kept[1]._keep is None:  # (as ``quick_send``)
@@ -326,6 +366,23 @@ class MpiBackend(Backend):
         if kept is not None:
             kept[1] = handle
         self._poller.watch(request, handle, None, False)
+        return handle
+
+    def _quick_point(self, call: Callable[..., Any], where: tuple[int, int, Any], peer: int,
+                     tag: int, handle: Handle[Any]) -> Handle[Any]:
+        """Issue a quick send or receive by its compiled ``call`` (see ``_point``) over
+        ``where`` (``span``'s address, bytes and datatype); settle ``handle`` if it is
+        done, else have the poller follow it."""
+        try:
+            pending = call(self._comm_handle, where[0], where[1], where[2], peer, tag)
+        except mpi_native.ERRORS as failure:  # (not issued, or issued and failed at once)
+            exc = mpi_native.exception(failure)
+            handle._fail(self._classify(exc), exc)
+            return handle
+        if pending is None:
+            handle._succeed(None)
+        else:
+            self._poller.follow(MPI.Request.fromhandle(pending), handle, None)
         return handle
 
     def _quickly(self, request: Any, handle: Handle[Any],

@@ -186,14 +186,16 @@ class Reductions:
         kept.last = sink
         self._poller.watch(request, sink, finish)
 
-    def quick(self, tensor: torch.Tensor, op: Any, what: tuple[Any, ...]) -> Handle[Any] | None:
-        """``Backend.quick_all_reduce`` (``op``: ``quick_op``'s pair of the MPI op and its
-        kinds), or ``None`` while collectives are held (before anything is counted: the
-        usual path, which counts it, holds it back behind them)."""
+    def quick(self, tensor: torch.Tensor, where: tuple[int, int, Any],
+              what: tuple[Any, ...]) -> Handle[Any] | None:
+        """``Backend.quick_all_reduce`` of ``tensor`` (``where``: its address, its bytes and
+        ``quick_op``'s pair of the MPI op and its kinds), or ``None`` while collectives are
+        held (before anything is counted: the usual path, which counts it, holds it back
+        behind them)."""
         if self.held is not None:
             return None
-        mpi_op, kinds = op
-        kind = None if kinds is None else kinds.get(tensor.nbytes)
+        ptr, nbytes, (mpi_op, kinds) = where
+        kind = None if kinds is None else kinds.get(nbytes)
         if kind is not None and self._on:  # (``next``'s commonest case, inline)
             turn = kind.uses % SLOTS
             kind.uses += 1
@@ -205,9 +207,8 @@ class Reductions:
             if kept is None:
                 request = self._comm.Iallreduce(_IN_PLACE, spec(tensor), mpi_op)
             elif kept.last._keep is None and _allreduce is not None:  # the commonest, compiled
-                return self._quick_compiled(kept, tensor, what)
+                return self._quick_compiled(kept, tensor, ptr, what)
             elif kept.last._keep is None:  # the commonest: its request idle (``Kept.start``)
-                ptr = tensor.data_ptr()
                 if ptr != kept.ptr:
                     kept.user, kept.ptr = MPI.buffer.fromaddress(ptr, kept.nbytes), ptr
                 kept.buffer[:] = kept.user
@@ -241,14 +242,13 @@ class Reductions:
             self._poller.follow(request, handle, kept.finish)
         return handle
 
-    def _quick_compiled(self, kept: Kept, tensor: torch.Tensor, what: tuple[Any, ...]
-                        ) -> Handle[Any]:
+    def _quick_compiled(self, kept: Kept, tensor: torch.Tensor, ptr: int,
+                        what: tuple[Any, ...]) -> Handle[Any]:
         """``quick``'s commonest case by the compiled call: the copy in, the start, a few
         tests and the copy out in one (``mpi_native``). No tests while the loop's turn is
         overdue (``Poller.may_look``): all-reduces done at once one after the other would
         never let it turn (the handle's await yields for it)."""
         assert _allreduce is not None
-        ptr = tensor.data_ptr()
         handle: Handle[Any] = Handle(self._loop, what, tensor, tensor)
         try:
             done = _allreduce(kept.handle, kept.stage_ptr, ptr, kept.nbytes,

@@ -151,20 +151,23 @@ class Backend(ABC):
         quick here; the backend has no quick path, or ``op`` needs a step after the reduction)."""
         return None
 
-    def quick_all_reduce(self, tensor: torch.Tensor, op: object,
+    def quick_all_reduce(self, tensor: object, ops: dict[torch.dtype, Any],
                          what: tuple[Any, ...]) -> Handle[Any] | None:
-        """Issue an all-reduce of a tensor ``Comm`` checked, in the fewest steps: posted,
-        then its handle made (named ``what``). ``None``: not issued, take the usual path."""
+        """Issue an all-reduce of ``tensor`` as the user gave it (``Comm`` checked the
+        rest) by ``ops[tensor.dtype]`` (``quick_op``'s), in the fewest steps: posted, then
+        its handle made (named ``what``). ``None``: not issued, take the usual path (not a
+        plain contiguous tensor in the backend's memory, or of a dtype ``ops`` lacks)."""
         return None
 
-    def quick_send(self, tensor: torch.Tensor, dst: int, tag: int,
+    def quick_send(self, tensor: object, dst: int, tag: int,
                    what: tuple[Any, ...]) -> Handle[Any] | None:
-        """Issue a send as ``quick_all_reduce`` issues its all-reduce."""
+        """Issue a send as ``quick_all_reduce`` issues its all-reduce (``None``: not
+        issued; as there, or not a dtype the backend moves)."""
         return None
 
-    def quick_recv(self, tensor: torch.Tensor, src: int, tag: int,
+    def quick_recv(self, tensor: object, src: int, tag: int,
                    what: tuple[Any, ...]) -> Handle[Any] | None:
-        """Issue a receive from ``src`` as ``quick_all_reduce`` issues its all-reduce."""
+        """Issue a receive from ``src`` as ``quick_send`` issues its send."""
         return None
 
     @abstractmethod

@@ -92,6 +92,56 @@ PyObject* isend(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return handle_to_python(request);
 }
 
+// The quick path of an awaited point-to-point operation (``MpiBackend.quick_send`` and
+// ``quick_recv``): ``nbytes`` bytes at ``address`` (of a tensor the caller keeps alive),
+// elements of ``datatype``, sent to, or received from, ``peer`` on ``tag``, and tested
+// twice.
+// None if the operation is done, else its request's handle (the caller polls it).
+// ``Isend``/``Irecv`` with a test, through mpi4py, make a request object and a buffer
+// spec each; here nothing is made unless the operation is still in flight.
+template <bool Send>
+PyObject* point(PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 6) {
+    PyErr_SetString(PyExc_TypeError,
+                    Send ? "send(comm, address, nbytes, datatype, dst, tag)"
+                         : "recv(comm, address, nbytes, datatype, src, tag)");
+    return nullptr;
+  }
+  MPI_Comm comm = handle_of<MPI_Comm>(args[0]);
+  void* address = PyLong_AsVoidPtr(args[1]);
+  Py_ssize_t nbytes = PyLong_AsSsize_t(args[2]);
+  MPI_Datatype datatype = handle_of<MPI_Datatype>(args[3]);
+  int peer, tag, size = 0;
+  if (PyErr_Occurred() || !int_arg(args[4], &peer) || !int_arg(args[5], &tag)) return nullptr;
+  int code = MPI_Type_size(datatype, &size);
+  if (code != MPI_SUCCESS) return fail(code, peer);
+  if (size <= 0 || nbytes < 0 || nbytes % size != 0 || nbytes / size > INT32_MAX) {
+    PyErr_SetString(PyExc_ValueError, "a quick operation's bytes are not a count of its datatype");
+    return nullptr;
+  }
+  int count = static_cast<int>(nbytes / size);
+  MPI_Request request;
+  code = Send ? MPI_Isend(address, count, datatype, peer, tag, comm, &request)
+                  : MPI_Irecv(address, count, datatype, peer, tag, comm, &request);
+  if (code != MPI_SUCCESS) return fail(code, peer);
+  int done = 0;
+  for (int i = 0; i < 2 && !done; i++) {
+    // (a failed test frees the request: a receive cut short, a peer gone)
+    code = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+    if (code != MPI_SUCCESS) return fail(code, peer);
+  }
+  if (done) Py_RETURN_NONE;
+  return handle_to_python(request);
+}
+
+PyObject* send(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return point<true>(args, nargs);
+}
+
+PyObject* recv(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return point<false>(args, nargs);
+}
+
 // A message of ``count`` bytes from ``source`` received into ``buffer``, read by
 // ``unpack(buffer, count, max_ndim, source, message_type)`` (the compiled reader): a new
 // tuple (source, count, its answer, *more), or nullptr (an error set).
@@ -258,6 +308,10 @@ PyMethodDef methods[] = {
      METH_FASTCALL, "probe(comm, tag, at_once, unpack, max_ndim, message_type)"},
     {"allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(allreduce)),
      METH_FASTCALL, "allreduce(request, stage, user, nbytes, tests) -> whether done"},
+    {"send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(send)), METH_FASTCALL,
+     "send(comm, address, nbytes, datatype, dst, tag) -> None (done) | request handle"},
+    {"recv", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(recv)), METH_FASTCALL,
+     "recv(comm, address, nbytes, datatype, src, tag) -> None (done) | request handle"},
     {"start", start, METH_O, "start(request): start a persistent receive again"},
     {"library", library, METH_NOARGS, "the MPI library's version string"},
     {nullptr, nullptr, 0, nullptr}};

@@ -10,6 +10,7 @@
 
 #include <torch/extension.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/DynamicTypes.h>
 #include <ATen/EmptyTensor.h>
 #include <structmember.h>
 
@@ -112,6 +113,41 @@ int laid_out(PyObject* obj, Py_ssize_t max_ndim) {
     return -1;
   auto code = codes.find(static_cast<int>(t.scalar_type()));
   return code == codes.end() ? -1 : code->second;
+}
+
+// span(tensor, table): where a tensor the MPI backend's quick operations move lies, in one
+// call (each of torch's attributes costs a call in Python): (address, bytes,
+// table[dtype]) for exactly a torch.Tensor laid out in host memory (as ``laid_out``)
+// whose dtype ``table`` holds and whose elements an MPI count can number; else None (the
+// backend's usual path takes it, and words what is wrong with it). Its Python twin is
+// ``mpi_backend.span``.
+PyObject* span(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 || !PyDict_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "span(tensor, table)");
+    return nullptr;
+  }
+  PyObject* obj = args[0];
+  if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != THPVariableClass) Py_RETURN_NONE;
+  const at::Tensor& t = THPVariable_Unpack(obj);
+  if (t.layout() != at::kStrided || !t.device().is_cpu() || t.is_neg() || t.is_conj() ||
+      !t.is_contiguous() || t.numel() > INT32_MAX)
+    Py_RETURN_NONE;
+  PyObject* value = PyDict_GetItem(
+      args[1], reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())));
+  if (value == nullptr) Py_RETURN_NONE;
+  PyObject* result = PyTuple_New(3);
+  if (result == nullptr) return nullptr;
+  PyObject* address = PyLong_FromVoidPtr(t.data_ptr());
+  PyObject* nbytes = PyLong_FromSsize_t(static_cast<Py_ssize_t>(t.nbytes()));
+  Py_INCREF(value);
+  PyTuple_SET_ITEM(result, 0, address);
+  PyTuple_SET_ITEM(result, 1, nbytes);
+  PyTuple_SET_ITEM(result, 2, value);
+  if (address == nullptr || nbytes == nullptr) {
+    Py_DECREF(result);
+    return nullptr;
+  }
+  return result;
 }
 
 // The inline extension of tensor ``t`` (of dtype ``code``) into ``out``: the extension's
@@ -966,6 +1002,8 @@ PyMethodDef methods[] = {
     {"encode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(encode)),
      METH_FASTCALL, "encode(tensor, room, max_ndim) -> bytes | None"},
     {"keep", keep, METH_O, "keep(descriptor): a tensor descriptor, checked"},
+    {"span", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(span)), METH_FASTCALL,
+     "span(tensor, table) -> (address, bytes, table[dtype]) | None"},
     {"forget", forget, METH_NOARGS, "forget(): no descriptor kept"},
     {"inline", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(inline_)),
      METH_FASTCALL, "inline(twin, max_ndim, code, payload) -> object"},
