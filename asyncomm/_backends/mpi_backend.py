@@ -323,9 +323,16 @@ class MpiBackend(Backend):
         where = self._span(tensor, _DATATYPE_HANDLES)
         if where is None:
             return None
-        handle: Handle[Any] = Handle(self._loop, what, None, tensor)
         if self._point is not None:  # compiled (see ``_point``)
-            return self._quick_point(self._point[0], where, dst, tag, handle)
+            try:
+                pending = self._point[0](self._comm_handle, where[0], where[1], where[2], dst,
+                                         tag)
+            except mpi_native.ERRORS as failure:  # (not issued, or issued and failed at once)
+                return self._quick_failed(failure, what, None)
+            if pending is None:  # the commonest: done at once, its handle born done
+                return Handle(self._loop, what, None, None, True)
+            return self._quick_pending(pending, Handle(self._loop, what, None, tensor))
+        handle: Handle[Any] = Handle(self._loop, what, None, tensor)
         key = (*where, dst, tag)
         kept = self._sends.get(key)
         try:
@@ -346,9 +353,16 @@ class MpiBackend(Backend):
         where = self._span(tensor, _DATATYPE_HANDLES)
         if where is None:
             return None
-        handle: Handle[Any] = Handle(self._loop, what, src, tensor)
         if self._point is not None:  # (as ``quick_send``)
-            return self._quick_point(self._point[1], where, src, tag, handle)
+            try:
+                pending = self._point[1](self._comm_handle, where[0], where[1], where[2], src,
+                                         tag)
+            except mpi_native.ERRORS as failure:
+                return self._quick_failed(failure, what, src)
+            if pending is None:
+                return Handle(self._loop, what, src, None, True)
+            return self._quick_pending(pending, Handle(self._loop, what, src, tensor))
+        handle: Handle[Any] = Handle(self._loop, what, src, tensor)
         if self._probe_first:  # see PROBE_FIRST
             self._recv_probed(handle, tensor, src, tag)
             return handle
@@ -368,21 +382,19 @@ class MpiBackend(Backend):
         self._poller.watch(request, handle, None, False)
         return handle
 
-    def _quick_point(self, call: Callable[..., Any], where: tuple[int, int, Any], peer: int,
-                     tag: int, handle: Handle[Any]) -> Handle[Any]:
-        """Issue a quick send or receive by its compiled ``call`` (see ``_point``) over
-        ``where`` (``span``'s address, bytes and datatype); settle ``handle`` if it is
-        done, else have the poller follow it."""
-        try:
-            pending = call(self._comm_handle, where[0], where[1], where[2], peer, tag)
-        except mpi_native.ERRORS as failure:  # (not issued, or issued and failed at once)
-            exc = mpi_native.exception(failure)
-            handle._fail(self._classify(exc), exc)
-            return handle
-        if pending is None:
-            handle._succeed(None)
-        else:
-            self._poller.follow(MPI.Request.fromhandle(pending), handle, None)
+    def _quick_failed(self, failure: BaseException, what: tuple[Any, ...],
+                      result: object) -> Handle[Any]:
+        """The handle of a quick send or receive whose compiled call (see ``_point``)
+        failed: not issued, or issued and failed at once."""
+        exc = mpi_native.exception(failure)
+        handle: Handle[Any] = Handle(self._loop, what, result)
+        handle._fail(self._classify(exc), exc)
+        return handle
+
+    def _quick_pending(self, pending: int, handle: Handle[Any]) -> Handle[Any]:
+        """Have the poller follow a quick send or receive still in flight (its request's
+        handle ``pending``)."""
+        self._poller.follow(MPI.Request.fromhandle(pending), handle, None)
         return handle
 
     def _quickly(self, request: Any, handle: Handle[Any],

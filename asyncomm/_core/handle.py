@@ -33,15 +33,16 @@ class Handle(Generic[T]):
                  "_result", "_state", "_value", "_waiters", "_what")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, what: tuple[Any, ...],
-                 result: Any = FROM_BACKEND, keep: object = None) -> None:
+                 result: Any = FROM_BACKEND, keep: object = None, done: bool = False) -> None:
         self._loop = loop
         self._what = what  # (rank, op, seq, peer, tag): worded only on error
         self._result = result  # what a success resolves to, unless FROM_BACKEND
         # buffers the backend is using, kept until it is done (None then: an engine that
         # starts a request again reads it, see ``_backends.mpi_kept``)
         self._keep = keep
-        self._state = _PENDING
-        self._value: Any = None
+        # ``done``: the operation completed as it was issued (a quick one), with ``result``
+        self._state = _DONE if done else _PENDING
+        self._value: Any = result if done else None
         self._error: BaseException | None = None
         self._waiters: list[asyncio.Future[None]] | None = None
         self._events: list[threading.Event] | None = None

@@ -335,6 +335,11 @@ class Link(ABC):
                 pass
         while self._batches:
             self._send_batch(next(iter(self._batches)))
+        self._send_packets()
+
+    def _send_packets(self) -> None:
+        """Send every destination's packet (``flush``, its batches sent): ``_flush_to``
+        each; a link may do it in fewer calls (a ping-pong leg's every message)."""
         for dst in self._outbox.dsts():
             self._flush_to(dst)
 
