@@ -249,17 +249,17 @@ class Reductions:
         overdue (``Poller.may_look``): all-reduces done at once one after the other would
         never let it turn (the handle's await yields for it)."""
         assert _allreduce is not None
-        handle: Handle[Any] = Handle(self._loop, what, tensor, tensor)
         try:
             done = _allreduce(kept.handle, kept.stage_ptr, ptr, kept.nbytes,
                               QUICK_TESTS if self._may_look() else 0)
         except mpi_native.ERRORS as failure:
             error = mpi_native.exception(failure)
+            handle: Handle[Any] = Handle(self._loop, what, tensor)
             handle._fail(self._classify(error), error)
             return handle
-        if done:
-            handle._succeed(None)
-            return handle
+        if done:  # the commonest: its handle born done
+            return Handle(self._loop, what, tensor, None, True)
+        handle = Handle(self._loop, what, tensor, tensor)
         if ptr != kept.ptr:
             kept.user, kept.ptr = MPI.buffer.fromaddress(ptr, kept.nbytes), ptr
         kept.last = handle
