@@ -24,7 +24,7 @@ from mpi4py import MPI
 
 from asyncomm._backends import mpi_kept, mpi_native
 from asyncomm._backends.mpi_link import AT_ONCE_BYTES, DATATYPES, PostedLink, ProbeLink, spec
-from asyncomm._backends.mpi_reduce import Reductions, in_turn
+from asyncomm._backends.mpi_reduce import MPI_OPS, Reductions, in_turn, mpi_operator
 from asyncomm._core import small, tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
 from asyncomm._core.errors import (
@@ -40,36 +40,6 @@ from asyncomm._core.ops import ReduceOp
 from asyncomm._core.polling import Poller
 from asyncomm._core.progress import Sink
 
-_OPS = {
-    ReduceOp.SUM: MPI.SUM,
-    ReduceOp.AVG: MPI.SUM,  # divided by the size when done
-    ReduceOp.PRODUCT: MPI.PROD,
-    ReduceOp.MIN: MPI.MIN,
-    ReduceOp.MAX: MPI.MAX,
-    ReduceOp.BAND: MPI.BAND,
-    ReduceOp.BOR: MPI.BOR,
-    ReduceOp.BXOR: MPI.BXOR,
-}
-
-_BOOL_OPS = {
-    ReduceOp.SUM: MPI.LOR,
-    ReduceOp.MAX: MPI.LOR,
-    ReduceOp.BOR: MPI.LOR,
-    ReduceOp.PRODUCT: MPI.LAND,
-    ReduceOp.MIN: MPI.LAND,
-    ReduceOp.BAND: MPI.LAND,
-    ReduceOp.BXOR: MPI.LXOR,
-}
-
-_BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = {
-    ReduceOp.SUM: lambda acc, x: acc.add_(x),
-    ReduceOp.AVG: lambda acc, x: acc.add_(x),
-    ReduceOp.PRODUCT: lambda acc, x: acc.mul_(x),
-    ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
-    ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
-}
-_bf16_ops: dict[ReduceOp, Any] = {}
-_op_cache: dict[tuple[torch.dtype, ReduceOp], Any] = {}
 _TEST = MPI.Request.Test
 # the MPI datatype of each dtype, as the compiled calls take it (its handle)
 _DATATYPE_HANDLES = {dtype: datatype.handle for dtype, datatype in DATATYPES.items()}
@@ -128,21 +98,6 @@ def classify(exc: BaseException) -> type[CommError]:
     if any(sign in text for sign in _PEER_GONE):
         return PeerFailedError
     return CommError
-
-
-def _bf16_op(op: ReduceOp) -> Any:
-    """Return (making it once) the MPI operator reducing bfloat16 words with ``op``."""
-    mpi_op = _bf16_ops.get(op)
-    if mpi_op is None:
-        kernel = _BF16_KERNELS[op]
-
-        def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-            x = torch.frombuffer(bytearray(inbuf), dtype=torch.bfloat16)
-            acc = torch.frombuffer(inoutbuf, dtype=torch.bfloat16)
-            kernel(acc, x)
-
-        mpi_op = _bf16_ops[op] = MPI.Op.Create(reduce, commute=True)
-    return mpi_op
 
 
 def _consecutive(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
@@ -232,18 +187,6 @@ class MpiBackend(Backend):
         # small all-reduces by persistent requests, and the collectives they hold back
         self._reductions = Reductions(comm, loop, self._poller, self._status, self._classify)
 
-    def _op(self, dtype: torch.dtype, op: ReduceOp) -> Any:
-        mpi_op = _op_cache.get((dtype, op))
-        if mpi_op is None:
-            if dtype == torch.bool:
-                mpi_op = _BOOL_OPS[op]
-            elif dtype == torch.bfloat16:
-                mpi_op = _bf16_op(op)
-            else:
-                mpi_op = _OPS[op]
-            _op_cache[(dtype, op)] = mpi_op
-        return mpi_op
-
     def _average(self, tensor: torch.Tensor, op: ReduceOp) -> Callable[[Any], object] | None:
         if op is not ReduceOp.AVG:
             return None
@@ -307,7 +250,7 @@ class MpiBackend(Backend):
     def quick_op(self, dtype: torch.dtype, op: ReduceOp) -> object | None:
         if op is ReduceOp.AVG:
             return None
-        return self._op(dtype, op), self._reductions.table(dtype, op)
+        return mpi_operator(dtype, op), self._reductions.table(dtype, op)
 
     def quick_all_reduce(self, tensor: Any, ops: dict[torch.dtype, Any],
                          what: tuple[Any, ...]) -> Handle[Any] | None:
@@ -417,7 +360,7 @@ class MpiBackend(Backend):
 
     @in_turn
     def all_reduce(self, sink: Sink, tensor: torch.Tensor, op: ReduceOp) -> None:
-        mpi_op = _op_cache.get((tensor.dtype, op)) or self._op(tensor.dtype, op)  # (a hot path)
+        mpi_op = MPI_OPS.get((tensor.dtype, op)) or mpi_operator(tensor.dtype, op)  # (a hot path)
         reductions = self._reductions
         kinds = reductions.table(tensor.dtype, op)
         kept = None if kinds is None else reductions.next(kinds, tensor, mpi_op)
@@ -430,7 +373,7 @@ class MpiBackend(Backend):
 
     @in_turn
     def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
-        mpi_op = self._op(tensor.dtype, op)
+        mpi_op = mpi_operator(tensor.dtype, op)
         if self.rank == dst:
             request = self._comm.Ireduce(MPI.IN_PLACE, spec(tensor), mpi_op, root=dst)
             self._watch(sink, request, self._average(tensor, op))
@@ -468,7 +411,7 @@ class MpiBackend(Backend):
                        op: ReduceOp) -> None:
         flat = _flatten(chunks)
         request = self._comm.Ireduce_scatter_block(spec(flat), spec(tensor),
-                                                   self._op(tensor.dtype, op))
+                                                   mpi_operator(tensor.dtype, op))
         self._watch(sink, request, self._average(tensor, op), keep=flat)
 
     @in_turn

@@ -1,4 +1,5 @@
-"""Small all-reduces by persistent MPI requests, made and started in step on every rank.
+"""MPI's reductions: its operator for each of asyncomm's (``mpi_operator``), and small
+all-reduces by persistent requests, made and started in step on every rank.
 
 Note on kept all-reduces
 ------------------------
@@ -44,12 +45,76 @@ from asyncomm._backends.mpi_link import DATATYPES, spec
 from asyncomm._core import ops
 from asyncomm._core.errors import CommClosedError, CommError
 from asyncomm._core.handle import Handle
+from asyncomm._core.ops import ReduceOp
 from asyncomm._core.polling import Poller
 from asyncomm._core.progress import Sink
 
 KINDS = 64  # kinds of all-reduce counted per communicator (later kinds are never kept)
 KEPT_BYTES = 4096  # the largest all-reduce kept (larger ones are not bound by latency)
 SLOTS = 4  # kept requests per kind, used in turn: so many may be in flight at once
+
+_OPS = {
+    ReduceOp.SUM: MPI.SUM,
+    ReduceOp.AVG: MPI.SUM,  # divided by the size when done
+    ReduceOp.PRODUCT: MPI.PROD,
+    ReduceOp.MIN: MPI.MIN,
+    ReduceOp.MAX: MPI.MAX,
+    ReduceOp.BAND: MPI.BAND,
+    ReduceOp.BOR: MPI.BOR,
+    ReduceOp.BXOR: MPI.BXOR,
+}
+
+_BOOL_OPS = {
+    ReduceOp.SUM: MPI.LOR,
+    ReduceOp.MAX: MPI.LOR,
+    ReduceOp.BOR: MPI.LOR,
+    ReduceOp.PRODUCT: MPI.LAND,
+    ReduceOp.MIN: MPI.LAND,
+    ReduceOp.BAND: MPI.LAND,
+    ReduceOp.BXOR: MPI.LXOR,
+}
+
+_BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    ReduceOp.SUM: lambda acc, x: acc.add_(x),
+    ReduceOp.AVG: lambda acc, x: acc.add_(x),
+    ReduceOp.PRODUCT: lambda acc, x: acc.mul_(x),
+    ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
+    ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
+}
+_bf16_ops: dict[ReduceOp, Any] = {}
+# the MPI operator of each (dtype, op) given so far (``mpi_operator``)
+MPI_OPS: dict[tuple[torch.dtype, ReduceOp], Any] = {}
+
+
+def mpi_operator(dtype: torch.dtype, op: ReduceOp) -> Any:
+    """Return MPI's operator for ``op`` on ``dtype`` (kept in ``MPI_OPS``; ``AVG`` is a sum,
+    divided afterwards by the caller)."""
+    made = MPI_OPS.get((dtype, op))
+    if made is None:
+        if dtype == torch.bool:
+            made = _BOOL_OPS[op]
+        elif dtype == torch.bfloat16:
+            made = _bf16_op(op)
+        else:
+            made = _OPS[op]
+        MPI_OPS[(dtype, op)] = made
+    return made
+
+
+def _bf16_op(op: ReduceOp) -> Any:
+    """Return (making it once) the MPI operator reducing bfloat16 words with ``op``."""
+    mpi_op = _bf16_ops.get(op)
+    if mpi_op is None:
+        kernel = _BF16_KERNELS[op]
+
+        def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+            x = torch.frombuffer(bytearray(inbuf), dtype=torch.bfloat16)
+            acc = torch.frombuffer(inoutbuf, dtype=torch.bfloat16)
+            kernel(acc, x)
+
+        mpi_op = _bf16_ops[op] = MPI.Op.Create(reduce, commute=True)
+    return mpi_op
+
 
 _TEST = MPI.Request.Test
 # the compiled call of ``quick``'s commonest case, where built; and its tests before it
