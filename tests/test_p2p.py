@@ -590,3 +590,28 @@ def test_quick_and_usual_paths_agree(world2: World) -> None:
         # to the communicator takes the usual path, and makes that pair quick from then on
         assert taken.count("quick_send" if rank == 0 else "quick_recv") == 2, result
         assert taken.count("quick_all_reduce") in (1, 2) and len(taken) in (3, 4), result
+
+
+async def check_a_waiting_receive_leaves_the_poller_idle(comm: Comm) -> list[int]:
+    """A quick receive still waiting for its message counts as passive for MPI's poller
+    (which polls closely for ``active_spin_s`` after sends and collectives, 0.1 s, but
+    ``spin_s`` after receives): an idle rank awaiting a message spent half of a 0.2 s
+    wait's CPU while its receive counted as active."""
+    peer, seen = 1 - comm.rank, []
+    for _ in range(2):  # (the second: a buffer, peer and tag seen before)
+        if comm.rank == 0:
+            waiting = comm.recv(torch.zeros(2), peer, 33)
+            await asyncio.sleep(0.05)  # enlisted and polled by now
+            seen.append(comm._backend._poller._active)
+            await comm.send(torch.zeros(1), peer, 34)
+            assert await waiting == peer
+        else:
+            await comm.recv(torch.zeros(1), peer, 34)
+            await comm.send(torch.zeros(2), peer, 33)
+    return seen
+
+
+def test_a_waiting_receive_leaves_the_poller_idle(world2: World) -> None:
+    if world2.backend != "mpi":
+        pytest.skip("MPI's poller")
+    assert world2.run(check_a_waiting_receive_leaves_the_poller_idle)[0] == [0, 0]

@@ -274,7 +274,7 @@ class MpiBackend(Backend):
                 return self._quick_failed(failure, what, None)
             if pending is None:  # the commonest: done at once, its handle born done
                 return Handle(self._loop, what, None, None, True)
-            return self._quick_pending(pending, Handle(self._loop, what, None, tensor))
+            return self._quick_pending(pending, Handle(self._loop, what, None, tensor), True)
         handle: Handle[Any] = Handle(self._loop, what, None, tensor)
         key = (*where, dst, tag)
         kept = self._sends.get(key)
@@ -304,7 +304,7 @@ class MpiBackend(Backend):
                 return self._quick_failed(failure, what, src)
             if pending is None:
                 return Handle(self._loop, what, src, None, True)
-            return self._quick_pending(pending, Handle(self._loop, what, src, tensor))
+            return self._quick_pending(pending, Handle(self._loop, what, src, tensor), False)
         handle: Handle[Any] = Handle(self._loop, what, src, tensor)
         if self._probe_first:  # see PROBE_FIRST
             self._recv_probed(handle, tensor, src, tag)
@@ -334,10 +334,11 @@ class MpiBackend(Backend):
         handle._fail(self._classify(exc), exc)
         return handle
 
-    def _quick_pending(self, pending: int, handle: Handle[Any]) -> Handle[Any]:
+    def _quick_pending(self, pending: int, handle: Handle[Any], active: bool) -> Handle[Any]:
         """Have the poller follow a quick send or receive still in flight (its request's
-        handle ``pending``)."""
-        self._poller.follow(MPI.Request.fromhandle(pending), handle, None)
+        handle ``pending``; ``active``: a send, which needs polling to progress, not a
+        receive, which waits for its peer: see ``Poller.watch``)."""
+        self._poller.follow(MPI.Request.fromhandle(pending), handle, None, active)
         return handle
 
     def _quickly(self, request: Any, handle: Handle[Any],
