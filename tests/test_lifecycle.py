@@ -314,15 +314,21 @@ def test_a_squatted_store_port_is_named_within_the_init_timeout(tmp_path: Path) 
            if k not in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")}
     env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                PYTHONPATH=str(ROOT))
-    try:
+    procs: list[subprocess.Popen[str]] = []
+    try:  # (the two ranks at once: each meets the squatter alone)
+        start = time.monotonic()
+        procs += [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True,
+                                  env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+                 for rank in (0, 1)]
         said = {}
-        for rank in (0, 1):
-            start = time.monotonic()
-            proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                                  timeout=60, env={**env, "RANK": str(rank),
-                                                   "LOCAL_RANK": str(rank)})  # a hang fails
-            said[rank] = (proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+        for rank, proc in enumerate(procs):
+            out, err = proc.communicate(timeout=60)  # a hang fails
+            said[rank] = (proc.returncode, out, err, time.monotonic() - start)
     finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
         squatter.close()
     code, out, err, _ = said[0]
     assert code != 0 and "joined" not in out

@@ -93,6 +93,8 @@ class MpiLink(Link):
         self._isend = None if self._native is None else self._native.isend
         self._comm_handle = comm.handle
         self._look: Callable[[], bool] = self.pump  # what the poller calls (see ``pump``)
+        self.hurry = poller.hurry_until
+        self.refused = poller.refused
 
     def open(self, arrivals: Any, limits: Any) -> None:
         super().open(arrivals, limits)
@@ -105,12 +107,6 @@ class MpiLink(Link):
         self._buffers.clear()
 
     looks = True
-
-    def hurry(self, done: Callable[[], bool]) -> bool:
-        return self._poller.hurry_until(done)
-
-    def refused(self) -> bool:
-        return self._poller.refused()
 
     def expect(self) -> None:
         self._poller.kick()

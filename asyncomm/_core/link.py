@@ -151,6 +151,14 @@ class Transport(Protocol):
         """Issue a receive; the sink gets the source rank."""
 
 
+def _never(done: Callable[[], bool]) -> bool:
+    return False
+
+
+def _no() -> bool:
+    return False
+
+
 class Link(ABC):
     """Frames between the ranks of one communicator; see the note on the layout."""
 
@@ -178,6 +186,14 @@ class Link(ABC):
         # not built), as ``arrivals.message_type`` (set when the link opens)
         self._unpack = None if small.NATIVE is None else small.NATIVE.unpack_message
         self._message_type: type[tuple[Any, ...]] = tuple
+        # A task is about to wait for ``done()``: look for frames now; return whether it
+        # is. Links that poll (MPI) look for a while, as an awaited request is tested (see
+        # ``polling.Hurry``: their poller's ``hurry_until`` itself, a call less on every
+        # wait); the others never find anything.
+        self.hurry: Callable[[Callable[[], bool]], bool] = _never
+        # whether the last ``hurry`` was refused until the loop turns, without looking
+        # (its task yields that turn and looks again)
+        self.refused: Callable[[], bool] = _no
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         """Start receiving: every frame that arrives goes to ``arrivals``."""
@@ -185,19 +201,6 @@ class Link(ABC):
         self._message_type = arrivals.message_type
 
     looks = False  # whether ``hurry`` may find anything (links that poll)
-
-    def hurry(self, done: Callable[[], bool]) -> bool:
-        """A task is about to wait for ``done()``: look for frames now; return whether it is.
-
-        Links that poll (MPI) look for a while, as an awaited request is
-        tested (see ``polling.Hurry``); the others never find anything.
-        """
-        return False
-
-    def refused(self) -> bool:
-        """Return whether the last ``hurry`` was refused until the loop turns, without
-        looking (its task yields that turn and looks again)."""
-        return False
 
     def expect(self) -> None:  # noqa: B027
         """A receiver waits: watch closely for a while (where the link polls)."""
