@@ -44,16 +44,21 @@ class Comm:
     ``all_reduce``, ``send`` and ``recv`` of a plain contiguous CPU tensor,
     with plain int ranks and tags in range and no deadline of their own, are
     issued in the fewest steps where the backend has a quick path (MPI): the
-    checks inline, the operation posted before its handle is made, the
-    handle numbered after. Everything else (arrays, a ``timeout=``, any
-    source, tracing, debug mode, a peer lost, the first all-reduce of an
-    (op, dtype)) takes the usual path, which checks and words the errors.
+    rank and tag checks inline here, the tensor's in the backend (in one
+    compiled call where built: each of torch's attributes costs a call), the
+    operation posted before its handle is made, the handle numbered after.
+    Everything else (arrays, a ``timeout=``, any source, tracing, debug mode,
+    a peer lost, the first all-reduce of an (op, dtype)) takes the usual
+    path, which checks and words the errors.
     Measured on 2 ranks: an awaited 8-byte all_reduce 4.3 -> 2.8-3.0 µs, a
     ping-pong leg 3.0 -> 2.4 µs (``bench all --sizes 8``; see the poller's
     note on hurrying for the second test at issue, half of it). The checks,
     the numbering and the deadline are inline here, not in calls of their
     own, and MPI's quick sends and receives start persistent requests (see
     ``_backends.mpi_kept``): a leg 2.4 -> 1.9 µs, 1.92x raw in three launches.
+    Since session 23 a quick send or receive is one compiled call where built
+    (``mpi_native``; the persistent requests serve without it): a leg 0.68-0.89
+    of its time before, alternated in one process.
     (``send`` and ``recv`` check and number inline, each its own copy: one
     helper for both cost a leg 0.08 µs, 1.86-1.94 -> 1.96-2.04 in five
     launches alternated, against a target of 2x with ~0.1 µs to spare.)
