@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_collectives import DTYPES, value
+from test_collectives import DTYPES, MOVED_ONLY, value
 
 from asyncomm import Comm, CommClosedError, CommError, CommTimeoutError, MismatchError
 from asyncomm.testing import World, fresh
@@ -16,12 +16,32 @@ from asyncomm.testing import World, fresh
 
 async def check_every_dtype(comm: Comm) -> None:
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
-    for i, dtype in enumerate(DTYPES):
+    moved = [*DTYPES, *MOVED_ONLY, torch.complex64, torch.complex128]
+    for i, dtype in enumerate(moved):
         got = torch.zeros(5, dtype=dtype)
         receiving = comm.recv(got, left, tag=i)  # posted before the matching send
         await comm.send(value(comm.rank, dtype), right, tag=i)
         assert await receiving == left
         assert torch.equal(got, value(left, dtype)), dtype
+    # empty, and a view with an offset: the same bytes arrive
+    sent = torch.arange(12.0) + comm.rank
+    theirs = torch.arange(12.0) + left
+    for j, (buf, out, expected) in enumerate([(torch.zeros(0), sent[:0], theirs[:0]),
+                                              (torch.zeros(3), sent[5:8], theirs[5:8])]):
+        receiving = comm.recv(buf, left, tag=len(moved) + j)
+        await comm.send(out, right, tag=len(moved) + j)
+        assert await receiving == left
+        assert torch.equal(buf, expected), (j, buf, expected)
+    # a conjugate or negative view's memory does not hold its values: refused, not sent
+    # as its memory (its peer got the unconjugated values)
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    for view in (z.conj(), torch._neg_view(z)):
+        with pytest.raises(ValueError, match="view"):
+            comm.send(view, right, tag=99)
+        with pytest.raises(ValueError, match="view"):
+            comm.recv(view, left, tag=99)
+        with pytest.raises(ValueError, match="view"):
+            comm.all_reduce(view)
 
 
 def test_ring_every_dtype(world: World) -> None:

@@ -43,6 +43,7 @@ from asyncomm._core.progress import Sink
 _TEST = MPI.Request.Test
 # the MPI datatype of each dtype, as the compiled calls take it (its handle)
 _DATATYPE_HANDLES = {dtype: datatype.handle for dtype, datatype in DATATYPES.items()}
+_MAX_COUNT = 2**31 - 1  # the most elements an MPI count numbers
 
 
 def span(tensor: object, table: dict[torch.dtype, Any]) -> tuple[int, int, Any] | None:
@@ -58,8 +59,6 @@ def span(tensor: object, table: dict[torch.dtype, Any]) -> tuple[int, int, Any] 
             return tensor.data_ptr(), tensor.nbytes, value
     return None
 
-
-_MAX_COUNT = 2**31 - 1  # the most elements an MPI count numbers
 
 # Requests still in MPI's hands when their communicator was freed, with their sinks
 # (which hold the buffers MPI may still write into): kept for the life of the process,
@@ -180,8 +179,9 @@ class MpiBackend(Backend):
         self._point = (None if native is None or small.NATIVE is None or self._probe_first
                        else (native.send, native.recv))
         self._probing: list[_Probing] = []  # receives looking for their message, in order
-        # persistent requests of quick sends and receives, by (address, bytes, dtype, peer,
-        # tag), with the handle of the last operation they did (see ``mpi_kept``)
+        # persistent requests of quick sends and receives without the compiled calls, by
+        # (address, bytes, MPI datatype, peer, tag), with the handle of the last operation
+        # they did (see ``mpi_kept``)
         self._sends: dict[tuple[Any, ...], list[Any]] = {}
         self._recvs: dict[tuple[Any, ...], list[Any]] = {}
         # small all-reduces by persistent requests, and the collectives they hold back
@@ -275,19 +275,12 @@ class MpiBackend(Backend):
             if pending is None:  # the commonest: done at once, its handle born done
                 return Handle(self._loop, what, None, None, True)
             return self._quick_pending(pending, Handle(self._loop, what, None, tensor), True)
-        handle: Handle[Any] = Handle(self._loop, what, None, tensor)
-        key = (*where, dst, tag)
-        kept = self._sends.get(key)
-        try:
-            if kept is not None and kept[1]._keep is None:  # the commonest (``mpi_kept``)
-                request = kept[0]
-                request.Start()
-            else:
-                request, kept = mpi_kept.begin(self._sends, key, kept, self._comm.Send_init,
-                                               self._comm.Isend, spec(tensor), dst, tag)
+        try:  # (a persistent request kept for the buffer, peer and tag: ``mpi_kept``)
+            request, kept = mpi_kept.start(self._sends, (*where, dst, tag), self._comm.Send_init,
+                                           self._comm.Isend, lambda: spec(tensor), dst, tag)
         except MPI.Exception:
             return None  # nothing issued: the usual path issues it again, words its error
-        return self._quickly(request, handle, kept)
+        return self._quickly(request, Handle(self._loop, what, None, tensor), kept)
 
     def quick_recv(self, tensor: Any, src: int, tag: int,
                    what: tuple[Any, ...]) -> Handle[Any] | None:
@@ -309,15 +302,9 @@ class MpiBackend(Backend):
         if self._probe_first:  # see PROBE_FIRST
             self._recv_probed(handle, tensor, src, tag)
             return handle
-        key = (*where, src, tag)
-        kept = self._recvs.get(key)
-        try:
-            if kept is not None and kept[1]._keep is None:  # (as ``quick_send``)
-                request = kept[0]
-                request.Start()
-            else:
-                request, kept = mpi_kept.begin(self._recvs, key, kept, self._comm.Recv_init,
-                                               self._comm.Irecv, spec(tensor), src, tag)
+        try:  # (as ``quick_send``)
+            request, kept = mpi_kept.start(self._recvs, (*where, src, tag), self._comm.Recv_init,
+                                           self._comm.Irecv, lambda: spec(tensor), src, tag)
         except MPI.Exception:
             return None
         if kept is not None:

@@ -2,8 +2,11 @@
 
 Note on persistent requests
 ---------------------------
-A quick send or receive (see the note in ``Comm``) of a buffer (address,
-bytes, dtype), peer and tag seen before starts a persistent request kept for
+Where the compiled part is built, a quick send or receive is one compiled
+call instead (``mpi_native``: ``MPI_Isend``/``MPI_Irecv`` and their tests,
+cheaper than a kept request started through mpi4py); without it, a quick
+send or receive (see the note in ``Comm``) of a buffer (address,
+bytes, MPI datatype), peer and tag seen before starts a persistent request kept for
 them: the loops of a program send and receive the same tensors again and
 again, and ``MPI_Start`` of a kept request costs less than posting a new one
 (2 ranks, MPICH, an 8-byte ping-pong in a bare loop: 0.93 -> 0.61 µs a leg;
@@ -23,9 +26,8 @@ and those in flight are orphans like any other request.
 Small all-reduces are kept too, by their kind rather than their buffer (a
 persistent collective is made collectively: see ``mpi_reduce``).
 
-The backend keeps, per kind, a dict from key to ``[request, last handle]``;
-its hot path (a kept request idle: ``entry[1]._keep is None``) is inline
-there, the rest is here.
+The backend keeps, per kind, a dict from key to ``[request, last handle]``
+(``start``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from mpi4py import MPI
 
 KEPT = 64  # buffers noted or kept per communicator, of sends and of receives
 
-Key = tuple[Any, ...]  # (address, bytes, dtype, peer, tag)
+Key = tuple[Any, ...]  # (address, bytes, MPI datatype's handle, peer, tag)
 
 
 class _Mark:
@@ -52,6 +54,20 @@ class _Mark:
 
 IDLE = _Mark(None)  # a persistent request's last operation before its first: none, done
 SEEN: Any = (None, _Mark(True))  # a buffer, peer and tag seen once (no request made yet)
+
+
+def start(kept: dict[Key, list[Any]], key: Key, init: Callable[..., Any],
+          once: Callable[..., Any], spec: Callable[[], list[Any]], peer: int,
+          tag: int) -> tuple[Any, list[Any] | None]:
+    """Start the operation of ``key`` (``spec``: its buffer's, made only if needed): its
+    kept persistent request where that is idle, else as ``begin`` starts it. Return the
+    request and its entry in ``kept`` (``None``: not kept). Raises ``MPI.Exception`` with
+    nothing issued."""
+    last = kept.get(key)
+    if last is not None and last[1]._keep is None:  # the commonest: idle
+        last[0].Start()
+        return last[0], last
+    return begin(kept, key, last, init, once, spec(), peer, tag)
 
 
 def begin(kept: dict[Key, list[Any]], key: Key, last: list[Any] | None,

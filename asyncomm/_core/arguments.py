@@ -40,6 +40,11 @@ class Arguments:
         if not tensor.is_contiguous():
             raise ValueError(f"{self.what(op)}: {name} must be contiguous "
                              "(call .contiguous() and use the copy)")
+        if tensor.is_conj() or tensor.is_neg():  # (its memory holds other values: not moved)
+            kind, call = ("conjugate", "resolve_conj") if tensor.is_conj() else (
+                "negative", "resolve_neg")
+            raise ValueError(f"{self.what(op)}: {name} is a {kind} view, whose memory does not "
+                             f"hold its values (call .{call}() and use the copy)")
         backend = self._backend
         if tensor.is_cuda != backend.cuda:
             raise TypeError(f"{self.what(op)}: the {backend.name} backend moves "
