@@ -96,7 +96,7 @@ async def check_errors(comm: Comm) -> None:
     with pytest.raises(asyncomm.RemoteError, match="no actor named 'nobody'"):
         await comm.actor(1, "nobody").anything()
     with pytest.raises(asyncomm.CommTimeoutError, match=r"errors\.slow on rank 1"):
-        await ref.slow(2.0, timeout=0.3)
+        await ref.slow(1.0, timeout=0.3)  # (every rank calls: served one after the other)
     with pytest.raises(ValueError):
         comm.actor(comm.size, "errors")
     with pytest.raises(TypeError, match="default codec cannot carry"):
