@@ -281,6 +281,27 @@ def test_a_link_message_is_read_with_its_messages_made() -> None:
 
 
 @built
+def test_the_compiled_span_is_the_pythons() -> None:
+    """Where a quick operation's tensor lies, compiled and in Python alike; what either
+    leaves to the usual path (not exactly a tensor, not laid out in host memory as its
+    values, a dtype the table lacks), both leave."""
+    table = {torch.float32: "f", torch.int64: 7, torch.complex64: None, torch.bool: "b"}
+    base = torch.arange(12.0)
+    z = torch.zeros(2, dtype=torch.complex64)
+    for t in (base, base[3:7], base[:0], torch.zeros(2, 3).t(), base.reshape(3, 4)[1],
+              torch.ones(3, dtype=torch.int64), torch.ones(2, dtype=torch.bool),
+              torch.ones(2, dtype=torch.float64), z, z.conj(), torch._neg_view(base),
+              torch.nn.Parameter(torch.ones(2)), base.numpy(), [1.0], None,
+              torch.zeros(2, device="meta"), torch.ones(3).to_sparse()):
+        compiled, python = NATIVE.span(t, table), small.span(t, table)
+        assert compiled == python, (t, compiled, python)
+    assert NATIVE.span(base[3:7], table) == (base.data_ptr() + 12, 16, "f")
+    assert NATIVE.span(base, {}) is None and NATIVE.span(z, table) is None
+    with pytest.raises(TypeError):
+        NATIVE.span(base, [])
+
+
+@built
 def test_the_keys_kept_for_dicts_read_as_made() -> None:
     """Map keys are kept once made (1024 at most): past that, and for every key, the same."""
     for i in range(1100):

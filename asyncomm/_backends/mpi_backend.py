@@ -43,21 +43,6 @@ from asyncomm._core.progress import Sink
 _TEST = MPI.Request.Test
 # the MPI datatype of each dtype, as the compiled calls take it (its handle)
 _DATATYPE_HANDLES = {dtype: datatype.handle for dtype, datatype in DATATYPES.items()}
-_MAX_COUNT = 2**31 - 1  # the most elements an MPI count numbers
-
-
-def span(tensor: object, table: dict[torch.dtype, Any]) -> tuple[int, int, Any] | None:
-    """Return where a tensor a quick operation moves lies: (address, bytes, ``table``'s
-    value for its dtype), for exactly a ``torch.Tensor`` laid out in host memory whose
-    dtype ``table`` holds; else ``None`` (the usual path takes it). The Python twin of
-    the compiled part's ``span``, which does it in one call."""
-    if (type(tensor) is torch.Tensor and tensor.layout is torch.strided
-            and not tensor.is_cuda and tensor.is_contiguous()
-            and not tensor.is_conj() and not tensor.is_neg()):
-        value = table.get(tensor.dtype)
-        if value is not None and tensor.numel() <= _MAX_COUNT:
-            return tensor.data_ptr(), tensor.nbytes, value
-    return None
 
 
 # Requests still in MPI's hands when their communicator was freed, with their sinks
@@ -175,7 +160,7 @@ class MpiBackend(Backend):
         # a send and its two tests, cost one call each, against a dozen of torch's and
         # mpi4py's attributes and methods (~0.1 us each).
         native = mpi_native.NATIVE
-        self._span = span if small.NATIVE is None else small.NATIVE.span
+        self._span = small.span if small.NATIVE is None else small.NATIVE.span
         self._point = (None if native is None or small.NATIVE is None or self._probe_first
                        else (native.send, native.recv))
         self._probing: list[_Probing] = []  # receives looking for their message, in order

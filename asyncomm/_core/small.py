@@ -172,6 +172,25 @@ def _laid(code: int, kind: int, shape: tuple[int, ...], nbytes: int) -> bytes:
     return _DESCS[len(shape)].pack(code, kind, len(shape), *shape, nbytes)
 
 
+def span(tensor: object, table: dict[torch.dtype, Any]) -> tuple[int, int, Any] | None:
+    """Return where a tensor a quick operation moves lies: (address, bytes, ``table``'s
+    value for its dtype), for exactly a ``torch.Tensor`` laid out in host memory whose
+    dtype ``table`` holds and whose elements an MPI count can number; else ``None`` (the
+    usual path takes it). The Python twin of the compiled part's ``span``, which does it
+    in one call (each of torch's attributes here is a call: MPI's quick operations ask
+    this of every tensor they move)."""
+    if (type(tensor) is torch.Tensor and tensor.layout is torch.strided
+            and tensor.is_cpu and tensor.is_contiguous()
+            and not tensor.is_conj() and not tensor.is_neg()):
+        value = table.get(tensor.dtype)
+        if value is not None and tensor.numel() <= _MAX_COUNT:
+            return tensor.data_ptr(), tensor.nbytes, value
+    return None
+
+
+_MAX_COUNT = 2**31 - 1  # the most elements an MPI count numbers
+
+
 def encode(obj: object, room: int = BYTES, max_ndim: int = 16, compiled: bool = True
            ) -> bytes | None:
     """Return the body of a small frame (DEFAULT codec) carrying ``obj``, or ``None``.

@@ -118,9 +118,9 @@ int laid_out(PyObject* obj, Py_ssize_t max_ndim) {
 // span(tensor, table): where a tensor the MPI backend's quick operations move lies, in one
 // call (each of torch's attributes costs a call in Python): (address, bytes,
 // table[dtype]) for exactly a torch.Tensor laid out in host memory (as ``laid_out``)
-// whose dtype ``table`` holds and whose elements an MPI count can number; else None (the
-// backend's usual path takes it, and words what is wrong with it). Its Python twin is
-// ``mpi_backend.span``.
+// whose dtype has an entry in ``table`` (not None) and whose elements an MPI count can
+// number; else None (the backend's usual path takes it, and words what is wrong with it).
+// Its Python twin is ``small.span``.
 PyObject* span(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyDict_Check(args[1])) {
     PyErr_SetString(PyExc_TypeError, "span(tensor, table)");
@@ -128,22 +128,32 @@ PyObject* span(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   }
   PyObject* obj = args[0];
   if (reinterpret_cast<PyObject*>(Py_TYPE(obj)) != THPVariableClass) Py_RETURN_NONE;
-  const at::Tensor& t = THPVariable_Unpack(obj);
-  if (t.layout() != at::kStrided || !t.device().is_cpu() || t.is_neg() || t.is_conj() ||
-      !t.is_contiguous() || t.numel() > INT32_MAX)
+  void* data = nullptr;
+  size_t nbytes = 0;
+  at::ScalarType dtype = at::ScalarType::Undefined;
+  try {  // (a tensor torch cannot answer for, as one without storage: the usual path's)
+    const at::Tensor& t = THPVariable_Unpack(obj);
+    if (t.layout() != at::kStrided || !t.device().is_cpu() || t.is_neg() || t.is_conj() ||
+        !t.is_contiguous() || t.numel() > INT32_MAX)
+      Py_RETURN_NONE;
+    dtype = t.scalar_type();
+    data = t.data_ptr();
+    nbytes = t.nbytes();
+  } catch (const std::exception&) {
     Py_RETURN_NONE;
-  PyObject* value = PyDict_GetItem(
-      args[1], reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())));
-  if (value == nullptr) Py_RETURN_NONE;
+  }
+  PyObject* value =
+      PyDict_GetItem(args[1], reinterpret_cast<PyObject*>(torch::getTHPDtype(dtype)));
+  if (value == nullptr || value == Py_None) Py_RETURN_NONE;  // (an entry None: none)
   PyObject* result = PyTuple_New(3);
   if (result == nullptr) return nullptr;
-  PyObject* address = PyLong_FromVoidPtr(t.data_ptr());
-  PyObject* nbytes = PyLong_FromSsize_t(static_cast<Py_ssize_t>(t.nbytes()));
+  PyObject* address = PyLong_FromVoidPtr(data);
+  PyObject* size = PyLong_FromSsize_t(static_cast<Py_ssize_t>(nbytes));
   Py_INCREF(value);
   PyTuple_SET_ITEM(result, 0, address);
-  PyTuple_SET_ITEM(result, 1, nbytes);
+  PyTuple_SET_ITEM(result, 1, size);
   PyTuple_SET_ITEM(result, 2, value);
-  if (address == nullptr || nbytes == nullptr) {
+  if (address == nullptr || size == nullptr) {
     Py_DECREF(result);
     return nullptr;
   }
