@@ -130,9 +130,7 @@ class MpiLink(Link):
                     continue  # the common case: small messages are sent at once
                 handle = self._watched(MPI.Request.fromhandle(pending), "send", dst, tag, packet)
             except mpi_native.ERRORS as failure:
-                exc = mpi_native.exception(failure)
-                handle = Handle(self._loop, (self._rank, "send", None, dst, tag), None)
-                handle._fail(self._classify(exc), exc)
+                handle = self._failed_send(failure, dst, tag)
             handle.add_done_callback(self._packet_sent)
 
     def _packet(self, packet: bytes | bytearray) -> bytes | bytearray:
@@ -153,11 +151,15 @@ class MpiLink(Link):
                 if request.Test():
                     return None
         except mpi_native.ERRORS as failure:
-            exc = mpi_native.exception(failure)
-            handle: Handle[None] = Handle(self._loop, (self._rank, "send", None, dst, tag), None)
-            handle._fail(self._classify(exc), exc)
-            return handle
+            return self._failed_send(failure, dst, tag)
         return self._watched(request, "send", dst, tag, buffer)
+
+    def _failed_send(self, failure: BaseException, dst: int, tag: int) -> Handle[None]:
+        """The handle of a send to ``dst`` that MPI refused as it was posted."""
+        exc = mpi_native.exception(failure)
+        handle: Handle[None] = Handle(self._loop, (self._rank, "send", None, dst, tag), None)
+        handle._fail(self._classify(exc), exc)
+        return handle
 
     def _fetch_into(self, pending: Pending, tensor: torch.Tensor, src: int) -> None:
         # MPI copies a large message into its receive on this rank's calls, mostly all in

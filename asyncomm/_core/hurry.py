@@ -94,21 +94,12 @@ class Hurry:
 
         With no tests (``ASYNCOMM_HURRY_TESTS=0``) there is no hurrying at all.
         """
-        tests = self.tests  # (``allowed``, inline: every wait of a ping-pong asks it)
-        if not tests:
-            self.refused = False
-            return False
-        if DUE:
-            run_due(self._loop)
-        start = time.perf_counter()
-        if not self._turn:
-            self._turn = start
-            self._loop.call_soon(self._turned)
-        elif start - self._turn > FAIR_S:
-            self.refused = True
+        if not self.allowed():
+            self.refused = self.tests > 0
             return False
         self.refused = False
-        for _ in range(tests):
+        start = time.perf_counter()
+        for _ in range(self.tests):
             if look():
                 if done():
                     return True

@@ -173,12 +173,12 @@ def _laid(code: int, kind: int, shape: tuple[int, ...], nbytes: int) -> bytes:
 
 
 def span(tensor: object, table: dict[torch.dtype, Any]) -> tuple[int, int, Any] | None:
-    """Return where a tensor a quick operation moves lies: (address, bytes, ``table``'s
-    value for its dtype), for exactly a ``torch.Tensor`` laid out in host memory whose
-    dtype ``table`` holds and whose elements an MPI count can number; else ``None`` (the
-    usual path takes it). The Python twin of the compiled part's ``span``, which does it
-    in one call (each of torch's attributes here is a call: MPI's quick operations ask
-    this of every tensor they move)."""
+    """Return where a tensor a backend's quick operation moves lies: (address, bytes,
+    ``table``'s value for its dtype), for exactly a ``torch.Tensor`` laid out in host
+    memory whose dtype ``table`` holds and whose elements a C ``int`` counts; else
+    ``None`` (the usual path takes it). The Python twin of the compiled part's ``span``,
+    which does it in one call (each of torch's attributes here is a call, and a quick
+    operation asks this of every tensor it moves)."""
     if (type(tensor) is torch.Tensor and tensor.layout is torch.strided
             and tensor.is_cpu and tensor.is_contiguous()
             and not tensor.is_conj() and not tensor.is_neg()):
@@ -188,7 +188,7 @@ def span(tensor: object, table: dict[torch.dtype, Any]) -> tuple[int, int, Any] 
     return None
 
 
-_MAX_COUNT = 2**31 - 1  # the most elements an MPI count numbers
+_MAX_COUNT = 2**31 - 1  # the most elements a C int counts (a compiled call's count)
 
 
 def encode(obj: object, room: int = BYTES, max_ndim: int = 16, compiled: bool = True

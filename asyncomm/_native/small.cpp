@@ -115,12 +115,12 @@ int laid_out(PyObject* obj, Py_ssize_t max_ndim) {
   return code == codes.end() ? -1 : code->second;
 }
 
-// span(tensor, table): where a tensor the MPI backend's quick operations move lies, in one
-// call (each of torch's attributes costs a call in Python): (address, bytes,
-// table[dtype]) for exactly a torch.Tensor laid out in host memory (as ``laid_out``)
-// whose dtype has an entry in ``table`` (not None) and whose elements an MPI count can
-// number; else None (the backend's usual path takes it, and words what is wrong with it).
-// Its Python twin is ``small.span``.
+// span(tensor, table): where a tensor a backend's quick operations move lies, in one call
+// (each of torch's attributes costs a call in Python): (address, bytes, table[dtype]) for
+// exactly a torch.Tensor laid out in host memory (as ``laid_out``) whose dtype has an
+// entry in ``table`` (not None) and whose elements a C int counts; else None (the
+// backend's usual path takes it, and words what is wrong with it). Its Python twin is
+// ``small.span``.
 PyObject* span(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyDict_Check(args[1])) {
     PyErr_SetString(PyExc_TypeError, "span(tensor, table)");
