@@ -1175,8 +1175,11 @@ async def check_small_beside_a_stream(comm: Comm) -> None:
             async def talk() -> None:
                 for j in range(100):
                     # every tenth once a frame's data is on its way (rank 0 streams one frame
-                    # at a time: on a loaded machine all could fall between two frames)
-                    while gloo and j % 10 == 0 and not link._expected and not taken.is_set():
+                    # at a time: on a loaded machine all could fall between two frames), and
+                    # every one until one went while data was expected (a message goes at the
+                    # loop iteration's end: the frame may be whole by then)
+                    while (gloo and (j % 10 == 0 or not link._queued) and not link._expected
+                           and not taken.is_set()):
                         await asyncio.sleep(0)
                     await back.send({"j": j}, 0)
                     if j % 10 == 9:
