@@ -1129,21 +1129,19 @@ def test_frames_whose_data_comes_late_are_received_in_order(world: World) -> Non
 
 async def check_small_beside_a_stream(comm: Comm) -> None:
     # Small messages both ways while large frames stream keep their order, exactly once.
-    # On gloo the loop posts nothing while data moves (its pair's lock would hold the
-    # loop, see gloo_link's note on posting): the sender thread posts them, in order.
+    # On gloo the frames' data goes on the link's own lane, never through gloo's pairs.
     async with fresh(comm) as sub:
         link: Any = sub._router.link
         gloo = sub.backend == "gloo"
-        posted_by_loop_while_busy = 0
+        data_through_gloo = 0
         if gloo:
             endpoint = link._endpoint
             send = endpoint.send_raw
 
             def watched(sink: Any, tensor: torch.Tensor, dst: int, tag: int,
                         eager: bool = True, copied: bool = False) -> None:
-                nonlocal posted_by_loop_while_busy
-                if link._data_out or link._expected:
-                    posted_by_loop_while_busy += 1
+                nonlocal data_through_gloo
+                data_through_gloo += tag != tags.LINK_MESSAGE
                 send(sink, tensor, dst, tag, eager, copied)
 
             endpoint.send_raw = watched
@@ -1161,34 +1159,24 @@ async def check_small_beside_a_stream(comm: Comm) -> None:
                     assert (await back.recv(1)).data == {"j": j}
 
             await asyncio.gather(stream(), answers())
+            if gloo:
+                assert 1 in link._lane._writers  # the data went on the lane
         elif sub.rank == 1:
-            taken = asyncio.Event()
-
             async def take() -> None:
                 for i in range(frames):
                     got = (await big.recv(0)).data
                     assert got.shape == (n,) and bool(torch.all(got == i)), i
                     if i % 4 == 3:
                         assert (await small.recv(0)).data == {"after": i}
-                taken.set()
 
             async def talk() -> None:
                 for j in range(100):
-                    # every tenth once a frame's data is on its way (rank 0 streams one frame
-                    # at a time: on a loaded machine all could fall between two frames), and
-                    # every one until one went while data was expected (a message goes at the
-                    # loop iteration's end: the frame may be whole by then)
-                    while (gloo and (j % 10 == 0 or not link._queued) and not link._expected
-                           and not taken.is_set()):
-                        await asyncio.sleep(0)
                     await back.send({"j": j}, 0)
                     if j % 10 == 9:
                         await asyncio.sleep(0.001)
 
             await asyncio.gather(take(), talk())
-            if gloo:
-                assert link._posted > 0  # some went while data was expected
-        assert posted_by_loop_while_busy == 0
+        assert data_through_gloo == 0
         await sub.barrier()
 
 
@@ -1197,24 +1185,28 @@ def test_small_messages_beside_a_stream(world: World) -> None:
 
 
 async def check_messages_not_held_behind_data(comm: Comm) -> None:
-    # On gloo, a link message sent while a data send is out is posted at once, whatever
-    # the data send waits for (see gloo_link's note on posting): here rank 0's sender
-    # thread is held in its first data send's see-off until rank 1 has answered messages
-    # sent after that data. (MPI: the same traffic, nothing held.)
+    # On gloo, a link message sent while a data message is out goes at once, whatever the
+    # data waits for: here rank 0's lane writer is held after its first data message until
+    # rank 1 has answered messages sent after that data. (MPI: the same traffic, nothing
+    # held.)
     async with fresh(comm) as sub:
         big, small = sub.channel(911), sub.channel(912)
         release = threading.Event()
         if sub.rank == 0:
-            if sub.backend == "gloo":  # (rank 0's only waits here: its sends')
-                from asyncomm._backends import gloo_link
+            if sub.backend == "gloo":  # (rank 0's only data here: its send's)
+                from asyncomm._backends import gloo_lane
 
-                wait_all = gloo_link._wait_all
+                streams = (gloo_lane._RingOut, gloo_lane._TcpOut)
+                writes = [stream.write for stream in streams]
 
-                def held(works: list[Any]) -> RuntimeError | None:
-                    release.wait(30.0)
-                    return wait_all(works)
+                def held(write: Any) -> Any:
+                    def written(self: Any, tensor: torch.Tensor) -> None:
+                        write(self, tensor)
+                        release.wait(30.0)
+                    return written
 
-                gloo_link._wait_all = held
+                for stream, write in zip(streams, writes, strict=True):
+                    stream.write = held(write)  # type: ignore[method-assign]
             sent = asyncio.ensure_future(big.send(torch.ones(1 << 18), 1))
             await asyncio.sleep(0)
             for i in range(3):
@@ -1224,7 +1216,8 @@ async def check_messages_not_held_behind_data(comm: Comm) -> None:
             release.set()
             await sent
             if sub.backend == "gloo":
-                gloo_link._wait_all = wait_all
+                for stream, write in zip(streams, writes, strict=True):
+                    stream.write = write  # type: ignore[method-assign]
         elif sub.rank == 1:
             assert bool(torch.all((await big.recv(0)).data == 1))
             assert [(await small.recv(0)).data for _ in range(3)] == [0, 1, 2]

@@ -54,7 +54,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from asyncomm._backends import gloo_net, gloo_p2p, startup
+from asyncomm._backends import gloo_lane, gloo_net, gloo_p2p, startup
 from asyncomm._backends.gloo_link import GlooLink
 from asyncomm._core import settings, tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
@@ -449,7 +449,10 @@ class TorchBackend(Backend):
             await asyncio.sleep(0.005)
 
     def link(self) -> Link:
-        self._link = GlooLink(self, self._pg, self._loop, self._inbox, self._waiters, classify)
+        self._link = GlooLink(self, self._pg, self._loop, self._inbox, self._waiters, classify,
+                              functools.partial(gloo_lane.Lane, self.rank, _default_store(),
+                                                f"lane/{self._label}", _lane_address(),
+                                                settings.read().lane_shm))
         return self._link
 
     # -- groups and lifecycle ---------------------------------------------------------
@@ -494,14 +497,12 @@ class TorchBackend(Backend):
         link = self._link
         return bool(self._waiters.waiting(endless=False) or self._waiters.waiting(endless=True)
                     or self.posted.pending() or self._eager.in_flight or self._bridge.pending
-                    or (link is not None and (link.listening or link.completing)))
+                    or (link is not None and link.listening))
 
     def _ending(self) -> bool:
         """Return whether something that closing the connections ends has not ended yet."""
-        link = self._link
         return bool(self._waiters.waiting(endless=False) or self.posted.waiting
-                    or self._eager.in_flight or self._bridge.pending
-                    or (link is not None and link.completing))
+                    or self._eager.in_flight or self._bridge.pending)
 
     def _settle(self, timeout: float = 5.0) -> None:
         """End everything still in flight on the group, if asyncomm owns it (see the note).
@@ -663,6 +664,16 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
     user = TorchBackend(name, world, ranks, loop, timeout, release, label, name)
     own = TorchBackend("gloo", own_pg, ranks, loop, timeout, startup.destroyer(own_pg), label, name)
     return user, own
+
+
+def _default_store() -> Any:
+    """Return the store of torch's default group (the data lane says where it listens there)."""
+    return dist.distributed_c10d._get_default_store()  # type: ignore[attr-defined]
+
+
+def _lane_address() -> str:
+    """Return the address the data lane listens on: the one gloo's device binds to."""
+    return gloo_net.own_address(os.environ) or "127.0.0.1"
 
 
 def _learn_hosts(store: Any, size: int) -> None:

@@ -33,11 +33,12 @@ class Pending:
 
     __slots__ = ("_then", "buffers", "error", "head", "left", "seq")
 
-    def __init__(self, head: Head | None, buffers: list[torch.Tensor], seq: int) -> None:
+    def __init__(self, head: Head | None, buffers: list[torch.Tensor], seq: int,
+                 left: int | None = None) -> None:
         self.head = head  # perhaps shared by frames alike: the frame's seq is ``seq``
-        self.buffers = buffers
+        self.buffers = buffers  # (a link may take them only as their data comes: ``left``)
         self.seq = seq
-        self.left = len(buffers)
+        self.left = len(buffers) if left is None else left
         self.error: CommError | None = None
         self._then: Callable[[], None] | None = None
 

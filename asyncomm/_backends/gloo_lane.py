@@ -1,0 +1,425 @@
+"""The gloo link's data lane: the bytes of large frames on connections of asyncomm's own.
+
+Note on why
+-----------
+Through gloo's pairs, 64 x 1 MiB channel frames streamed at 0.55-0.65x raw
+gloo ``isend``/``irecv``, however little Python went around them (a
+prototype of the envelope protocol with no windows, framing or mailboxes:
+0.69-0.83x): both ranks were CPU-bound on two cores, and gloo's I/O thread
+of a receiving rank woke ~220 times per 1 MiB message (raw gloo: ~32). So a
+frame's envelope still travels as a gloo link message, and its data follows
+on the lane: one connection each way per pair of ranks that exchange data,
+a *writer* thread per destination and a *reader* thread per source. Over
+the socket alone (peers on other hosts) a reader spent about what gloo's
+I/O thread does per MiB (~200 us of CPU here); see the note on memory for
+peers on one host.
+
+Note on order and matching
+--------------------------
+A connection is FIFO and a source's data is asked for in the order of its
+envelopes (the listener's order), so the n-th buffer read from a source is
+the n-th buffer it wrote to this rank: nothing is tagged, and bytes written
+before their envelope arrives wait in the connection. Each direction has its
+own connection and threads: a writer held by a receiver that does not read
+holds no other peer's data, and no reader waits for a writer (no cycle of
+ranks can deadlock the lane).
+
+Note on memory
+--------------
+Peers on one host (the same listening address) share a ring of
+``RING_BYTES`` of shared memory per direction: the writer copies bytes in
+(``memmove``, without the GIL) and sends the count written so far on the
+socket; the reader copies them out and sends back the count read once it
+has read another eighth of the ring (so counts never pile up unread: the
+writer also takes them as it goes). A file in ``/dev/shm`` carries the ring
+only for the handshake: the writer unlinks it once the reader mapped it.
+And the reader takes a frame's buffers only when its bytes are next
+(``recv``'s ``take``), not when its envelope came: a stream's buffers are
+then mostly the ones its receiver just freed, still in the cache. 64 x 1 MiB
+per round, the reader's CPU per MiB: ~200 us over the socket, 206-231
+through the ring into buffers taken as the batch came, 175-184 taken late;
+the stream went from 0.56-0.61x raw gloo (through gloo's pairs) to 0.70-0.79
+(``ASYNCOMM_LANE_SHM=0`` keeps the socket on one host too).
+
+Note on connecting
+------------------
+Each rank listens on the address its gloo device uses, says where in the
+rendezvous store (``lane/LABEL/RANK``) and connects to a peer the first time
+it has data for it (on the writer thread: the store's ``get`` waits for the
+peer to say where it listens), saying its rank first (and naming its ring).
+A source has one connection: another that says it comes from that source is
+closed. A failure to connect, write or read fails that buffer and every
+later one of that peer with a ``PeerFailedError`` (the peer died, or its
+host did); nothing is retried: a lost buffer breaks its frame, and the
+peer's frames behind it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import mmap
+import os
+import queue
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import torch
+
+from asyncomm._core.errors import PeerFailedError
+
+Done = Callable[[BaseException | None], None]  # called on the lane's thread
+_HELLO = struct.Struct("<iH")  # the connecting rank, and the length of its ring's name
+_COUNT = struct.Struct("<Q")  # bytes written (or read) so far, on a ring's socket
+RING_BYTES = 4 << 20  # a ring's shared memory
+_CHUNK = RING_BYTES // 2  # the most bytes copied in before the reader is told
+_SHM = "/dev/shm"
+
+
+class Store(Protocol):
+    """What the lane needs of torch's rendezvous store."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+
+class Lane:
+    """Connections of this rank's own to its peers, for the data of large frames."""
+
+    def __init__(self, rank: int, store: Store, key: str, address: str,
+                 shared: bool = True) -> None:
+        self._rank = rank
+        self._store = store
+        self._key = key
+        self._shared = shared  # peers on this host share memory (see the note on memory)
+        self._lock = threading.Lock()
+        self._writers: dict[int, _Queue] = {}
+        self._readers: dict[int, _Queue] = {}
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._server = socket.create_server((address, 0), family=family, backlog=64)
+        self._host, port = self._server.getsockname()[:2]
+        store.set(f"{key}/{rank}", f"{self._host} {port}")
+        self._start(self._accept, "asyncomm-lane-accept")
+
+    def send(self, dst: int, tensor: torch.Tensor, done: Done) -> None:
+        """Write ``tensor``'s bytes to ``dst`` after what was sent it before; ``done`` follows."""
+        self._queue(self._writers, dst, self._write).put((_flat(tensor), done))
+
+    def recv(self, src: int, take: Callable[[], Sequence[torch.Tensor]], done: Done) -> None:
+        """Read ``src``'s next bytes into the buffers ``take()`` returns (called when their
+        bytes are next), in order; ``done`` once all are full.
+
+        Buffers taken late are mostly ones just freed, still in the cache (see the note
+        on memory).
+        """
+        self._queue(self._readers, src, None).put((take, done))
+
+    def close(self) -> None:
+        """End the threads once done with what they were given (the listening one at once)."""
+        with self._lock:
+            self._closed = True
+            queues = [*self._writers.values(), *self._readers.values()]
+        for items in queues:
+            items.put(None)
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` in all for the threads to end (after ``close``)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    # -- threads ----------------------------------------------------------------------
+
+    def _start(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+
+    def _queue(self, queues: dict[int, _Queue], peer: int,
+               serve: Callable[[int, _Queue], None] | None) -> _Queue:
+        items = queues.get(peer)
+        if items is None:
+            with self._lock:
+                items = queues.get(peer)
+                if items is None:
+                    items = queues[peer] = _Queue()
+                    if self._closed:  # (nothing more is read or written)
+                        items.put(None)
+                start = serve is not None and not items.served
+                items.served = items.served or start
+            if start and serve is not None:
+                    self._start(functools.partial(serve, peer, items),
+                                f"asyncomm-lane-to-{peer}")
+        return items
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._server.accept()
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            try:
+                src, stream = _welcome(sock)
+            except (OSError, ValueError, struct.error):
+                sock.close()  # (not one of ours, or gone at once: its peer's reads will fail)
+                continue
+            items = self._queue(self._readers, src, None)
+            with self._lock:
+                taken, items.served = items.served, True
+            if taken:  # (src has a connection: this one is not its)
+                stream.close()
+                continue
+            self._start(functools.partial(self._read, src, stream, items),
+                        f"asyncomm-lane-from-{src}")
+
+    def _read(self, src: int, stream: _In, items: _Queue) -> None:
+        failure: BaseException | None = None
+        while (item := items.get()) is not None:
+            take, done = item
+            if failure is None:
+                try:
+                    for buffer in take():
+                        stream.read(_flat(buffer))
+                except OSError as exc:
+                    failure = PeerFailedError(f"rank {self._rank}: data from rank {src} lost: "
+                                              f"{exc}")
+            done(failure)
+        stream.close()
+
+    def _write(self, dst: int, items: _Queue) -> None:
+        failure: BaseException | None = None
+        stream: _Out | None = None
+        while (item := items.get()) is not None:
+            tensor, done = item
+            if failure is None:
+                try:
+                    if stream is None:
+                        stream = self._connect(dst)
+                    stream.write(tensor)
+                except (OSError, RuntimeError, ValueError) as exc:
+                    failure = PeerFailedError(f"rank {self._rank}: data to rank {dst} lost: "
+                                              f"{exc}")
+            done(failure)
+        if stream is not None:
+            stream.close()
+
+    def _connect(self, dst: int) -> _Out:
+        host, port = self._store.get(f"{self._key}/{dst}").decode().split()
+        sock = socket.create_connection((host, int(port)))
+        _nodelay(sock)
+        if not (self._shared and host == self._host):
+            sock.sendall(_HELLO.pack(self._rank, 0))
+            return _TcpOut(sock)
+        return _RingOut.offer(sock, self._rank, f"asyncomm-lane-{os.getpid()}-{dst}")
+
+
+def _welcome(sock: socket.socket) -> tuple[int, _In]:
+    """Read a connecting peer's hello; return its rank and the stream to read from it."""
+    _nodelay(sock)
+    hello = _recv_exactly(sock, _HELLO.size)
+    src, named = _HELLO.unpack(hello)
+    if not named:
+        return src, _TcpIn(sock)
+    return src, _RingIn.accept(sock, _recv_exactly(sock, named).decode())
+
+
+# -- streams: a connection's bytes, through the socket or a ring of shared memory ----------
+
+
+class _Out(Protocol):
+    def write(self, tensor: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _In(Protocol):
+    def read(self, tensor: torch.Tensor) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _TcpOut:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def write(self, tensor: torch.Tensor) -> None:
+        self._sock.sendall(tensor.numpy().data)
+
+    def close(self) -> None:
+        self._sock.close()
+
+
+class _TcpIn(_TcpOut):
+    def read(self, tensor: torch.Tensor) -> None:
+        view = tensor.numpy().data
+        got, size = 0, len(view)
+        while got < size:
+            n = self._sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+            if not n:
+                raise ConnectionError("the connection closed")
+            got += n
+
+
+class _Ring:
+    """A ring of shared memory, and the socket that says how far each end got.
+
+    The writer copies bytes in and sends the count written so far; the reader
+    copies them out and sends the count read, each time it has read another
+    eighth of the ring (see the note on memory).
+    """
+
+    def __init__(self, sock: socket.socket, fd: int) -> None:
+        self._sock = sock
+        self._map = mmap.mmap(fd, RING_BYTES)
+        os.close(fd)
+        self._ring = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._base = self._ring.data_ptr()
+        self._done = 0  # bytes this end wrote (or read)
+        self._told = 0  # bytes read that the writer was told of (the reader's)
+        self._other = 0  # bytes the other end said it read (or wrote)
+        self._said = bytearray(_COUNT.size * 512)
+        self._kept = 0  # bytes of a count not read whole yet
+
+    def _hear(self, block: bool) -> None:
+        """Take the other end's counts (waiting for one if ``block``); keep the last."""
+        view = memoryview(self._said)
+        try:
+            n = self._sock.recv_into(view[self._kept:], len(view) - self._kept,
+                                     0 if block else socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        if not n:
+            raise ConnectionError("the connection closed")
+        end = self._kept + n
+        whole = end - end % _COUNT.size
+        if whole:
+            (self._other,) = _COUNT.unpack_from(self._said, whole - _COUNT.size)
+        self._kept = end - whole
+        self._said[:self._kept] = self._said[whole:end]
+
+    def close(self) -> None:
+        self._sock.close()
+        del self._ring
+        try:
+            self._map.close()
+        except BufferError:  # (a view still lives: the mapping goes with it)
+            pass
+
+
+class _RingOut(_Ring):
+    @classmethod
+    def offer(cls, sock: socket.socket, rank: int, prefix: str) -> _RingOut:
+        """Make a ring, tell the peer its name, and wait for the peer to map it."""
+        fd, path = _ring_file(prefix)
+        try:
+            name = os.path.basename(path).encode()
+            sock.sendall(_HELLO.pack(rank, len(name)) + name)
+            if _recv_exactly(sock, 1) != b"\x01":
+                raise ConnectionError("the peer did not map the ring")
+        finally:
+            os.unlink(path)  # (the peer mapped it, or never will)
+        return cls(sock, fd)
+
+    def write(self, tensor: torch.Tensor) -> None:
+        sent, size = 0, tensor.numel()
+        while sent < size:
+            free = RING_BYTES - (self._done - self._other)
+            if free < min(size - sent, _CHUNK):
+                self._hear(block=True)
+                continue
+            at = self._done % RING_BYTES
+            n = min(free, size - sent, RING_BYTES - at, _CHUNK)
+            ctypes.memmove(self._base + at, tensor.data_ptr() + sent, n)  # (without the GIL)
+            self._done += n
+            sent += n
+            self._sock.sendall(_COUNT.pack(self._done))
+            self._hear(block=False)  # (the reader's counts never pile up unread)
+
+
+class _RingIn(_Ring):
+    @classmethod
+    def accept(cls, sock: socket.socket, name: str) -> _RingIn:
+        """Map the ring the peer made (named in its hello); say so."""
+        if "/" in name or not name.startswith("asyncomm-lane-"):
+            raise ValueError(f"not a ring: {name!r}")
+        fd = os.open(os.path.join(_SHM, name), os.O_RDWR)
+        ring = cls(sock, fd)
+        sock.sendall(b"\x01")
+        return ring
+
+    def read(self, tensor: torch.Tensor) -> None:
+        got, size = 0, tensor.numel()
+        while got < size:
+            ready = self._other - self._done
+            if not ready:
+                self._hear(block=True)
+                continue
+            at = self._done % RING_BYTES
+            n = min(ready, size - got, RING_BYTES - at)
+            ctypes.memmove(tensor.data_ptr() + got, self._base + at, n)
+            self._done += n
+            got += n
+            if self._done - self._told >= RING_BYTES // 8:
+                self._told = self._done
+                self._sock.sendall(_COUNT.pack(self._done))
+
+
+def _ring_file(prefix: str) -> tuple[int, str]:
+    """Create a file of ``RING_BYTES`` in shared memory; return its descriptor and path."""
+    while True:
+        path = os.path.join(_SHM, f"{prefix}-{secrets.token_hex(4)}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue
+        try:
+            os.ftruncate(fd, RING_BYTES)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        return fd, path
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    data = bytearray(size)
+    if size and sock.recv_into(data, size, socket.MSG_WAITALL) != size:
+        raise ConnectionError("the connection closed")
+    return bytes(data)
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    """The bytes of a contiguous CPU tensor, as a flat uint8 tensor on its memory."""
+    flat = tensor.reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+class _Queue:
+    """A peer's queue of buffers, and whether a thread serves it yet."""
+
+    def __init__(self) -> None:
+        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.put = self._items.put
+        self.get = self._items.get
+        self.served = False
+
+
+def _nodelay(sock: socket.socket) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

@@ -1,0 +1,118 @@
+"""gloo's data lane on its own: two lanes in one process, real sockets and shared memory.
+
+Every byte arrives in order into the buffers asked for, through a ring of shared
+memory (peers on one host) or the socket alone; a peer that goes mid-buffer fails
+that buffer and those behind it with a ``PeerFailedError``; a stranger's connection
+is turned away without harm; no shared-memory file outlives its handshake.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import asyncomm
+from asyncomm._backends import gloo_lane
+from asyncomm._backends.gloo_lane import Lane
+
+Outcome = queue.SimpleQueue[BaseException | None]
+
+
+@pytest.fixture(params=[True, False], ids=["ring", "socket"])
+def lanes(request: pytest.FixtureRequest) -> Iterator[tuple[Lane, Lane]]:
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    made = (Lane(0, store, "lane/t", "127.0.0.1", request.param),
+            Lane(1, store, "lane/t", "127.0.0.1", request.param))
+    yield made
+    for lane in made:
+        lane.close()
+    for lane in made:
+        lane.join(5.0)
+
+
+def _rings() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("asyncomm-lane-")}
+
+
+def _send(lane: Lane, dst: int, tensor: torch.Tensor) -> Outcome:
+    outcome: Outcome = queue.SimpleQueue()
+    lane.send(dst, tensor, outcome.put)
+    return outcome
+
+
+def _recv(lane: Lane, src: int, buffers: list[torch.Tensor]) -> Outcome:
+    outcome: Outcome = queue.SimpleQueue()
+    lane.recv(src, lambda: buffers, outcome.put)
+    return outcome
+
+
+def test_every_byte_arrives_in_order(lanes: tuple[Lane, Lane]) -> None:
+    a, b = lanes
+    before = _rings()
+    gen = torch.Generator().manual_seed(0)
+    # sizes around and beyond the ring (and its chunk), several dtypes, an empty buffer
+    ring = gloo_lane.RING_BYTES
+    sent = [torch.randint(0, 255, (n,), dtype=torch.uint8, generator=gen)
+            for n in (1, 0, 4099, ring // 2 + 3, ring, 2 * ring + 5, 1 << 20)]
+    sent += [torch.randn(1000, 33, generator=gen), torch.randn(7, dtype=torch.float64)
+             .to(torch.bfloat16), torch.arange(10, dtype=torch.int64)]
+    outs = [_send(a, 1, t) for t in sent]
+    # asked for in two frames, the first before anything was written
+    got = [torch.empty_like(t) for t in sent]
+    first, second = _recv(b, 0, got[:3]), _recv(b, 0, got[3:])
+    back = torch.arange(5, dtype=torch.int32)  # and the other way at once
+    answer = torch.zeros(5, dtype=torch.int32)
+    back_out, back_in = _send(b, 0, back), _recv(a, 1, [answer])
+    for outcome in (*outs, first, second, back_out, back_in):
+        assert outcome.get(timeout=30) is None
+    for mine, theirs in zip(sent, got, strict=True):
+        assert torch.equal(mine, theirs)
+    assert torch.equal(back, answer)
+    assert _rings() == before  # every ring's file went with its handshake
+
+
+def test_a_peer_that_goes_mid_buffer_fails_it_and_those_behind(
+        lanes: tuple[Lane, Lane]) -> None:
+    a, b = lanes
+    assert _send(a, 1, torch.ones(10)).get(timeout=30) is None  # connected
+    assert _recv(b, 0, [torch.empty(10)]).get(timeout=30) is None
+    half = _recv(b, 0, [torch.empty(1 << 20)])
+    behind = _recv(b, 0, [torch.empty(10)])
+    a.send(1, torch.ones(100), lambda _: None)  # a part of what b waits for
+    a.close()  # the writer ends after what it was given: the connection closes
+    a.join(5.0)
+    for outcome in (half, behind):
+        error = outcome.get(timeout=30)
+        assert isinstance(error, asyncomm.PeerFailedError), error
+        assert "rank 1: data from rank 0 lost" in str(error)
+
+
+def test_a_stranger_is_turned_away(lanes: tuple[Lane, Lane]) -> None:
+    a, b = lanes
+    host, port = b._server.getsockname()[:2]
+    for hello in (b"", b"\x00\x00", gloo_lane._HELLO.pack(0, 9) + b"../passwd"):
+        with socket.create_connection((host, port)) as stranger:
+            stranger.sendall(hello)
+    buffers = [torch.empty(3000)]
+    assert _send(a, 1, torch.full((3000,), 2.0)).get(timeout=30) is None
+    assert _recv(b, 0, buffers).get(timeout=30) is None
+    assert bool(torch.all(buffers[0] == 2.0))
+
+
+def test_threads_end_when_closed() -> None:
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    a, b = Lane(0, store, "lane/c", "127.0.0.1"), Lane(1, store, "lane/c", "127.0.0.1")
+    assert _send(a, 1, torch.ones(5)).get(timeout=30) is None
+    assert _recv(b, 0, [torch.empty(5)]).get(timeout=30) is None
+    for lane in (a, b):
+        lane.close()
+    for lane in (a, b):
+        lane.join(5.0)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("asyncomm-lane")]
