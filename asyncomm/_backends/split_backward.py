@@ -3,19 +3,26 @@
 torch keeps it in ``torch.distributed.pipelining`` (private ``_backward``:
 ``stage_backward_input`` and ``stage_backward_weight``), so it is reached from
 here, where the engines are imported; the pipeline executor uses it for zero-bubble
-schedules (see ``pipeline._passes``' note on splitting). ``None`` where a torch lacks it.
+schedules (see ``pipeline._passes``' note on splitting).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-split_input: Any = None
-split_weight: Any = None
-try:
-    from torch.distributed.pipelining import _backward as _torch_split
 
-    split_input = _torch_split.stage_backward_input
-    split_weight = _torch_split.stage_backward_weight
-except (ImportError, AttributeError):  # pragma: no cover - a torch without them
-    pass
+@functools.cache
+def torch_split() -> tuple[Any, Any] | None:
+    """Return torch's (``stage_backward_input``, ``stage_backward_weight``), or ``None``.
+
+    Imported at the first call: ``torch.distributed.pipelining`` brings sympy and
+    more (1.6 s of every process that imported ``asyncomm.pipeline`` before).
+    """
+    try:
+        from torch.distributed.pipelining import _backward as split
+    except ImportError:  # pragma: no cover - a torch without it
+        return None
+    found = (getattr(split, "stage_backward_input", None),
+             getattr(split, "stage_backward_weight", None))
+    return None if None in found else found

@@ -31,8 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from asyncomm._backends.split_backward import split_input as _split_input
-from asyncomm._backends.split_backward import split_weight as _split_weight
+from asyncomm._backends.split_backward import torch_split
 
 
 @dataclass(frozen=True)
@@ -157,8 +156,9 @@ def input_gradient(slot: Slot, grad: torch.Tensor | None, n: int, stage: int,
     if x is not None and (stage != 0 or x.requires_grad):  # stage 0's, if the user asks
         if x.requires_grad:
             root, seed = _start(slot, grad, n)
-            if _split_input is not None and not hooked and x.is_leaf:  # (it reads x.grad)
-                grads, slot.param_groups = _split_input(
+            split = None if hooked or not x.is_leaf else torch_split()  # (it reads x.grad)
+            if split is not None:
+                grads, slot.param_groups = split[0](
                     [root], None if seed is None else [seed], [x], iter(weights))
                 grad_input = grads[0]
             else:
@@ -175,8 +175,9 @@ def input_gradient(slot: Slot, grad: torch.Tensor | None, n: int, stage: int,
 def weight_gradient(slot: Slot, n: int, weights: list[nn.Parameter]) -> float:
     """W of a split backward: accumulate the weights' gradients from what B kept; free it."""
     begin = time.perf_counter()
-    if slot.param_groups is not None:
-        _split_weight(iter(weights), slot.param_groups)
+    split = torch_split() if slot.param_groups is not None else None
+    if split is not None:
+        split[1](iter(weights), slot.param_groups)
     else:
         root, seed = _start(slot, slot.grad_output, n)
         if weights and root.requires_grad:
