@@ -13,6 +13,7 @@ import queue
 import socket
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -116,3 +117,59 @@ def test_threads_end_when_closed() -> None:
     for lane in (a, b):
         lane.join(5.0)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("asyncomm-lane")]
+
+
+def _stream_across(a: Lane, b: Lane) -> None:
+    data = torch.arange(300_000, dtype=torch.float32)
+    got = torch.empty_like(data)
+    assert _send(a, 1, data).get(timeout=30) is None
+    assert _recv(b, 0, [got]).get(timeout=30) is None
+    assert torch.equal(data, got)
+
+
+@pytest.mark.parametrize("where", ["writer", "reader"])
+def test_without_shared_memory_the_socket_carries_it(monkeypatch: pytest.MonkeyPatch,
+                                                     where: str) -> None:
+    # no /dev/shm (or a full one) where the ring is made; a reader that cannot map it
+    # (another container's shared memory behind the same address)
+    def unavailable(*_: object) -> None:
+        raise OSError("no shared memory here")
+
+    if where == "writer":
+        monkeypatch.setattr(gloo_lane, "_ring_file", unavailable)
+    else:
+        monkeypatch.setattr(gloo_lane._RingIn, "accept", unavailable)
+    through: list[str] = []
+    for stream in (gloo_lane._TcpOut, gloo_lane._RingOut):
+        def write(self: Any, tensor: torch.Tensor, _write: Any = stream.write,
+                  _name: str = stream.__name__) -> None:
+            through.append(_name)
+            _write(self, tensor)
+
+        monkeypatch.setattr(stream, "write", write)
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    before = _rings()
+    a, b = Lane(0, store, "lane/f", "127.0.0.1"), Lane(1, store, "lane/f", "127.0.0.1")
+    try:
+        _stream_across(a, b)
+        assert through == ["_TcpOut"]
+        assert _rings() == before
+    finally:
+        for lane in (a, b):
+            lane.close()
+            lane.join(5.0)
+
+
+def test_a_ring_of_another_size_is_declined(lanes: tuple[Lane, Lane]) -> None:
+    _, b = lanes
+    path = "/dev/shm/asyncomm-lane-test-small"
+    with open(path, "wb") as small:
+        small.write(b"\0" * 4096)  # mapped as a ring, a copy past it would be a SIGBUS
+    try:
+        host, port = b._server.getsockname()[:2]
+        with socket.create_connection((host, port)) as stranger:
+            name = os.path.basename(path).encode()
+            stranger.sendall(gloo_lane._HELLO.pack(7, len(name)) + name)
+            assert stranger.recv(1) == gloo_lane._DECLINED
+    finally:
+        os.unlink(path)

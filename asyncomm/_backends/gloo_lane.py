@@ -79,6 +79,8 @@ _COUNT = struct.Struct("<Q")  # bytes written (or read) so far, on a ring's sock
 RING_BYTES = 4 << 20  # a ring's shared memory
 _CHUNK = RING_BYTES // 2  # the most bytes copied in before the reader is told
 _SHM = "/dev/shm"
+_MAPPED, _DECLINED = b"\x01", b"\x00"  # a reader's answer to a ring's name
+_HELLO_S = 10.0  # the longest a hello may take
 
 
 class Store(Protocol):
@@ -173,11 +175,13 @@ class Lane:
                 sock, _ = self._server.accept()
             except OSError:
                 if self._closed:
+                    self._server.close()
                     return
+                time.sleep(0.01)  # (out of descriptors, say: not a busy loop)
                 continue
             try:
                 src, stream = _welcome(sock)
-            except (OSError, ValueError, struct.error):
+            except (OSError, ValueError, struct.error, UnicodeDecodeError):
                 sock.close()  # (not one of ours, or gone at once: its peer's reads will fail)
                 continue
             items = self._queue(self._readers, src, None)
@@ -224,20 +228,35 @@ class Lane:
         host, port = self._store.get(f"{self._key}/{dst}").decode().split()
         sock = socket.create_connection((host, int(port)))
         _nodelay(sock)
-        if not (self._shared and host == self._host):
+        ring = None
+        if self._shared and host == self._host:
+            try:
+                ring = _ring_file(f"asyncomm-lane-{os.getpid()}-{dst}")
+            except OSError:  # no shared memory here (or not enough): the socket alone
+                pass
+        if ring is None:
             sock.sendall(_HELLO.pack(self._rank, 0))
             return _TcpOut(sock)
-        return _RingOut.offer(sock, self._rank, f"asyncomm-lane-{os.getpid()}-{dst}")
+        return _RingOut.offer(sock, self._rank, *ring)
 
 
 def _welcome(sock: socket.socket) -> tuple[int, _In]:
-    """Read a connecting peer's hello; return its rank and the stream to read from it."""
+    """Read a connecting peer's hello; return its rank and the stream to read from it.
+
+    A ring this rank cannot map (another host's, or shared memory of its own:
+    another container) is declined: the peer writes to the socket instead.
+    """
     _nodelay(sock)
-    hello = _recv_exactly(sock, _HELLO.size)
-    src, named = _HELLO.unpack(hello)
-    if not named:
-        return src, _TcpIn(sock)
-    return src, _RingIn.accept(sock, _recv_exactly(sock, named).decode())
+    sock.settimeout(_HELLO_S)  # (a stranger that says nothing holds no one up)
+    src, named = _HELLO.unpack(_recv_exactly(sock, _HELLO.size))
+    name = _recv_exactly(sock, named).decode()
+    sock.settimeout(None)
+    if named:
+        try:
+            return src, _RingIn.accept(sock, name)
+        except OSError:
+            sock.sendall(_DECLINED)
+    return src, _TcpIn(sock)
 
 
 # -- streams: a connection's bytes, through the socket or a ring of shared memory ----------
@@ -287,8 +306,12 @@ class _Ring:
 
     def __init__(self, sock: socket.socket, fd: int) -> None:
         self._sock = sock
-        self._map = mmap.mmap(fd, RING_BYTES)
-        os.close(fd)
+        try:  # (a file of another size, another version's, is not mapped: no SIGBUS later)
+            if os.fstat(fd).st_size != RING_BYTES:
+                raise OSError("a ring of another size")
+            self._map = mmap.mmap(fd, RING_BYTES)
+        finally:
+            os.close(fd)
         self._ring = torch.frombuffer(self._map, dtype=torch.uint8)
         self._base = self._ring.data_ptr()
         self._done = 0  # bytes this end wrote (or read)
@@ -324,18 +347,23 @@ class _Ring:
 
 
 class _RingOut(_Ring):
-    @classmethod
-    def offer(cls, sock: socket.socket, rank: int, prefix: str) -> _RingOut:
-        """Make a ring, tell the peer its name, and wait for the peer to map it."""
-        fd, path = _ring_file(prefix)
+    @staticmethod
+    def offer(sock: socket.socket, rank: int, fd: int, path: str) -> _Out:
+        """Name the ring at ``path`` to the peer; return it once the peer mapped it (the
+        socket alone if it declined)."""
         try:
             name = os.path.basename(path).encode()
             sock.sendall(_HELLO.pack(rank, len(name)) + name)
-            if _recv_exactly(sock, 1) != b"\x01":
-                raise ConnectionError("the peer did not map the ring")
+            answer = _recv_exactly(sock, 1)
+        except OSError:
+            os.close(fd)
+            raise
         finally:
             os.unlink(path)  # (the peer mapped it, or never will)
-        return cls(sock, fd)
+        if answer == _DECLINED:
+            os.close(fd)
+            return _TcpOut(sock)
+        return _RingOut(sock, fd)
 
     def write(self, tensor: torch.Tensor) -> None:
         sent, size = 0, tensor.numel()
@@ -359,9 +387,8 @@ class _RingIn(_Ring):
         """Map the ring the peer made (named in its hello); say so."""
         if "/" in name or not name.startswith("asyncomm-lane-"):
             raise ValueError(f"not a ring: {name!r}")
-        fd = os.open(os.path.join(_SHM, name), os.O_RDWR)
-        ring = cls(sock, fd)
-        sock.sendall(b"\x01")
+        ring = cls(sock, os.open(os.path.join(_SHM, name), os.O_RDWR))
+        sock.sendall(_MAPPED)
         return ring
 
     def read(self, tensor: torch.Tensor) -> None:
@@ -389,8 +416,8 @@ def _ring_file(prefix: str) -> tuple[int, str]:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         except FileExistsError:
             continue
-        try:
-            os.ftruncate(fd, RING_BYTES)
+        try:  # (the pages now: a full /dev/shm refuses here, not as a SIGBUS in a copy)
+            os.posix_fallocate(fd, 0, RING_BYTES)
         except OSError:
             os.close(fd)
             os.unlink(path)
