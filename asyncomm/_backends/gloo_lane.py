@@ -113,7 +113,7 @@ class Lane:
 
     def send(self, dst: int, tensor: torch.Tensor, done: Done) -> None:
         """Write ``tensor``'s bytes to ``dst`` after what was sent it before; ``done`` follows."""
-        self._queue(self._writers, dst, self._write).put((_flat(tensor), done))
+        self._queue(self._writers, dst, self._write).put((tensor, done))
 
     def recv(self, src: int, take: Callable[[], Sequence[torch.Tensor]], done: Done) -> None:
         """Read ``src``'s next bytes into the buffers ``take()`` returns (called when their
@@ -200,7 +200,7 @@ class Lane:
             if failure is None:
                 try:
                     for buffer in take():
-                        stream.read(_flat(buffer))
+                        stream.read(buffer)
                 except OSError as exc:
                     failure = PeerFailedError(f"rank {self._rank}: data from rank {src} lost: "
                                               f"{exc}")
@@ -279,7 +279,7 @@ class _TcpOut:
         self._sock = sock
 
     def write(self, tensor: torch.Tensor) -> None:
-        self._sock.sendall(tensor.numpy().data)
+        self._sock.sendall(_flat(tensor).numpy().data)
 
     def close(self) -> None:
         self._sock.close()
@@ -287,7 +287,7 @@ class _TcpOut:
 
 class _TcpIn(_TcpOut):
     def read(self, tensor: torch.Tensor) -> None:
-        view = tensor.numpy().data
+        view = _flat(tensor).numpy().data
         got, size = 0, len(view)
         while got < size:
             n = self._sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
@@ -319,6 +319,7 @@ class _Ring:
         self._other = 0  # bytes the other end said it read (or wrote)
         self._said = bytearray(_COUNT.size * 512)
         self._kept = 0  # bytes of a count not read whole yet
+        self._writes = 0  # copies in (the writer's)
 
     def _hear(self, block: bool) -> None:
         """Take the other end's counts (waiting for one if ``block``); keep the last."""
@@ -366,7 +367,9 @@ class _RingOut(_Ring):
         return _RingOut(sock, fd)
 
     def write(self, tensor: torch.Tensor) -> None:
-        sent, size = 0, tensor.numel()
+        # (its address and size only: torch calls that let the GIL go cost a hand-off
+        # between threads each, see the note on memory)
+        sent, size, address = 0, tensor.nbytes, tensor.data_ptr()
         while sent < size:
             free = RING_BYTES - (self._done - self._other)
             if free < min(size - sent, _CHUNK):
@@ -374,11 +377,13 @@ class _RingOut(_Ring):
                 continue
             at = self._done % RING_BYTES
             n = min(free, size - sent, RING_BYTES - at, _CHUNK)
-            ctypes.memmove(self._base + at, tensor.data_ptr() + sent, n)  # (without the GIL)
+            ctypes.memmove(self._base + at, address + sent, n)  # (without the GIL)
             self._done += n
             sent += n
             self._sock.sendall(_COUNT.pack(self._done))
-            self._hear(block=False)  # (the reader's counts never pile up unread)
+            self._writes += 1
+            if not self._writes % 16 or free - n < RING_BYTES // 2:
+                self._hear(block=False)  # (the reader's counts never pile up unread)
 
 
 class _RingIn(_Ring):
@@ -392,7 +397,7 @@ class _RingIn(_Ring):
         return ring
 
     def read(self, tensor: torch.Tensor) -> None:
-        got, size = 0, tensor.numel()
+        got, size, address = 0, tensor.nbytes, tensor.data_ptr()
         while got < size:
             ready = self._other - self._done
             if not ready:
@@ -400,10 +405,10 @@ class _RingIn(_Ring):
                 continue
             at = self._done % RING_BYTES
             n = min(ready, size - got, RING_BYTES - at)
-            ctypes.memmove(tensor.data_ptr() + got, self._base + at, n)
+            ctypes.memmove(address + got, self._base + at, n)
             self._done += n
             got += n
-            if self._done - self._told >= RING_BYTES // 8:
+            if self._done - self._told >= RING_BYTES // 4:
                 self._told = self._done
                 self._sock.sendall(_COUNT.pack(self._done))
 
