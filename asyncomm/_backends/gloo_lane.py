@@ -30,9 +30,12 @@ Peers on one host (the same listening address) share a ring of
 ``RING_BYTES`` of shared memory per direction: the writer copies bytes in
 (``memmove``, without the GIL) and sends the count written so far on the
 socket; the reader copies them out and sends back the count read once it
-has read another eighth of the ring (so counts never pile up unread: the
-writer also takes them as it goes). A file in ``/dev/shm`` carries the ring
-only for the handshake: the writer unlinks it once the reader mapped it.
+has read another quarter of the ring (the writer takes them every 16
+copies, and whenever it runs low: they never pile up unread). The copies
+take the tensors' addresses and sizes only: a torch call that lets the GIL
+go (``reshape``, ``view``) costs a hand-off between the loop and the lane's
+threads. A file in ``/dev/shm`` carries the ring only for the handshake:
+the writer unlinks it once the reader mapped it.
 And the reader takes a frame's buffers only when its bytes are next
 (``recv``'s ``take``), not when its envelope came: a stream's buffers are
 then mostly the ones its receiver just freed, still in the cache. 64 x 1 MiB
@@ -301,7 +304,7 @@ class _Ring:
 
     The writer copies bytes in and sends the count written so far; the reader
     copies them out and sends the count read, each time it has read another
-    eighth of the ring (see the note on memory).
+    quarter of the ring (see the note on memory).
     """
 
     def __init__(self, sock: socket.socket, fd: int) -> None:
