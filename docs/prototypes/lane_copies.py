@@ -37,6 +37,8 @@ COUNT = struct.Struct("<Q")
 
 
 def shared(name: str, size: int, create: bool) -> tuple[mmap.mmap, int]:
+    """Map ``/dev/shm/name``; return the mapping (keep it: the address dies with it) and
+    its address."""
     path = f"/dev/shm/{name}"
     fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o600)
     if create:
@@ -66,13 +68,13 @@ def main() -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     tag = os.environ["MASTER_PORT"]
     if rank == 0:
-        ring, ring_at = shared(f"proto-ring-{tag}", RING, True)
+        _ring, ring_at = shared(f"proto-ring-{tag}", RING, True)
         dist.barrier()
-        arena, arena_at = shared(f"proto-lent-{tag}", N * MIB, False)
+        _arena, arena_at = shared(f"proto-lent-{tag}", N * MIB, False)
     else:
-        arena, arena_at = shared(f"proto-lent-{tag}", N * MIB, True)
+        _arena, arena_at = shared(f"proto-lent-{tag}", N * MIB, True)
         dist.barrier()
-        ring, ring_at = shared(f"proto-ring-{tag}", RING, False)
+        _ring, ring_at = shared(f"proto-ring-{tag}", RING, False)
     dist.barrier()
     if rank == 0:
         os.unlink(f"/dev/shm/proto-ring-{tag}")
