@@ -76,7 +76,7 @@ import torch
 
 from asyncomm._core.errors import PeerFailedError
 
-Done = Callable[[BaseException | None], None]  # called on the lane's thread
+Done = Callable[[PeerFailedError | None], None]  # called on the lane's thread
 _HELLO = struct.Struct("<iH")  # the connecting rank, and the length of its ring's name
 _COUNT = struct.Struct("<Q")  # bytes written (or read) so far, on a ring's socket
 RING_BYTES = 4 << 20  # a ring's shared memory
@@ -116,7 +116,13 @@ class Lane:
 
     def send(self, dst: int, tensor: torch.Tensor, done: Done) -> None:
         """Write ``tensor``'s bytes to ``dst`` after what was sent it before; ``done`` follows."""
-        self._queue(self._writers, dst, self._write).put((tensor, done))
+        items = self._writers.get(dst)
+        if items is None:  # (the first to dst: its writer starts)
+            items = self._queue(self._writers, dst)
+            if self._claim(items):
+                self._start(functools.partial(self._write, dst, items),
+                            f"asyncomm-lane-to-{dst}")
+        items.put((tensor, done))
 
     def recv(self, src: int, take: Callable[[], Sequence[torch.Tensor]], done: Done) -> None:
         """Read ``src``'s next bytes into the buffers ``take()`` returns (called when their
@@ -125,7 +131,7 @@ class Lane:
         Buffers taken late are mostly ones just freed, still in the cache (see the note
         on memory).
         """
-        self._queue(self._readers, src, None).put((take, done))
+        self._queue(self._readers, src).put((take, done))
 
     def close(self) -> None:
         """End the threads once done with what they were given (the listening one at once)."""
@@ -155,22 +161,22 @@ class Lane:
             self._threads.append(thread)
         thread.start()
 
-    def _queue(self, queues: dict[int, _Queue], peer: int,
-               serve: Callable[[int, _Queue], None] | None) -> _Queue:
-        items = queues.get(peer)
-        if items is None:
-            with self._lock:
-                items = queues.get(peer)
-                if items is None:
-                    items = queues[peer] = _Queue()
-                    if self._closed:  # (nothing more is read or written)
-                        items.put(None)
-                start = serve is not None and not items.served
-                items.served = items.served or start
-            if start and serve is not None:
-                    self._start(functools.partial(serve, peer, items),
-                                f"asyncomm-lane-to-{peer}")
-        return items
+    def _queue(self, queues: dict[int, _Queue], peer: int) -> _Queue:
+        """Return ``peer``'s queue, made once (the listener and the accepting thread both
+        ask for a reader's)."""
+        with self._lock:
+            items = queues.get(peer)
+            if items is None:
+                items = queues[peer] = _Queue()
+                if self._closed:  # (nothing more is read or written)
+                    items.put(None)
+            return items
+
+    def _claim(self, items: _Queue) -> bool:
+        """Return whether ``items`` had no thread to serve it (it has now)."""
+        with self._lock:
+            taken, items.served = items.served, True
+        return not taken
 
     def _accept(self) -> None:
         while True:
@@ -187,17 +193,15 @@ class Lane:
             except (OSError, ValueError, struct.error, UnicodeDecodeError):
                 sock.close()  # (not one of ours, or gone at once: its peer's reads will fail)
                 continue
-            items = self._queue(self._readers, src, None)
-            with self._lock:
-                taken, items.served = items.served, True
-            if taken:  # (src has a connection: this one is not its)
+            items = self._queue(self._readers, src)
+            if not self._claim(items):  # (src has a connection: this one is not its)
                 stream.close()
                 continue
             self._start(functools.partial(self._read, src, stream, items),
                         f"asyncomm-lane-from-{src}")
 
     def _read(self, src: int, stream: _In, items: _Queue) -> None:
-        failure: BaseException | None = None
+        failure: PeerFailedError | None = None
         while (item := items.get()) is not None:
             take, done = item
             if failure is None:
@@ -211,7 +215,7 @@ class Lane:
         stream.close()
 
     def _write(self, dst: int, items: _Queue) -> None:
-        failure: BaseException | None = None
+        failure: PeerFailedError | None = None
         stream: _Out | None = None
         while (item := items.get()) is not None:
             tensor, done = item
@@ -277,18 +281,20 @@ class _In(Protocol):
     def close(self) -> None: ...
 
 
-class _TcpOut:
+class _Tcp:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
-
-    def write(self, tensor: torch.Tensor) -> None:
-        self._sock.sendall(_flat(tensor).numpy().data)
 
     def close(self) -> None:
         self._sock.close()
 
 
-class _TcpIn(_TcpOut):
+class _TcpOut(_Tcp):
+    def write(self, tensor: torch.Tensor) -> None:
+        self._sock.sendall(_flat(tensor).numpy().data)
+
+
+class _TcpIn(_Tcp):
     def read(self, tensor: torch.Tensor) -> None:
         view = _flat(tensor).numpy().data
         got, size = 0, len(view)

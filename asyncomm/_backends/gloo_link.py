@@ -182,7 +182,6 @@ class GlooLink(Link):
         self._classify = classify
         self._make_lane = lane
         self._lane: Lane | None = None  # made as the link opens
-        self._expected = 0  # data frames announced and not yet whole (counted on the loop)
         self._listener: threading.Thread | None = None
         self._stopped = False
         self._drained = loop.create_future()  # the listener has nothing posted
@@ -294,7 +293,7 @@ class GlooLink(Link):
             handle._fail(type(exc), exc)
         return handle
 
-    def _written(self, handle: Handle[None], error: BaseException | None) -> None:
+    def _written(self, handle: Handle[None], error: PeerFailedError | None) -> None:
         """On a lane writer: settle a data message's handle on the loop."""
         self._inbox.put(handle, _nothing if error is None
                         else functools.partial(_reraise, error), None)
@@ -366,13 +365,13 @@ class GlooLink(Link):
             return
         self._expect(src, [_later(head, head.seq)])
 
-    def _read_now(self, src: int, raw: torch.Tensor) -> BaseException | None:
+    def _read_now(self, src: int, raw: torch.Tensor) -> PeerFailedError | None:
         """Read ``src``'s next bytes into ``raw``, waiting for them; return a failure."""
         assert self._lane is not None
         done = threading.Event()
-        failures: list[BaseException | None] = []
+        failures: list[PeerFailedError | None] = []
 
-        def read(failure: BaseException | None) -> None:
+        def read(failure: PeerFailedError | None) -> None:
             failures.append(failure)
             done.set()
 
@@ -406,20 +405,19 @@ class GlooLink(Link):
         arrivals = self._arrivals
         lane = self._lane
         assert arrivals is not None and lane is not None
-        coming = [frame for frame in frames if not isinstance(frame, ProtocolError)]
 
         def later() -> None:
-            self._expected += len(coming)  # (a refused frame's data is never read)
             for frame in frames:
                 if isinstance(frame, ProtocolError):
                     arrivals.refuse(src, frame, None)
                 else:
                     arrivals.later(src, frame)
 
-        self._inbox.put(_ON_LOOP, lambda _: later(), None)  # before any frame is whole
-        for frame in coming:
-            lane.recv(src, functools.partial(self._take, frame),
-                      functools.partial(self._on_loop, self._received, frame))
+        self._on_loop(later)  # before any frame is whole
+        for frame in frames:
+            if not isinstance(frame, ProtocolError):  # (a refused frame's data is never read)
+                lane.recv(src, functools.partial(self._take, frame),
+                          functools.partial(self._on_loop, self._received, frame))
 
     def _take(self, pending: Pending) -> list[torch.Tensor]:
         """On a lane reader, as a frame's data is next: its buffers (see ``_later``)."""
@@ -431,13 +429,12 @@ class GlooLink(Link):
         assert self._arrivals is not None
         self._on_loop(self._arrivals.refuse, src, error, None)
 
-    def _received(self, pending: Pending, error: BaseException | None) -> None:
-        self._expected -= 1
+    @staticmethod
+    def _received(pending: Pending, error: PeerFailedError | None) -> None:
         if error is None:
             pending.whole()
         else:
-            pending.fail(error if isinstance(error, CommError)
-                         else CommError(f"data receive failed: {error}"))
+            pending.fail(error)
 
     def _on_loop(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` on the loop, after what was handed over before."""
