@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import torch
 from torch import nn
 
+from asyncomm._backends.split_backward import torch_split
 from asyncomm._core.errors import CommError, RemoteError
 from asyncomm._overlap.compute import compute, run_here
 from asyncomm.pipeline._passes import (
@@ -242,11 +243,10 @@ class Pipeline:
         # The last pass of each stage that accumulates weight gradients (W where backwards
         # are split, else B) runs outside grad_sync's no_sync: it starts the reduction.
         self._split = schedule.splits_backward
+        if self._split:
+            torch_split()  # torch's own split found now, not in the first step's backward
         accumulates = Op.W if self._split else Op.B
-        last_b: dict[int, int] = {}
-        for i, action in enumerate(self.actions):
-            if action.op is accumulates:
-                last_b[action.stage] = i
+        last_b = {a.stage: i for i, a in enumerate(self.actions) if a.op is accumulates}
         self._last_backward = frozenset(last_b.values())
         # what a split backward's W differentiates, per stage (B hands it to torch's split)
         self._trainable = {s: [p for p in m.parameters() if p.requires_grad]
