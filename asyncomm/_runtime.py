@@ -98,7 +98,9 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
     the loop about 60 ms (2,000 awaited 8-byte MPI all_reduces took 35 µs
     each instead of 4, in 2 launches of 3; none in 3 launches frozen).
     Nothing frozen is freed by the collector meanwhile: module-level
-    objects live that long anyway.
+    objects live that long anyway. Where something is frozen already (the
+    program, or an import, called ``gc.freeze``), ``run`` freezes nothing:
+    Python can thaw everything or nothing, not what ``run`` froze.
     """
     backend, deadline = _settings(backend, timeout)
 
@@ -111,8 +113,11 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
                     _failed(comm, exc)
                 raise
 
-    frozen_before = gc.get_freeze_count()  # (someone froze them: left as they are after)
-    gc.freeze()  # see the note on the garbage collector
+    # See the note on the garbage collector. A program that froze its own objects keeps
+    # them frozen, and nothing more: run could not thaw only what it froze itself.
+    frozen_before = gc.get_freeze_count()
+    if not frozen_before:
+        gc.freeze()
     try:
         return run_loop(body())
     except BaseException as exc:  # shown from main down: the event loop's frames say nothing

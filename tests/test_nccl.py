@@ -80,3 +80,66 @@ def test_more_ranks_than_gpus_is_a_clear_error(tmp_path: Path) -> None:
     out = proc.stdout + proc.stderr
     assert f"local rank {GPUS}, and {GPUS} GPU(s) are visible" in out, out
     assert time.monotonic() - started < 120, "the other ranks were not stopped at once"
+
+
+GLOO_CUDA = """
+import asyncio, torch, asyncomm
+
+class Summer(asyncomm.Actor):
+    @asyncomm.endpoint
+    async def total(self, t):
+        return t.sum()
+
+async def main(comm):
+    assert comm.backend == "gloo"
+    peer = 1 - comm.rank
+    ch = comm.channel(5)
+    # Tensors of every path: inline (small), out of band (large: the data lane on gloo),
+    # not contiguous, bf16, and inside a structure; each sent from CUDA memory.
+    sent = [torch.arange(8.0, device="cuda") + comm.rank,
+            torch.full((1 << 20,), float(comm.rank + 3), device="cuda"),
+            torch.arange(64.0, device="cuda").reshape(8, 8).t(),
+            torch.ones(3, dtype=torch.bfloat16, device="cuda"),
+            {"w": torch.full((3 << 18,), 2.0, device="cuda"), "n": comm.rank}]
+    for _ in range(3):
+        for obj in sent:
+            await ch.send(obj, peer)
+        for obj in sent:
+            got = (await ch.recv(peer)).data
+            if isinstance(obj, dict):
+                assert got["n"] == peer and got["w"].device.type == "cpu"
+                assert torch.equal(got["w"], obj["w"].cpu())
+                continue
+            want = obj.cpu()
+            if obj.numel() == 1 << 20:
+                want = torch.full_like(want, float(peer + 3))
+            elif obj.numel() == 8:
+                want = torch.arange(8.0) + peer
+            assert got.device.type == "cpu" and got.dtype == obj.dtype, got
+            assert torch.equal(got, want), (got, want)
+    # An actor's call carries CUDA tensors too (its answer a CPU tensor).
+    comm.serve(Summer(), name="summer")
+    await comm.barrier()  # served on both ranks before either calls
+    answer = await comm.actor(peer, "summer").total(torch.ones(1 << 18, device="cuda"))
+    assert answer.item() == float(1 << 18), answer
+    await comm.barrier()
+    for call in (lambda: comm.all_reduce(torch.ones(1, device="cuda")),
+                 lambda: comm.send(torch.ones(1, device="cuda"), peer)):
+        try:
+            call()
+        except TypeError:
+            continue
+        raise AssertionError("gloo must refuse a CUDA tensor with a TypeError")
+    print("gloo cuda ok", comm.rank, flush=True)
+
+asyncomm.run(main)
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ring", ["1", "0"])  # 0: the lane on sockets, not shared memory
+def test_gloo_channels_carry_cuda_tensors_through_the_host(tmp_path: Path, ring: str) -> None:
+    proc = run_script(GLOO_CUDA, tmp_path, 2, "gloo", timeout=240,
+                      env={"ASYNCOMM_LANE_SHM": ring})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("gloo cuda ok") == 2
