@@ -1196,13 +1196,12 @@ async def check_messages_not_held_behind_data(comm: Comm) -> None:
             if sub.backend == "gloo":  # (rank 0's only data here: its send's)
                 from asyncomm._backends import gloo_lane
 
-                streams = (gloo_lane._RingOut, gloo_lane._TcpOut)
+                streams = (gloo_lane._DirectOut, gloo_lane._RingOut, gloo_lane._TcpOut)
                 writes = [stream.write for stream in streams]
 
-                def held(write: Any) -> Any:
-                    def written(self: Any, tensor: torch.Tensor) -> None:
-                        write(self, tensor)
-                        release.wait(30.0)
+                def held(write: Any) -> Any:  # (its bytes go; its done waits for release)
+                    def written(self: Any, tensor: torch.Tensor, done: Any) -> None:
+                        write(self, tensor, lambda failure: (release.wait(30.0), done(failure)))
                     return written
 
                 for stream, write in zip(streams, writes, strict=True):

@@ -26,11 +26,12 @@ from asyncomm._backends.gloo_lane import Lane
 Outcome = queue.SimpleQueue[BaseException | None]
 
 
-@pytest.fixture(params=[True, False], ids=["ring", "socket"])
+@pytest.fixture(params=[(True, True), (True, False), (False, False)],
+                ids=["direct", "ring", "socket"])
 def lanes(request: pytest.FixtureRequest) -> Iterator[tuple[Lane, Lane]]:
     store = dist.HashStore()  # type: ignore[attr-defined]
-    made = (Lane(0, store, "lane/t", "127.0.0.1", request.param),
-            Lane(1, store, "lane/t", "127.0.0.1", request.param))
+    made = (Lane(0, store, "lane/t", "127.0.0.1", *request.param),
+            Lane(1, store, "lane/t", "127.0.0.1", *request.param))
     yield made
     for lane in made:
         lane.close()
@@ -52,6 +53,13 @@ def _recv(lane: Lane, src: int, buffers: list[torch.Tensor]) -> Outcome:
     outcome: Outcome = queue.SimpleQueue()
     lane.recv(src, lambda: buffers, outcome.put)
     return outcome
+
+
+def _across(a: Lane, b: Lane, sent: torch.Tensor, got: torch.Tensor) -> None:
+    """``sent`` from ``a`` (rank 0) into ``got`` on ``b`` (rank 1); both done well."""
+    outcomes = _send(a, 1, sent), _recv(b, 0, [got])
+    for outcome in outcomes:
+        assert outcome.get(timeout=30) is None
 
 
 def test_every_byte_arrives_in_order(lanes: tuple[Lane, Lane]) -> None:
@@ -82,8 +90,7 @@ def test_every_byte_arrives_in_order(lanes: tuple[Lane, Lane]) -> None:
 def test_a_peer_that_goes_mid_buffer_fails_it_and_those_behind(
         lanes: tuple[Lane, Lane]) -> None:
     a, b = lanes
-    assert _send(a, 1, torch.ones(10)).get(timeout=30) is None  # connected
-    assert _recv(b, 0, [torch.empty(10)]).get(timeout=30) is None
+    _across(a, b, torch.ones(10), torch.empty(10))  # connected
     half = _recv(b, 0, [torch.empty(1 << 20)])
     behind = _recv(b, 0, [torch.empty(10)])
     a.send(1, torch.ones(100), lambda _: None)  # a part of what b waits for
@@ -101,17 +108,15 @@ def test_a_stranger_is_turned_away(lanes: tuple[Lane, Lane]) -> None:
     for hello in (b"", b"\x00\x00", gloo_lane._HELLO.pack(0, 9) + b"../passwd"):
         with socket.create_connection((host, port)) as stranger:
             stranger.sendall(hello)
-    buffers = [torch.empty(3000)]
-    assert _send(a, 1, torch.full((3000,), 2.0)).get(timeout=30) is None
-    assert _recv(b, 0, buffers).get(timeout=30) is None
-    assert bool(torch.all(buffers[0] == 2.0))
+    got = torch.empty(3000)
+    _across(a, b, torch.full((3000,), 2.0), got)
+    assert bool(torch.all(got == 2.0))
 
 
 def test_threads_end_when_closed() -> None:
     store = dist.HashStore()  # type: ignore[attr-defined]
     a, b = Lane(0, store, "lane/c", "127.0.0.1"), Lane(1, store, "lane/c", "127.0.0.1")
-    assert _send(a, 1, torch.ones(5)).get(timeout=30) is None
-    assert _recv(b, 0, [torch.empty(5)]).get(timeout=30) is None
+    _across(a, b, torch.ones(5), torch.empty(5))
     for lane in (a, b):
         lane.close()
     for lane in (a, b):
@@ -122,29 +127,33 @@ def test_threads_end_when_closed() -> None:
 def _stream_across(a: Lane, b: Lane) -> None:
     data = torch.arange(300_000, dtype=torch.float32)
     got = torch.empty_like(data)
-    assert _send(a, 1, data).get(timeout=30) is None
-    assert _recv(b, 0, [got]).get(timeout=30) is None
+    _across(a, b, data, got)
     assert torch.equal(data, got)
 
 
-@pytest.mark.parametrize("where", ["writer", "reader"])
-def test_without_shared_memory_the_socket_carries_it(monkeypatch: pytest.MonkeyPatch,
-                                                     where: str) -> None:
-    # no /dev/shm (or a full one) where the ring is made; a reader that cannot map it
-    # (another container's shared memory behind the same address)
+@pytest.mark.parametrize(("refused", "carrier"), [
+    (("direct-reader",), "_RingOut"),  # a reader that may not read the writer's process
+    (("direct-reader", "ring-writer"), "_TcpOut"),  # ... and no /dev/shm (or a full one)
+    (("direct-reader", "ring-reader"), "_TcpOut"),  # ... and another container's /dev/shm
+    (("no-readv",), "_RingOut"),  # no process_vm_readv at all (not Linux)
+])
+def test_each_way_falls_back_to_the_next(monkeypatch: pytest.MonkeyPatch,
+                                         refused: tuple[str, ...], carrier: str) -> None:
     def unavailable(*_: object) -> None:
-        raise OSError("no shared memory here")
+        raise OSError("not here")
 
-    if where == "writer":
-        monkeypatch.setattr(gloo_lane, "_ring_file", unavailable)
-    else:
-        monkeypatch.setattr(gloo_lane._RingIn, "accept", unavailable)
+    for what in refused:
+        target, name = {"direct-reader": (gloo_lane._DirectIn, "accept"),
+                        "ring-writer": (gloo_lane, "_ring_file"),
+                        "ring-reader": (gloo_lane._RingIn, "accept"),
+                        "no-readv": (gloo_lane, "_READV")}[what]
+        monkeypatch.setattr(target, name, None if what == "no-readv" else unavailable)
     through: list[str] = []
-    for stream in (gloo_lane._TcpOut, gloo_lane._RingOut):
-        def write(self: Any, tensor: torch.Tensor, _write: Any = stream.write,
+    for stream in (gloo_lane._TcpOut, gloo_lane._RingOut, gloo_lane._DirectOut):
+        def write(self: Any, tensor: torch.Tensor, done: Any, _write: Any = stream.write,
                   _name: str = stream.__name__) -> None:
             through.append(_name)
-            _write(self, tensor)
+            _write(self, tensor, done)
 
         monkeypatch.setattr(stream, "write", write)
     store = dist.HashStore()  # type: ignore[attr-defined]
@@ -152,12 +161,52 @@ def test_without_shared_memory_the_socket_carries_it(monkeypatch: pytest.MonkeyP
     a, b = Lane(0, store, "lane/f", "127.0.0.1"), Lane(1, store, "lane/f", "127.0.0.1")
     try:
         _stream_across(a, b)
-        assert through == ["_TcpOut"]
+        _stream_across(a, b)
+        assert through == [carrier] * 2
         assert _rings() == before
     finally:
         for lane in (a, b):
             lane.close()
             lane.join(5.0)
+
+
+def test_a_direct_buffer_is_done_once_its_reader_took_it() -> None:
+    store = dist.HashStore()  # type: ignore[attr-defined]
+    a, b = Lane(0, store, "lane/d", "127.0.0.1"), Lane(1, store, "lane/d", "127.0.0.1")
+    try:
+        _across(a, b, torch.ones(5), torch.empty(5))  # connected
+        assert isinstance(a._writers[1], gloo_lane._Queue)
+        data = torch.arange(1 << 18, dtype=torch.float32)
+        sent = _send(a, 1, data)
+        with pytest.raises(queue.Empty):  # its bytes are still only in the writer's buffer
+            sent.get(timeout=0.3)
+        got = torch.empty_like(data)
+        assert _recv(b, 0, [got]).get(timeout=30) is None
+        assert sent.get(timeout=30) is None
+        assert torch.equal(got, data)
+        # a reader that goes fails what it did not take, and what is written after
+        waiting = _send(a, 1, data)
+        b.close()
+        b.join(5.0)
+        for outcome in (waiting, _send(a, 1, data)):
+            error = outcome.get(timeout=30)
+            assert isinstance(error, asyncomm.PeerFailedError), error
+            assert "rank 0: data to rank 1 lost" in str(error)
+    finally:
+        for lane in (a, b):
+            lane.close()
+            lane.join(5.0)
+
+
+def test_a_direct_offer_of_another_process_is_declined(lanes: tuple[Lane, Lane]) -> None:
+    _, b = lanes
+    host, port = b._server.getsockname()[:2]
+    kept = bytes(16)  # the token is not where the offer says (another process's pid)
+    for pid in (os.getpid(), 1 << 22):
+        with socket.create_connection((host, port)) as stranger:
+            name = f"direct {pid} {id(kept)} {'ab' * 16}".encode()
+            stranger.sendall(gloo_lane._HELLO.pack(7, len(name)) + name)
+            assert stranger.recv(1) == gloo_lane._DECLINED
 
 
 def test_a_ring_of_another_size_is_declined(lanes: tuple[Lane, Lane]) -> None:

@@ -137,9 +137,10 @@ asyncomm.run(main)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ring", ["1", "0"])  # 0: the lane on sockets, not shared memory
-def test_gloo_channels_carry_cuda_tensors_through_the_host(tmp_path: Path, ring: str) -> None:
-    proc = run_script(GLOO_CUDA, tmp_path, 2, "gloo", timeout=240,
-                      env={"ASYNCOMM_LANE_SHM": ring})
+@pytest.mark.parametrize("lane", [{}, {"ASYNCOMM_LANE_DIRECT": "0"}, {"ASYNCOMM_LANE_SHM": "0"}],
+                         ids=["direct", "ring", "socket"])  # how the data lane moves bytes
+def test_gloo_channels_carry_cuda_tensors_through_the_host(tmp_path: Path,
+                                                         lane: dict[str, str]) -> None:
+    proc = run_script(GLOO_CUDA, tmp_path, 2, "gloo", timeout=240, env=lane)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("gloo cuda ok") == 2

@@ -449,10 +449,11 @@ class TorchBackend(Backend):
             await asyncio.sleep(0.005)
 
     def link(self) -> Link:
+        tuned = settings.read()
         self._link = GlooLink(self, self._pg, self._loop, self._inbox, self._waiters, classify,
                               functools.partial(gloo_lane.Lane, self.rank, _default_store(),
                                                 f"lane/{self._label}", _lane_address(),
-                                                settings.read().lane_shm))
+                                                tuned.lane_shm, tuned.lane_direct))
         return self._link
 
     # -- groups and lifecycle ---------------------------------------------------------
