@@ -40,7 +40,7 @@ class Settings:
     hurry_max_s: float = 50e-6  # ASYNCOMM_HURRY_MAX_US: ... and at most this long, as learnt
     gloo_hurry_max_s: float = 1e-3  # ASYNCOMM_GLOO_HURRY_MAX_US: the same for gloo collectives
     lane_shm: bool = True  # ASYNCOMM_LANE_SHM: "0": gloo's data lane uses sockets on one host too
-    lane_direct: bool = True  # ASYNCOMM_LANE_DIRECT: "0": ... copies through rings, not read directly
+    lane_direct: bool = True  # ASYNCOMM_LANE_DIRECT: "0": ... rings, not direct reads
     compute_threads: int = 1  # ASYNCOMM_COMPUTE_THREADS: threads asyncomm.compute uses
     store: str | None = None  # ASYNCOMM_STORE: "client" when the launcher hosts the store
     test_address: str | None = None  # ASYNCOMM_TEST_ADDRESS: a test world's rank server
