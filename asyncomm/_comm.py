@@ -94,7 +94,8 @@ class Comm:
         self._timed_out: collections.deque[tuple[tuple[Any, ...], float]] = (
             collections.deque(maxlen=4))  # the last operations whose deadline passed
         self._stall_s = chosen.stall_s
-        self._deadlines = Deadlines(loop, self._expired, self._stall_s, self._stalled,
+        self._deadlines = Deadlines(loop, self._expired, self._timeout, self._stall_s,
+                                    self._stalled,
                                     chosen.probe_s if own.probes_peers else 0.0, self._check_peers)
         status.register(label, self)
         self._checker: Checker | None = None
@@ -230,7 +231,7 @@ class Comm:
                 if handle is not None:  # numbered; its deadline set if it is in flight
                     self._seq, self._last_op = seq, "all_reduce"
                     if not handle._state:
-                        self._deadlines.add(handle, self._timeout)
+                        self._deadlines.add_default(handle)
                     return handle
         t = self._args.tensor(tensor, "all_reduce")
         reduce_op = self._args.reduce_op(op, t.dtype, "all_reduce")
@@ -326,7 +327,7 @@ class Comm:
             if handle is not None:  # (as all_reduce's)
                 self._seq, self._last_op = seq, "send"
                 if not handle._state:
-                    self._deadlines.add(handle, self._timeout)
+                    self._deadlines.add_default(handle)
                 return handle
         t = self._args.tensor(tensor, "send", writes=False)
         dst = self._args.peer(dst, "send", "dst", self_ok=False)
@@ -347,7 +348,7 @@ class Comm:
             if handle is not None:
                 self._seq, self._last_op = seq, "recv"
                 if not handle._state:
-                    self._deadlines.add(handle, self._timeout)
+                    self._deadlines.add_default(handle)
                 return handle
         t = self._args.tensor(tensor, "recv")
         peer = None if src is None else self._args.peer(src, "recv", "src", self_ok=False)

@@ -534,13 +534,13 @@ async def receive_timed_out(sub: Comm) -> list[object]:
         await sub.recv(torch.zeros(1), peer, 21)
         return []
     await sub.recv(buf, peer, 20)  # the buffer seen once: kept from the next on
-    sub._timeout = 0.3  # (the default deadline, which quick receives take)
+    sub._timeout = sub._deadlines.default = 0.3  # (the default deadline: quick receives')
     timed_out = sub.recv(buf, peer, 20)
     try:
         await timed_out
     except CommTimeoutError:
         pass
-    sub._timeout = 30.0
+    sub._timeout = sub._deadlines.default = 30.0
     second = sub.recv(buf, peer, 20)  # the kept request is still posted: one of its own
     await sub.send(torch.zeros(1), peer, 21)
     assert await second == peer

@@ -163,6 +163,8 @@ class MpiBackend(Backend):
         self._span = small.span if small.NATIVE is None else small.NATIVE.span
         self._point = (None if native is None or small.NATIVE is None or self._probe_first
                        else (native.send, native.recv))
+        if self._point is not None and native is not None:  # (their requests: by handle)
+            self._poller.handles(native.test, MPI.Request.fromhandle, mpi_native.exception)
         self._probing: list[_Probing] = []  # receives looking for their message, in order
         # persistent requests of quick sends and receives without the compiled calls, by
         # (address, bytes, MPI datatype, peer, tag), with the handle of the last operation
@@ -310,7 +312,7 @@ class MpiBackend(Backend):
         """Have the poller follow a quick send or receive still in flight (its request's
         handle ``pending``; ``active``: a send, which needs polling to progress, not a
         receive, which waits for its peer: see ``Poller.watch``)."""
-        self._poller.follow(MPI.Request.fromhandle(pending), handle, None, active)
+        self._poller.follow_handle(pending, handle, active)
         return handle
 
     def _quickly(self, request: Any, handle: Handle[Any],

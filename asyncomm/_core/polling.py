@@ -191,6 +191,12 @@ class Poller:
         self._outcome = outcome
         self._testsome = testsome
         self._classify = classify
+        # a request known by its handle only (``follow_handle``): tested so, and made a
+        # request object (``request_of``) only once it is polled; a failure of the test
+        # made the error ``classify`` knows by ``error_of``
+        self._test_handle: Callable[[int], bool] | None = None
+        self._request_of: Callable[[int], Any] = lambda handle: handle
+        self._error_of: Callable[[BaseException], BaseException] = lambda exc: exc
         polling = settings.read()
         self._spin_s = polling.spin_s
         self._active_spin_s = polling.active_spin_s
@@ -253,6 +259,27 @@ class Poller:
             return
         self._add(request, entry)
 
+    def handles(self, test: Callable[[int], bool], request_of: Callable[[int], Any],
+                error_of: Callable[[BaseException], BaseException]) -> None:
+        """Let ``follow_handle`` take requests by their handles: ``test(handle)`` tests one
+        (whether done: then freed), ``request_of(handle)`` makes the request object the
+        poller's lists hold, ``error_of`` the error of a failed test."""
+        self._test_handle, self._request_of, self._error_of = test, request_of, error_of
+
+    def follow_handle(self, handle: int, sink: Any, active: bool) -> None:
+        """``follow`` a request in flight known by its ``handle`` (a compiled quick
+        operation's, see ``handles``): its task tests the handle while it hurries, and
+        only a request still pending when the iteration ends is made an object (its
+        making costs as much as issuing the operation), with no ``finish``."""
+        if self._test_handle is None or not self._hurry.tests:
+            self.follow(self._request_of(handle), sink, None, active)
+            return
+        sink._hurry = (self, handle, (sink, None, active), 0.0)
+        fresh = self._fresh
+        if not fresh:
+            self._loop.call_soon(self._enlisted)
+        fresh.append(sink)
+
     def _add(self, request: Any, entry: tuple[Sink, Finish | None, bool]) -> None:
         self._requests.append(request)
         self._entries.append(entry)
@@ -266,8 +293,11 @@ class Poller:
         for sink in fresh:
             hurried = sink._hurry
             if hurried is not None and hurried[2] is not None:  # not finished by its task
-                sink._hurry = (self, hurried[1], None, hurried[3])
-                self._add(hurried[1], hurried[2])
+                request = hurried[1]
+                if type(request) is int:  # (``follow_handle``'s)
+                    request = self._request_of(request)
+                sink._hurry = (self, request, None, hurried[3])
+                self._add(request, hurried[2])
                 added = True
         return added
 
@@ -293,18 +323,24 @@ class Poller:
             return hurry.tests > 0
         _, request, entry, since = sink._hurry
         try:
-            for _ in range(hurry.tests):
-                if test(request, scratch):
-                    break
+            if type(request) is int:  # a handle (``follow_handle``): done, it needs no outcome
+                test_handle = self._test_handle
+                assert test_handle is not None
+                for _ in range(hurry.tests):
+                    if test_handle(request):
+                        break
+                else:
+                    return self._young(sink, request, entry, since)
+                outcome = None
             else:
-                now = time.perf_counter()
-                if not since:
-                    sink._hurry = (self, request, entry, now)
-                    return True
-                return bool(now - since < hurry.max_s)
-            outcome = self._outcome()
+                for _ in range(hurry.tests):
+                    if test(request, scratch):
+                        break
+                else:
+                    return self._young(sink, request, entry, since)
+                outcome = self._outcome()
         except BaseException as exc:
-            outcome = exc
+            outcome = self._error_of(exc)
         sink._hurry = None
         if entry is None:  # polled already: no longer
             try:
@@ -319,6 +355,15 @@ class Poller:
             return False
         self._settle(entry, outcome)
         return False
+
+    def _young(self, sink: Any, request: Any, entry: Any, since: float) -> bool:
+        """A hurried request not done after its tests: whether its task looks again after a
+        loop turn (while its wait is young; see ``hurry``)."""
+        now = time.perf_counter()
+        if not since:
+            sink._hurry = (self, request, entry, now)
+            return True
+        return bool(now - since < self._hurry.max_s)
 
     def _settle(self, entry: tuple[Sink, Finish | None, bool], outcome: Any) -> None:
         """Settle the sink of a request that completed (taken out of the lists already)."""

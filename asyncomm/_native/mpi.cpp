@@ -283,6 +283,21 @@ PyObject* allreduce(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_FALSE;
 }
 
+// test(request): test the request of a quick operation in flight (its handle, as
+// ``send`` and ``recv`` return it); whether it is done (then freed). mpi4py's ``Test``
+// needs a request object, whose making (``Request.fromhandle``) costs as much as the
+// operation's issue: a task that awaits it tests it here, and only one that parks has
+// the object made (``Poller.follow_handle``).
+PyObject* test(PyObject*, PyObject* arg) {
+  MPI_Request request = handle_of<MPI_Request>(arg);
+  if (PyErr_Occurred()) return nullptr;
+  int done = 0;
+  int code = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+  if (code != MPI_SUCCESS) return fail(code, -1);
+  if (done) Py_RETURN_TRUE;
+  Py_RETURN_FALSE;
+}
+
 // start(request): start the persistent receive again (after ``pump`` left a message).
 PyObject* start(PyObject*, PyObject* arg) {
   MPI_Request request = handle_of<MPI_Request>(arg);
@@ -312,6 +327,7 @@ PyMethodDef methods[] = {
      "send(comm, address, nbytes, datatype, dst, tag) -> None (done) | request handle"},
     {"recv", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(recv)), METH_FASTCALL,
      "recv(comm, address, nbytes, datatype, src, tag) -> None (done) | request handle"},
+    {"test", test, METH_O, "test(request) -> whether a quick operation's request is done"},
     {"start", start, METH_O, "start(request): start a persistent receive again"},
     {"library", library, METH_NOARGS, "the MPI library's version string"},
     {nullptr, nullptr, 0, nullptr}};
