@@ -294,7 +294,8 @@ class GlooLink(Link):
         return handle
 
     def _written(self, handle: Handle[None], error: PeerFailedError | None) -> None:
-        """On a lane writer: settle a data message's handle on the loop."""
+        """On a lane thread (its writer, or the one hearing its reader took the bytes):
+        settle a data message's handle on the loop."""
         self._inbox.put(handle, _nothing if error is None
                         else functools.partial(_reraise, error), None)
 
