@@ -452,6 +452,63 @@ asyncomm._runtime.run_loop(main())
 """
 
 
+DYING_MID_STREAM = """
+import asyncio, os, sys, time, torch, asyncomm
+from asyncomm import PeerFailedError
+
+async def main():
+    comm = await asyncomm.init(backend="gloo", timeout=60)
+    ch, big = comm.channel(20), torch.ones(1 << 20)  # 4 MiB frames: their bytes on the lane
+    if comm.rank == 0:  # the lane connected both ways
+        await ch.send(big, 1)
+        await ch.recv(1)
+    else:
+        await ch.recv(0)
+        await ch.send(big, 0)
+    await comm.barrier()
+    if comm.rank == 1:  # frames issued, their bytes half read (or not at all), then gone
+        sends = [asyncio.ensure_future(ch.send(big * (i + 2), 0)) for i in range(8)]
+        await asyncio.sleep(0.01)
+        os._exit(3)
+    started = time.monotonic()
+    outgoing = [asyncio.ensure_future(ch.send(big, 1)) for _ in range(8)]
+    got = []
+    try:
+        while True:
+            data = (await ch.recv(1)).data
+            assert bool(torch.all(data == data[0])), "a frame delivered partly"
+            got.append(int(data[0]))
+    except PeerFailedError as exc:
+        print("recv: PeerFailedError", exc, flush=True)
+    print("got in order:", got == list(range(2, 2 + len(got))), flush=True)
+    ends = await asyncio.gather(*outgoing, return_exceptions=True)
+    print("sends:", sorted({type(end).__name__ for end in ends}), flush=True)
+    print("after", time.monotonic() - started, "s", flush=True)
+    await comm.close()
+
+asyncomm._runtime.run_loop(main())
+"""
+
+
+@pytest.mark.parametrize("lane", ["direct", "ring", "socket"])
+def test_a_peer_dying_mid_stream_fails_what_needs_it(tmp_path: Path, lane: str,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # the lane's bytes half moved when the sender dies: nothing partial is delivered, the
+    # receive and the sends to it fail at once, however the lane moves its bytes
+    monkeypatch.setenv("ASYNCOMM_LANE_DIRECT", "0" if lane != "direct" else "1")
+    monkeypatch.setenv("ASYNCOMM_LANE_SHM", "0" if lane == "socket" else "1")
+    ranks = by_hand(DYING_MID_STREAM, tmp_path, 2)
+    assert ranks[1][0] == 3, ranks[1][2]
+    code, out, err = ranks[0]
+    assert code == 0, out + err
+    assert "recv: PeerFailedError rank 0: channel 20" in out, out + err
+    assert "got in order: True" in out, out
+    sends = out.split("sends: ")[1].split("\n")[0]
+    assert sends in ("['NoneType']", "['PeerFailedError']", "['NoneType', 'PeerFailedError']"), out
+    assert float(out.split("after ")[1].split()[0]) < 15, out  # not at the 60 s deadline
+    assert "Traceback" not in err, err
+
+
 def test_a_dead_peer_fails_the_operations_that_need_it(tmp_path: Path) -> None:
     ranks = by_hand(DYING, tmp_path, 3)
     assert ranks[2][0] == 3, ranks[2][2]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from asyncomm._core import small, wire
-from asyncomm._core.errors import CommError, ProtocolError
+from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError
 from asyncomm._core.messages import Pending
 from asyncomm._core.wire import Head, Kind
 from asyncomm._messaging.mailbox import DATA, Frame, Mailbox, Message, message
@@ -252,8 +252,10 @@ class Delivery:
             elif item.error is not None:
                 error = item.error
                 self._queued.pop(src, None)
+                # (a peer gone mid-frame stays a PeerFailedError: its data was lost, not bad)
+                lost = PeerFailedError if isinstance(error, PeerFailedError) else ProtocolError
                 self._break(src, error if isinstance(error, ProtocolError)
-                            else ProtocolError(f"frame from rank {src} lost: {error}"))
+                            else lost(f"frame from rank {src} lost: {error}"))
                 return
             else:
                 assert item.head is not None
@@ -273,10 +275,12 @@ class Delivery:
         self.mailbox(tag).put(Frame.refused(src, tag, wrapped))
 
     def _break(self, src: int, error: CommError) -> None:
-        """Stop following ``src``'s stream: every channel waiting on it gets ``error``."""
+        """Stop following ``src``'s stream: every channel waiting on it gets ``error`` (a
+        ``PeerFailedError`` where the peer went, else a ``ProtocolError``)."""
         self._broken[src] = error
+        kind = PeerFailedError if isinstance(error, PeerFailedError) else ProtocolError
         for tag, box in self._mailboxes.items():
-            box.put(Frame.refused(src, tag, ProtocolError(
+            box.put(Frame.refused(src, tag, kind(
                 f"rank {self.rank}: channel {tag}: stream from rank {src} broken: {error}")))
 
     def _deliver(self, frame: Frame) -> None:
