@@ -485,6 +485,7 @@ async def main():
     print("sends:", sorted({type(end).__name__ for end in ends}), flush=True)
     print("after", time.monotonic() - started, "s", flush=True)
     await comm.close()
+    print("closed after", time.monotonic() - started, "s", flush=True)
 
 asyncomm._runtime.run_loop(main())
 """
@@ -494,7 +495,10 @@ asyncomm._runtime.run_loop(main())
 def test_a_peer_dying_mid_stream_fails_what_needs_it(tmp_path: Path, lane: str,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # the lane's bytes half moved when the sender dies: nothing partial is delivered, the
-    # receive and the sends to it fail at once, however the lane moves its bytes
+    # receive and the sends to it fail at once, however the lane moves its bytes; and the
+    # survivor's close does not wait its 30 s for the dead rank's goodbye (a PING written
+    # to a dead peer proves nothing: its broken lane says it is gone; 4 of 33 runs
+    # closed in 30 s before)
     monkeypatch.setenv("ASYNCOMM_LANE_DIRECT", "0" if lane != "direct" else "1")
     monkeypatch.setenv("ASYNCOMM_LANE_SHM", "0" if lane == "socket" else "1")
     ranks = by_hand(DYING_MID_STREAM, tmp_path, 2)
@@ -506,6 +510,7 @@ def test_a_peer_dying_mid_stream_fails_what_needs_it(tmp_path: Path, lane: str,
     sends = out.split("sends: ")[1].split("\n")[0]
     assert sends in ("['NoneType']", "['PeerFailedError']", "['NoneType', 'PeerFailedError']"), out
     assert float(out.split("after ")[1].split()[0]) < 15, out  # not at the 60 s deadline
+    assert float(out.split("closed after ")[1].split()[0]) < 20, out + err
     assert "Traceback" not in err, err
 
 

@@ -129,6 +129,9 @@ class Lane:
         self._readers: dict[int, _Queue] = {}
         self._threads: list[threading.Thread] = []
         self._closed = False
+        # peers whose connection broke (closed, reset, their process gone): the first
+        # failure each; a peer's death the link's probe of it reports (see ``GlooLink.probe``)
+        self.lost: dict[int, PeerFailedError] = {}
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self._server = socket.create_server((address, 0), family=family, backlog=64)
         self._host, port = self._server.getsockname()[:2]
@@ -232,6 +235,7 @@ class Lane:
                 except OSError as exc:
                     failure = PeerFailedError(f"rank {self._rank}: data from rank {src} lost: "
                                               f"{exc}")
+                    self.lost.setdefault(src, failure)
             done(failure)
         stream.close()
 
@@ -239,16 +243,24 @@ class Lane:
         failure: PeerFailedError | None = None
         stream: _Out | None = None
         lost = f"rank {self._rank}: data to rank {dst} lost"
+
+        def noted(done: Done, failure: PeerFailedError | None) -> None:
+            if failure is not None:
+                self.lost.setdefault(dst, failure)
+            done(failure)
+
         while (item := items.get()) is not None:
             tensor, done = item
             if failure is None:
                 try:
                     if stream is None:
                         stream = self._connect(dst, lost)
-                    stream.write(tensor, done)  # (done: now, or once the reader took it)
+                    # (done: now, or once the reader took it)
+                    stream.write(tensor, functools.partial(noted, done))
                     continue
                 except (OSError, RuntimeError, ValueError) as exc:
                     failure = PeerFailedError(f"{lost}: {exc}")
+                    self.lost.setdefault(dst, failure)
             done(failure)
         if stream is not None:
             stream.close()

@@ -201,12 +201,17 @@ class GlooLink(Link):
         return packet  # sent as it is (padded where it must be: see ``_post``)
 
     def probe(self, dst: int) -> BaseException | None:
-        """Send ``dst`` a PING; a send to a dead peer fails at once (see the note).
+        """Send ``dst`` a PING; a send to a dead peer fails at once (see the note). A
+        peer whose data lane broke is gone: a PING to a peer that died can still be
+        written (and then proves nothing), but its lane's connection closed.
 
         At most one PING per peer is in flight: one to a stalled peer waits
         (on a waiter thread, so other peers' sends go on) and reports a death
         if the peer dies meanwhile.
         """
+        lost = None if self._lane is None else self._lane.lost.get(dst)
+        if lost is not None:  # its lane broke: the peer is gone (a PING may still be sent)
+            return lost
         if dst in self._pinging:
             return None
         try:
