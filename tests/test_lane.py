@@ -95,7 +95,8 @@ def test_a_peer_that_goes_mid_buffer_fails_it_and_those_behind(
     behind = _recv(b, 0, [torch.empty(10)])
     a.send(1, torch.ones(100), lambda _: None)  # a part of what b waits for
     a.close()  # the writer ends after what it was given: the connection closes
-    a.join(5.0)
+    a.join(5.0)  # (a direct writer's answers end too: b's reader closed as it failed)
+    assert not [t.name for t in a._threads if t.is_alive()]
     for outcome in (half, behind):
         error = outcome.get(timeout=30)
         assert isinstance(error, asyncomm.PeerFailedError), error

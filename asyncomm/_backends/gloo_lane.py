@@ -236,8 +236,10 @@ class Lane:
                     failure = PeerFailedError(f"rank {self._rank}: data from rank {src} lost: "
                                               f"{exc}")
                     self.lost.setdefault(src, failure)
+                    stream.close()  # (nothing more is read: the writer hears so at once)
             done(failure)
-        stream.close()
+        if failure is None:
+            stream.close()
 
     def _write(self, dst: int, items: _Queue) -> None:
         failure: PeerFailedError | None = None
