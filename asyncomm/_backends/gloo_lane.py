@@ -245,20 +245,13 @@ class Lane:
         failure: PeerFailedError | None = None
         stream: _Out | None = None
         lost = f"rank {self._rank}: data to rank {dst} lost"
-
-        def noted(done: Done, failure: PeerFailedError | None) -> None:
-            if failure is not None:
-                self.lost.setdefault(dst, failure)
-            done(failure)
-
         while (item := items.get()) is not None:
             tensor, done = item
             if failure is None:
                 try:
                     if stream is None:
                         stream = self._connect(dst, lost)
-                    # (done: now, or once the reader took it)
-                    stream.write(tensor, functools.partial(noted, done))
+                    stream.write(tensor, done)  # (done: now, or once the reader took it)
                     continue
                 except (OSError, RuntimeError, ValueError) as exc:
                     failure = PeerFailedError(f"{lost}: {exc}")
@@ -276,7 +269,7 @@ class Lane:
         here = self._shared and host == self._host
         try:
             if here and self._direct and _DirectOut.offer(sock, self._rank):
-                stream = _DirectOut(sock, lost)
+                stream = _DirectOut(sock, lost, functools.partial(self.lost.setdefault, dst))
                 self._start(stream.hear, f"asyncomm-lane-acks-{dst}")
                 return stream
             said = here and self._direct  # (the hello went with the first offer)
@@ -501,9 +494,11 @@ class _DirectOut(_Tcp):
         sock.sendall(_offer(rank, False, name.encode()))
         return _recv_exactly(sock, 1) == _MAPPED
 
-    def __init__(self, sock: socket.socket, lost: str) -> None:
+    def __init__(self, sock: socket.socket, lost: str,
+                 losing: Callable[[PeerFailedError], object]) -> None:
         super().__init__(sock)
-        self._lost = lost
+        self._lost = lost  # what a failure says
+        self._losing = losing  # told of the failure that lost buffers (``Lane.lost``)
         self._lock = threading.Lock()
         self._pending: collections.deque[tuple[torch.Tensor, Done]] = collections.deque()
         self._failure: PeerFailedError | None = None
@@ -543,6 +538,8 @@ class _DirectOut(_Tcp):
             self._sock.shutdown(socket.SHUT_RDWR)  # (``hear`` ends too)
         except OSError:
             pass
+        if failed:  # (a connection that ends with nothing pending lost nothing)
+            self._losing(self._failure)
         for _, done in failed:
             done(self._failure)
 

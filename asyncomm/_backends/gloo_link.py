@@ -283,7 +283,7 @@ class GlooLink(Link):
             buffer, dtype=torch.uint8)
         handle: Handle[None] = Handle(self._loop, (self._backend.rank, "send", None, dst, tag),
                                       None, tensor)
-        if tag == tags.LINK_DATA:  # on the lane, done once its writer wrote it
+        if tag == tags.LINK_DATA:  # on the lane: done once written (or, read directly, taken)
             assert self._lane is not None
             self._lane.send(dst, tensor, functools.partial(self._written, handle))
             return handle
