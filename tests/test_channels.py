@@ -971,7 +971,10 @@ def count_packets(comm: Comm) -> list[int]:
     """Record the destination of every link message this rank posts (private)."""
     link = comm._router.link
     posted: list[int] = []
-    compiled = getattr(link, "_isend", None)  # (MPI's compiled send: every link message's)
+    lane = getattr(link, "_lane", None)  # (MPI's compiled lane: its packets, sent by it)
+    if lane is not None:
+        lane.observe = posted.append
+    compiled = getattr(link, "_isend", None)  # (MPI's compiled send: every other link message)
     if compiled is not None:
         def sending(handle: Any, buffer: Any, dst: int, tag: int) -> Any:
             if tag == tags.LINK_MESSAGE:

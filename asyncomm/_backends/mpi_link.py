@@ -15,9 +15,10 @@ import torch
 from mpi4py import MPI
 
 from asyncomm._backends import mpi_native
-from asyncomm._core import tags
+from asyncomm._core import small, tags
 from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
+from asyncomm._core.hurry import run_due
 from asyncomm._core.link import Link, Transport
 from asyncomm._core.messages import PREAMBLE, Pending
 from asyncomm._core.polling import Poller
@@ -128,10 +129,21 @@ class MpiLink(Link):
                 pending = isend(self._comm_handle, packet, dst, tag)
                 if pending is None:
                     continue  # the common case: small messages are sent at once
-                handle = self._watched(MPI.Request.fromhandle(pending), "send", dst, tag, packet)
             except mpi_native.ERRORS as failure:
-                handle = self._failed_send(failure, dst, tag)
-            handle.add_done_callback(self._packet_sent)
+                self._settle(dst, packet, 0, failure.args[0])
+                continue
+            self._settle(dst, packet, pending, 0)
+
+    def _settle(self, dst: int, packet: bytes | bytearray, pending: int, code: int) -> None:
+        """A packet's send to ``dst`` was not done at once: follow its request (``pending``,
+        a handle), or it failed (MPI's error ``code``)."""
+        tag = tags.LINK_MESSAGE
+        if code:
+            assert self._native is not None
+            handle = self._failed_send(self._native.Error(code, dst), dst, tag)
+        else:
+            handle = self._watched(MPI.Request.fromhandle(pending), "send", dst, tag, packet)
+        handle.add_done_callback(self._packet_sent)
 
     def _packet(self, packet: bytes | bytearray) -> bytes | bytearray:
         return packet  # sized exactly: sent as it is
@@ -360,8 +372,7 @@ class PostedLink(MpiLink):
         self._slot = bytearray(MESSAGE_BYTES)
         self._posted: Any = None  # the persistent receive, while the link is open
         self._posted_handle = 0  # ... its handle, for the compiled calls
-        if self._native is not None:  # (polled as often as the loop turns: a call less)
-            self._look = self._pump_compiled
+        self._lane: Any = None  # the compiled hot path, where built (see ``open``)
 
     def open(self, arrivals: Any, limits: Any) -> None:
         self._posted = self._comm.Recv_init([self._slot, MPI.BYTE], MPI.ANY_SOURCE,
@@ -369,6 +380,19 @@ class PostedLink(MpiLink):
         self._posted.Start()
         self._posted_handle = self._posted.handle
         _posted.add(self)
+        if self._native is not None:  # (built only beside the compiled part: small.NATIVE)
+            # the hot path of small messages in compiled calls (see ``small.cpp``'s Lane):
+            # the poller's probe (``pump`` in one call), and a receiver's look
+            assert small.NATIVE is not None
+            hurry = self._poller.hurrying
+            lane = small.NATIVE.Lane(
+                self._outbox, self._native.lane_calls, self._comm_handle, self._posted_handle,
+                tags.LINK_MESSAGE, self._slot, arrivals.messages, arrivals.message_type,
+                limits.max_ndim, self._settle, self._other, self.pump, self, arrivals,
+                self._poller, hurry, hurry._turned, self._loop.call_soon, run_due, self._loop)
+            self._lane = lane
+            self._look = lane.pump
+            self.look = lane.look
         super().open(arrivals, limits)
 
     def stop(self) -> None:
@@ -388,6 +412,12 @@ class PostedLink(MpiLink):
             logging.getLogger("asyncomm").warning(
                 "rank %d: a link message from rank %d (%d bytes) came after the link "
                 "closed; dropped", self._rank, status.Get_source(), status.Get_count(MPI.BYTE))
+
+    def _send_packets(self) -> None:
+        if self._lane is not None:
+            self._lane.flush()
+            return
+        super()._send_packets()
 
     def pump(self) -> bool:
         """Take the message that is there, if any; return whether one was.
@@ -441,28 +471,21 @@ class PostedLink(MpiLink):
         self._arrivals.refuse(src, ProtocolError(
             f"message from rank {src} beyond {MESSAGE_BYTES} bytes: {error}"), None)
 
-    def _pump_compiled(self) -> bool:
-        """``pump``, its MPI calls and the packet's reading made by the compiled part."""
-        native = self._native
-        if self._held or not self._open:  # (a big head is on its way: in order, in Python)
-            return self.pump()
-        assert native is not None and self._arrivals is not None
+    def _other(self, src: int, count: int, code: int) -> None:
+        """What the lane's pump (``small.cpp``) leaves to Python: a message of ``count``
+        bytes from ``src`` in the slot that is not a packet it reads, or a receive that
+        failed (MPI's error ``code``), the receive not started again either way; or the
+        receive that failed to start again after a packet (``count`` -1)."""
+        assert self._native is not None
+        if count < 0:  # (not seen: the receive completed)
+            self._receive_failed(mpi_native.exception(self._native.Error(code, src)))
+            return
+        message = None if code else self._slot[:count]  # copied out, then the receive goes on
         try:
-            found = native.pump(self._posted_handle, self._slot, self._unpack,
-                                self._limits.max_ndim, self._message_type)
-        except native.Error as exc:  # cut short: more than ``MESSAGE_BYTES``
-            self._oversized(exc.args[1], mpi_native.exception(exc))
-            return True
-        if found is None:
-            return False
-        src, count, items = found
-        if items is not None:  # (the commonest: a packet of small messages)
-            self._arrivals.messages(src, items)
-            return True
-        message = self._slot[:count]  # another message: copied out, the receive started again
-        try:
-            native.start(self._posted_handle)
-        except native.Error as exc:  # (not seen: the receive completed above)
+            self._native.start(self._posted_handle)
+        except self._native.Error as exc:  # (not seen: the receive completed above)
             self._receive_failed(mpi_native.exception(exc))
-        self._arrive(src, message)
-        return True
+        if message is None:
+            self._oversized(src, mpi_native.exception(self._native.Error(code, src)))
+        else:
+            self._arrive(src, message)

@@ -179,9 +179,16 @@ class Link(ABC):
         self._queue_message = self._outbox.message
         self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
         self.batching = False  # whether large frames' envelopes go in batches (see the note)
-        self._flush_due = False  # whether a flush is asked of the loop (at its iteration's end)
-        self._due: Due = (loop, self._flush_looked)  # ... and due while frames wait (``hurry``)
-        self._waiting = False  # whether frames wait to be sent (its flush is in ``DUE`` then)
+        # The outbox says whether frames wait to be sent (``waiting``: its flush is in
+        # ``DUE`` then, as ``_due``) and whether a flush is asked of the loop, at its
+        # iteration's end (``flush_due``): ``_begun``, or the compiled outbox's ``post``.
+        self._due: Due = (loop, self._flush_looked)
+        # ``Channel.send``'s commonest case (see ``post``): the compiled outbox's own
+        if small.NATIVE is not None and not isinstance(self._outbox, outbox.Outbox):
+            self._outbox.attach(DUE, self._due, loop.call_soon, self._flush_due_now)
+            self.post: Callable[[Any, int, int, object, int, int, int], int] = self._outbox.post
+        else:
+            self.post = self._post_message
         # a link message's packet read, its messages made, by the compiled part (``None``:
         # not built), as ``arrivals.message_type`` (set when the link opens)
         self._unpack = None if small.NATIVE is None else small.NATIVE.unpack_message
@@ -194,6 +201,10 @@ class Link(ABC):
         # whether the last ``hurry`` was refused until the loop turns, without looking
         # (its task yields that turn and looks again)
         self.refused: Callable[[], bool] = _no
+        # ``flush`` then ``hurry`` in one call, for a channel's recv about to wait
+        # (``look(frames, src)``: 1 a message from ``src`` is in ``frames``, 0 not, -1 not
+        # looked: do both): where a compiled lane polls (MPI), else None
+        self.look: Callable[[Any, int | None], int] | None = None
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         """Start receiving: every frame that arrives goes to ``arrivals``."""
@@ -295,6 +306,23 @@ class Link(ABC):
             self._queue_message(dst, tag, seq, obj, room, max_ndim)
         return True
 
+    def full(self, dst: int) -> None:
+        """``post`` found ``dst``'s packet full: it goes now (the caller posts again)."""
+        self._begun(dst, -1)
+
+    def _post_message(self, window: Any, dst: int, tag: int, obj: object, room: int,
+                      max_ndim: int, limit: int) -> int:
+        """``post`` (a channel's small message through its ``window``, see ``Channel.send``),
+        where the outbox is not the compiled one: as its ``post``, but a packet found full
+        is sent and the message queued (0), and -2 says nothing was queued either way."""
+        out = window.messages_out
+        if (not window.open or out >= limit or window.waiters
+                or not self.send_message(dst, tag, window.seq, obj, room, max_ndim)):
+            return -2
+        window.messages_out = out + 1
+        window.seq += 1
+        return 0
+
     def send_data(self, dst: int, tag: int, seq: int, body: bytes) -> None:
         """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``)."""
         queued = self._queue_data(dst, tag, seq, body)
@@ -307,11 +335,12 @@ class Link(ABC):
         when the loop iteration ends (once, however often asked), or before, when a task
         begins to look for what it awaits (``hurry``). Return whether the packet was full:
         it is sent now, and the caller queues its frame again."""
-        if not self._waiting:
-            self._waiting = True
+        box = self._outbox
+        if not box.waiting:
+            box.waiting = True
             DUE.append(self._due)
-        if not self._flush_due:
-            self._flush_due = True
+        if not box.flush_due:
+            box.flush_due = True
             self._loop.call_soon(self._flush_due_now)
         if queued < 0:
             self._flush_to(dst)
@@ -319,19 +348,19 @@ class Link(ABC):
         return False
 
     def _flush_due_now(self) -> None:
-        self._flush_due = False
-        if self._waiting:
+        self._outbox.flush_due = False
+        if self._outbox.waiting:
             self.flush()
 
     def _flush_looked(self) -> None:
         """``flush``, for a task about to look (``hurry.run_due``, which took it off ``DUE``)."""
-        self._waiting = False
+        self._outbox.waiting = False
         self.flush()
 
     def flush(self) -> None:
         """Send every batch and packet queued (the loop calls this once an iteration ends)."""
-        if self._waiting:
-            self._waiting = False
+        if self._outbox.waiting:
+            self._outbox.waiting = False
             try:
                 DUE.remove(self._due)
             except ValueError:  # (forgotten already: its loop closed before it was done)

@@ -41,6 +41,8 @@ class Queue(Protocol):
     """What a link asks of an outbox (``Outbox``, or the compiled one)."""
 
     packet_frames: int
+    waiting: bool  # whether packets wait (its link's flush is due: ``Link._begun``)
+    flush_due: bool  # whether its link asked the loop for a flush
 
     def data(self, dst: int, tag: int, seq: int, body: bytes) -> int:
         """Queue message ``seq`` of channel ``tag`` for ``dst``: 0 queued in the packet that
@@ -92,6 +94,8 @@ class Outbox:
         self.packet_bytes = packet_bytes
         self.packet_frames = 1 << 61
         self._packets: dict[int, Packet] = {}
+        self.waiting = False  # whether packets wait (its link's flush is due: ``Link._begun``)
+        self.flush_due = False  # whether its link asked the loop for a flush
 
     def data(self, dst: int, tag: int, seq: int, body: bytes) -> int:
         """See ``Queue.data``. The message after the last one queued for ``dst`` on the same

@@ -207,6 +207,7 @@ class Poller:
         self._active_spin_s = polling.active_spin_s
         self._max_backoff_s = polling.max_backoff_s
         self._hurry = Hurry(loop, polling.hurry_tests, polling.hurry_max_s)
+        self.hurrying = self._hurry  # (what a compiled lane looks with: see ``hurry_until``)
         # whether a task may look for what it waits for now (``Hurry.allowed``: not while a
         # loop turn asked for long ago has not come): an operation that tests its request
         # as it is issued asks this first, so done ones cannot hold the loop

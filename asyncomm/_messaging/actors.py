@@ -116,6 +116,7 @@ class Host:
                        loop.create_task(self._serve_replies())]
         router.on_dead.append(self._fail_dead)
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
+        self._look = router.link.look  # the router's flush and ``_hurry`` in one, where compiled
 
     # -- hosting -----------------------------------------------------------------
 
@@ -188,7 +189,10 @@ class Host:
         endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far
         items = inbox.items
         while True:
-            if not items:  # its next request may be microseconds away: look first
+            # its next request may be microseconds away: look first (what it answered, sent
+            # first: the look's flush, or the router's)
+            if not items and (self._look is None or self._look(items, None) < 0):
+                self._router.flush(waiting=True)
                 self._hurry(inbox.nonempty)
             message = items.popleft() if items else await inbox.get()
             method, kwargs, args = message.data[2], message.data[4], message.data[5:]
@@ -208,8 +212,6 @@ class Host:
                                               traceback.format_exc()])
             else:
                 self._answer(message, True, result)
-            if not items:  # the last request in: its caller waits, send the answers now
-                self._router.flush(waiting=True)
 
     def _answer(self, request: Message, ok: bool, result: Any) -> None:
         call_id, wants_reply = request.data[0], request.data[3]
@@ -250,8 +252,13 @@ class Host:
         future = self._loop.create_future()
         self._calls[call_id] = (rank, future, name, method)
         self._post(rank, self._requests, [call_id, name, method, True, kwargs or None, *args])
-        self._router.expect()
-        if self._hurry(future.done):  # an answer within microseconds: no loop turn, no timer
+        found = -1 if self._look is None else self._look(future.done, None)
+        if found < 0:
+            self._router.expect()
+            found = self._hurry(future.done)
+        elif not found:  # (looked, with what it issued sent: now the poller watches closely)
+            self._router.link.expect()
+        if found:  # an answer within microseconds: no loop turn, no timer
             del self._calls[call_id]
             ok, result = future.result()
         else:

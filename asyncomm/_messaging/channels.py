@@ -50,10 +50,12 @@ class Channel:
         self._windows: dict[int, Window] = {}  # per destination, as the router keeps them
         self._window = router.window  # the most messages out per destination
         self._batch_less_one = router.batch - 1  # messages taken before credit goes back
-        self._send_message = router.link.send_message
+        self._post = router.link.post
+        self._full = router.link.full
         self._flush = router.flush
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
         self._looks = router.link.looks  # whether ``hurry`` may find anything
+        self._look = router.link.look  # ``_flush`` and ``_hurry`` in one call, where compiled
         self._refused = router.link.refused
         self._has: dict[int, Callable[[], bool]] = {}  # per source: ``_has_from``
         self._probe_of = router.probe
@@ -72,8 +74,13 @@ class Channel:
         """
         window = self._windows.get(dst) if type(dst) is int else None
         if window is not None:  # a rank checked before, small messages
-            if self._go(window, obj, dst):
-                return  # the fast path: encoded and queued at once, sent with the iteration's
+            # the fast path (``_go``, inline): encoded and queued at once, sent with the
+            # iteration's other frames
+            got = (self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
+                              self._window)
+                   if not self._traced or self._probe_of.recording is None else -3)
+            if got >= 0 or (got == -1 and self._go_full(window, obj, dst)):
+                return
             await self._send(self._router.encode(self.tag, obj, self.codec), dst, timeout)
             return
         await self._send_slowly(obj, dst, timeout)
@@ -91,17 +98,19 @@ class Channel:
 
     def _go(self, window: Window, obj: object, dst: int) -> bool:
         """``post`` to ``dst`` through its ``window``: encoded and queued by the link's outbox
-        (``Link.send_message``) if small. Else ``send`` waits for credit, says why it
-        cannot send, delivers a message to this rank itself, or traces it."""
-        out = window.messages_out
-        if (not window.open or out >= self._window or window.waiters
-                or (self._traced and self._probe_of.recording is not None)
-                or not self._send_message(dst, self.tag, window.seq, obj, self._small_room,
-                                          self._max_ndim)):
+        (``Link.post``) if small and the window lets it. Else ``send`` waits for credit,
+        says why it cannot send, delivers a message to this rank itself, or traces it."""
+        if self._traced and self._probe_of.recording is not None:
             return False
-        window.messages_out = out + 1
-        window.seq += 1
-        return True
+        got = self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
+                         self._window)
+        return got >= 0 or (got == -1 and self._go_full(window, obj, dst))
+
+    def _go_full(self, window: Window, obj: object, dst: int) -> bool:
+        """``_go`` found ``dst``'s packet full: it goes now, and the message in the next."""
+        self._full(dst)
+        return self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
+                          self._window) >= 0
 
     async def _send_slowly(self, obj: object, dst: int, timeout: float | None) -> None:
         """``send`` of a message of another codec, or to a rank not checked before."""
@@ -170,6 +179,13 @@ class Channel:
                 limit = self._timeout if timeout is None else timeout
                 if looked:  # (what was found is not there: taken meanwhile)
                     return await self._wait(src, limit)
+                if self._look is not None and limit > 0:  # both below in one compiled call
+                    found = self._look(frames, src)
+                    if found > 0:
+                        looked = True
+                        continue
+                    if found == 0:
+                        return await self._wait(src, limit, looked=True)
                 self._flush(True)  # (here, not in ``_wait``: it leaves before that is made)
                 if not self._looks or limit <= 0:
                     return await self._wait(src, limit)

@@ -103,8 +103,11 @@ class Delivery:
             if box is None or seq != box.seqs.get(src, 0):  # another kind, a new channel, or
                 self.items(src, [_bare(item) for item in items[i:]])  # out of sequence
                 return
-            if kind == DATA and box.listener is None:  # (``_in_order``'s commonest, inline)
+            if kind == DATA:  # (``_in_order``'s commonest, inline)
                 box.seqs[src] = seq + 1
+                if box.listener is not None:
+                    box.listener(data)
+                    continue
                 box.frames.append(data)
                 if box.waiters:
                     box.came(src)

@@ -139,6 +139,10 @@ class Window:
         self.open = open
 
 
+if small.NATIVE is not None:  # (the compiled outbox's ``post`` reads and sets its slots)
+    small.NATIVE.window_slots(Window)
+
+
 class Router(Delivery):
     """This rank's receive loop and send side for every channel of one communicator."""
 

@@ -1,4 +1,6 @@
-// asyncomm's compiled MPI calls: the link's small sends and its receive kept posted.
+// asyncomm's compiled MPI calls: the link's small sends and its receive kept posted (for
+// the compiled lane, ``small.cpp``, through the capsule ``lane_calls``), awaited quick
+// operations, kept all-reduces.
 //
 // Built by ``asyncomm build`` against the MPI library mpi4py loaded (its header beside
 // it) and loaded by the MPI link (``_backends.mpi_native``); without it the link makes
@@ -172,43 +174,10 @@ PyObject* read_message(PyObject* unpack, PyObject* buffer, int count, int source
   return result;
 }
 
-// pump(request, slot, unpack, max_ndim, message_type): test the persistent receive
-// ``request`` (into ``slot``); None if nothing came. Else (source, count, items): the
-// message of ``count`` bytes from ``source`` read by ``unpack(slot, count, max_ndim,
-// source, message_type)`` (the compiled part's ``unpack_message``) and the receive
-// started again; ``items`` None where ``unpack`` left it (not a packet): the receive is
-// then not started again, the caller copies the message out and calls ``start``. A
-// message cut short (beyond the slot) raises Error(code, source), the receive started
-// again.
-PyObject* pump(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 5) {
-    PyErr_SetString(PyExc_TypeError, "pump(request, slot, unpack, max_ndim, message_type)");
-    return nullptr;
-  }
-  MPI_Request request = handle_of<MPI_Request>(args[0]);
-  if (PyErr_Occurred()) return nullptr;
-  int done = 0;
-  MPI_Status status;
-  int code = MPI_Test(&request, &done, &status);
-  if (code == MPI_SUCCESS && !done) Py_RETURN_NONE;
-  int source = status.MPI_SOURCE;  // (MPI_ERROR is not set by a single request's test)
-  if (code != MPI_SUCCESS) {
-    MPI_Start(&request);
-    return fail(code, source);
-  }
-  int count = 0;
-  MPI_Get_count(&status, MPI_BYTE, &count);
-  PyObject* result =
-      read_message(args[2], args[1], count, source, args[3], args[4], nullptr, 0);
-  if (result == nullptr || PyTuple_GET_ITEM(result, 2) != Py_None)
-    MPI_Start(&request);  // (read: the receive goes on; unpack raised: lost either way)
-  return result;
-}
-
 // probe(comm, tag, at_once, unpack, max_ndim, message_type): a message from any source
 // on ``tag``, found by matched probe; None if there is none. One of at most ``at_once``
 // bytes (sent eagerly: here whole) is received into a new bytearray and read by
-// ``unpack`` (as ``pump``): (source, count, items, buffer, None), ``items`` None where
+// ``unpack`` (``read_message``): (source, count, items, buffer, None), ``items`` None where
 // ``unpack`` left it. A larger one is left matched for the caller to receive: (source,
 // count, None, None, the message's handle, for ``Message.fromhandle``). A failed receive
 // raises Error(code, source).
@@ -298,7 +267,7 @@ PyObject* test(PyObject*, PyObject* arg) {
   Py_RETURN_FALSE;
 }
 
-// start(request): start the persistent receive again (after ``pump`` left a message).
+// start(request): start the persistent receive again (after the lane left a message).
 PyObject* start(PyObject*, PyObject* arg) {
   MPI_Request request = handle_of<MPI_Request>(arg);
   if (PyErr_Occurred()) return nullptr;
@@ -314,11 +283,74 @@ PyObject* library(PyObject*, PyObject*) {
   return PyUnicode_DecodeUTF8(version, length, "replace");
 }
 
+// -- the calls of a compiled lane (``small.cpp``'s ``Lane``), through a capsule ----------
+//
+// The lane is built without MPI: it sends its packets and tests its receive through these
+// (the layout of ``LaneCalls`` is the lane's; ``version`` says which).
+
+struct LaneCalls {
+  int version;
+  // send ``len`` bytes to ``dst`` on ``tag``: 0 done, else MPI's error code; a send still
+  // in flight leaves its request's handle in ``pending`` (else 0)
+  int (*send)(uint64_t comm, const char* buf, Py_ssize_t len, int dst, int tag,
+              uint64_t* pending);
+  // test a persistent receive: 0 (``done``, its ``source`` and byte ``count`` set), else
+  // MPI's error code (``source`` set)
+  int (*test)(uint64_t request, int* done, int* source, int* count);
+  int (*start)(uint64_t request);  // start it again: 0, else MPI's error code
+};
+
+template <class H>
+H handle_bits(uint64_t bits) {
+  if constexpr (std::is_pointer_v<H>) {
+    return reinterpret_cast<H>(static_cast<uintptr_t>(bits));
+  } else {
+    return static_cast<H>(static_cast<int>(static_cast<unsigned int>(bits)));
+  }
+}
+
+template <class H>
+uint64_t bits_of(H handle) {
+  if constexpr (std::is_pointer_v<H>) {
+    return reinterpret_cast<uintptr_t>(handle);
+  } else {
+    return static_cast<uint64_t>(static_cast<long long>(handle));
+  }
+}
+
+int lane_send(uint64_t comm, const char* buf, Py_ssize_t len, int dst, int tag,
+              uint64_t* pending) {
+  *pending = 0;
+  if (len > INT32_MAX) return MPI_ERR_COUNT;
+  MPI_Request request;
+  int code = MPI_Isend(buf, static_cast<int>(len), MPI_BYTE, dst, tag,
+                       handle_bits<MPI_Comm>(comm), &request);
+  int done = 0;
+  if (code == MPI_SUCCESS) code = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+  if (code == MPI_SUCCESS && !done) *pending = bits_of(request);
+  return code;
+}
+
+int lane_test(uint64_t request, int* done, int* source, int* count) {
+  MPI_Request r = handle_bits<MPI_Request>(request);
+  MPI_Status status;
+  *done = 0;
+  int code = MPI_Test(&r, done, &status);
+  if (code != MPI_SUCCESS || *done) *source = status.MPI_SOURCE;
+  if (code == MPI_SUCCESS && *done) MPI_Get_count(&status, MPI_BYTE, count);
+  return code;
+}
+
+int lane_start(uint64_t request) {
+  MPI_Request r = handle_bits<MPI_Request>(request);
+  return MPI_Start(&r);
+}
+
+LaneCalls lane_calls = {1, lane_send, lane_test, lane_start};
+
 PyMethodDef methods[] = {
     {"isend", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(isend)),
      METH_FASTCALL, "isend(comm, buffer, dst, tag): None if sent at once, else a request"},
-    {"pump", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(pump)),
-     METH_FASTCALL, "pump(request, slot, unpack, max_ndim, message_type)"},
     {"probe", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(probe)),
      METH_FASTCALL, "probe(comm, tag, at_once, unpack, max_ndim, message_type)"},
     {"allreduce", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(allreduce)),
@@ -349,6 +381,12 @@ PyMODINIT_FUNC ASYNCOMM_INIT(TORCH_EXTENSION_NAME)(void) {
   if (m == nullptr) return nullptr;
   Error = PyErr_NewException("asyncomm_mpi.Error", PyExc_RuntimeError, nullptr);
   if (Error == nullptr || PyModule_AddObjectRef(m, "Error", Error) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  PyObject* calls = PyCapsule_New(&lane_calls, "asyncomm.lane_calls", nullptr);
+  if (calls == nullptr || PyModule_AddObject(m, "lane_calls", calls) < 0) {
+    Py_XDECREF(calls);
     Py_DECREF(m);
     return nullptr;
   }

@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <new>
 #include <string>
 #include <unordered_map>
@@ -729,6 +730,11 @@ struct OutboxObject {
   long long packet_bytes;
   long long packet_frames;
   PyObject* encode;  // the Python twin's encoding: what ``message`` leaves, it takes
+  // Its link's flush, as ``Link._begun`` asks for it (``attach``; see ``post``): whether
+  // packets wait (its flush is in ``due`` then, as ``due_entry``), and whether a flush is
+  // asked of the loop (``call_soon(flush_soon)``, at the iteration's end)
+  char waiting, flush_due;  // (T_BOOL members)
+  PyObject *due, *due_entry, *call_soon, *flush_soon;
 };
 
 Packet* find(OutboxObject* self, long dst) {
@@ -824,6 +830,10 @@ PyObject* outbox_message(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
   int done = encode_into(body, args[3], room, max_ndim);
   if (done < 0) return nullptr;
   if (done == 0) {  // the Python twin's, then: ``small.encode``
+    if (self->encode == nullptr) {  // (cleared by the collector: not in use)
+      PyErr_SetString(PyExc_RuntimeError, "Outbox: cleared");
+      return nullptr;
+    }
     PyObject* twin = PyObject_Vectorcall(self->encode, args + 3, 3, nullptr);
     if (twin == nullptr) return nullptr;
     if (twin == Py_None) {
@@ -841,6 +851,123 @@ PyObject* outbox_message(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
     return PyLong_FromLongLong(got);
   }
   return PyLong_FromLongLong(queue_body(self, dst, tag, seq, body.data(), body.size()));
+}
+
+PyObject* one = nullptr;  // (set as the module loads)
+
+// A ``router.Window``'s slots, as ``post`` reads and sets them (``window_slots``).
+struct WindowSlots {
+  PyTypeObject* type = nullptr;
+  Py_ssize_t open = 0, messages_out = 0, seq = 0, waiters = 0;
+} window;
+
+PyObject*& slot(PyObject* o, Py_ssize_t offset) {
+  return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + offset);
+}
+
+// Where each of a class's ``__slots__`` ``names`` lies in its objects, into ``offsets``.
+bool slot_offsets(PyTypeObject* t, const char* const* names, Py_ssize_t* const* offsets,
+                  int n) {
+  for (int i = 0; i < n; i++) {
+    PyObject* d = PyDict_GetItemString(t->tp_dict, names[i]);  // (borrowed)
+    if (d == nullptr || Py_TYPE(d) != &PyMemberDescr_Type ||
+        reinterpret_cast<PyMemberDescrObject*>(d)->d_member->type != T_OBJECT_EX) {
+      PyErr_Format(PyExc_TypeError, "%s: %s is not a slot", t->tp_name, names[i]);
+      return false;
+    }
+    *offsets[i] = reinterpret_cast<PyMemberDescrObject*>(d)->d_member->offset;
+  }
+  return true;
+}
+
+// window_slots(type): ``post``'s windows are of ``type`` (a class with ``__slots__``
+// open, messages_out, seq and waiters): where each slot lies.
+PyObject* window_slots(PyObject*, PyObject* type) {
+  if (!PyType_Check(type)) {
+    PyErr_SetString(PyExc_TypeError, "window_slots(type)");
+    return nullptr;
+  }
+  const char* names[] = {"open", "messages_out", "seq", "waiters"};
+  Py_ssize_t* offsets[] = {&window.open, &window.messages_out, &window.seq, &window.waiters};
+  if (!slot_offsets(reinterpret_cast<PyTypeObject*>(type), names, offsets, 4)) return nullptr;
+  Py_INCREF(type);
+  Py_XSETREF(window.type, reinterpret_cast<PyTypeObject*>(type));
+  Py_RETURN_NONE;
+}
+
+// The link's flush asked for (``Link._begun``'s commonest case): in ``due``, and of the loop.
+bool begun(OutboxObject* self) {
+  if (!self->waiting) {
+    if (PyList_Append(self->due, self->due_entry) < 0) return false;
+    self->waiting = 1;
+  }
+  if (!self->flush_due) {
+    PyObject* handle = PyObject_CallOneArg(self->call_soon, self->flush_soon);
+    if (handle == nullptr) return false;
+    Py_DECREF(handle);
+    self->flush_due = 1;
+  }
+  return true;
+}
+
+// post(window, dst, tag, obj, room, max_ndim, limit) -> int: a channel's small message
+// sent through its ``window`` towards ``dst`` (``Channel.send``'s commonest case): where
+// the window is open, has fewer than ``limit`` messages out and no sender waits, ``obj``
+// queued as ``message`` does, as message ``window.seq``; then the window counts it and the
+// link's flush is asked for (``attach``). Returns ``message``'s answer: 0 or 1 queued,
+// -1 not queued (the packet is full: the caller sends it and posts again), -2 not a small
+// message; or -3: not now (the window's), nothing queued.
+PyObject* outbox_post(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 7, "post(window, dst, tag, obj, room, max_ndim, limit)")) return nullptr;
+  auto* self = reinterpret_cast<OutboxObject*>(o);
+  PyObject* w = args[0];
+  if (window.type == nullptr || Py_TYPE(w) != window.type || self->due == nullptr) {
+    PyErr_SetString(PyExc_TypeError, "post: not a window, or the outbox not attached");
+    return nullptr;
+  }
+  PyObject *open = slot(w, window.open), *out = slot(w, window.messages_out);
+  PyObject *seq = slot(w, window.seq), *waiters = slot(w, window.waiters);
+  if (open == nullptr || out == nullptr || seq == nullptr || waiters == nullptr) {
+    PyErr_SetString(PyExc_AttributeError, "post: a window's slot is not set");
+    return nullptr;
+  }
+  long long n = PyLong_AsLongLong(out), limit = PyLong_AsLongLong(args[6]);
+  if (PyErr_Occurred()) return nullptr;
+  Py_ssize_t waiting = PyObject_Length(waiters);
+  if (waiting < 0) return nullptr;
+  if (open != Py_True || n >= limit || waiting > 0) return PyLong_FromLong(-3);
+  PyObject* call[6] = {args[1], args[2], seq, args[3], args[4], args[5]};
+  PyObject* got = outbox_message(o, call, 6);
+  if (got == nullptr) return nullptr;
+  long code = PyLong_AsLong(got);
+  if (code < 0) return got;  // (-1, -2: nothing queued)
+  PyObject* more = PyLong_FromLongLong(n + 1);
+  PyObject* next = more == nullptr ? nullptr : PyNumber_Add(seq, one);
+  if (next == nullptr || !begun(self)) {
+    Py_XDECREF(more);
+    Py_XDECREF(next);
+    Py_DECREF(got);
+    return nullptr;
+  }
+  Py_SETREF(slot(w, window.messages_out), more);
+  Py_SETREF(slot(w, window.seq), next);
+  return got;
+}
+
+// attach(due, due_entry, call_soon, flush_soon): how ``post`` asks for its link's flush.
+PyObject* outbox_attach(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 4, "attach(due, due_entry, call_soon, flush_soon)")) return nullptr;
+  if (!PyList_CheckExact(args[0])) {
+    PyErr_SetString(PyExc_TypeError, "attach: due must be a list");
+    return nullptr;
+  }
+  auto* self = reinterpret_cast<OutboxObject*>(o);
+  PyObject** fields[] = {&self->due, &self->due_entry, &self->call_soon, &self->flush_soon};
+  for (int i = 0; i < 4; i++) {
+    Py_INCREF(args[i]);
+    Py_XSETREF(*fields[i], args[i]);
+  }
+  Py_RETURN_NONE;
 }
 
 PyObject* outbox_data(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
@@ -892,24 +1019,28 @@ PyObject* outbox_small(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
 
 // take(dst) -> bytearray | None: ``dst``'s packet, laid out whole (its preamble and head), no
 // longer queued.
+// The ``i``th packet, laid out whole (its preamble and head), no longer queued.
+PyObject* take_at(OutboxObject* self, size_t i) {
+  auto& packets = *self->packets;
+  Packet& p = packets[i].second;
+  if (p.next >= 0) p.end_run();
+  std::string& b = p.bytes;
+  uint32_t fields[4] = {0, static_cast<uint32_t>(b.size() - PREAMBLE_BYTES), 0, PACKET_FORM};
+  for (int k = 0; k < 4; k++) put_u32_le(b, 4 * k, fields[k]);
+  b[PREAMBLE_BYTES] = static_cast<char>(ARRAY_BYTE);
+  put_be(b, PREAMBLE_BYTES + 1, static_cast<uint64_t>(p.items), 4);
+  PyObject* message = PyByteArray_FromStringAndSize(b.data(), static_cast<Py_ssize_t>(b.size()));
+  packets.erase(packets.begin() + static_cast<std::ptrdiff_t>(i));
+  return message;
+}
+
 PyObject* outbox_take(PyObject* o, PyObject* arg) {
   auto* self = reinterpret_cast<OutboxObject*>(o);
   long dst = PyLong_AsLong(arg);
   if (dst == -1 && PyErr_Occurred()) return nullptr;
   auto& packets = *self->packets;
-  for (size_t i = 0; i < packets.size(); i++) {
-    if (packets[i].first != dst) continue;
-    Packet& p = packets[i].second;
-    if (p.next >= 0) p.end_run();
-    std::string& b = p.bytes;
-    uint32_t fields[4] = {0, static_cast<uint32_t>(b.size() - PREAMBLE_BYTES), 0, PACKET_FORM};
-    for (int k = 0; k < 4; k++) put_u32_le(b, 4 * k, fields[k]);
-    b[PREAMBLE_BYTES] = static_cast<char>(ARRAY_BYTE);
-    put_be(b, PREAMBLE_BYTES + 1, static_cast<uint64_t>(p.items), 4);
-    PyObject* message = PyByteArray_FromStringAndSize(b.data(), static_cast<Py_ssize_t>(b.size()));
-    packets.erase(packets.begin() + static_cast<std::ptrdiff_t>(i));
-    return message;
-  }
+  for (size_t i = 0; i < packets.size(); i++)
+    if (packets[i].first == dst) return take_at(self, i);
   Py_RETURN_NONE;
 }
 
@@ -967,10 +1098,34 @@ PyObject* outbox_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   return reinterpret_cast<PyObject*>(self);
 }
 
+// (``attach`` makes cycles through its link: the collector's to break)
+int outbox_traverse(PyObject* o, visitproc visit, void* arg) {
+  auto* self = reinterpret_cast<OutboxObject*>(o);
+  Py_VISIT(Py_TYPE(o));
+  Py_VISIT(self->encode);
+  Py_VISIT(self->due);
+  Py_VISIT(self->due_entry);
+  Py_VISIT(self->call_soon);
+  Py_VISIT(self->flush_soon);
+  return 0;
+}
+
+int outbox_clear(PyObject* o) {
+  auto* self = reinterpret_cast<OutboxObject*>(o);
+  Py_CLEAR(self->encode);
+  Py_CLEAR(self->due);
+  Py_CLEAR(self->due_entry);
+  Py_CLEAR(self->call_soon);
+  Py_CLEAR(self->flush_soon);
+  return 0;
+}
+
 void outbox_dealloc(PyObject* o) {
   auto* self = reinterpret_cast<OutboxObject*>(o);
+  PyObject_GC_UnTrack(o);
   delete self->packets;
-  Py_XDECREF(self->encode);
+  self->packets = nullptr;
+  outbox_clear(o);
   PyTypeObject* type = Py_TYPE(o);
   type->tp_free(o);
   Py_DECREF(type);
@@ -981,6 +1136,10 @@ PyMethodDef outbox_methods[] = {
      METH_FASTCALL, "data(dst, tag, seq, body) -> 0 queued, 1 a new packet, -1 full"},
     {"message", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_message)),
      METH_FASTCALL, "message(dst, tag, seq, obj, room, max_ndim) -> as data, or -2"},
+    {"post", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_post)),
+     METH_FASTCALL, "post(window, dst, tag, obj, room, max_ndim, limit) -> as message, or -3"},
+    {"attach", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_attach)),
+     METH_FASTCALL, "attach(due, due_entry, call_soon, flush_soon): how post asks for a flush"},
     {"small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_small)),
      METH_FASTCALL, "small(dst, kind, tag, seq, body) -> as data"},
     {"take", outbox_take, METH_O, "take(dst) -> bytearray | None: the packet, laid out"},
@@ -994,18 +1153,452 @@ PyMemberDef outbox_members[] = {
      "the most frames a packet holds"},
     {"packet_bytes", T_LONGLONG, offsetof(OutboxObject, packet_bytes), READONLY,
      "the most bytes a packet holds"},
+    {"waiting", T_BOOL, offsetof(OutboxObject, waiting), 0,
+     "whether packets wait (the link's flush is due)"},
+    {"flush_due", T_BOOL, offsetof(OutboxObject, flush_due), 0,
+     "whether a flush is asked of the loop"},
     {nullptr, 0, 0, 0, nullptr}};
 
 PyType_Slot outbox_slots[] = {
     {Py_tp_new, reinterpret_cast<void*>(outbox_new)},
     {Py_tp_dealloc, reinterpret_cast<void*>(outbox_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(outbox_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(outbox_clear)},
     {Py_tp_methods, outbox_methods},
     {Py_tp_members, outbox_members},
     {Py_tp_doc, const_cast<char*>("Outbox(packet_bytes, encode): small frames queued as packets")},
     {0, nullptr}};
 
 PyType_Spec outbox_spec = {"asyncomm_small.Outbox", sizeof(OutboxObject), 0,
-                           Py_TPFLAGS_DEFAULT, outbox_slots};
+                           Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, outbox_slots};
+
+// -- the lane: a polled link's small messages on their hot path --------------------------
+//
+// What a channel's ``recv`` does before it parks, where the link polls a receive kept
+// posted (MPI's ``PostedLink``), in one call (``look``): the link's flush (``Link.flush``:
+// the packets queued, sent), the loop's fairness (``Hurry.allowed``), then the receive
+// tested and each packet that came read and handed to the delivery (``Delivery.messages``),
+// until the mailbox holds what the receiver wants or the look's budget is spent
+// (``Hurry.run``). Each of these is a Python call of its own otherwise (a ping-pong leg's
+// every message); the rules stay theirs: wherever the state is not the commonest (credit
+// owed, frames held, requests in flight, other links' work due) ``look`` says so before it
+// does anything, and the Python path runs instead. The transport's calls come from its
+// compiled module (``LaneCalls``, a capsule); the Python objects' state is read from their
+// slots and dictionaries, where the Python code keeps it.
+
+struct LaneCalls {  // (the layout of mpi.cpp's: ``version`` 1)
+  int version;
+  int (*send)(uint64_t comm, const char* buf, Py_ssize_t len, int dst, int tag,
+              uint64_t* pending);
+  int (*test)(uint64_t request, int* done, int* source, int* count);
+  int (*start)(uint64_t request);
+};
+
+constexpr double FAIR_S = 1e-3;  // hurry.FAIR_S
+
+double clock_now() {  // time.perf_counter's clock (Linux: CLOCK_MONOTONIC)
+  timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
+// A ``hurry.Hurry``'s slots (``hurry_slots``), as ``look`` reads and sets them.
+struct HurrySlots {
+  PyTypeObject* type = nullptr;
+  Py_ssize_t tests = 0, budget_s = 0, since = 0, turn = 0, refused = 0;
+} hurry;
+
+PyObject* hurry_slots(PyObject*, PyObject* type) {
+  if (!PyType_Check(type)) {
+    PyErr_SetString(PyExc_TypeError, "hurry_slots(type)");
+    return nullptr;
+  }
+  const char* names[] = {"tests", "budget_s", "_since", "_turn", "refused"};
+  Py_ssize_t* offsets[] = {&hurry.tests, &hurry.budget_s, &hurry.since, &hurry.turn,
+                           &hurry.refused};
+  if (!slot_offsets(reinterpret_cast<PyTypeObject*>(type), names, offsets, 5)) return nullptr;
+  Py_INCREF(type);
+  Py_XSETREF(hurry.type, reinterpret_cast<PyTypeObject*>(type));
+  Py_RETURN_NONE;
+}
+
+struct LaneObject {
+  PyObject_HEAD
+  OutboxObject* outbox;
+  const LaneCalls* calls;
+  uint64_t comm, request;  // the link's communicator and its persistent receive
+  int tag;                 // the link messages' tag
+  long max_ndim;
+  PyObject *slot;          // the receive's bytearray
+  PyObject *deliver;       // Delivery.messages(src, items)
+  PyObject *message_type;  // what a message is made (a tuple type)
+  PyObject *settle;        // link._settle(dst, packet, pending, code): a send not done at once
+  PyObject *other;         // link._other(src, count, code): not a packet, or a failed receive
+  PyObject *slow;          // link.pump: the Python path, while frames are held or it closed
+  PyObject *link, *router, *poller;  // their __dict__s
+  PyObject *hurry;         // the poller's Hurry
+  PyObject *turned, *call_soon, *run_due, *loop;
+  PyObject* observe;       // None, or called with each packet's destination as it is sent
+};
+
+PyObject *s_held, *s_open, *s_batches, *s_owed, *s_probes, *s_requests, *s_fresh;
+
+Py_ssize_t size_in(PyObject* dict, PyObject* name) {  // len(dict[name]), 0 if absent
+  PyObject* value = PyDict_GetItemWithError(dict, name);
+  if (value == nullptr) return PyErr_Occurred() ? -1 : 0;
+  return PyObject_Length(value);
+}
+
+// Whether the state is the commonest (see the note): ``look`` may go on. -1: an error.
+int commonest(LaneObject* self) {
+  Py_ssize_t sizes[] = {size_in(self->router, s_owed), size_in(self->link, s_batches),
+                        size_in(self->link, s_held), size_in(self->poller, s_requests),
+                        size_in(self->poller, s_fresh)};
+  for (Py_ssize_t n : sizes) {
+    if (n < 0) return -1;
+    if (n > 0) return 0;
+  }
+  Py_ssize_t probes = size_in(self->poller, s_probes);
+  if (probes != 1) return probes < 0 ? -1 : 0;
+  PyObject* open = PyDict_GetItemWithError(self->link, s_open);
+  if (open == nullptr) return PyErr_Occurred() ? -1 : 0;
+  return open == Py_True;
+}
+
+// Send every packet queued (``MpiLink._send_packets``); false on an error raised.
+bool send_packets(LaneObject* self) {
+  auto& packets = *self->outbox->packets;
+  while (!packets.empty()) {
+    long dst = packets.front().first;
+    PyObject* packet = take_at(self->outbox, 0);
+    if (packet == nullptr) return false;
+    uint64_t pending = 0;
+    int code = self->calls->send(self->comm, PyByteArray_AS_STRING(packet),
+                                 PyByteArray_GET_SIZE(packet), static_cast<int>(dst),
+                                 self->tag, &pending);
+    if (self->observe != nullptr && self->observe != Py_None) {
+      PyObject* seen = PyObject_CallFunction(self->observe, "l", dst);
+      Py_XDECREF(seen);
+      if (seen == nullptr) {
+        Py_DECREF(packet);
+        return false;
+      }
+    }
+    if (code != 0 || pending != 0) {  // (rare: the link makes its handle)
+      PyObject* settled = PyObject_CallFunction(self->settle, "lOKi", dst, packet,
+                                                static_cast<unsigned long long>(pending), code);
+      Py_XDECREF(settled);
+      if (settled == nullptr) {
+        Py_DECREF(packet);
+        return false;
+      }
+    }
+    Py_DECREF(packet);
+  }
+  return true;
+}
+
+// ``Link.flush``'s commonest case: this link's flush no longer due; its packets sent.
+bool flush(LaneObject* self) {
+  OutboxObject* box = self->outbox;
+  if (box->waiting) {
+    box->waiting = 0;
+    Py_ssize_t n = PyList_GET_SIZE(box->due);
+    for (Py_ssize_t i = 0; i < n; i++) {
+      if (PyList_GET_ITEM(box->due, i) == box->due_entry) {
+        if (PyList_SetSlice(box->due, i, i + 1, nullptr) < 0) return false;
+        break;
+      }
+    }
+  }
+  return send_packets(self);
+}
+
+// Whether the lane may be used (not cleared by the collector); if not, an error is set.
+bool usable(LaneObject* self) {
+  if (self->outbox != nullptr && self->outbox->due != nullptr && self->link != nullptr &&
+      self->hurry != nullptr)
+    return true;
+  PyErr_SetString(PyExc_RuntimeError, "Lane: cleared");
+  return false;
+}
+
+// ``PostedLink.pump`` (the poller's probe, and each test of a look): 1 a message came
+// (taken), 0 none, -1 an error raised.
+int pump_once(LaneObject* self) {
+  PyObject* open = PyDict_GetItemWithError(self->link, s_open);
+  Py_ssize_t held = size_in(self->link, s_held);
+  if (held < 0 || (open == nullptr && PyErr_Occurred())) return -1;
+  if (held > 0 || open != Py_True) {
+    PyObject* found = PyObject_CallNoArgs(self->slow);
+    if (found == nullptr) return -1;
+    int truth = PyObject_IsTrue(found);
+    Py_DECREF(found);
+    return truth;
+  }
+  int done = 0, source = -1, count = 0;
+  int code = self->calls->test(self->request, &done, &source, &count);
+  if (code == 0 && !done) return 0;
+  PyObject *items = nullptr, *src = nullptr;
+  if (code == 0) {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(PyByteArray_AS_STRING(self->slot));
+    Py_ssize_t size = PyByteArray_GET_SIZE(self->slot);
+    if (count >= 16 && count <= size) {
+      uint32_t field[4];
+      for (int i = 0; i < 4; i++)
+        field[i] = p[4 * i] | (p[4 * i + 1] << 8) | (p[4 * i + 2] << 16) |
+                   (static_cast<uint32_t>(p[4 * i + 3]) << 24);
+      if (field[0] == 0 && field[2] == 0 && field[3] == 1 &&
+          field[1] <= static_cast<uint32_t>(count) - 16) {
+        src = PyLong_FromLong(source);
+        if (src == nullptr) return -1;
+        items = read_packet(p + 16, field[1], self->max_ndim,
+                            reinterpret_cast<PyTypeObject*>(self->message_type), src);
+      }
+    }
+  }
+  if (items == nullptr) {  // not a packet (or one the Python twin reads), or a failure
+    Py_XDECREF(src);
+    PyObject* taken = PyObject_CallFunction(self->other, "iii", source, count, code);
+    Py_XDECREF(taken);
+    return taken == nullptr ? -1 : 1;
+  }
+  code = self->calls->start(self->request);  // (read: the receive goes on at once)
+  PyObject* argv[2] = {src, items};
+  PyObject* delivered = PyObject_Vectorcall(self->deliver, argv, 2, nullptr);
+  Py_DECREF(src);
+  Py_DECREF(items);
+  Py_XDECREF(delivered);
+  if (delivered == nullptr) return -1;
+  if (code != 0) {  // (not seen: the receive completed above)
+    PyObject* failed = PyObject_CallFunction(self->other, "iii", source, -1, code);
+    Py_XDECREF(failed);
+    if (failed == nullptr) return -1;
+  }
+  return 1;
+}
+
+// Whether ``frames`` (a mailbox's deque) holds a message from ``src`` (None: any), or
+// where ``frames`` is callable, whether it returns true; -1 an error raised.
+int holds(PyObject* frames, PyObject* src) {
+  if (PyCallable_Check(frames)) {
+    PyObject* done = PyObject_CallNoArgs(frames);
+    if (done == nullptr) return -1;
+    int truth = PyObject_IsTrue(done);
+    Py_DECREF(done);
+    return truth;
+  }
+  Py_ssize_t n = PyObject_Length(frames);
+  if (n <= 0 || src == Py_None) return n < 0 ? -1 : n > 0;
+  for (Py_ssize_t i = 0; i < n; i++) {
+    PyObject* entry = PySequence_GetItem(frames, i);
+    if (entry == nullptr) return -1;
+    PyObject* from = PyTuple_Check(entry) ? PyTuple_GET_ITEM(entry, 0) : nullptr;
+    if (from != nullptr) Py_INCREF(from);
+    else from = PyObject_GetAttrString(entry, "src");
+    Py_DECREF(entry);
+    if (from == nullptr) return -1;
+    int same = PyObject_RichCompareBool(from, src, Py_EQ);
+    Py_DECREF(from);
+    if (same != 0) return same;
+  }
+  return 0;
+}
+
+bool set_float(PyObject* o, Py_ssize_t offset, double value) {
+  PyObject* f = PyFloat_FromDouble(value);
+  if (f == nullptr) return false;
+  Py_XSETREF(slot(o, offset), f);
+  return true;
+}
+
+// ``Hurry.allowed`` (this link's flush done already): -1 an error raised.
+int allowed(LaneObject* self, long tests) {
+  if (tests <= 0) return 0;
+  if (PyList_GET_SIZE(self->outbox->due) > 0) {  // other links' work goes first
+    PyObject* ran = PyObject_CallOneArg(self->run_due, self->loop);
+    Py_XDECREF(ran);
+    if (ran == nullptr) return -1;
+  }
+  PyObject* h = self->hurry;
+  double turn = PyFloat_AsDouble(slot(h, hurry.turn));
+  if (turn == -1.0 && PyErr_Occurred()) return -1;
+  double now = clock_now();
+  if (turn == 0.0) {
+    if (!set_float(h, hurry.turn, now)) return -1;
+    PyObject* handle = PyObject_CallOneArg(self->call_soon, self->turned);
+    Py_XDECREF(handle);
+    return handle == nullptr ? -1 : 1;
+  }
+  return now - turn <= FAIR_S;
+}
+
+// look(frames, src) -> int: see the note. 1: ``frames`` holds a message from ``src`` (None:
+// any), or ``frames()`` is true where it is callable (an actor's: a future's ``done``); 0: not (the look's budget spent, or refused until the loop turns: the Hurry's
+// ``refused``); -1: nothing done, the Python path's to do.
+PyObject* lane_look(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 2, "look(frames, src)")) return nullptr;
+  auto* self = reinterpret_cast<LaneObject*>(o);
+  if (!usable(self)) return nullptr;
+  PyObject *frames = args[0], *src = args[1], *h = self->hurry;
+  int state = commonest(self);
+  if (state <= 0) return state < 0 ? nullptr : PyLong_FromLong(-1);
+  if (!flush(self)) return nullptr;
+  long tests = PyLong_AsLong(slot(h, hurry.tests));
+  if (tests == -1 && PyErr_Occurred()) return nullptr;
+  int may = allowed(self, tests);
+  if (may < 0) return nullptr;
+  Py_INCREF(may || tests <= 0 ? Py_False : Py_True);
+  Py_XSETREF(slot(h, hurry.refused), may || tests <= 0 ? Py_False : Py_True);
+  if (!may) return PyLong_FromLong(0);
+  double start = clock_now();
+  double budget = PyFloat_AsDouble(slot(h, hurry.budget_s));
+  if (budget == -1.0 && PyErr_Occurred()) return nullptr;
+  for (long i = 0; i < tests || (budget > 0 && clock_now() < start + budget); i++) {
+    int found = pump_once(self);
+    if (found < 0) return nullptr;
+    if (!found) continue;
+    int there = holds(frames, src);
+    if (there != 0) return there < 0 ? nullptr : PyLong_FromLong(1);
+    state = commonest(self);  // (what came may have begun receives: the poller's sweep)
+    if (state <= 0) return state < 0 ? nullptr : PyLong_FromLong(-1);
+  }
+  if (!set_float(h, hurry.since, start)) return nullptr;
+  return PyLong_FromLong(0);
+}
+
+PyObject* lane_pump(PyObject* o, PyObject*) {
+  if (!usable(reinterpret_cast<LaneObject*>(o))) return nullptr;
+  int found = pump_once(reinterpret_cast<LaneObject*>(o));
+  if (found < 0) return nullptr;
+  return PyBool_FromLong(found);
+}
+
+PyObject* lane_flush(PyObject* o, PyObject*) {
+  if (!usable(reinterpret_cast<LaneObject*>(o))) return nullptr;
+  if (!send_packets(reinterpret_cast<LaneObject*>(o))) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* dict_of(PyObject* o) {
+  PyObject* d = PyObject_GenericGetDict(o, nullptr);
+  if (d != nullptr && !PyDict_Check(d)) {
+    Py_DECREF(d);
+    PyErr_SetString(PyExc_TypeError, "Lane: an object without a __dict__");
+    return nullptr;
+  }
+  return d;
+}
+
+PyObject* lane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  PyObject *outbox, *capsule, *comm, *request, *slot_, *deliver, *message_type, *settle,
+      *other, *slow, *link, *router, *poller, *h, *turned, *call_soon, *run_due, *loop;
+  int tag;
+  long max_ndim;
+  if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) > 0) {
+    PyErr_SetString(PyExc_TypeError, "Lane: positional arguments only");
+    return nullptr;
+  }
+  if (!PyArg_ParseTuple(args, "OOOOiOOOlOOOOOOOOOOO", &outbox, &capsule, &comm, &request, &tag,
+                        &slot_, &deliver, &message_type, &max_ndim, &settle, &other, &slow,
+                        &link, &router, &poller, &h, &turned, &call_soon, &run_due, &loop))
+    return nullptr;
+  auto* calls = static_cast<const LaneCalls*>(PyCapsule_GetPointer(capsule, "asyncomm.lane_calls"));
+  if (calls == nullptr) return nullptr;
+  if (calls->version != 1 || !PyByteArray_CheckExact(slot_) || hurry.type == nullptr ||
+      Py_TYPE(h) != hurry.type || !PyType_Check(message_type) ||
+      reinterpret_cast<OutboxObject*>(outbox)->due == nullptr ||
+      strcmp(Py_TYPE(outbox)->tp_name, "asyncomm_small.Outbox") != 0) {
+    PyErr_SetString(PyExc_TypeError, "Lane: calls of another version, or an argument of the "
+                                     "wrong kind (an attached Outbox, a bytearray, a Hurry)");
+    return nullptr;
+  }
+  uint64_t comm_bits = PyLong_AsUnsignedLongLongMask(comm);
+  uint64_t request_bits = PyLong_AsUnsignedLongLongMask(request);
+  if (PyErr_Occurred()) return nullptr;
+  auto* self = reinterpret_cast<LaneObject*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  self->calls = calls;
+  self->comm = comm_bits;
+  self->request = request_bits;
+  self->tag = tag;
+  self->max_ndim = max_ndim;
+  Py_INCREF(outbox);
+  self->outbox = reinterpret_cast<OutboxObject*>(outbox);
+  PyObject** kept[] = {&self->slot, &self->deliver, &self->message_type, &self->settle,
+                       &self->other, &self->slow, &self->hurry, &self->turned,
+                       &self->call_soon, &self->run_due, &self->loop};
+  PyObject* given[] = {slot_, deliver, message_type, settle, other, slow, h, turned,
+                       call_soon, run_due, loop};
+  for (int i = 0; i < 11; i++) {
+    Py_INCREF(given[i]);
+    *kept[i] = given[i];
+  }
+  self->link = dict_of(link);
+  self->router = self->link == nullptr ? nullptr : dict_of(router);
+  self->poller = self->router == nullptr ? nullptr : dict_of(poller);
+  if (self->poller == nullptr) {
+    Py_DECREF(self);
+    return nullptr;
+  }
+  return reinterpret_cast<PyObject*>(self);
+}
+
+int lane_traverse(PyObject* o, visitproc visit, void* arg) {
+  auto* self = reinterpret_cast<LaneObject*>(o);
+  Py_VISIT(Py_TYPE(o));
+  Py_VISIT(reinterpret_cast<PyObject*>(self->outbox));
+  PyObject* refs[] = {self->slot, self->deliver, self->message_type, self->settle,
+                      self->other, self->slow, self->link, self->router, self->poller,
+                      self->hurry, self->turned, self->call_soon, self->run_due, self->loop,
+                      self->observe};
+  for (PyObject* r : refs) Py_VISIT(r);
+  return 0;
+}
+
+int lane_clear(PyObject* o) {
+  auto* self = reinterpret_cast<LaneObject*>(o);
+  PyObject** refs[] = {&self->slot, &self->deliver, &self->message_type, &self->settle,
+                       &self->other, &self->slow, &self->link, &self->router,
+                       &self->poller, &self->hurry, &self->turned, &self->call_soon,
+                       &self->run_due, &self->loop, &self->observe};
+  for (PyObject** r : refs) Py_CLEAR(*r);
+  Py_CLEAR(self->outbox);
+  return 0;
+}
+
+void lane_dealloc(PyObject* o) {
+  PyObject_GC_UnTrack(o);
+  lane_clear(o);
+  PyTypeObject* type = Py_TYPE(o);
+  type->tp_free(o);
+  Py_DECREF(type);
+}
+
+PyMethodDef lane_methods[] = {
+    {"look", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(lane_look)),
+     METH_FASTCALL, "look(frames, src) -> 1 there, 0 not (looked or refused), -1 Python's"},
+    {"pump", lane_pump, METH_NOARGS, "pump() -> whether a message came (the poller's probe)"},
+    {"flush", lane_flush, METH_NOARGS, "flush(): send every packet queued"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyMemberDef lane_members[] = {
+    {"observe", T_OBJECT, offsetof(LaneObject, observe), 0,
+     "None, or called with each packet's destination as it is sent (for tests)"},
+    {nullptr, 0, 0, 0, nullptr}};
+
+PyType_Slot lane_slots[] = {
+    {Py_tp_members, lane_members},
+    {Py_tp_new, reinterpret_cast<void*>(lane_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(lane_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(lane_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(lane_clear)},
+    {Py_tp_methods, lane_methods},
+    {Py_tp_doc, const_cast<char*>("Lane(...): a polled link's small messages on their hot path")},
+    {0, nullptr}};
+
+PyType_Spec lane_spec = {"asyncomm_small.Lane", sizeof(LaneObject), 0,
+                         Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, lane_slots};
 
 PyMethodDef methods[] = {
     {"setup", setup, METH_O, "setup(table): the dtype codes, as (code, empty tensor)"},
@@ -1015,6 +1608,8 @@ PyMethodDef methods[] = {
     {"span", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(span)), METH_FASTCALL,
      "span(tensor, table) -> (address, bytes, table[dtype]) | None"},
     {"forget", forget, METH_NOARGS, "forget(): no descriptor kept"},
+    {"window_slots", window_slots, METH_O, "window_slots(type): post's windows are of type"},
+    {"hurry_slots", hurry_slots, METH_O, "hurry_slots(type): a Lane's Hurry is of type"},
     {"inline", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(inline_)),
      METH_FASTCALL, "inline(twin, max_ndim, code, payload) -> object"},
     {"unpack_packet", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unpack_packet)),
@@ -1038,6 +1633,22 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, ASYNCOMM_STR(TORCH_EXTENSION_NAME),
 PyMODINIT_FUNC ASYNCOMM_INIT(TORCH_EXTENSION_NAME)() {
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
+  one = PyLong_FromLong(1);  // (small ints are immortal in effect: never freed)
+  PyObject** names[] = {&s_held, &s_open, &s_batches, &s_owed, &s_probes, &s_requests, &s_fresh};
+  const char* texts[] = {"_held", "_open", "_batches", "_owed", "_probes", "_requests", "_fresh"};
+  for (int i = 0; i < 7; i++) {
+    *names[i] = PyUnicode_InternFromString(texts[i]);
+    if (*names[i] == nullptr) {
+      Py_DECREF(m);
+      return nullptr;
+    }
+  }
+  PyObject* lane = PyType_FromSpec(&lane_spec);
+  if (lane == nullptr || PyModule_AddObject(m, "Lane", lane) < 0) {
+    Py_XDECREF(lane);
+    Py_DECREF(m);
+    return nullptr;
+  }
   PyObject* outbox = PyType_FromSpec(&outbox_spec);
   if (outbox == nullptr || PyModule_AddObject(m, "Outbox", outbox) < 0) {
     Py_XDECREF(outbox);
