@@ -100,7 +100,11 @@ class MpiLink(Link):
     def open(self, arrivals: Any, limits: Any) -> None:
         super().open(arrivals, limits)
         self._open = True
+        self._begin(arrivals, limits)
         self._poller.probe(self._look)
+
+    def _begin(self, arrivals: Any, limits: Any) -> None:
+        """What the link sets up once open, before it is polled (``_look``)."""
 
     def stop(self) -> None:
         self._open = False
@@ -380,20 +384,25 @@ class PostedLink(MpiLink):
         self._posted.Start()
         self._posted_handle = self._posted.handle
         _posted.add(self)
-        if self._native is not None:  # (built only beside the compiled part: small.NATIVE)
-            # the hot path of small messages in compiled calls (see ``small.cpp``'s Lane):
-            # the poller's probe (``pump`` in one call), and a receiver's look
-            assert small.NATIVE is not None
-            hurry = self._poller.hurrying
-            lane = small.NATIVE.Lane(
-                self._outbox, self._native.lane_calls, self._comm_handle, self._posted_handle,
-                tags.LINK_MESSAGE, self._slot, arrivals.messages, arrivals.message_type,
-                limits.max_ndim, self._settle, self._other, self.pump, self, arrivals,
-                self._poller, hurry, hurry._turned, self._loop.call_soon, run_due, self._loop)
-            self._lane = lane
-            self._look = lane.pump
-            self.look = lane.look
         super().open(arrivals, limits)
+
+    def _begin(self, arrivals: Any, limits: Any) -> None:
+        if self._native is None:
+            return
+        # The hot path of small messages in compiled calls (see ``small.cpp``'s Lane): the
+        # poller's probe (``pump`` in one call), and a receiver's look. (Built only beside
+        # the compiled part, small.NATIVE, whose outbox is attached now.)
+        assert small.NATIVE is not None
+        hurry = self._poller.hurrying
+        lane = small.NATIVE.Lane(
+            self._outbox, self._native.lane_calls, self._comm_handle, self._posted_handle,
+            tags.LINK_MESSAGE, self._slot, arrivals.messages, arrivals.message_type,
+            limits.max_ndim, self._settle, self._other, self.pump, arrivals.pay_held, self,
+            arrivals,
+            self._poller, hurry, hurry._turned, self._loop.call_soon, run_due, self._loop)
+        self._lane = lane
+        self._look = lane.pump
+        self.look = lane.look
 
     def stop(self) -> None:
         posted, self._posted = self._posted, None

@@ -25,8 +25,6 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from asyncomm._core import small
-
 FAIR_S = 1e-3  # tasks that hurry hold the loop from its other work at most about so long
 
 Due = tuple[asyncio.AbstractEventLoop, Callable[[], object]]  # work, on its loop
@@ -152,7 +150,3 @@ class Hurry:
                 self.budget_s = min(self.max_s, max(self.budget_s, 1.5 * waited))
             else:
                 self.budget_s = self.budget_s / 2 if self.budget_s > 1e-6 else 0.0
-
-
-if small.NATIVE is not None:  # (a compiled lane's look reads and sets a Hurry's slots)
-    small.NATIVE.hurry_slots(Hurry)

@@ -117,6 +117,11 @@ class Arrivals(Protocol):
     def message_type(self) -> type[tuple[Any, ...]]:
         """What a message is delivered as: a tuple type of (src, tag, data)."""
 
+    @property
+    def window_type(self) -> type:
+        """What ``Link.post``'s windows are: a class with ``__slots__`` open, messages_out,
+        seq and waiters (the sender's credit towards one receiver and channel)."""
+
     def items(self, src: int, items: list[Any]) -> None:
         """The small frames of a packet from ``src``, decoded: ``small.unpack_packet``'s
         items."""
@@ -183,12 +188,9 @@ class Link(ABC):
         # ``DUE`` then, as ``_due``) and whether a flush is asked of the loop, at its
         # iteration's end (``flush_due``): ``_begun``, or the compiled outbox's ``post``.
         self._due: Due = (loop, self._flush_looked)
-        # ``Channel.send``'s commonest case (see ``post``): the compiled outbox's own
-        if small.NATIVE is not None and not isinstance(self._outbox, outbox.Outbox):
-            self._outbox.attach(DUE, self._due, loop.call_soon, self._flush_due_now)
-            self.post: Callable[[Any, int, int, object, int, int, int], int] = self._outbox.post
-        else:
-            self.post = self._post_message
+        # ``Channel.send``'s commonest case (see ``_post_message``): once open, the
+        # compiled outbox's own ``post`` where it is built
+        self.post: Callable[[Any, int, int, object, int, int, int], int] = self._post_message
         # a link message's packet read, its messages made, by the compiled part (``None``:
         # not built), as ``arrivals.message_type`` (set when the link opens)
         self._unpack = None if small.NATIVE is None else small.NATIVE.unpack_message
@@ -209,6 +211,11 @@ class Link(ABC):
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         """Start receiving: every frame that arrives goes to ``arrivals``."""
         self._arrivals, self._limits = arrivals, limits
+        if small.NATIVE is not None and not isinstance(self._outbox, outbox.Outbox):
+            compiled: Any = self._outbox
+            compiled.attach(DUE, self._due, self._loop.call_soon, self._flush_due_now,
+                            arrivals.window_type)
+            self.post = compiled.post
         self._message_type = arrivals.message_type
 
     looks = False  # whether ``hurry`` may find anything (links that poll)
@@ -312,9 +319,10 @@ class Link(ABC):
 
     def _post_message(self, window: Any, dst: int, tag: int, obj: object, room: int,
                       max_ndim: int, limit: int) -> int:
-        """``post`` (a channel's small message through its ``window``, see ``Channel.send``),
-        where the outbox is not the compiled one: as its ``post``, but a packet found full
-        is sent and the message queued (0), and -2 says nothing was queued either way."""
+        """``post``: a channel's small message through its ``window`` (see ``Channel.post``),
+        where the outbox is not the compiled one (whose ``post`` answers as its ``message``,
+        or -3 where the window does not let it: see ``small.cpp``). Here a packet found
+        full is sent and the message queued (0), and -2 says nothing was queued."""
         out = window.messages_out
         if (not window.open or out >= limit or window.waiters
                 or not self.send_message(dst, tag, window.seq, obj, room, max_ndim)):

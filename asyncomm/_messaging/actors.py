@@ -115,6 +115,9 @@ class Host:
         self._tasks = [loop.create_task(self._serve_requests()),
                        loop.create_task(self._serve_replies())]
         router.on_dead.append(self._fail_dead)
+        # (``_check_open``'s sets, as ``_call`` asks them inline)
+        self._dead, self._ended = router.dead, self._requests._box.ended
+        self._replies_ended = self._replies._box.ended
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
         self._look = router.link.look  # the router's flush and ``_hurry`` in one, where compiled
 
@@ -166,9 +169,14 @@ class Host:
     def _on_request(self, entry: Entry) -> None:
         """The requests' listener: route each to its actor as it arrives."""
         try:
-            data = self._requests.opened(entry)
-            self._route(entry if type(entry) is Message
-                        else Message(entry.src, tags.ACTOR_REQUEST, data))
+            data: Any = self._requests.opened(entry)
+            message = entry if type(entry) is Message else Message(entry.src,
+                                                                   tags.ACTOR_REQUEST, data)
+            inbox = self._actors.get(data[1])  # (``_route``'s commonest, inline)
+            if inbox is None:
+                self._route(message)
+            else:
+                inbox.put(message)  # type: ignore[arg-type]
         except Exception as exc:  # a malformed message: say so, and go on with the next
             self._refused(entry, exc)
 
@@ -176,7 +184,10 @@ class Host:
         """The replies' listener: settle each call as its reply arrives."""
         try:
             reply: Any = self._replies.opened(frame)
-            self._settle(*reply)
+            call_id, ok, result = reply
+            pending = self._calls.get(call_id)  # (``_settle``, inline)
+            if pending is not None and not pending[1].done():
+                pending[1].set_result((ok, result))
         except Exception as exc:
             self._refused(frame, exc)
 
@@ -247,7 +258,8 @@ class Host:
 
     async def _call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
                     kwargs: dict[str, Any], timeout: float | None) -> Any:
-        self._check_open(rank, name, method)
+        if rank in self._dead or rank in self._ended or rank in self._replies_ended:
+            self._check_open(rank, name, method)  # which says why not
         call_id = next(self._ids)
         future = self._loop.create_future()
         self._calls[call_id] = (rank, future, name, method)

@@ -74,7 +74,7 @@ class Channel:
         """
         window = self._windows.get(dst) if type(dst) is int else None
         if window is not None:  # a rank checked before, small messages
-            # the fast path (``_go``, inline): encoded and queued at once, sent with the
+            # the fast path (``post``'s, inline): encoded and queued at once, sent with the
             # iteration's other frames
             got = (self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
                               self._window)
@@ -94,12 +94,9 @@ class Channel:
                     or not 0 <= dst < self._router.size):
                 return False
             window = self._windows[dst] = self._router.window_to(dst, self.tag)
-        return self._go(window, obj, dst)
-
-    def _go(self, window: Window, obj: object, dst: int) -> bool:
-        """``post`` to ``dst`` through its ``window``: encoded and queued by the link's outbox
-        (``Link.post``) if small and the window lets it. Else ``send`` waits for credit,
-        says why it cannot send, delivers a message to this rank itself, or traces it."""
+        # Encoded and queued by the link's outbox (``Link.post``) if small and the window
+        # lets it. Else ``send`` waits for credit, says why it cannot send, delivers a
+        # message to this rank itself, or traces it.
         if self._traced and self._probe_of.recording is not None:
             return False
         got = self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
@@ -107,7 +104,7 @@ class Channel:
         return got >= 0 or (got == -1 and self._go_full(window, obj, dst))
 
     def _go_full(self, window: Window, obj: object, dst: int) -> bool:
-        """``_go`` found ``dst``'s packet full: it goes now, and the message in the next."""
+        """``post`` found ``dst``'s packet full: it goes now, and the message in the next."""
         self._full(dst)
         return self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
                           self._window) >= 0
@@ -333,7 +330,13 @@ class Channel:
         messages so.
         """
         if type(entry) is Message and self._small_room and not self._traced:
-            return self._took(entry)[2]  # the commonest: an actor's request or reply
+            # the commonest: an actor's request or reply (``_took``, inline)
+            done = self._box.taken.get(entry[0])
+            if done is not None and done[0] < self._batch_less_one:
+                done[0] += 1
+            else:
+                self._router.took(entry, self._box)
+            return entry[2]
         router = self._router
         router.took(entry, self._box)
         if type(entry) is Message:  # a small message: decoded on arrival (the default codec's)

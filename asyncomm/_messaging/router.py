@@ -139,12 +139,11 @@ class Window:
         self.open = open
 
 
-if small.NATIVE is not None:  # (the compiled outbox's ``post`` reads and sets its slots)
-    small.NATIVE.window_slots(Window)
-
 
 class Router(Delivery):
     """This rank's receive loop and send side for every channel of one communicator."""
+
+    window_type = Window  # what its windows are (``Link.post`` reads and sets their slots)
 
     def __init__(self, rank: int, size: int, link: Link, peers: Releasing,
                  probe: instrument.Probe, probe_s: float = 0.5, window: int = 64,
@@ -527,6 +526,11 @@ class Router(Delivery):
         elif self._owed:
             self._pay(False)
             self.link.flush()
+
+    def pay_held(self) -> None:
+        """The credit owed, paid as a task about to wait pays it (``flush(waiting=True)``;
+        a compiled lane's look calls this where any is owed)."""
+        self._pay(self._hold_credit)
 
     def _pay(self, hold: bool) -> None:
         """Queue a credit frame for each channel credit is owed on, but (``hold``) a lone

@@ -735,6 +735,8 @@ struct OutboxObject {
   // asked of the loop (``call_soon(flush_soon)``, at the iteration's end)
   char waiting, flush_due;  // (T_BOOL members)
   PyObject *due, *due_entry, *call_soon, *flush_soon;
+  PyTypeObject* window;  // ``post``'s windows: where their slots lie (``attach``)
+  Py_ssize_t open, messages_out, seq, waiters;
 };
 
 Packet* find(OutboxObject* self, long dst) {
@@ -855,12 +857,6 @@ PyObject* outbox_message(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
 
 PyObject* one = nullptr;  // (set as the module loads)
 
-// A ``router.Window``'s slots, as ``post`` reads and sets them (``window_slots``).
-struct WindowSlots {
-  PyTypeObject* type = nullptr;
-  Py_ssize_t open = 0, messages_out = 0, seq = 0, waiters = 0;
-} window;
-
 PyObject*& slot(PyObject* o, Py_ssize_t offset) {
   return *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(o) + offset);
 }
@@ -878,21 +874,6 @@ bool slot_offsets(PyTypeObject* t, const char* const* names, Py_ssize_t* const* 
     *offsets[i] = reinterpret_cast<PyMemberDescrObject*>(d)->d_member->offset;
   }
   return true;
-}
-
-// window_slots(type): ``post``'s windows are of ``type`` (a class with ``__slots__``
-// open, messages_out, seq and waiters): where each slot lies.
-PyObject* window_slots(PyObject*, PyObject* type) {
-  if (!PyType_Check(type)) {
-    PyErr_SetString(PyExc_TypeError, "window_slots(type)");
-    return nullptr;
-  }
-  const char* names[] = {"open", "messages_out", "seq", "waiters"};
-  Py_ssize_t* offsets[] = {&window.open, &window.messages_out, &window.seq, &window.waiters};
-  if (!slot_offsets(reinterpret_cast<PyTypeObject*>(type), names, offsets, 4)) return nullptr;
-  Py_INCREF(type);
-  Py_XSETREF(window.type, reinterpret_cast<PyTypeObject*>(type));
-  Py_RETURN_NONE;
 }
 
 // The link's flush asked for (``Link._begun``'s commonest case): in ``due``, and of the loop.
@@ -921,12 +902,12 @@ PyObject* outbox_post(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
   if (!arity(nargs, 7, "post(window, dst, tag, obj, room, max_ndim, limit)")) return nullptr;
   auto* self = reinterpret_cast<OutboxObject*>(o);
   PyObject* w = args[0];
-  if (window.type == nullptr || Py_TYPE(w) != window.type || self->due == nullptr) {
+  if (self->window == nullptr || Py_TYPE(w) != self->window || self->due == nullptr) {
     PyErr_SetString(PyExc_TypeError, "post: not a window, or the outbox not attached");
     return nullptr;
   }
-  PyObject *open = slot(w, window.open), *out = slot(w, window.messages_out);
-  PyObject *seq = slot(w, window.seq), *waiters = slot(w, window.waiters);
+  PyObject *open = slot(w, self->open), *out = slot(w, self->messages_out);
+  PyObject *seq = slot(w, self->seq), *waiters = slot(w, self->waiters);
   if (open == nullptr || out == nullptr || seq == nullptr || waiters == nullptr) {
     PyErr_SetString(PyExc_AttributeError, "post: a window's slot is not set");
     return nullptr;
@@ -949,19 +930,26 @@ PyObject* outbox_post(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
     Py_DECREF(got);
     return nullptr;
   }
-  Py_SETREF(slot(w, window.messages_out), more);
-  Py_SETREF(slot(w, window.seq), next);
+  Py_SETREF(slot(w, self->messages_out), more);
+  Py_SETREF(slot(w, self->seq), next);
   return got;
 }
 
-// attach(due, due_entry, call_soon, flush_soon): how ``post`` asks for its link's flush.
+// attach(due, due_entry, call_soon, flush_soon, window): how ``post`` asks for its link's
+// flush, and the class of its windows (``__slots__`` open, messages_out, seq and waiters).
 PyObject* outbox_attach(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity(nargs, 4, "attach(due, due_entry, call_soon, flush_soon)")) return nullptr;
-  if (!PyList_CheckExact(args[0])) {
-    PyErr_SetString(PyExc_TypeError, "attach: due must be a list");
+  if (!arity(nargs, 5, "attach(due, due_entry, call_soon, flush_soon, window)")) return nullptr;
+  if (!PyList_CheckExact(args[0]) || !PyType_Check(args[4])) {
+    PyErr_SetString(PyExc_TypeError, "attach: due must be a list, window a class");
     return nullptr;
   }
   auto* self = reinterpret_cast<OutboxObject*>(o);
+  auto* window = reinterpret_cast<PyTypeObject*>(args[4]);
+  const char* names[] = {"open", "messages_out", "seq", "waiters"};
+  Py_ssize_t* offsets[] = {&self->open, &self->messages_out, &self->seq, &self->waiters};
+  if (!slot_offsets(window, names, offsets, 4)) return nullptr;
+  Py_INCREF(window);
+  Py_XSETREF(self->window, window);
   PyObject** fields[] = {&self->due, &self->due_entry, &self->call_soon, &self->flush_soon};
   for (int i = 0; i < 4; i++) {
     Py_INCREF(args[i]);
@@ -1107,6 +1095,7 @@ int outbox_traverse(PyObject* o, visitproc visit, void* arg) {
   Py_VISIT(self->due_entry);
   Py_VISIT(self->call_soon);
   Py_VISIT(self->flush_soon);
+  Py_VISIT(self->window);
   return 0;
 }
 
@@ -1117,6 +1106,7 @@ int outbox_clear(PyObject* o) {
   Py_CLEAR(self->due_entry);
   Py_CLEAR(self->call_soon);
   Py_CLEAR(self->flush_soon);
+  Py_CLEAR(self->window);
   return 0;
 }
 
@@ -1139,7 +1129,7 @@ PyMethodDef outbox_methods[] = {
     {"post", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_post)),
      METH_FASTCALL, "post(window, dst, tag, obj, room, max_ndim, limit) -> as message, or -3"},
     {"attach", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_attach)),
-     METH_FASTCALL, "attach(due, due_entry, call_soon, flush_soon): how post asks for a flush"},
+     METH_FASTCALL, "attach(due, due_entry, call_soon, flush_soon, window): for post"},
     {"small", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(outbox_small)),
      METH_FASTCALL, "small(dst, kind, tag, seq, body) -> as data"},
     {"take", outbox_take, METH_O, "take(dst) -> bytearray | None: the packet, laid out"},
@@ -1175,16 +1165,18 @@ PyType_Spec outbox_spec = {"asyncomm_small.Outbox", sizeof(OutboxObject), 0,
 // -- the lane: a polled link's small messages on their hot path --------------------------
 //
 // What a channel's ``recv`` does before it parks, where the link polls a receive kept
-// posted (MPI's ``PostedLink``), in one call (``look``): the link's flush (``Link.flush``:
-// the packets queued, sent), the loop's fairness (``Hurry.allowed``), then the receive
-// tested and each packet that came read and handed to the delivery (``Delivery.messages``),
-// until the mailbox holds what the receiver wants or the look's budget is spent
-// (``Hurry.run``). Each of these is a Python call of its own otherwise (a ping-pong leg's
-// every message); the rules stay theirs: wherever the state is not the commonest (credit
-// owed, frames held, requests in flight, other links' work due) ``look`` says so before it
-// does anything, and the Python path runs instead. The transport's calls come from its
-// compiled module (``LaneCalls``, a capsule); the Python objects' state is read from their
-// slots and dictionaries, where the Python code keeps it.
+// posted (MPI's ``PostedLink``), in one call (``look``): the router's flush
+// (``Router.flush(waiting=True)``: the credit owed, then the packets queued, sent), the
+// loop's fairness (``Hurry.allowed``), then the receive tested and each packet that came
+// read and handed to the delivery (``Delivery.messages``), until the mailbox holds what the
+// receiver wants or the look's budget is spent (``Hurry.run``). Each of these is a Python
+// call of its own otherwise (a ping-pong leg's every message). The rules stay theirs: the
+// credit owed is paid by the router's own code, other links' work due by ``run_due``, and
+// wherever the state is not the commonest (frames held, a batch of envelopes pending,
+// requests in flight, several probes) ``look`` says so before it does anything, and the
+// Python path runs instead. The transport's calls come from its compiled module
+// (``LaneCalls``, a capsule); the Python objects' state is read from their slots and
+// dictionaries, where the Python code keeps it.
 
 struct LaneCalls {  // (the layout of mpi.cpp's: ``version`` 1)
   int version;
@@ -1202,26 +1194,6 @@ double clock_now() {  // time.perf_counter's clock (Linux: CLOCK_MONOTONIC)
   return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
 }
 
-// A ``hurry.Hurry``'s slots (``hurry_slots``), as ``look`` reads and sets them.
-struct HurrySlots {
-  PyTypeObject* type = nullptr;
-  Py_ssize_t tests = 0, budget_s = 0, since = 0, turn = 0, refused = 0;
-} hurry;
-
-PyObject* hurry_slots(PyObject*, PyObject* type) {
-  if (!PyType_Check(type)) {
-    PyErr_SetString(PyExc_TypeError, "hurry_slots(type)");
-    return nullptr;
-  }
-  const char* names[] = {"tests", "budget_s", "_since", "_turn", "refused"};
-  Py_ssize_t* offsets[] = {&hurry.tests, &hurry.budget_s, &hurry.since, &hurry.turn,
-                           &hurry.refused};
-  if (!slot_offsets(reinterpret_cast<PyTypeObject*>(type), names, offsets, 5)) return nullptr;
-  Py_INCREF(type);
-  Py_XSETREF(hurry.type, reinterpret_cast<PyTypeObject*>(type));
-  Py_RETURN_NONE;
-}
-
 struct LaneObject {
   PyObject_HEAD
   OutboxObject* outbox;
@@ -1235,8 +1207,10 @@ struct LaneObject {
   PyObject *settle;        // link._settle(dst, packet, pending, code): a send not done at once
   PyObject *other;         // link._other(src, count, code): not a packet, or a failed receive
   PyObject *slow;          // link.pump: the Python path, while frames are held or it closed
+  PyObject *pay;           // router.pay_held(): the credit owed, as a waiting task pays it
   PyObject *link, *router, *poller;  // their __dict__s
-  PyObject *hurry;         // the poller's Hurry
+  PyObject *hurry;         // the poller's Hurry: where its slots lie, below
+  Py_ssize_t tests, budget_s, since, turn, refused;
   PyObject *turned, *call_soon, *run_due, *loop;
   PyObject* observe;       // None, or called with each packet's destination as it is sent
 };
@@ -1251,9 +1225,8 @@ Py_ssize_t size_in(PyObject* dict, PyObject* name) {  // len(dict[name]), 0 if a
 
 // Whether the state is the commonest (see the note): ``look`` may go on. -1: an error.
 int commonest(LaneObject* self) {
-  Py_ssize_t sizes[] = {size_in(self->router, s_owed), size_in(self->link, s_batches),
-                        size_in(self->link, s_held), size_in(self->poller, s_requests),
-                        size_in(self->poller, s_fresh)};
+  Py_ssize_t sizes[] = {size_in(self->link, s_batches), size_in(self->link, s_held),
+                        size_in(self->poller, s_requests), size_in(self->poller, s_fresh)};
   for (Py_ssize_t n : sizes) {
     if (n < 0) return -1;
     if (n > 0) return 0;
@@ -1298,8 +1271,16 @@ bool send_packets(LaneObject* self) {
   return true;
 }
 
-// ``Link.flush``'s commonest case: this link's flush no longer due; its packets sent.
+// ``Router.flush(waiting=True)``'s commonest case: the credit owed paid as a waiting task
+// pays it (``pay``, where any is owed), this link's flush no longer due, its packets sent.
 bool flush(LaneObject* self) {
+  Py_ssize_t owed = size_in(self->router, s_owed);
+  if (owed < 0) return false;
+  if (owed > 0) {
+    PyObject* paid = PyObject_CallNoArgs(self->pay);
+    if (paid == nullptr) return false;
+    Py_DECREF(paid);
+  }
   OutboxObject* box = self->outbox;
   if (box->waiting) {
     box->waiting = 0;
@@ -1421,11 +1402,11 @@ int allowed(LaneObject* self, long tests) {
     if (ran == nullptr) return -1;
   }
   PyObject* h = self->hurry;
-  double turn = PyFloat_AsDouble(slot(h, hurry.turn));
+  double turn = PyFloat_AsDouble(slot(h, self->turn));
   if (turn == -1.0 && PyErr_Occurred()) return -1;
   double now = clock_now();
   if (turn == 0.0) {
-    if (!set_float(h, hurry.turn, now)) return -1;
+    if (!set_float(h, self->turn, now)) return -1;
     PyObject* handle = PyObject_CallOneArg(self->call_soon, self->turned);
     Py_XDECREF(handle);
     return handle == nullptr ? -1 : 1;
@@ -1444,15 +1425,15 @@ PyObject* lane_look(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
   int state = commonest(self);
   if (state <= 0) return state < 0 ? nullptr : PyLong_FromLong(-1);
   if (!flush(self)) return nullptr;
-  long tests = PyLong_AsLong(slot(h, hurry.tests));
+  long tests = PyLong_AsLong(slot(h, self->tests));
   if (tests == -1 && PyErr_Occurred()) return nullptr;
   int may = allowed(self, tests);
   if (may < 0) return nullptr;
   Py_INCREF(may || tests <= 0 ? Py_False : Py_True);
-  Py_XSETREF(slot(h, hurry.refused), may || tests <= 0 ? Py_False : Py_True);
+  Py_XSETREF(slot(h, self->refused), may || tests <= 0 ? Py_False : Py_True);
   if (!may) return PyLong_FromLong(0);
   double start = clock_now();
-  double budget = PyFloat_AsDouble(slot(h, hurry.budget_s));
+  double budget = PyFloat_AsDouble(slot(h, self->budget_s));
   if (budget == -1.0 && PyErr_Occurred()) return nullptr;
   for (long i = 0; i < tests || (budget > 0 && clock_now() < start + budget); i++) {
     int found = pump_once(self);
@@ -1463,7 +1444,7 @@ PyObject* lane_look(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
     state = commonest(self);  // (what came may have begun receives: the poller's sweep)
     if (state <= 0) return state < 0 ? nullptr : PyLong_FromLong(-1);
   }
-  if (!set_float(h, hurry.since, start)) return nullptr;
+  if (!set_float(h, self->since, start)) return nullptr;
   return PyLong_FromLong(0);
 }
 
@@ -1492,32 +1473,41 @@ PyObject* dict_of(PyObject* o) {
 
 PyObject* lane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *outbox, *capsule, *comm, *request, *slot_, *deliver, *message_type, *settle,
-      *other, *slow, *link, *router, *poller, *h, *turned, *call_soon, *run_due, *loop;
+      *other, *slow, *pay, *link, *router, *poller, *h, *turned, *call_soon, *run_due, *loop;
   int tag;
   long max_ndim;
   if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) > 0) {
     PyErr_SetString(PyExc_TypeError, "Lane: positional arguments only");
     return nullptr;
   }
-  if (!PyArg_ParseTuple(args, "OOOOiOOOlOOOOOOOOOOO", &outbox, &capsule, &comm, &request, &tag,
-                        &slot_, &deliver, &message_type, &max_ndim, &settle, &other, &slow,
-                        &link, &router, &poller, &h, &turned, &call_soon, &run_due, &loop))
+  if (!PyArg_ParseTuple(args, "OOOOiOOOlOOOOOOOOOOOO", &outbox, &capsule, &comm, &request,
+                        &tag, &slot_, &deliver, &message_type, &max_ndim, &settle, &other,
+                        &slow, &pay, &link, &router, &poller, &h, &turned, &call_soon,
+                        &run_due, &loop))
     return nullptr;
   auto* calls = static_cast<const LaneCalls*>(PyCapsule_GetPointer(capsule, "asyncomm.lane_calls"));
   if (calls == nullptr) return nullptr;
-  if (calls->version != 1 || !PyByteArray_CheckExact(slot_) || hurry.type == nullptr ||
-      Py_TYPE(h) != hurry.type || !PyType_Check(message_type) ||
+  if (calls->version != 1 || !PyByteArray_CheckExact(slot_) || !PyType_Check(message_type) ||
       reinterpret_cast<OutboxObject*>(outbox)->due == nullptr ||
       strcmp(Py_TYPE(outbox)->tp_name, "asyncomm_small.Outbox") != 0) {
     PyErr_SetString(PyExc_TypeError, "Lane: calls of another version, or an argument of the "
-                                     "wrong kind (an attached Outbox, a bytearray, a Hurry)");
+                                     "wrong kind (an attached Outbox, a bytearray)");
     return nullptr;
   }
   uint64_t comm_bits = PyLong_AsUnsignedLongLongMask(comm);
   uint64_t request_bits = PyLong_AsUnsignedLongLongMask(request);
   if (PyErr_Occurred()) return nullptr;
+  const char* names[] = {"tests", "budget_s", "_since", "_turn", "refused"};
+  Py_ssize_t offsets[5];
+  Py_ssize_t* into[] = {&offsets[0], &offsets[1], &offsets[2], &offsets[3], &offsets[4]};
+  if (!slot_offsets(Py_TYPE(h), names, into, 5)) return nullptr;
   auto* self = reinterpret_cast<LaneObject*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
+  self->tests = offsets[0];
+  self->budget_s = offsets[1];
+  self->since = offsets[2];
+  self->turn = offsets[3];
+  self->refused = offsets[4];
   self->calls = calls;
   self->comm = comm_bits;
   self->request = request_bits;
@@ -1526,11 +1516,11 @@ PyObject* lane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   Py_INCREF(outbox);
   self->outbox = reinterpret_cast<OutboxObject*>(outbox);
   PyObject** kept[] = {&self->slot, &self->deliver, &self->message_type, &self->settle,
-                       &self->other, &self->slow, &self->hurry, &self->turned,
+                       &self->other, &self->slow, &self->pay, &self->hurry, &self->turned,
                        &self->call_soon, &self->run_due, &self->loop};
-  PyObject* given[] = {slot_, deliver, message_type, settle, other, slow, h, turned,
+  PyObject* given[] = {slot_, deliver, message_type, settle, other, slow, pay, h, turned,
                        call_soon, run_due, loop};
-  for (int i = 0; i < 11; i++) {
+  for (int i = 0; i < 12; i++) {
     Py_INCREF(given[i]);
     *kept[i] = given[i];
   }
@@ -1549,7 +1539,7 @@ int lane_traverse(PyObject* o, visitproc visit, void* arg) {
   Py_VISIT(Py_TYPE(o));
   Py_VISIT(reinterpret_cast<PyObject*>(self->outbox));
   PyObject* refs[] = {self->slot, self->deliver, self->message_type, self->settle,
-                      self->other, self->slow, self->link, self->router, self->poller,
+                      self->other, self->slow, self->pay, self->link, self->router, self->poller,
                       self->hurry, self->turned, self->call_soon, self->run_due, self->loop,
                       self->observe};
   for (PyObject* r : refs) Py_VISIT(r);
@@ -1559,7 +1549,7 @@ int lane_traverse(PyObject* o, visitproc visit, void* arg) {
 int lane_clear(PyObject* o) {
   auto* self = reinterpret_cast<LaneObject*>(o);
   PyObject** refs[] = {&self->slot, &self->deliver, &self->message_type, &self->settle,
-                       &self->other, &self->slow, &self->link, &self->router,
+                       &self->other, &self->slow, &self->pay, &self->link, &self->router,
                        &self->poller, &self->hurry, &self->turned, &self->call_soon,
                        &self->run_due, &self->loop, &self->observe};
   for (PyObject** r : refs) Py_CLEAR(*r);
@@ -1608,8 +1598,6 @@ PyMethodDef methods[] = {
     {"span", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(span)), METH_FASTCALL,
      "span(tensor, table) -> (address, bytes, table[dtype]) | None"},
     {"forget", forget, METH_NOARGS, "forget(): no descriptor kept"},
-    {"window_slots", window_slots, METH_O, "window_slots(type): post's windows are of type"},
-    {"hurry_slots", hurry_slots, METH_O, "hurry_slots(type): a Lane's Hurry is of type"},
     {"inline", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(inline_)),
      METH_FASTCALL, "inline(twin, max_ndim, code, payload) -> object"},
     {"unpack_packet", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unpack_packet)),

@@ -7,13 +7,13 @@ noise of separate launches on a shared machine (the same code reads 4.5x in one 
 and 5.1x in the next); alternating both versions in the same processes, each block on a
 fresh communicator, shares that noise between them. Run with
 
-    python docs/prototypes/ab_pingpong.py OLD NEW [BLOCKS [channel|awaited|all_reduce]]
+    python docs/prototypes/ab_pingpong.py OLD NEW [BLOCKS [channel|awaited|all_reduce|actor|rate]]
 
 where OLD and NEW are folders that each hold an ``asyncomm`` package (``git archive REV
 asyncomm | tar -x -C OLD``; both built: ``PYTHONPATH=OLD python -m asyncomm build``). It
 copies each under a name of its own, then runs 2 ranks under ``mpiexec``; rank 0 prints
-both medians (one-way, µs; an all-reduce's whole time), their ratio and in how many
-blocks NEW was faster. Two copies of the same code read 0.99-1.01. uvloop runs where it
+both medians (one-way, µs; an all-reduce's whole time; half an actor call; a message of a
+burst), their ratio and in how many blocks NEW was faster. Two copies of the same code read 0.99-1.01. uvloop runs where it
 is installed, as under ``asyncomm.run``.
 """
 
@@ -56,6 +56,26 @@ async def one_way(comm, n: int, what: str) -> float:
         for _ in range(n):
             await comm.all_reduce(t)
         return (time.perf_counter() - start) / n * 1e6
+    if what == "rate":  # 64 small dicts one after the other, then an ack (µs a message)
+        small, ack, message = comm.channel(2), comm.channel(3), {"step": 0, "ids": [1, 2]}
+        rounds = n // 64
+        for _ in range(rounds):
+            if comm.rank == 0:
+                for _ in range(64):
+                    await small.send(message, peer)
+                await ack.recv(peer)
+            else:
+                for _ in range(64):
+                    await small.recv(peer)
+                await ack.send(0, peer)
+        return (time.perf_counter() - start) / (rounds * 64) * 1e6
+    if what == "actor":  # rank 0 calls, rank 1 serves: one call a round trip
+        if comm.rank == 0:
+            ref = comm.actor(1, "echo")
+            for _ in range(n):
+                await ref.echo(t)
+        await comm.barrier()
+        return (time.perf_counter() - start) / n / 2 * 1e6
     if what == "awaited":
         first, second = ((lambda: comm.send(t, peer, 5)), (lambda: comm.recv(t, peer, 5)))
     else:
@@ -70,6 +90,14 @@ async def one_way(comm, n: int, what: str) -> float:
 
 async def block(package, what: str) -> tuple[float, int]:
     async with package.init(backend="mpi") as comm:
+        if what == "actor":
+            class Echo(package.Actor):
+                @package.endpoint
+                def echo(self, x: object) -> object:
+                    return x
+
+            comm.serve(Echo(), "echo")
+            await comm.barrier()
         await one_way(comm, 1000, what)
         return await one_way(comm, N, what), comm.rank
 

@@ -1,0 +1,188 @@
+"""The compiled hot path of small messages: a channel's post in one call (both backends),
+and on MPI the lane's look (``small.cpp``'s ``Lane``): real worlds, counted, not timed."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import weakref
+from typing import Any
+
+import pytest
+import torch
+
+import asyncomm
+from asyncomm import Comm
+from asyncomm._core import small
+from asyncomm.testing import World, fresh
+
+compiled = pytest.mark.skipif(small.NATIVE is None, reason="the compiled part is not built")
+
+
+def counted_looks(comm: Comm) -> collections.Counter[int]:
+    """Count what the link's ``look`` answers (1 there, 0 not, -1 the Python way) for the
+    channels made from now on and the communicator's actors (private: they bind it)."""
+    link, host = comm._router.link, comm._host
+    look, answers = link.look, collections.Counter[int]()
+    assert look is not None
+
+    def counting(frames: Any, src: int | None) -> int:
+        found = look(frames, src)
+        answers[found] += 1
+        return found
+
+    link.look = host._look = counting
+    return answers
+
+
+async def check_looks_in_one_call(comm: Comm) -> tuple[dict[int, int], dict[int, int]]:
+    # A ping-pong, then bursts of 64 small dicts each answered by an ack: a receiver about
+    # to wait flushes, pays the credit it owes and looks in one compiled call; the Python
+    # path (``Router.flush``, then ``Link.hurry``) only where the state is not the
+    # commonest. Before the look paid credit itself, three looks in four of the bursts
+    # went the Python way (a batch of credit held back was owed most of the time).
+    async with fresh(comm) as sub:
+        answers = counted_looks(sub)
+        ch, small_ch, ack = sub.channel(1), sub.channel(2), sub.channel(3)
+        peer, t = 1 - sub.rank, torch.zeros(2)
+        for _ in range(500):
+            if sub.rank == 0:
+                await ch.send(t, peer)
+                assert torch.equal((await ch.recv(peer)).data, t)
+            else:
+                await ch.send((await ch.recv(peer)).data, peer)
+        pingpong = dict(answers)
+        answers.clear()
+        for i in range(20):
+            if sub.rank == 0:
+                for j in range(64):
+                    await small_ch.send({"i": i, "j": j}, peer)
+                assert (await ack.recv(peer)).data == i
+            else:
+                assert [(await small_ch.recv(peer)).data["j"] for _ in range(64)] == list(
+                    range(64))
+                await ack.send(i, peer)
+        await sub.barrier()
+        return pingpong, dict(answers)
+
+
+@compiled
+def test_a_receiver_looks_in_one_compiled_call(world2: World) -> None:
+    if world2.backend != "mpi":
+        pytest.skip("the lane is MPI's (a link polled from the loop)")
+    for pingpong, bursts in world2.run(check_looks_in_one_call):
+        looks = sum(pingpong.values())
+        assert looks >= 400, pingpong  # (the rest found their message without looking)
+        assert pingpong.get(-1, 0) <= looks // 10, pingpong
+        assert sum(bursts.values()) >= 20 and bursts.get(-1, 0) <= 4, bursts
+
+
+async def check_actor_calls_look(comm: Comm) -> dict[int, int]:
+    async with fresh(comm) as sub:
+        answers = counted_looks(sub)
+
+        class Echo(asyncomm.Actor):
+            @asyncomm.endpoint
+            def echo(self, x: object) -> object:
+                return x
+
+        sub.serve(Echo(), "echo")
+        await sub.barrier()
+        if sub.rank == 0:
+            ref = sub.actor(1, "echo")
+            for i in range(300):
+                assert await ref.echo(i) == i
+        await sub.barrier()
+        return dict(answers)
+
+
+@compiled
+def test_actor_calls_and_actors_look_in_one_compiled_call(world2: World) -> None:
+    if world2.backend != "mpi":
+        pytest.skip("the lane is MPI's (a link polled from the loop)")
+    caller, server = world2.run(check_actor_calls_look)
+    for answers in (caller, server):
+        assert sum(answers.values()) >= 250, answers
+        assert answers.get(-1, 0) <= sum(answers.values()) // 10, answers
+
+
+async def check_closed_links_are_collected(comm: Comm) -> list[bool]:
+    # The compiled outbox refers to its link's flush, the lane to the link, the router
+    # and the poller: cycles, which the collector must be able to break once the
+    # communicator is closed (else every closed communicator's link lived on).
+    refs = []
+    for _ in range(3):
+        async with fresh(comm) as sub:
+            ch = sub.channel(5)
+            await ch.send("hello", (sub.rank + 1) % sub.size)
+            assert (await ch.recv()).data == "hello"
+            refs.append(weakref.ref(sub._router.link))
+            refs.append(weakref.ref(sub._router))
+            del ch
+        del sub
+    gc.collect()
+    return [ref() is None for ref in refs]
+
+
+def test_closed_communicators_links_are_collected(world2: World) -> None:
+    for collected in world2.run(check_closed_links_are_collected):
+        assert all(collected), collected
+
+
+@compiled
+def test_the_compiled_calls_refuse_what_they_cannot_use() -> None:
+    native = small.NATIVE
+    assert native is not None
+    box = native.Outbox(1 << 16, lambda obj, room, max_ndim: None)
+
+    class Window:
+        __slots__ = ("messages_out", "open", "seq", "waiters")
+
+    class NoSlots:
+        pass
+
+    with pytest.raises(TypeError, match="not attached"):
+        box.post(Window(), 1, 5, "x", 100, 8, 64)
+    with pytest.raises(TypeError, match="list"):
+        box.attach((), (None, None), print, print, Window)
+    with pytest.raises(TypeError, match="not a slot"):
+        box.attach([], (None, None), print, print, NoSlots)
+    box.attach([], (None, None), print, print, Window)
+    with pytest.raises(TypeError, match="not a window"):
+        box.post(object(), 1, 5, "x", 100, 8, 64)
+    with pytest.raises(AttributeError, match="slot is not set"):
+        box.post(Window(), 1, 5, "x", 100, 8, 64)
+    with pytest.raises(TypeError):
+        native.Lane(box)  # (too few)
+    with pytest.raises(TypeError):
+        native.Lane(*[None] * 21)  # (no capsule)
+
+
+@compiled
+def test_a_post_counts_in_its_window_and_asks_for_one_flush() -> None:
+    native = small.NATIVE
+    assert native is not None
+    box = native.Outbox(1 << 16, lambda obj, room, max_ndim: None)
+    due: list[Any] = []
+    asked: list[Any] = []
+
+    class Window:
+        __slots__ = ("messages_out", "open", "seq", "waiters")
+
+    entry = (None, "flush")
+    box.attach(due, entry, asked.append, "flush soon", Window)
+    window = Window()
+    window.open, window.messages_out, window.seq, window.waiters = True, 0, 7, ()
+    assert box.post(window, 1, 5, {"a": 1}, 200, 8, 2) == 1  # a new packet
+    assert box.post(window, 1, 5, [2], 200, 8, 2) == 0
+    assert (window.messages_out, window.seq) == (2, 9)
+    assert box.post(window, 1, 5, "third", 200, 8, 2) == -3  # the window is full
+    assert (window.messages_out, window.seq) == (2, 9)
+    assert due == [entry] and asked == ["flush soon"] and box.waiting and box.flush_due
+    window.messages_out, window.waiters = 0, (object(),)
+    assert box.post(window, 1, 5, "x", 200, 8, 2) == -3  # a sender waits for credit
+    window.waiters, window.open = (), False
+    assert box.post(window, 1, 5, "x", 200, 8, 2) == -3  # closed, or to itself
+    window.open = True
+    assert box.post(window, 1, 5, object(), 200, 8, 2) == -2  # not a small message
+    assert box.counts(1) == (1, 2)  # one run of two messages
