@@ -917,21 +917,28 @@ PyObject* outbox_post(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
   Py_ssize_t waiting = PyObject_Length(waiters);
   if (waiting < 0) return nullptr;
   if (open != Py_True || n >= limit || waiting > 0) return PyLong_FromLong(-3);
-  PyObject* call[6] = {args[1], args[2], seq, args[3], args[4], args[5]};
-  PyObject* got = outbox_message(o, call, 6);
-  if (got == nullptr) return nullptr;
-  long code = PyLong_AsLong(got);
-  if (code < 0) return got;  // (-1, -2: nothing queued)
   PyObject* more = PyLong_FromLongLong(n + 1);
   PyObject* next = more == nullptr ? nullptr : PyNumber_Add(seq, one);
-  if (next == nullptr || !begun(self)) {
+  if (next == nullptr) {
     Py_XDECREF(more);
-    Py_XDECREF(next);
+    return nullptr;
+  }
+  PyObject* call[6] = {args[1], args[2], seq, args[3], args[4], args[5]};
+  Py_INCREF(seq);  // (borrowed from the window, which the encoding's Python twin could touch)
+  PyObject* got = outbox_message(o, call, 6);
+  Py_DECREF(seq);
+  long code = got == nullptr ? -4 : PyLong_AsLong(got);
+  if (code < 0) {  // (-1, -2: nothing queued; or an error raised)
+    Py_DECREF(more);
+    Py_DECREF(next);
+    return got;
+  }
+  Py_SETREF(slot(w, self->messages_out), more);  // (counted: it is queued whatever follows)
+  Py_SETREF(slot(w, self->seq), next);
+  if (!begun(self)) {
     Py_DECREF(got);
     return nullptr;
   }
-  Py_SETREF(slot(w, self->messages_out), more);
-  Py_SETREF(slot(w, self->seq), next);
   return got;
 }
 
