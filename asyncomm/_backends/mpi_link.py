@@ -397,8 +397,8 @@ class PostedLink(MpiLink):
         lane = small.NATIVE.Lane(
             self._outbox, self._native.lane_calls, self._comm_handle, self._posted_handle,
             tags.LINK_MESSAGE, self._slot, arrivals.messages, arrivals.message_type,
-            limits.max_ndim, self._settle, self._other, self.pump, arrivals.pay_held, self,
-            arrivals,
+            limits.max_ndim, self._settle, self._other, self.pump, arrivals.pay_held,
+            self._poller.sweep, self, arrivals,
             self._poller, hurry, hurry._turned, self._loop.call_soon, run_due, self._loop)
         self._lane = lane
         self._look = lane.pump

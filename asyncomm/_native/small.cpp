@@ -1178,9 +1178,10 @@ PyType_Spec outbox_spec = {"asyncomm_small.Outbox", sizeof(OutboxObject), 0,
 // read and handed to the delivery (``Delivery.messages``), until the mailbox holds what the
 // receiver wants or the look's budget is spent (``Hurry.run``). Each of these is a Python
 // call of its own otherwise (a ping-pong leg's every message). The rules stay theirs: the
-// credit owed is paid by the router's own code, other links' work due by ``run_due``, and
-// wherever the state is not the commonest (frames held, a batch of envelopes pending,
-// requests in flight, several probes) ``look`` says so before it does anything, and the
+// credit owed is paid by the router's own code, other links' work due by ``run_due``,
+// requests in flight are tested by the poller's ``sweep`` (which calls the probe), and
+// wherever the state is not the commonest (frames held behind a large one, a batch of
+// envelopes pending, the link closed) ``look`` says so before it does anything, and the
 // Python path runs instead. The transport's calls come from its compiled module
 // (``LaneCalls``, a capsule); the Python objects' state is read from their slots and
 // dictionaries, where the Python code keeps it.
@@ -1215,6 +1216,7 @@ struct LaneObject {
   PyObject *other;         // link._other(src, count, code): not a packet, or a failed receive
   PyObject *slow;          // link.pump: the Python path, while frames are held or it closed
   PyObject *pay;           // router.pay_held(): the credit owed, as a waiting task pays it
+  PyObject *sweep;         // the poller's sweep: what looks while requests are in flight
   PyObject *link, *router, *poller;  // their __dict__s
   PyObject *hurry;         // the poller's Hurry: where its slots lie, below
   Py_ssize_t tests, budget_s, since, turn, refused;
@@ -1224,25 +1226,43 @@ struct LaneObject {
 
 PyObject *s_held, *s_open, *s_batches, *s_owed, *s_probes, *s_requests, *s_fresh;
 
+// The truth of a call's answer (stolen), or -1 where it raised.
+int truth_of(PyObject* answer) {
+  if (answer == nullptr) return -1;
+  int truth = PyObject_IsTrue(answer);
+  Py_DECREF(answer);
+  return truth;
+}
+
 Py_ssize_t size_in(PyObject* dict, PyObject* name) {  // len(dict[name]), 0 if absent
   PyObject* value = PyDict_GetItemWithError(dict, name);
   if (value == nullptr) return PyErr_Occurred() ? -1 : 0;
   return PyObject_Length(value);
 }
 
-// Whether the state is the commonest (see the note): ``look`` may go on. -1: an error.
+// Whether ``look`` may go on (no frames held behind a large one, no batch of envelopes
+// pending, the link open); -1: an error raised.
 int commonest(LaneObject* self) {
-  Py_ssize_t sizes[] = {size_in(self->link, s_batches), size_in(self->link, s_held),
-                        size_in(self->poller, s_requests), size_in(self->poller, s_fresh)};
+  Py_ssize_t sizes[] = {size_in(self->link, s_batches), size_in(self->link, s_held)};
+  for (Py_ssize_t n : sizes) {
+    if (n < 0) return -1;
+    if (n > 0) return 0;
+  }
+  PyObject* open = PyDict_GetItemWithError(self->link, s_open);
+  if (open == nullptr) return PyErr_Occurred() ? -1 : 0;
+  return open == Py_True;
+}
+
+// Whether the link's probe alone may look (``Poller.hurry_until``'s commonest: one probe,
+// no request in flight); if not, the poller's ``sweep`` looks. -1: an error raised.
+int alone(LaneObject* self) {
+  Py_ssize_t sizes[] = {size_in(self->poller, s_requests), size_in(self->poller, s_fresh)};
   for (Py_ssize_t n : sizes) {
     if (n < 0) return -1;
     if (n > 0) return 0;
   }
   Py_ssize_t probes = size_in(self->poller, s_probes);
-  if (probes != 1) return probes < 0 ? -1 : 0;
-  PyObject* open = PyDict_GetItemWithError(self->link, s_open);
-  if (open == nullptr) return PyErr_Occurred() ? -1 : 0;
-  return open == Py_True;
+  return probes < 0 ? -1 : probes == 1;
 }
 
 // Send every packet queued (``MpiLink._send_packets``); false on an error raised.
@@ -1317,13 +1337,7 @@ int pump_once(LaneObject* self) {
   PyObject* open = PyDict_GetItemWithError(self->link, s_open);
   Py_ssize_t held = size_in(self->link, s_held);
   if (held < 0 || (open == nullptr && PyErr_Occurred())) return -1;
-  if (held > 0 || open != Py_True) {
-    PyObject* found = PyObject_CallNoArgs(self->slow);
-    if (found == nullptr) return -1;
-    int truth = PyObject_IsTrue(found);
-    Py_DECREF(found);
-    return truth;
-  }
+  if (held > 0 || open != Py_True) return truth_of(PyObject_CallNoArgs(self->slow));
   int done = 0, source = -1, count = 0;
   int code = self->calls->test(self->request, &done, &source, &count);
   if (code == 0 && !done) return 0;
@@ -1369,13 +1383,7 @@ int pump_once(LaneObject* self) {
 // Whether ``frames`` (a mailbox's deque) holds a message from ``src`` (None: any), or
 // where ``frames`` is callable, whether it returns true; -1 an error raised.
 int holds(PyObject* frames, PyObject* src) {
-  if (PyCallable_Check(frames)) {
-    PyObject* done = PyObject_CallNoArgs(frames);
-    if (done == nullptr) return -1;
-    int truth = PyObject_IsTrue(done);
-    Py_DECREF(done);
-    return truth;
-  }
+  if (PyCallable_Check(frames)) return truth_of(PyObject_CallNoArgs(frames));
   Py_ssize_t n = PyObject_Length(frames);
   if (n <= 0 || src == Py_None) return n < 0 ? -1 : n > 0;
   for (Py_ssize_t i = 0; i < n; i++) {
@@ -1442,14 +1450,18 @@ PyObject* lane_look(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
   double start = clock_now();
   double budget = PyFloat_AsDouble(slot(h, self->budget_s));
   if (budget == -1.0 && PyErr_Occurred()) return nullptr;
+  int probe = alone(self);  // (else the poller's sweep: requests are in flight)
+  if (probe < 0) return nullptr;
   for (long i = 0; i < tests || (budget > 0 && clock_now() < start + budget); i++) {
-    int found = pump_once(self);
+    int found = probe ? pump_once(self) : truth_of(PyObject_CallNoArgs(self->sweep));
     if (found < 0) return nullptr;
     if (!found) continue;
     int there = holds(frames, src);
     if (there != 0) return there < 0 ? nullptr : PyLong_FromLong(1);
-    state = commonest(self);  // (what came may have begun receives: the poller's sweep)
+    state = commonest(self);  // (what came may have held frames, or closed the link)
     if (state <= 0) return state < 0 ? nullptr : PyLong_FromLong(-1);
+    probe = alone(self);  // (... or begun receives: the sweep looks from now on)
+    if (probe < 0) return nullptr;
   }
   if (!set_float(h, self->since, start)) return nullptr;
   return PyLong_FromLong(0);
@@ -1480,16 +1492,17 @@ PyObject* dict_of(PyObject* o) {
 
 PyObject* lane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *outbox, *capsule, *comm, *request, *slot_, *deliver, *message_type, *settle,
-      *other, *slow, *pay, *link, *router, *poller, *h, *turned, *call_soon, *run_due, *loop;
+      *other, *slow, *pay, *sweep, *link, *router, *poller, *h, *turned, *call_soon, *run_due,
+      *loop;
   int tag;
   long max_ndim;
   if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) > 0) {
     PyErr_SetString(PyExc_TypeError, "Lane: positional arguments only");
     return nullptr;
   }
-  if (!PyArg_ParseTuple(args, "OOOOiOOOlOOOOOOOOOOOO", &outbox, &capsule, &comm, &request,
+  if (!PyArg_ParseTuple(args, "OOOOiOOOlOOOOOOOOOOOOO", &outbox, &capsule, &comm, &request,
                         &tag, &slot_, &deliver, &message_type, &max_ndim, &settle, &other,
-                        &slow, &pay, &link, &router, &poller, &h, &turned, &call_soon,
+                        &slow, &pay, &sweep, &link, &router, &poller, &h, &turned, &call_soon,
                         &run_due, &loop))
     return nullptr;
   auto* calls = static_cast<const LaneCalls*>(PyCapsule_GetPointer(capsule, "asyncomm.lane_calls"));
@@ -1523,11 +1536,11 @@ PyObject* lane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   Py_INCREF(outbox);
   self->outbox = reinterpret_cast<OutboxObject*>(outbox);
   PyObject** kept[] = {&self->slot, &self->deliver, &self->message_type, &self->settle,
-                       &self->other, &self->slow, &self->pay, &self->hurry, &self->turned,
-                       &self->call_soon, &self->run_due, &self->loop};
-  PyObject* given[] = {slot_, deliver, message_type, settle, other, slow, pay, h, turned,
-                       call_soon, run_due, loop};
-  for (int i = 0; i < 12; i++) {
+                       &self->other, &self->slow, &self->pay, &self->sweep, &self->hurry,
+                       &self->turned, &self->call_soon, &self->run_due, &self->loop};
+  PyObject* given[] = {slot_, deliver, message_type, settle, other, slow, pay, sweep, h,
+                       turned, call_soon, run_due, loop};
+  for (int i = 0; i < 13; i++) {
     Py_INCREF(given[i]);
     *kept[i] = given[i];
   }
@@ -1546,7 +1559,7 @@ int lane_traverse(PyObject* o, visitproc visit, void* arg) {
   Py_VISIT(Py_TYPE(o));
   Py_VISIT(reinterpret_cast<PyObject*>(self->outbox));
   PyObject* refs[] = {self->slot, self->deliver, self->message_type, self->settle,
-                      self->other, self->slow, self->pay, self->link, self->router, self->poller,
+                      self->other, self->slow, self->pay, self->sweep, self->link, self->router, self->poller,
                       self->hurry, self->turned, self->call_soon, self->run_due, self->loop,
                       self->observe};
   for (PyObject* r : refs) Py_VISIT(r);
@@ -1556,7 +1569,7 @@ int lane_traverse(PyObject* o, visitproc visit, void* arg) {
 int lane_clear(PyObject* o) {
   auto* self = reinterpret_cast<LaneObject*>(o);
   PyObject** refs[] = {&self->slot, &self->deliver, &self->message_type, &self->settle,
-                       &self->other, &self->slow, &self->pay, &self->link, &self->router,
+                       &self->other, &self->slow, &self->pay, &self->sweep, &self->link, &self->router,
                        &self->poller, &self->hurry, &self->turned, &self->call_soon,
                        &self->run_due, &self->loop, &self->observe};
   for (PyObject** r : refs) Py_CLEAR(*r);
