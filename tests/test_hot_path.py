@@ -159,6 +159,14 @@ def test_the_compiled_calls_refuse_what_they_cannot_use() -> None:
 
 
 @compiled
+def test_the_lane_keeps_the_loops_fairness_rule() -> None:
+    from asyncomm._core import hurry
+
+    assert small.NATIVE is not None
+    assert small.NATIVE.FAIR_S == hurry.FAIR_S  # (the compiled look's copy of the rule)
+
+
+@compiled
 def test_a_post_counts_in_its_window_and_asks_for_one_flush() -> None:
     native = small.NATIVE
     assert native is not None
