@@ -393,13 +393,13 @@ class PostedLink(MpiLink):
         # poller's probe (``pump`` in one call), and a receiver's look. (Built only beside
         # the compiled part, small.NATIVE, whose outbox is attached now.)
         assert small.NATIVE is not None
-        hurry = self._poller.hurrying
+        probes, requests, fresh, hurry = self._poller.lane()
         lane = small.NATIVE.Lane(
             self._outbox, self._native.lane_calls, self._comm_handle, self._posted_handle,
             tags.LINK_MESSAGE, self._slot, arrivals.messages, arrivals.message_type,
             limits.max_ndim, self._settle, self._other, self.pump, arrivals.pay_held,
-            self._poller.sweep, self, arrivals,
-            self._poller, hurry, hurry._turned, self._loop.call_soon, run_due, self._loop)
+            self._poller.sweep, self._held, self._batches, arrivals.owed, probes, requests,
+            fresh, hurry, self._loop.call_soon, run_due, self._loop)
         self._lane = lane
         self._look = lane.pump
         self.look = lane.look
@@ -407,6 +407,8 @@ class PostedLink(MpiLink):
     def stop(self) -> None:
         posted, self._posted = self._posted, None
         _posted.discard(self)
+        if self._lane is not None:
+            self._lane.stop()  # (its pump and look go the Python way from now on)
         super().stop()
         if posted is None:
             return

@@ -134,11 +134,12 @@ class Hurry:
             run_due(self._loop)
         if not self._turn:
             self._turn = time.perf_counter()
-            self._loop.call_soon(self._turned)
+            self._loop.call_soon(self.turned)
             return True
         return time.perf_counter() - self._turn <= FAIR_S
 
-    def _turned(self) -> None:
+    def turned(self) -> None:
+        """The loop turned (asked for by ``allowed``, or by a compiled lane's look)."""
         self._turn = 0.0
 
     def came(self) -> None:

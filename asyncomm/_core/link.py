@@ -122,6 +122,14 @@ class Arrivals(Protocol):
         """What ``Link.post``'s windows are: a class with ``__slots__`` open, messages_out,
         seq and waiters (the sender's credit towards one receiver and channel)."""
 
+    @property
+    def owed(self) -> dict[tuple[int, int], list[int]]:
+        """The credit owed, per (source, channel): never replaced (a link's compiled lane
+        holds it, and pays it by ``pay_held`` where it is not empty)."""
+
+    def pay_held(self) -> None:
+        """Pay the credit owed as a task about to wait pays it."""
+
     def items(self, src: int, items: list[Any]) -> None:
         """The small frames of a packet from ``src``, decoded: ``small.unpack_packet``'s
         items."""
@@ -173,6 +181,7 @@ class Link(ABC):
         self.room = room  # the most frame bytes a message carries inline
         self._arrivals: Arrivals | None = None
         self._limits = wire.Limits()
+        # (``_held`` and ``_batches`` are changed in place: a compiled lane holds them)
         self._held: dict[int, collections.deque[bytearray | torch.Tensor]] = {}
         self._heads: dict[bytes, Head] = {}
         self._buffers = Buffers()  # large frames' receive buffers, lent again once free

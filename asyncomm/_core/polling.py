@@ -207,7 +207,6 @@ class Poller:
         self._active_spin_s = polling.active_spin_s
         self._max_backoff_s = polling.max_backoff_s
         self._hurry = Hurry(loop, polling.hurry_tests, polling.hurry_max_s)
-        self.hurrying = self._hurry  # (what a compiled lane looks with: see ``hurry_until``)
         # whether a task may look for what it waits for now (``Hurry.allowed``: not while a
         # loop turn asked for long ago has not come): an operation that tests its request
         # as it is issued asks this first, so done ones cannot hold the loop
@@ -217,6 +216,7 @@ class Poller:
         if self._ticker is not None:
             self._ticker.hold()  # until ``drain``
         self._computing = computing(loop)
+        # (``_requests``, ``_fresh`` and ``_probes`` are changed in place: see ``lane``)
         self._requests: list[Any] = []
         self._entries: list[tuple[Sink, Finish | None, bool]] = []
         self._active = 0  # pending requests that need polling to make progress
@@ -294,7 +294,8 @@ class Poller:
 
     def _enlist(self) -> bool:
         """Poll the requests issued (``watch``) and still pending; return whether any were."""
-        fresh, self._fresh = self._fresh, []
+        fresh = self._fresh[:]  # (cleared in place: a compiled lane holds the list, see ``lane``)
+        self._fresh.clear()
         added = False
         for sink in fresh:
             hurried = sink._hurry
@@ -445,6 +446,13 @@ class Poller:
             return self._hurry.run(self._probes[0], done, self.sweep)
         return self._hurry.run(self.sweep, done)
 
+    def lane(self) -> tuple[list[Any], list[Any], list[Any], Hurry]:
+        """What a compiled lane looks with, as ``hurry_until`` does (see ``small.cpp``'s
+        Lane): the probes, the requests in flight and those issued this iteration (the
+        probe alone looks while there is one probe and neither), and the Hurry. The lists
+        are kept (changed in place, never replaced)."""
+        return self._probes, self._requests, self._fresh, self._hurry
+
     def refused(self) -> bool:
         """Return whether the last ``hurry_until`` was refused until the loop turns (see
         ``Hurry``)."""
@@ -497,7 +505,9 @@ class Poller:
             self._ticker = None
         pending = [(request, sink, active) for request, (sink, _, active)
                    in zip(self._requests, self._entries, strict=True)]
-        self._requests, self._entries, self._active = [], [], 0
+        self._requests.clear()
+        self._entries.clear()
+        self._active = 0
         closed = CommClosedError("the communicator was closed with this operation in flight")
         for _, sink, _ in pending:
             sink._abandon(CommClosedError, closed)

@@ -330,13 +330,7 @@ class Channel:
         messages so.
         """
         if type(entry) is Message and self._small_room and not self._traced:
-            # the commonest: an actor's request or reply (``_took``, inline)
-            done = self._box.taken.get(entry[0])
-            if done is not None and done[0] < self._batch_less_one:
-                done[0] += 1
-            else:
-                self._router.took(entry, self._box)
-            return entry[2]
+            return self._took(entry)[2]  # the commonest: an actor's request or reply
         router = self._router
         router.took(entry, self._box)
         if type(entry) is Message:  # a small message: decoded on arrival (the default codec's)

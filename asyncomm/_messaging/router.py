@@ -158,7 +158,8 @@ class Router(Delivery):
         # half's rate, each credit frame costing its receiver a packet of its own)
         self.batch, self._batch_bytes = max(1, window // 2), window_bytes // 4
         self._hold_credit = 2 * self.batch <= window  # see the note on credit (``took``)
-        self._owed: dict[tuple[int, int], list[int]] = {}  # credit owed: messages, bytes
+        # credit owed: messages, bytes (changed in place: see ``owed``)
+        self._owed: dict[tuple[int, int], list[int]] = {}
         self._paying = False  # whether the owed credit goes when this iteration ends
         self.limits = limits or frame_limits()
         # the most bytes of a small frame's body (see ``small``)
@@ -526,6 +527,11 @@ class Router(Delivery):
         elif self._owed:
             self._pay(False)
             self.link.flush()
+
+    @property
+    def owed(self) -> dict[tuple[int, int], list[int]]:
+        """The credit owed, per (source, channel) (kept: a compiled lane's look holds it)."""
+        return self._owed
 
     def pay_held(self) -> None:
         """The credit owed, paid as a task about to wait pays it (``flush(waiting=True)``;

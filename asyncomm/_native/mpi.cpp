@@ -26,8 +26,7 @@ namespace {
 PyObject* Error = nullptr;  // Error(code, source): an MPI call failed
 
 template <class H>
-H handle_of(PyObject* value) {
-  unsigned long long bits = PyLong_AsUnsignedLongLongMask(value);
+H handle_bits(uint64_t bits) {
   if constexpr (std::is_pointer_v<H>) {
     return reinterpret_cast<H>(static_cast<uintptr_t>(bits));
   } else {
@@ -36,13 +35,38 @@ H handle_of(PyObject* value) {
 }
 
 template <class H>
-PyObject* handle_to_python(H handle) {
+uint64_t bits_of(H handle) {
   if constexpr (std::is_pointer_v<H>) {
-    return PyLong_FromUnsignedLongLong(reinterpret_cast<uintptr_t>(handle));
+    return reinterpret_cast<uintptr_t>(handle);
   } else {
-    return PyLong_FromUnsignedLongLong(
-        static_cast<unsigned long long>(static_cast<long long>(handle)));
+    return static_cast<uint64_t>(static_cast<long long>(handle));
   }
+}
+
+template <class H>
+H handle_of(PyObject* value) {
+  return handle_bits<H>(PyLong_AsUnsignedLongLongMask(value));
+}
+
+template <class H>
+PyObject* handle_to_python(H handle) {
+  return PyLong_FromUnsignedLongLong(bits_of(handle));
+}
+
+// Send ``len`` bytes to ``dst`` on ``tag`` and test it once: 0 done, else MPI's error code;
+// a send still in flight leaves its request's handle in ``pending`` (else 0). ``isend``'s,
+// and the lane's (``LaneCalls``).
+int lane_send(uint64_t comm, const char* buf, Py_ssize_t len, int dst, int tag,
+              uint64_t* pending) {
+  *pending = 0;
+  if (len > INT32_MAX) return MPI_ERR_COUNT;
+  MPI_Request request;
+  int code = MPI_Isend(buf, static_cast<int>(len), MPI_BYTE, dst, tag,
+                       handle_bits<MPI_Comm>(comm), &request);
+  int done = 0;
+  if (code == MPI_SUCCESS) code = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+  if (code == MPI_SUCCESS && !done) *pending = bits_of(request);
+  return code;
 }
 
 PyObject* fail(int code, int source) {
@@ -73,7 +97,7 @@ PyObject* isend(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "isend(comm, buffer, dst, tag)");
     return nullptr;
   }
-  MPI_Comm comm = handle_of<MPI_Comm>(args[0]);
+  uint64_t comm = PyLong_AsUnsignedLongLongMask(args[0]);
   int dst, tag;
   if (PyErr_Occurred() || !int_arg(args[2], &dst) || !int_arg(args[3], &tag)) return nullptr;
   Py_buffer view;
@@ -83,15 +107,12 @@ PyObject* isend(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_ValueError, "a link message beyond 2 GiB");
     return nullptr;
   }
-  MPI_Request request;
-  int code = MPI_Isend(view.buf, static_cast<int>(view.len), MPI_BYTE, dst, tag, comm,
-                       &request);
-  int done = 0;
-  if (code == MPI_SUCCESS) code = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
+  uint64_t pending = 0;
+  int code = lane_send(comm, static_cast<const char*>(view.buf), view.len, dst, tag, &pending);
   PyBuffer_Release(&view);  // (the caller keeps the object, which MPI may still read)
   if (code != MPI_SUCCESS) return fail(code, dst);
-  if (done) Py_RETURN_NONE;
-  return handle_to_python(request);
+  if (pending == 0) Py_RETURN_NONE;
+  return PyLong_FromUnsignedLongLong(pending);
 }
 
 // The quick path of an awaited point-to-point operation (``MpiBackend.quick_send`` and
@@ -299,37 +320,6 @@ struct LaneCalls {
   int (*test)(uint64_t request, int* done, int* source, int* count);
   int (*start)(uint64_t request);  // start it again: 0, else MPI's error code
 };
-
-template <class H>
-H handle_bits(uint64_t bits) {
-  if constexpr (std::is_pointer_v<H>) {
-    return reinterpret_cast<H>(static_cast<uintptr_t>(bits));
-  } else {
-    return static_cast<H>(static_cast<int>(static_cast<unsigned int>(bits)));
-  }
-}
-
-template <class H>
-uint64_t bits_of(H handle) {
-  if constexpr (std::is_pointer_v<H>) {
-    return reinterpret_cast<uintptr_t>(handle);
-  } else {
-    return static_cast<uint64_t>(static_cast<long long>(handle));
-  }
-}
-
-int lane_send(uint64_t comm, const char* buf, Py_ssize_t len, int dst, int tag,
-              uint64_t* pending) {
-  *pending = 0;
-  if (len > INT32_MAX) return MPI_ERR_COUNT;
-  MPI_Request request;
-  int code = MPI_Isend(buf, static_cast<int>(len), MPI_BYTE, dst, tag,
-                       handle_bits<MPI_Comm>(comm), &request);
-  int done = 0;
-  if (code == MPI_SUCCESS) code = MPI_Test(&request, &done, MPI_STATUS_IGNORE);
-  if (code == MPI_SUCCESS && !done) *pending = bits_of(request);
-  return code;
-}
 
 int lane_test(uint64_t request, int* done, int* source, int* count) {
   MPI_Request r = handle_bits<MPI_Request>(request);

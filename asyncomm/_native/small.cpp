@@ -1012,9 +1012,8 @@ PyObject* outbox_small(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
   return PyLong_FromLongLong(got);
 }
 
-// take(dst) -> bytearray | None: ``dst``'s packet, laid out whole (its preamble and head), no
-// longer queued.
-// The ``i``th packet, laid out whole (its preamble and head), no longer queued.
+// The ``i``th packet, laid out whole (its preamble and head), no longer queued (still
+// queued where its bytearray could not be made: an error set).
 PyObject* take_at(OutboxObject* self, size_t i) {
   auto& packets = *self->packets;
   Packet& p = packets[i].second;
@@ -1025,10 +1024,12 @@ PyObject* take_at(OutboxObject* self, size_t i) {
   b[PREAMBLE_BYTES] = static_cast<char>(ARRAY_BYTE);
   put_be(b, PREAMBLE_BYTES + 1, static_cast<uint64_t>(p.items), 4);
   PyObject* message = PyByteArray_FromStringAndSize(b.data(), static_cast<Py_ssize_t>(b.size()));
-  packets.erase(packets.begin() + static_cast<std::ptrdiff_t>(i));
+  if (message != nullptr) packets.erase(packets.begin() + static_cast<std::ptrdiff_t>(i));
   return message;
 }
 
+// take(dst) -> bytearray | None: ``dst``'s packet, laid out whole (its preamble and head), no
+// longer queued.
 PyObject* outbox_take(PyObject* o, PyObject* arg) {
   auto* self = reinterpret_cast<OutboxObject*>(o);
   long dst = PyLong_AsLong(arg);
@@ -1183,8 +1184,9 @@ PyType_Spec outbox_spec = {"asyncomm_small.Outbox", sizeof(OutboxObject), 0,
 // wherever the state is not the commonest (frames held behind a large one, a batch of
 // envelopes pending, the link closed) ``look`` says so before it does anything, and the
 // Python path runs instead. The transport's calls come from its compiled module
-// (``LaneCalls``, a capsule); the Python objects' state is read from their slots and
-// dictionaries, where the Python code keeps it.
+// (``LaneCalls``, a capsule); the Python objects' state is read where the Python code
+// keeps it: the Window's and Hurry's slots, and the containers their owners hand over
+// (``Poller.lane``, ``Router.owed``, the link's held frames and batches).
 
 struct LaneCalls {  // (the layout of mpi.cpp's: ``version`` 1)
   int version;
@@ -1217,14 +1219,16 @@ struct LaneObject {
   PyObject *slow;          // link.pump: the Python path, while frames are held or it closed
   PyObject *pay;           // router.pay_held(): the credit owed, as a waiting task pays it
   PyObject *sweep;         // the poller's sweep: what looks while requests are in flight
-  PyObject *link, *router, *poller;  // their __dict__s
+  // Their owners' state, kept (changed in place, never replaced): dicts of the frames held
+  // behind a large one, the envelopes batched, the credit owed; lists of the poller's
+  // probes, requests in flight and requests issued this iteration
+  PyObject *held, *batches, *owed, *probes, *requests, *fresh;
+  char stopped;            // whether the link stopped (``stop``)
   PyObject *hurry;         // the poller's Hurry: where its slots lie, below
   Py_ssize_t tests, budget_s, since, turn, refused;
-  PyObject *turned, *call_soon, *run_due, *loop;
+  PyObject *turned, *call_soon, *run_due, *loop;  // (``turned``: the Hurry's)
   PyObject* observe;       // None, or called with each packet's destination as it is sent
 };
-
-PyObject *s_held, *s_open, *s_batches, *s_owed, *s_probes, *s_requests, *s_fresh;
 
 // The truth of a call's answer (stolen), or -1 where it raised.
 int truth_of(PyObject* answer) {
@@ -1234,35 +1238,18 @@ int truth_of(PyObject* answer) {
   return truth;
 }
 
-Py_ssize_t size_in(PyObject* dict, PyObject* name) {  // len(dict[name]), 0 if absent
-  PyObject* value = PyDict_GetItemWithError(dict, name);
-  if (value == nullptr) return PyErr_Occurred() ? -1 : 0;
-  return PyObject_Length(value);
-}
-
-// Whether ``look`` may go on (no frames held behind a large one, no batch of envelopes
-// pending, the link open); -1: an error raised.
-int commonest(LaneObject* self) {
-  Py_ssize_t sizes[] = {size_in(self->link, s_batches), size_in(self->link, s_held)};
-  for (Py_ssize_t n : sizes) {
-    if (n < 0) return -1;
-    if (n > 0) return 0;
-  }
-  PyObject* open = PyDict_GetItemWithError(self->link, s_open);
-  if (open == nullptr) return PyErr_Occurred() ? -1 : 0;
-  return open == Py_True;
+// Whether ``look`` may go on: no frames held behind a large one, no batch of envelopes
+// pending, the link not stopped.
+bool commonest(LaneObject* self) {
+  return !self->stopped && PyDict_GET_SIZE(self->held) == 0 &&
+         PyDict_GET_SIZE(self->batches) == 0;
 }
 
 // Whether the link's probe alone may look (``Poller.hurry_until``'s commonest: one probe,
-// no request in flight); if not, the poller's ``sweep`` looks. -1: an error raised.
-int alone(LaneObject* self) {
-  Py_ssize_t sizes[] = {size_in(self->poller, s_requests), size_in(self->poller, s_fresh)};
-  for (Py_ssize_t n : sizes) {
-    if (n < 0) return -1;
-    if (n > 0) return 0;
-  }
-  Py_ssize_t probes = size_in(self->poller, s_probes);
-  return probes < 0 ? -1 : probes == 1;
+// no request in flight); if not, the poller's ``sweep`` looks.
+bool alone(LaneObject* self) {
+  return PyList_GET_SIZE(self->probes) == 1 && PyList_GET_SIZE(self->requests) == 0 &&
+         PyList_GET_SIZE(self->fresh) == 0;
 }
 
 // Send every packet queued (``MpiLink._send_packets``); false on an error raised.
@@ -1301,9 +1288,7 @@ bool send_packets(LaneObject* self) {
 // ``Router.flush(waiting=True)``'s commonest case: the credit owed paid as a waiting task
 // pays it (``pay``, where any is owed), this link's flush no longer due, its packets sent.
 bool flush(LaneObject* self) {
-  Py_ssize_t owed = size_in(self->router, s_owed);
-  if (owed < 0) return false;
-  if (owed > 0) {
+  if (PyDict_GET_SIZE(self->owed) > 0) {
     PyObject* paid = PyObject_CallNoArgs(self->pay);
     if (paid == nullptr) return false;
     Py_DECREF(paid);
@@ -1324,7 +1309,7 @@ bool flush(LaneObject* self) {
 
 // Whether the lane may be used (not cleared by the collector); if not, an error is set.
 bool usable(LaneObject* self) {
-  if (self->outbox != nullptr && self->outbox->due != nullptr && self->link != nullptr &&
+  if (self->outbox != nullptr && self->outbox->due != nullptr && self->held != nullptr &&
       self->hurry != nullptr)
     return true;
   PyErr_SetString(PyExc_RuntimeError, "Lane: cleared");
@@ -1334,10 +1319,8 @@ bool usable(LaneObject* self) {
 // ``PostedLink.pump`` (the poller's probe, and each test of a look): 1 a message came
 // (taken), 0 none, -1 an error raised.
 int pump_once(LaneObject* self) {
-  PyObject* open = PyDict_GetItemWithError(self->link, s_open);
-  Py_ssize_t held = size_in(self->link, s_held);
-  if (held < 0 || (open == nullptr && PyErr_Occurred())) return -1;
-  if (held > 0 || open != Py_True) return truth_of(PyObject_CallNoArgs(self->slow));
+  if (self->stopped || PyDict_GET_SIZE(self->held) > 0)
+    return truth_of(PyObject_CallNoArgs(self->slow));
   int done = 0, source = -1, count = 0;
   int code = self->calls->test(self->request, &done, &source, &count);
   if (code == 0 && !done) return 0;
@@ -1430,15 +1413,15 @@ int allowed(LaneObject* self, long tests) {
 }
 
 // look(frames, src) -> int: see the note. 1: ``frames`` holds a message from ``src`` (None:
-// any), or ``frames()`` is true where it is callable (an actor's: a future's ``done``); 0: not (the look's budget spent, or refused until the loop turns: the Hurry's
+// any), or ``frames()`` is true where it is callable (an actor's: a future's ``done``);
+// 0: not (the look's budget spent, or refused until the loop turns: the Hurry's
 // ``refused``); -1: nothing done, the Python path's to do.
 PyObject* lane_look(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
   if (!arity(nargs, 2, "look(frames, src)")) return nullptr;
   auto* self = reinterpret_cast<LaneObject*>(o);
   if (!usable(self)) return nullptr;
   PyObject *frames = args[0], *src = args[1], *h = self->hurry;
-  int state = commonest(self);
-  if (state <= 0) return state < 0 ? nullptr : PyLong_FromLong(-1);
+  if (!commonest(self)) return PyLong_FromLong(-1);
   if (!flush(self)) return nullptr;
   long tests = PyLong_AsLong(slot(h, self->tests));
   if (tests == -1 && PyErr_Occurred()) return nullptr;
@@ -1450,18 +1433,15 @@ PyObject* lane_look(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
   double start = clock_now();
   double budget = PyFloat_AsDouble(slot(h, self->budget_s));
   if (budget == -1.0 && PyErr_Occurred()) return nullptr;
-  int probe = alone(self);  // (else the poller's sweep: requests are in flight)
-  if (probe < 0) return nullptr;
+  bool probe = alone(self);  // (else the poller's sweep: requests are in flight)
   for (long i = 0; i < tests || (budget > 0 && clock_now() < start + budget); i++) {
     int found = probe ? pump_once(self) : truth_of(PyObject_CallNoArgs(self->sweep));
     if (found < 0) return nullptr;
     if (!found) continue;
     int there = holds(frames, src);
     if (there != 0) return there < 0 ? nullptr : PyLong_FromLong(1);
-    state = commonest(self);  // (what came may have held frames, or closed the link)
-    if (state <= 0) return state < 0 ? nullptr : PyLong_FromLong(-1);
+    if (!commonest(self)) return PyLong_FromLong(-1);  // (what came held frames, or closed)
     probe = alone(self);  // (... or begun receives: the sweep looks from now on)
-    if (probe < 0) return nullptr;
   }
   if (!set_float(h, self->since, start)) return nullptr;
   return PyLong_FromLong(0);
@@ -1480,38 +1460,36 @@ PyObject* lane_flush(PyObject* o, PyObject*) {
   Py_RETURN_NONE;
 }
 
-PyObject* dict_of(PyObject* o) {
-  PyObject* d = PyObject_GenericGetDict(o, nullptr);
-  if (d != nullptr && !PyDict_Check(d)) {
-    Py_DECREF(d);
-    PyErr_SetString(PyExc_TypeError, "Lane: an object without a __dict__");
-    return nullptr;
-  }
-  return d;
+PyObject* lane_stop(PyObject* o, PyObject*) {
+  reinterpret_cast<LaneObject*>(o)->stopped = 1;
+  Py_RETURN_NONE;
 }
 
 PyObject* lane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   PyObject *outbox, *capsule, *comm, *request, *slot_, *deliver, *message_type, *settle,
-      *other, *slow, *pay, *sweep, *link, *router, *poller, *h, *turned, *call_soon, *run_due,
-      *loop;
+      *other, *slow, *pay, *sweep, *held, *batches, *owed, *probes, *requests, *fresh, *h,
+      *call_soon, *run_due, *loop;
   int tag;
   long max_ndim;
   if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) > 0) {
     PyErr_SetString(PyExc_TypeError, "Lane: positional arguments only");
     return nullptr;
   }
-  if (!PyArg_ParseTuple(args, "OOOOiOOOlOOOOOOOOOOOOO", &outbox, &capsule, &comm, &request,
-                        &tag, &slot_, &deliver, &message_type, &max_ndim, &settle, &other,
-                        &slow, &pay, &sweep, &link, &router, &poller, &h, &turned, &call_soon,
-                        &run_due, &loop))
+  if (!PyArg_ParseTuple(args, "OOOOiOOOlOOOOOOOOOOOOOOO", &outbox, &capsule, &comm,
+                        &request, &tag, &slot_, &deliver, &message_type, &max_ndim, &settle,
+                        &other, &slow, &pay, &sweep, &held, &batches, &owed, &probes,
+                        &requests, &fresh, &h, &call_soon, &run_due, &loop))
     return nullptr;
   auto* calls = static_cast<const LaneCalls*>(PyCapsule_GetPointer(capsule, "asyncomm.lane_calls"));
   if (calls == nullptr) return nullptr;
   if (calls->version != 1 || !PyByteArray_CheckExact(slot_) || !PyType_Check(message_type) ||
-      reinterpret_cast<OutboxObject*>(outbox)->due == nullptr ||
-      strcmp(Py_TYPE(outbox)->tp_name, "asyncomm_small.Outbox") != 0) {
+      strcmp(Py_TYPE(outbox)->tp_name, "asyncomm_small.Outbox") != 0 ||
+      reinterpret_cast<OutboxObject*>(outbox)->due == nullptr || !PyDict_CheckExact(held) ||
+      !PyDict_CheckExact(batches) || !PyDict_CheckExact(owed) || !PyList_CheckExact(probes) ||
+      !PyList_CheckExact(requests) || !PyList_CheckExact(fresh)) {
     PyErr_SetString(PyExc_TypeError, "Lane: calls of another version, or an argument of the "
-                                     "wrong kind (an attached Outbox, a bytearray)");
+                                     "wrong kind (an attached Outbox, a bytearray, the dicts "
+                                     "and lists of its owners)");
     return nullptr;
   }
   uint64_t comm_bits = PyLong_AsUnsignedLongLongMask(comm);
@@ -1521,8 +1499,14 @@ PyObject* lane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   Py_ssize_t offsets[5];
   Py_ssize_t* into[] = {&offsets[0], &offsets[1], &offsets[2], &offsets[3], &offsets[4]};
   if (!slot_offsets(Py_TYPE(h), names, into, 5)) return nullptr;
+  PyObject* turned = PyObject_GetAttrString(h, "turned");
+  if (turned == nullptr) return nullptr;
   auto* self = reinterpret_cast<LaneObject*>(type->tp_alloc(type, 0));
-  if (self == nullptr) return nullptr;
+  if (self == nullptr) {
+    Py_DECREF(turned);
+    return nullptr;
+  }
+  self->turned = turned;
   self->tests = offsets[0];
   self->budget_s = offsets[1];
   self->since = offsets[2];
@@ -1535,21 +1519,17 @@ PyObject* lane_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   self->max_ndim = max_ndim;
   Py_INCREF(outbox);
   self->outbox = reinterpret_cast<OutboxObject*>(outbox);
-  PyObject** kept[] = {&self->slot, &self->deliver, &self->message_type, &self->settle,
-                       &self->other, &self->slow, &self->pay, &self->sweep, &self->hurry,
-                       &self->turned, &self->call_soon, &self->run_due, &self->loop};
-  PyObject* given[] = {slot_, deliver, message_type, settle, other, slow, pay, sweep, h,
-                       turned, call_soon, run_due, loop};
-  for (int i = 0; i < 13; i++) {
+  PyObject** kept[] = {&self->slot,    &self->deliver,  &self->message_type, &self->settle,
+                       &self->other,   &self->slow,     &self->pay,          &self->sweep,
+                       &self->held,    &self->batches,  &self->owed,         &self->probes,
+                       &self->requests, &self->fresh,   &self->hurry,        &self->call_soon,
+                       &self->run_due, &self->loop};
+  PyObject* given[] = {slot_, deliver, message_type, settle,   other, slow,      pay,
+                       sweep, held,    batches,      owed,     probes, requests, fresh,
+                       h,     call_soon, run_due,   loop};
+  for (int i = 0; i < 18; i++) {
     Py_INCREF(given[i]);
     *kept[i] = given[i];
-  }
-  self->link = dict_of(link);
-  self->router = self->link == nullptr ? nullptr : dict_of(router);
-  self->poller = self->router == nullptr ? nullptr : dict_of(poller);
-  if (self->poller == nullptr) {
-    Py_DECREF(self);
-    return nullptr;
   }
   return reinterpret_cast<PyObject*>(self);
 }
@@ -1558,20 +1538,22 @@ int lane_traverse(PyObject* o, visitproc visit, void* arg) {
   auto* self = reinterpret_cast<LaneObject*>(o);
   Py_VISIT(Py_TYPE(o));
   Py_VISIT(reinterpret_cast<PyObject*>(self->outbox));
-  PyObject* refs[] = {self->slot, self->deliver, self->message_type, self->settle,
-                      self->other, self->slow, self->pay, self->sweep, self->link, self->router, self->poller,
-                      self->hurry, self->turned, self->call_soon, self->run_due, self->loop,
-                      self->observe};
+  PyObject* refs[] = {self->slot,     self->deliver, self->message_type, self->settle,
+                      self->other,    self->slow,    self->pay,          self->sweep,
+                      self->held,     self->batches, self->owed,         self->probes,
+                      self->requests, self->fresh,   self->hurry,        self->turned,
+                      self->call_soon, self->run_due, self->loop,        self->observe};
   for (PyObject* r : refs) Py_VISIT(r);
   return 0;
 }
 
 int lane_clear(PyObject* o) {
   auto* self = reinterpret_cast<LaneObject*>(o);
-  PyObject** refs[] = {&self->slot, &self->deliver, &self->message_type, &self->settle,
-                       &self->other, &self->slow, &self->pay, &self->sweep, &self->link, &self->router,
-                       &self->poller, &self->hurry, &self->turned, &self->call_soon,
-                       &self->run_due, &self->loop, &self->observe};
+  PyObject** refs[] = {&self->slot,     &self->deliver, &self->message_type, &self->settle,
+                       &self->other,    &self->slow,    &self->pay,          &self->sweep,
+                       &self->held,     &self->batches, &self->owed,         &self->probes,
+                       &self->requests, &self->fresh,   &self->hurry,        &self->turned,
+                       &self->call_soon, &self->run_due, &self->loop,        &self->observe};
   for (PyObject** r : refs) Py_CLEAR(*r);
   Py_CLEAR(self->outbox);
   return 0;
@@ -1590,6 +1572,7 @@ PyMethodDef lane_methods[] = {
      METH_FASTCALL, "look(frames, src) -> 1 there, 0 not (looked or refused), -1 Python's"},
     {"pump", lane_pump, METH_NOARGS, "pump() -> whether a message came (the poller's probe)"},
     {"flush", lane_flush, METH_NOARGS, "flush(): send every packet queued"},
+    {"stop", lane_stop, METH_NOARGS, "stop(): the link stopped (pump and look: Python's)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyMemberDef lane_members[] = {
@@ -1642,15 +1625,6 @@ PyMODINIT_FUNC ASYNCOMM_INIT(TORCH_EXTENSION_NAME)() {
   PyObject* m = PyModule_Create(&module);
   if (m == nullptr) return nullptr;
   one = PyLong_FromLong(1);  // (small ints are immortal in effect: never freed)
-  PyObject** names[] = {&s_held, &s_open, &s_batches, &s_owed, &s_probes, &s_requests, &s_fresh};
-  const char* texts[] = {"_held", "_open", "_batches", "_owed", "_probes", "_requests", "_fresh"};
-  for (int i = 0; i < 7; i++) {
-    *names[i] = PyUnicode_InternFromString(texts[i]);
-    if (*names[i] == nullptr) {
-      Py_DECREF(m);
-      return nullptr;
-    }
-  }
   if (PyModule_AddObject(m, "FAIR_S", PyFloat_FromDouble(FAIR_S)) < 0) {  // (checked by tests)
     Py_DECREF(m);
     return nullptr;
