@@ -3,8 +3,11 @@ and on MPI the lane's look (``small.cpp``'s ``Lane``): real worlds, counted, not
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import gc
+import inspect
+import sys
 import weakref
 from typing import Any
 
@@ -194,3 +197,92 @@ def test_a_post_counts_in_its_window_and_asks_for_one_flush() -> None:
     window.open = True
     assert box.post(window, 1, 5, object(), 200, 8, 2) == -2  # not a small message
     assert box.counts(1) == (1, 2)  # one run of two messages
+
+
+async def check_a_receive_takes_nothing_until_it_runs(comm: Comm) -> list[Any]:
+    # ``recv`` returns a coroutine (the compiled part's own, where built): like an ``async
+    # def``'s, it takes nothing until it runs. Closed, thrown into or cancelled as a task
+    # before it ran, the message stays for the next receive; awaited twice, it says so.
+    async with fresh(comm) as sub:
+        ch, peer = sub.channel(4), 1 - sub.rank
+        if sub.rank == 0:
+            for i in range(6):
+                await ch.send(i, peer)
+            assert (await ch.recv(peer)).data == "end"
+            return []
+        first = ch.recv(peer)
+        assert asyncio.iscoroutine(first)
+        first.close()
+        never = asyncio.create_task(ch.recv(peer))
+        never.cancel()
+        try:
+            await never
+        except asyncio.CancelledError:
+            pass
+        thrown = ch.recv(peer)
+        try:
+            thrown.throw(KeyError("thrown"))
+        except KeyError:
+            pass
+        else:
+            raise AssertionError("throw into a fresh receive did not raise")
+        got = [(await ch.recv(peer)).data,
+               (await asyncio.create_task(ch.recv(peer))).data,
+               (await asyncio.wait_for(ch.recv(peer), 60)).data]
+        got.extend(m.data for m in await asyncio.gather(ch.recv(peer), ch.recv(peer)))
+        again = ch.recv(peer)
+        got.append((await again).data)
+        try:
+            await again
+        except RuntimeError as exc:
+            assert "reuse" in str(exc), exc
+        else:
+            raise AssertionError("a receive awaited twice did not say so")
+        await ch.send("end", peer)
+        return got
+
+
+def test_a_receive_takes_nothing_until_it_runs(world2: World) -> None:
+    _, got = world2.run(check_a_receive_takes_nothing_until_it_runs)
+    assert got == list(range(6))
+
+
+async def check_burst_received_without_coroutine_frames(comm: Comm) -> Any:
+    # A burst's messages, all in the mailbox: each receive takes its message in the
+    # compiled receiver, no Python coroutine run (an ``async def recv``'s, or the Python
+    # path's ``Channel._receive``: one each).
+    async with fresh(comm) as sub:
+        ch, ack, peer = sub.channel(6), sub.channel(7), 1 - sub.rank
+        if sub.rank == 0:
+            for i in range(64):
+                await ch.send({"i": i}, peer)
+            assert (await ack.recv(peer)).data == "all"
+            return {}
+        frames = sub._router.mailbox(6).frames
+        for _ in range(10_000):  # (the poller, or gloo's reader, puts them there)
+            if len(frames) == 64:
+                break
+            await asyncio.sleep(0.001)
+        assert len(frames) == 64, len(frames)
+        coroutines = collections.Counter[str]()
+
+        def count(frame: Any, event: str, arg: Any) -> None:
+            if event == "call" and frame.f_code.co_flags & inspect.CO_COROUTINE:
+                coroutines[frame.f_code.co_name] += 1
+
+        got = []
+        sys.setprofile(count)
+        try:
+            for _ in range(64):  # (no comprehension: an awaiting one is a coroutine itself)
+                got.append((await ch.recv(peer)).data["i"])
+        finally:
+            sys.setprofile(None)
+        assert got == list(range(64)), got
+        await ack.send("all", peer)
+        return dict(coroutines)
+
+
+@compiled
+def test_a_burst_is_received_without_coroutine_frames(world2: World) -> None:
+    _, coroutines = world2.run(check_burst_received_without_coroutine_frames)
+    assert not coroutines, coroutines

@@ -95,6 +95,7 @@ class Host:
         self.rank = rank
         self._router = router
         self._timeout = timeout
+        self.probe = router.probe  # (its recording, if any: calls are traced then)
         # They do not probe: every rank serves, and most wait for nothing in particular.
         self._requests = Channel(router, tags.ACTOR_REQUEST, Codec.DEFAULT, math.inf, probe=False)
         self._replies = Channel(router, tags.ACTOR_REPLY, Codec.DEFAULT, math.inf, probe=False)
@@ -175,8 +176,11 @@ class Host:
             inbox = self._actors.get(data[1])  # (``_route``'s commonest, inline)
             if inbox is None:
                 self._route(message)
-            else:
-                inbox.put(message)  # type: ignore[arg-type]
+            else:  # (``inbox.put``, inline)
+                inbox.items.append(message)  # type: ignore[arg-type]
+                waiter = inbox.waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
         except Exception as exc:  # a malformed message: say so, and go on with the next
             self._refused(entry, exc)
 
@@ -206,7 +210,8 @@ class Host:
                 self._router.flush(waiting=True)
                 self._hurry(inbox.nonempty)
             message = items.popleft() if items else await inbox.get()
-            method, kwargs, args = message.data[2], message.data[4], message.data[5:]
+            data = message[2]
+            method, kwargs, args = data[2], data[4], data[5:]
             try:
                 target = endpoints.get(method)
                 if target is None:
@@ -225,20 +230,21 @@ class Host:
                 self._answer(message, True, result)
 
     def _answer(self, request: Message, ok: bool, result: Any) -> None:
-        call_id, wants_reply = request.data[0], request.data[3]
-        if wants_reply:
+        data = request[2]
+        if data[3]:  # it wants a reply
+            src, reply = request[0], [data[0], ok, result]
             try:
-                self._post(request.src, self._replies, [call_id, ok, result])
+                if self._backlog.get(src) or not self._replies.post(reply, src):  # (``_post``)
+                    self._queue(src, self._replies, reply)
             except TypeError as exc:  # a result the default codec cannot carry
-                self._post(request.src, self._replies, [call_id, False,
-                                                        ["TypeError", str(exc), ""]])
+                self._post(src, self._replies, [data[0], False, ["TypeError", str(exc), ""]])
 
     # -- calling -------------------------------------------------------------------
 
     def call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
              kwargs: dict[str, Any], timeout: float | None) -> Awaitable[Any]:
         """Call ``name.method(*args, **kwargs)`` on ``rank``; the awaitable gives its result."""
-        if self._router.probe.recording is None:
+        if self.probe.recording is None:
             return self._call(rank, name, method, args, kwargs, timeout)  # no layer between
         return self._traced_call(rank, name, method, args, kwargs, timeout)
 
@@ -263,7 +269,9 @@ class Host:
         call_id = next(self._ids)
         future = self._loop.create_future()
         self._calls[call_id] = (rank, future, name, method)
-        self._post(rank, self._requests, [call_id, name, method, True, kwargs or None, *args])
+        request = [call_id, name, method, True, kwargs or None, *args]
+        if self._backlog.get(rank) or not self._requests.post(request, rank):  # (``_post``)
+            self._queue(rank, self._requests, request)
         found = -1 if self._look is None else self._look(future.done, None)
         if found < 0:
             self._router.expect()
@@ -320,6 +328,10 @@ class Host:
         """
         if not self._backlog.get(rank) and channel.post(message, rank):
             return  # the common case: sent now (with the loop iteration's other messages)
+        self._queue(rank, channel, message)
+
+    def _queue(self, rank: int, channel: Channel, message: list[Any]) -> None:
+        """``_post``'s other case: ``message`` queued for this rank's sender to ``rank``."""
         frame = self._router.encode(channel.tag, message, Codec.DEFAULT)
         outbox = self._outboxes.get(rank)
         if outbox is None:
@@ -430,15 +442,15 @@ class Host:
 class _Inbox:
     """An actor's requests in arrival order, and the actor's wait for the next one."""
 
-    __slots__ = ("_waiter", "items")
+    __slots__ = ("items", "waiter")
 
     def __init__(self) -> None:
         self.items: collections.deque[Message] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self.waiter: asyncio.Future[None] | None = None  # the actor's, while it waits
 
     def put(self, message: Message) -> None:
         self.items.append(message)
-        waiter = self._waiter
+        waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
@@ -450,8 +462,8 @@ class _Inbox:
 
     async def get(self) -> Message:
         while not self.items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
+            self.waiter = asyncio.get_running_loop().create_future()
+            await self.waiter
         return self.items.popleft()
 
 
@@ -480,7 +492,10 @@ class EndpointRef:
 
     def __call__(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Call the endpoint; resolves to its result (``RemoteError`` if it raised)."""
-        return self._host.call(self._rank, self._name, self._method, args, kwargs, timeout)
+        host = self._host
+        if host.probe.recording is None:  # (``Host.call``'s commonest, inline)
+            return host._call(self._rank, self._name, self._method, args, kwargs, timeout)
+        return host.call(self._rank, self._name, self._method, args, kwargs, timeout)
 
     def tell(self, *args: Any, **kwargs: Any) -> None:
         """Send a one-way call: no result, no error back; ordered with other calls."""

@@ -12,10 +12,12 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from asyncomm._core import wire
 from asyncomm._core.errors import CommClosedError, CommTimeoutError, ProtocolError
+from asyncomm._core.small import NATIVE
 from asyncomm._core.small import encode as small_encode
 from asyncomm._core.wire import Codec, Kind
 from asyncomm._messaging.mailbox import Encoded, Entry, Frame, Message, size_of, wake
@@ -61,6 +63,11 @@ class Channel:
         self._probe_of = router.probe
         self._size = router.size
         self._max_ndim = router.limits.max_ndim
+        self._receiver: Callable[[int | None, float | None], Coroutine[Any, Any, Message]] = (
+            self._receive if NATIVE is None else NATIVE.Receiver(
+                self._box.frames, self._box.taken, Message, router.probe if traced else None,
+                self._look, self._took, self._receive, self._wait, float(timeout),
+                self._batch_less_one, self._size, bool(self._small_room)).receive)
 
     def __repr__(self) -> str:
         return f"<Channel {self.tag} rank {self._router.rank} {self.codec.name.lower()}>"
@@ -146,19 +153,29 @@ class Channel:
             trace.message("channel_send", nbytes, dst, self.tag, router.probe.id, start,
                           error)
 
-    async def recv(self, src: int | None = None, *, timeout: float | None = None) -> Message:
+    def recv(self, src: int | None = None, *, timeout: float | None = None
+             ) -> Coroutine[Any, Any, Message]:
         """Receive the next message (from ``src``, or any source); a cancelled call loses nothing.
 
         Raises ``CommClosedError`` once every other rank (or ``src``) has
         closed the channel and no message is left, ``ProtocolError`` for a
         malformed frame (the next call goes on with the next message).
+
+        Returns a coroutine, as an ``async def`` would: the compiled part's where
+        built (``small.NATIVE.Receiver``: a message in the mailbox, or found by the
+        link's look, taken with no Python frame), which hands any other case to
+        ``_receive``; else ``_receive``'s.
         """
+        return self._receiver(src, timeout)
+
+    async def _receive(self, src: int | None, timeout: float | None,
+                       looked: bool = False) -> Message:
+        """``recv``'s coroutine (``looked``: the compiled receiver looked already)."""
         if src is not None and (type(src) is not int or not 0 <= src < self._size):
             self._check_rank("recv", "src", src)
         if not self._traced or self._probe_of.recording is None:
             box = self._box
             frames = box.frames
-            looked = False
             while True:
                 if frames:
                     first = frames[0]
@@ -330,7 +347,12 @@ class Channel:
         messages so.
         """
         if type(entry) is Message and self._small_room and not self._traced:
-            return self._took(entry)[2]  # the commonest: an actor's request or reply
+            done = self._box.taken.get(entry[0])  # the commonest: an actor's request or reply
+            if done is not None and done[0] < self._batch_less_one:  # (``_took``, inline)
+                done[0] += 1
+            else:
+                self._router.took(entry, self._box)
+            return entry[2]
         router = self._router
         router.took(entry, self._box)
         if type(entry) is Message:  # a small message: decoded on arrival (the default codec's)

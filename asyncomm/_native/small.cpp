@@ -1593,6 +1593,414 @@ PyType_Slot lane_slots[] = {
 PyType_Spec lane_spec = {"asyncomm_small.Lane", sizeof(LaneObject), 0,
                          Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, lane_slots};
 
+// -- receiving: a channel's recv, where what it wants is there -----------------------------
+//
+// ``Channel.recv`` returns a coroutine. Most of its calls find their message in the
+// mailbox already (a burst's), or have the link's look find it (a ping-pong's): for those a
+// Python coroutine's frame is most of the cost (about 1 µs of 1.5 a message). ``Receiver``
+// (one per channel) makes ``Receiving`` objects instead: coroutines as asyncio takes them
+// (``send``, ``throw``, ``close``, ``__await__``: ``asyncio.iscoroutine`` says so, a task
+// runs one) that do nothing until first sent to, as a coroutine does (a receive never
+// awaited, or cancelled before it ran, takes nothing). Sent to, one takes the commonest
+// case as ``Channel._receive`` does: the mailbox's first entry a small message (from
+// ``src``), taken and counted for credit (``Channel._took``'s commonest, inline; the rest by
+// ``took``); else, the mailbox empty, the link's look, then that again. Any other case (a
+// bad ``src`` or timeout, a traced channel while recording, a frame not the commonest, the
+// look's budget spent or refused, no look) it hands to the Python coroutine that does it
+// (``_receive``, or ``_wait`` after a look that found nothing), and passes everything on to
+// that coroutine from then on. The rules stay ``Channel``'s: this takes only what its
+// Python twin takes first, in the same order.
+
+struct ReceiverObject {
+  PyObject_HEAD
+  PyObject *frames, *taken;  // the mailbox's (changed in place, never replaced)
+  PyObject *message_type;    // Message (exactly: a small message's)
+  PyObject *probe;           // None, or a traced channel's Probe (its ``recording`` read)
+  PyObject *look;            // the link's look, or None
+  PyObject *took;            // channel._took(message) -> message: credit, the Python path
+  PyObject *receive;         // channel._receive(src, timeout, looked): the Python coroutine
+  PyObject *wait;            // channel._wait(src, limit, looked): the same, after a look
+  PyObject *timeout;         // the channel's default (a float)
+  long long batch_less_one;  // messages taken before credit goes back, less one
+  long long size;            // the ranks
+  char small;                // whether the channel's messages may be small ones
+};
+
+struct ReceivingObject {
+  PyObject_HEAD
+  ReceiverObject* receiver;
+  PyObject *src, *timeout;
+  PyObject* inner;  // the Python coroutine handed to, once handed to
+  int state;        // FRESH, HANDED (to ``inner``), DONE
+};
+
+enum { FRESH = 0, HANDED = 1, DONE = 2 };
+
+PyObject* str_popleft = nullptr;  // (set as the module loads)
+PyObject* str_recording = nullptr;
+PyObject* str_throw = nullptr;
+PyObject* str_close = nullptr;
+
+// The mailbox's first entry taken, where it is the commonest (a small message, from ``src``
+// unless None): 1 and the message in ``*out``; 0 the mailbox empty; 2 not the commonest
+// (Python's); -1 an error raised.
+int take_first(ReceiverObject* r, PyObject* src, PyObject** out) {
+  Py_ssize_t n = PyObject_Length(r->frames);
+  if (n <= 0) return n < 0 ? -1 : 0;
+  PyObject* first = PySequence_GetItem(r->frames, 0);
+  if (first == nullptr) return -1;
+  if (Py_TYPE(first) != reinterpret_cast<PyTypeObject*>(r->message_type) ||
+      PyTuple_GET_SIZE(first) != 3) {
+    Py_DECREF(first);
+    return 2;
+  }
+  PyObject* from = PyTuple_GET_ITEM(first, 0);
+  if (src != Py_None) {
+    int same = PyObject_RichCompareBool(from, src, Py_EQ);
+    if (same <= 0) {
+      Py_DECREF(first);
+      return same < 0 ? -1 : 2;
+    }
+  }
+  PyObject* popped = PyObject_CallMethodNoArgs(r->frames, str_popleft);
+  if (popped == nullptr) {
+    Py_DECREF(first);
+    return -1;
+  }
+  Py_DECREF(popped);  // (``first``: the same)
+  PyObject* done = PyDict_GetItemWithError(r->taken, from);  // (borrowed)
+  if (done == nullptr && PyErr_Occurred()) {
+    Py_DECREF(first);
+    return -1;
+  }
+  if (done != nullptr && PyList_CheckExact(done) && PyList_GET_SIZE(done) >= 1 &&
+      PyLong_CheckExact(PyList_GET_ITEM(done, 0))) {
+    long long count = PyLong_AsLongLong(PyList_GET_ITEM(done, 0));
+    if (count == -1 && PyErr_Occurred()) {
+      Py_DECREF(first);
+      return -1;
+    }
+    if (count < r->batch_less_one) {
+      PyObject* more = PyLong_FromLongLong(count + 1);
+      if (more == nullptr) {
+        Py_DECREF(first);
+        return -1;
+      }
+      PyList_SetItem(done, 0, more);  // (steals ``more``)
+      *out = first;
+      return 1;
+    }
+  }
+  *out = PyObject_CallOneArg(r->took, first);  // credit goes back: the router's code
+  Py_DECREF(first);
+  return *out == nullptr ? -1 : 1;
+}
+
+// What a fresh Receiving does when first sent to: a message (new reference, the result), or
+// nullptr with ``*inner`` set to the coroutine it hands over to (nullptr too: an error).
+PyObject* receive_first(ReceivingObject* self, PyObject** inner) {
+  ReceiverObject* r = self->receiver;
+  PyObject *src = self->src, *message = nullptr;
+  *inner = nullptr;
+  bool commonest = r->small;
+  if (commonest && src != Py_None) {  // (a bad src: the Python path raises its error)
+    if (!PyLong_CheckExact(src)) {
+      commonest = false;
+    } else {
+      long long s = PyLong_AsLongLong(src);
+      if (s == -1 && PyErr_Occurred()) PyErr_Clear();
+      commonest = s >= 0 && s < r->size;
+    }
+  }
+  if (commonest && r->probe != Py_None) {  // a traced channel: not while recording
+    PyObject* recording = PyObject_GetAttr(r->probe, str_recording);
+    if (recording == nullptr) return nullptr;
+    commonest = recording == Py_None;
+    Py_DECREF(recording);
+  }
+  int looked = 0;
+  if (commonest) {
+    int got = take_first(r, src, &message);
+    if (got == 1) return message;
+    if (got < 0) return nullptr;
+    if (got == 0 && r->look != Py_None) {  // empty: the link's look (``recv``'s, the same)
+      PyObject* limit = self->timeout == Py_None ? r->timeout : self->timeout;
+      double seconds = PyFloat_AsDouble(limit);
+      if (seconds == -1.0 && PyErr_Occurred()) PyErr_Clear();  // (Python's to refuse)
+      else if (seconds > 0) {
+        PyObject* args[] = {r->frames, src};
+        PyObject* answer = PyObject_Vectorcall(r->look, args, 2, nullptr);
+        if (answer == nullptr) return nullptr;
+        long found = PyLong_AsLong(answer);
+        Py_DECREF(answer);
+        if (found == -1 && PyErr_Occurred()) return nullptr;
+        if (found > 0) {
+          got = take_first(r, src, &message);
+          if (got == 1) return message;
+          if (got < 0) return nullptr;
+          looked = 1;  // (what came is not the commonest: Python's, having looked)
+        } else if (found == 0) {  // looked, nothing: ``_wait`` (having looked)
+          PyObject* wait_args[] = {src, limit, Py_True};
+          *inner = PyObject_Vectorcall(r->wait, wait_args, 3, nullptr);
+          return nullptr;
+        }
+      }
+    }
+  }
+  PyObject* args[] = {src, self->timeout, looked ? Py_True : Py_False};
+  *inner = PyObject_Vectorcall(r->receive, args, 3, nullptr);
+  return nullptr;
+}
+
+void receiving_done(ReceivingObject* self) {
+  self->state = DONE;
+  Py_CLEAR(self->inner);
+}
+
+PySendResult receiving_send(PyObject* o, PyObject* arg, PyObject** result) {
+  auto* self = reinterpret_cast<ReceivingObject*>(o);
+  *result = nullptr;
+  if (self->state == DONE) {
+    PyErr_SetString(PyExc_RuntimeError, "cannot reuse already awaited coroutine");
+    return PYGEN_ERROR;
+  }
+  if (self->state == FRESH) {
+    if (arg != Py_None) {
+      self->state = DONE;
+      PyErr_SetString(PyExc_TypeError, "can't send non-None value to a just-started coroutine");
+      return PYGEN_ERROR;
+    }
+    PyObject* inner = nullptr;
+    PyObject* message = receive_first(self, &inner);
+    if (message != nullptr) {
+      self->state = DONE;
+      *result = message;
+      return PYGEN_RETURN;
+    }
+    if (inner == nullptr) {
+      self->state = DONE;
+      return PYGEN_ERROR;
+    }
+    self->inner = inner;
+    self->state = HANDED;
+  }
+  PySendResult sent = PyIter_Send(self->inner, arg, result);
+  if (sent != PYGEN_NEXT) receiving_done(self);
+  return sent;
+}
+
+// The Python protocol's face of ``receiving_send``: a value yielded, or nullptr with
+// StopIteration(value) set (or the error).
+PyObject* receiving_step(PyObject* o, PyObject* arg) {
+  PyObject* result;
+  PySendResult sent = receiving_send(o, arg, &result);
+  if (sent == PYGEN_NEXT) return result;
+  if (sent == PYGEN_RETURN) {
+    // (the value wrapped: a Message is a tuple, which StopIteration would take as its args)
+    PyObject* stop = PyObject_CallOneArg(PyExc_StopIteration, result);
+    Py_DECREF(result);
+    if (stop != nullptr) {
+      PyErr_SetObject(PyExc_StopIteration, stop);
+      Py_DECREF(stop);
+    }
+  }
+  return nullptr;
+}
+
+PyObject* receiving_next(PyObject* o) { return receiving_step(o, Py_None); }
+
+PyObject* receiving_throw(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = reinterpret_cast<ReceivingObject*>(o);
+  if (nargs < 1 || nargs > 3) {
+    PyErr_SetString(PyExc_TypeError, "throw(value) or throw(type[, value[, traceback]])");
+    return nullptr;
+  }
+  if (self->state == HANDED) {  // the coroutine it handed to meets it
+    PyObject* inner = self->inner;
+    Py_INCREF(inner);
+    PyObject* call[] = {inner, args[0], nargs > 1 ? args[1] : Py_None,
+                        nargs > 2 ? args[2] : Py_None};
+    PyObject* result = PyObject_VectorcallMethod(str_throw, call,
+                                                 static_cast<size_t>(nargs) + 1, nullptr);
+    Py_DECREF(inner);
+    if (result == nullptr) receiving_done(self);
+    return result;
+  }
+  self->state = DONE;  // not started (or over): raised here, as a coroutine raises it
+  PyObject* kind = args[0];
+  if (PyExceptionInstance_Check(kind)) {
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(kind)), kind);
+  } else if (PyExceptionClass_Check(kind)) {
+    PyErr_SetObject(kind, nargs > 1 ? args[1] : Py_None);
+  } else {
+    PyErr_SetString(PyExc_TypeError, "exceptions must be classes or instances deriving from "
+                                     "BaseException");
+  }
+  return nullptr;
+}
+
+PyObject* receiving_close(PyObject* o, PyObject*) {
+  auto* self = reinterpret_cast<ReceivingObject*>(o);
+  PyObject* inner = self->inner;
+  Py_XINCREF(inner);
+  receiving_done(self);
+  if (inner == nullptr) Py_RETURN_NONE;
+  PyObject* result = PyObject_CallMethodNoArgs(inner, str_close);
+  Py_DECREF(inner);
+  return result;
+}
+
+PyObject* receiving_await(PyObject* o) {
+  Py_INCREF(o);
+  return o;
+}
+
+int receiving_traverse(PyObject* o, visitproc visit, void* arg) {
+  auto* self = reinterpret_cast<ReceivingObject*>(o);
+  Py_VISIT(Py_TYPE(o));
+  Py_VISIT(reinterpret_cast<PyObject*>(self->receiver));
+  Py_VISIT(self->src);
+  Py_VISIT(self->timeout);
+  Py_VISIT(self->inner);
+  return 0;
+}
+
+int receiving_clear(PyObject* o) {
+  auto* self = reinterpret_cast<ReceivingObject*>(o);
+  Py_CLEAR(self->receiver);
+  Py_CLEAR(self->src);
+  Py_CLEAR(self->timeout);
+  Py_CLEAR(self->inner);
+  return 0;
+}
+
+void receiving_dealloc(PyObject* o) {
+  PyObject_GC_UnTrack(o);
+  receiving_clear(o);
+  PyTypeObject* type = Py_TYPE(o);
+  type->tp_free(o);
+  Py_DECREF(type);
+}
+
+PyMethodDef receiving_methods[] = {
+    {"send", receiving_step, METH_O, "send(value): the coroutine's next step"},
+    {"throw", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(receiving_throw)),
+     METH_FASTCALL, "throw(value) or throw(type[, value[, traceback]])"},
+    {"close", receiving_close, METH_NOARGS, "close(): the coroutine ends"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyType_Slot receiving_slots[] = {
+    {Py_am_await, reinterpret_cast<void*>(receiving_await)},
+    {Py_am_send, reinterpret_cast<void*>(receiving_send)},
+    {Py_tp_iter, reinterpret_cast<void*>(receiving_await)},
+    {Py_tp_iternext, reinterpret_cast<void*>(receiving_next)},
+    {Py_tp_methods, receiving_methods},
+    {Py_tp_dealloc, reinterpret_cast<void*>(receiving_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(receiving_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(receiving_clear)},
+    {Py_tp_doc, const_cast<char*>("A channel's recv: a coroutine (see Receiver)")},
+    {0, nullptr}};
+
+PyType_Spec receiving_spec = {"asyncomm_small.Receiving", sizeof(ReceivingObject), 0,
+                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, receiving_slots};
+
+PyTypeObject* receiving_type = nullptr;  // (set as the module loads)
+
+// receive(src, timeout) -> Receiving: the coroutine of one recv.
+PyObject* receiver_receive(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 2, "receive(src, timeout)")) return nullptr;
+  auto* self = PyObject_GC_New(ReceivingObject, receiving_type);  // (it holds its type)
+  if (self == nullptr) return nullptr;
+  Py_INCREF(o);
+  Py_INCREF(args[0]);
+  Py_INCREF(args[1]);
+  self->receiver = reinterpret_cast<ReceiverObject*>(o);
+  self->src = args[0];
+  self->timeout = args[1];
+  self->inner = nullptr;
+  self->state = FRESH;
+  PyObject_GC_Track(self);
+  return reinterpret_cast<PyObject*>(self);
+}
+
+PyObject* receiver_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
+    PyErr_SetString(PyExc_TypeError, "Receiver(...) takes no keyword arguments");
+    return nullptr;
+  }
+  PyObject *frames, *taken, *message_type, *probe, *look, *took, *receive, *wait, *timeout;
+  long long batch_less_one, size;
+  int small;
+  if (!PyArg_ParseTuple(args, "OO!O!OOOOOO!LLp", &frames, &PyDict_Type, &taken, &PyType_Type,
+                        &message_type, &probe, &look, &took, &receive, &wait, &PyFloat_Type,
+                        &timeout, &batch_less_one, &size, &small))
+    return nullptr;
+  if (!PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(message_type), &PyTuple_Type)) {
+    PyErr_SetString(PyExc_TypeError, "Receiver: message_type must be a tuple type");
+    return nullptr;
+  }
+  auto* self = reinterpret_cast<ReceiverObject*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  PyObject* refs[] = {frames, taken, message_type, probe, look, took, receive, wait, timeout};
+  PyObject** slots[] = {&self->frames, &self->taken, &self->message_type, &self->probe,
+                        &self->look,   &self->took,  &self->receive,      &self->wait,
+                        &self->timeout};
+  for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++) {
+    Py_INCREF(refs[i]);
+    *slots[i] = refs[i];
+  }
+  self->batch_less_one = batch_less_one;
+  self->size = size;
+  self->small = static_cast<char>(small);
+  return reinterpret_cast<PyObject*>(self);
+}
+
+int receiver_traverse(PyObject* o, visitproc visit, void* arg) {
+  auto* self = reinterpret_cast<ReceiverObject*>(o);
+  Py_VISIT(Py_TYPE(o));
+  PyObject* refs[] = {self->frames, self->taken,   self->message_type,
+                      self->probe,  self->look,    self->took,
+                      self->receive, self->wait,   self->timeout};
+  for (PyObject* r : refs) Py_VISIT(r);
+  return 0;
+}
+
+int receiver_clear(PyObject* o) {
+  auto* self = reinterpret_cast<ReceiverObject*>(o);
+  PyObject** refs[] = {&self->frames, &self->taken,   &self->message_type,
+                       &self->probe,  &self->look,    &self->took,
+                       &self->receive, &self->wait,   &self->timeout};
+  for (PyObject** r : refs) Py_CLEAR(*r);
+  return 0;
+}
+
+void receiver_dealloc(PyObject* o) {
+  PyObject_GC_UnTrack(o);
+  receiver_clear(o);
+  PyTypeObject* type = Py_TYPE(o);
+  type->tp_free(o);
+  Py_DECREF(type);
+}
+
+PyMethodDef receiver_methods[] = {
+    {"receive", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(receiver_receive)),
+     METH_FASTCALL, "receive(src, timeout) -> a coroutine: one recv"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyType_Slot receiver_slots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(receiver_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(receiver_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(receiver_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(receiver_clear)},
+    {Py_tp_methods, receiver_methods},
+    {Py_tp_doc, const_cast<char*>(
+        "Receiver(frames, taken, message_type, probe, look, took, receive, wait, timeout, "
+        "batch_less_one, size, small): a channel's recv, compiled where it finds its message")},
+    {0, nullptr}};
+
+PyType_Spec receiver_spec = {"asyncomm_small.Receiver", sizeof(ReceiverObject), 0,
+                             Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, receiver_slots};
+
 PyMethodDef methods[] = {
     {"setup", setup, METH_O, "setup(table): the dtype codes, as (code, empty tensor)"},
     {"encode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(encode)),
@@ -1638,6 +2046,25 @@ PyMODINIT_FUNC ASYNCOMM_INIT(TORCH_EXTENSION_NAME)() {
   PyObject* outbox = PyType_FromSpec(&outbox_spec);
   if (outbox == nullptr || PyModule_AddObject(m, "Outbox", outbox) < 0) {
     Py_XDECREF(outbox);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  str_popleft = PyUnicode_InternFromString("popleft");
+  str_recording = PyUnicode_InternFromString("recording");
+  str_throw = PyUnicode_InternFromString("throw");
+  str_close = PyUnicode_InternFromString("close");
+  receiving_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&receiving_spec));
+  PyObject* receiver = PyType_FromSpec(&receiver_spec);
+  if (str_popleft == nullptr || str_recording == nullptr || str_throw == nullptr ||
+      str_close == nullptr || receiving_type == nullptr || receiver == nullptr ||
+      PyModule_AddObject(m, "Receiver", receiver) < 0) {
+    Py_XDECREF(receiver);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  Py_INCREF(receiving_type);  // (the module's too: its instances are made by Receiver)
+  if (PyModule_AddObject(m, "Receiving", reinterpret_cast<PyObject*>(receiving_type)) < 0) {
+    Py_DECREF(receiving_type);
     Py_DECREF(m);
     return nullptr;
   }
