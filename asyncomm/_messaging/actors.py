@@ -55,6 +55,7 @@ from asyncomm._core.errors import (
     PeerFailedError,
     RemoteError,
 )
+from asyncomm._core.small import NATIVE
 from asyncomm._core.wire import Codec
 from asyncomm._messaging.channels import Channel
 from asyncomm._messaging.mailbox import Encoded, Entry, Message, src_of
@@ -111,8 +112,8 @@ class Host:
         self._unserved: dict[str, collections.deque[Message]] = {}  # tells before their actor
         loop = asyncio.get_running_loop()
         self._loop = loop
-        router.mailbox(tags.ACTOR_REQUEST).listener = self._on_request
-        router.mailbox(tags.ACTOR_REPLY).listener = self._on_reply
+        self._listen(self._requests, self._on_request, self._actors, requests=True)
+        self._listen(self._replies, self._on_reply, self._calls, requests=False)
         self._tasks = [loop.create_task(self._serve_requests()),
                        loop.create_task(self._serve_replies())]
         router.on_dead.append(self._fail_dead)
@@ -121,6 +122,18 @@ class Host:
         self._replies_ended = self._replies._box.ended
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
         self._look = router.link.look  # the router's flush and ``_hurry`` in one, where compiled
+        self._post_request, self._post_reply = self._requests.posting, self._replies.posting
+
+    @staticmethod
+    def _listen(channel: Channel, listener: Callable[[Entry], None], table: dict[Any, Any],
+                requests: bool) -> None:
+        """Make ``listener`` ``channel``'s mailbox's: compiled for the commonest message where
+        built (``small.NATIVE.Listener``: a request to its actor's inbox, a reply to its
+        call, counted for credit as ``Channel.opened`` counts it), ``listener`` for the rest."""
+        box = channel._box
+        box.listener = listener if NATIVE is None else NATIVE.Listener(
+            box.taken, Message, channel._took, table, listener, channel._batch_less_one,
+            requests).listen
 
     # -- hosting -----------------------------------------------------------------
 
@@ -202,11 +215,11 @@ class Host:
 
     async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:
         endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far
-        items = inbox.items
+        items, look, answer = inbox.items, self._look, self._answer
         while True:
             # its next request may be microseconds away: look first (what it answered, sent
             # first: the look's flush, or the router's)
-            if not items and (self._look is None or self._look(items, None) < 0):
+            if not items and (look is None or look(items, None) < 0):
                 self._router.flush(waiting=True)
                 self._hurry(inbox.nonempty)
             message = items.popleft() if items else await inbox.get()
@@ -227,14 +240,14 @@ class Host:
                 self._answer(message, False, [type(exc).__name__, str(exc),
                                               traceback.format_exc()])
             else:
-                self._answer(message, True, result)
+                answer(message, True, result)
 
     def _answer(self, request: Message, ok: bool, result: Any) -> None:
         data = request[2]
         if data[3]:  # it wants a reply
             src, reply = request[0], [data[0], ok, result]
             try:
-                if self._backlog.get(src) or not self._replies.post(reply, src):  # (``_post``)
+                if self._backlog.get(src) or not self._post_reply(reply, src):  # (``_post``)
                     self._queue(src, self._replies, reply)
             except TypeError as exc:  # a result the default codec cannot carry
                 self._post(src, self._replies, [data[0], False, ["TypeError", str(exc), ""]])
@@ -270,7 +283,7 @@ class Host:
         future = self._loop.create_future()
         self._calls[call_id] = (rank, future, name, method)
         request = [call_id, name, method, True, kwargs or None, *args]
-        if self._backlog.get(rank) or not self._requests.post(request, rank):  # (``_post``)
+        if self._backlog.get(rank) or not self._post_request(request, rank):  # (``_post``)
             self._queue(rank, self._requests, request)
         found = -1 if self._look is None else self._look(future.done, None)
         if found < 0:
@@ -326,7 +339,7 @@ class Host:
         message is encoded once, as it is queued for the link (``Channel.post``) or here
         for this rank's sender.
         """
-        if not self._backlog.get(rank) and channel.post(message, rank):
+        if not self._backlog.get(rank) and channel.posting(message, rank):
             return  # the common case: sent now (with the loop iteration's other messages)
         self._queue(rank, channel, message)
 

@@ -63,6 +63,11 @@ class Channel:
         self._probe_of = router.probe
         self._size = router.size
         self._max_ndim = router.limits.max_ndim
+        # ``post`` (actors post every message), in one compiled call where built
+        self.posting: Callable[[object, int], bool] = (
+            self.post if NATIVE is None else NATIVE.Poster(
+                self._windows, self._post, tag, self._small_room, self._max_ndim, self._window,
+                router.probe if traced else None, self._go_full, self.post).post)
         self._receiver: Callable[[int | None, float | None], Coroutine[Any, Any, Message]] = (
             self._receive if NATIVE is None else NATIVE.Receiver(
                 self._box.frames, self._box.taken, Message, router.probe if traced else None,

@@ -2001,6 +2001,315 @@ PyType_Slot receiver_slots[] = {
 PyType_Spec receiver_spec = {"asyncomm_small.Receiver", sizeof(ReceiverObject), 0,
                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, receiver_slots};
 
+// -- actors' listeners: a request to its actor's inbox, a reply to its call ----------------
+//
+// ``Host._on_request`` and ``Host._on_reply`` (actors), compiled for the commonest message:
+// a small ``Message`` of the expected shape (a request whose actor is served here: its
+// inbox's ``items`` appended to and its ``waiter`` woken; a reply whose call is in flight:
+// its future's result set to ``(ok, result)``), counted for credit as ``Channel.opened``
+// counts it. Any other message goes to the Python listener, uncounted, which refuses what
+// is malformed and routes what is not served.
+
+struct ListenerObject {
+  PyObject_HEAD
+  PyObject *taken, *message_type, *took;  // the mailbox's ``taken``, Message, channel._took
+  PyObject *table;   // requests: the actors' inboxes by name; replies: the calls by id
+  PyObject *python;  // the Python listener: everything else
+  long long batch_less_one;
+  int requests;      // whether it routes requests (else settles replies)
+};
+
+PyObject* str_items = nullptr;  // (set as the module loads)
+PyObject* str_waiter = nullptr;
+PyObject* str_append = nullptr;
+PyObject* str_done = nullptr;
+PyObject* str_set_result = nullptr;
+
+// Count ``message`` (from ``from``) as taken, as ``Channel._took`` does: 0, or -1 an error.
+int count_taken(PyObject* taken, PyObject* from, long long batch_less_one, PyObject* took,
+                PyObject* message) {
+  PyObject* done = PyDict_GetItemWithError(taken, from);  // (borrowed)
+  if (done == nullptr && PyErr_Occurred()) return -1;
+  if (done != nullptr && PyList_CheckExact(done) && PyList_GET_SIZE(done) >= 1 &&
+      PyLong_CheckExact(PyList_GET_ITEM(done, 0))) {
+    long long count = PyLong_AsLongLong(PyList_GET_ITEM(done, 0));
+    if (count == -1 && PyErr_Occurred()) return -1;
+    if (count < batch_less_one) {
+      PyObject* more = PyLong_FromLongLong(count + 1);
+      if (more == nullptr) return -1;
+      PyList_SetItem(done, 0, more);  // (steals ``more``)
+      return 0;
+    }
+  }
+  PyObject* answer = PyObject_CallOneArg(took, message);  // credit goes back: the router's
+  Py_XDECREF(answer);
+  return answer == nullptr ? -1 : 0;
+}
+
+// A request to its actor's inbox: 1 done, 0 not the commonest, -1 an error.
+int route_request(ListenerObject* self, PyObject* entry, PyObject* data) {
+  if (PyList_GET_SIZE(data) < 6 || !PyUnicode_CheckExact(PyList_GET_ITEM(data, 1))) return 0;
+  PyObject* inbox = PyDict_GetItemWithError(self->table, PyList_GET_ITEM(data, 1));
+  if (inbox == nullptr) return PyErr_Occurred() ? -1 : 0;  // (not served: Python's)
+  Py_INCREF(inbox);
+  PyObject* items = PyObject_GetAttr(inbox, str_items);
+  PyObject* waiter = items == nullptr ? nullptr : PyObject_GetAttr(inbox, str_waiter);
+  Py_DECREF(inbox);
+  int rc = -1;
+  if (waiter != nullptr &&
+      count_taken(self->taken, PyTuple_GET_ITEM(entry, 0), self->batch_less_one, self->took,
+                  entry) == 0) {
+    PyObject* appended = PyObject_CallMethodOneArg(items, str_append, entry);
+    rc = appended == nullptr ? -1 : 1;
+    Py_XDECREF(appended);
+    if (rc == 1 && waiter != Py_None) {  // the actor waits: woken (once)
+      PyObject* done = PyObject_CallMethodNoArgs(waiter, str_done);
+      int over = done == nullptr ? -1 : PyObject_IsTrue(done);
+      Py_XDECREF(done);
+      if (over < 0) {
+        rc = -1;
+      } else if (!over) {
+        PyObject* set = PyObject_CallMethodOneArg(waiter, str_set_result, Py_None);
+        if (set == nullptr) rc = -1;
+        Py_XDECREF(set);
+      }
+    }
+  }
+  Py_XDECREF(items);
+  Py_XDECREF(waiter);
+  return rc;
+}
+
+// A reply to its call: 1 done, 0 not the commonest, -1 an error.
+int settle_reply(ListenerObject* self, PyObject* entry, PyObject* data) {
+  if (PyList_GET_SIZE(data) != 3) return 0;
+  PyObject* pending = PyDict_GetItemWithError(self->table, PyList_GET_ITEM(data, 0));
+  if (pending == nullptr) return PyErr_Occurred() ? -1 : 0;  // (expired, or not ours)
+  if (!PyTuple_CheckExact(pending) || PyTuple_GET_SIZE(pending) < 2) return 0;
+  PyObject* future = PyTuple_GET_ITEM(pending, 1);
+  Py_INCREF(future);
+  int rc = -1;
+  PyObject* done = PyObject_CallMethodNoArgs(future, str_done);
+  int over = done == nullptr ? -1 : PyObject_IsTrue(done);
+  Py_XDECREF(done);
+  if (over == 0) {
+    rc = count_taken(self->taken, PyTuple_GET_ITEM(entry, 0), self->batch_less_one,
+                     self->took, entry) == 0 ? 1 : -1;
+    PyObject* result = rc < 0 ? nullptr
+                       : PyTuple_Pack(2, PyList_GET_ITEM(data, 1), PyList_GET_ITEM(data, 2));
+    PyObject* set = result == nullptr ? nullptr
+                    : PyObject_CallMethodOneArg(future, str_set_result, result);
+    if (set == nullptr) rc = -1;
+    Py_XDECREF(result);
+    Py_XDECREF(set);
+  } else if (over > 0) {
+    rc = 0;  // (settled already: Python's, which counts and drops it)
+  }
+  Py_DECREF(future);
+  return rc;
+}
+
+PyObject* listener_listen(PyObject* o, PyObject* entry) {
+  auto* self = reinterpret_cast<ListenerObject*>(o);
+  int rc = 0;
+  if (Py_TYPE(entry) == reinterpret_cast<PyTypeObject*>(self->message_type) &&
+      PyTuple_GET_SIZE(entry) == 3 && PyList_CheckExact(PyTuple_GET_ITEM(entry, 2))) {
+    PyObject* data = PyTuple_GET_ITEM(entry, 2);
+    rc = self->requests ? route_request(self, entry, data) : settle_reply(self, entry, data);
+  }
+  if (rc < 0) return nullptr;
+  if (rc > 0) Py_RETURN_NONE;
+  return PyObject_CallOneArg(self->python, entry);
+}
+
+PyObject* listener_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
+    PyErr_SetString(PyExc_TypeError, "Listener(...) takes no keyword arguments");
+    return nullptr;
+  }
+  PyObject *taken, *message_type, *took, *table, *python;
+  long long batch_less_one;
+  int requests;
+  if (!PyArg_ParseTuple(args, "O!O!OO!OLp", &PyDict_Type, &taken, &PyType_Type, &message_type,
+                        &took, &PyDict_Type, &table, &python, &batch_less_one, &requests))
+    return nullptr;
+  auto* self = reinterpret_cast<ListenerObject*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  PyObject* refs[] = {taken, message_type, took, table, python};
+  PyObject** slots[] = {&self->taken, &self->message_type, &self->took, &self->table,
+                        &self->python};
+  for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++) {
+    Py_INCREF(refs[i]);
+    *slots[i] = refs[i];
+  }
+  self->batch_less_one = batch_less_one;
+  self->requests = requests;
+  return reinterpret_cast<PyObject*>(self);
+}
+
+int listener_traverse(PyObject* o, visitproc visit, void* arg) {
+  auto* self = reinterpret_cast<ListenerObject*>(o);
+  Py_VISIT(Py_TYPE(o));
+  PyObject* refs[] = {self->taken, self->message_type, self->took, self->table, self->python};
+  for (PyObject* r : refs) Py_VISIT(r);
+  return 0;
+}
+
+int listener_clear(PyObject* o) {
+  auto* self = reinterpret_cast<ListenerObject*>(o);
+  PyObject** refs[] = {&self->taken, &self->message_type, &self->took, &self->table,
+                       &self->python};
+  for (PyObject** r : refs) Py_CLEAR(*r);
+  return 0;
+}
+
+void listener_dealloc(PyObject* o) {
+  PyObject_GC_UnTrack(o);
+  listener_clear(o);
+  PyTypeObject* type = Py_TYPE(o);
+  type->tp_free(o);
+  Py_DECREF(type);
+}
+
+PyMethodDef listener_methods[] = {
+    {"listen", listener_listen, METH_O, "listen(entry): a mailbox's listener"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyType_Slot listener_slots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(listener_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(listener_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(listener_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(listener_clear)},
+    {Py_tp_methods, listener_methods},
+    {Py_tp_doc, const_cast<char*>(
+        "Listener(taken, message_type, took, table, python, batch_less_one, requests): an "
+        "actors' mailbox listener, compiled for the commonest message")},
+    {0, nullptr}};
+
+PyType_Spec listener_spec = {"asyncomm_small.Listener", sizeof(ListenerObject), 0,
+                             Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, listener_slots};
+
+// -- posting: ``Channel.post`` in one call --------------------------------------------------
+//
+// Actors post every request and reply (``Channel.post``): the window of a rank checked
+// before, looked up, then ``Outbox.post``. ``Poster.post`` does that commonest case; a
+// rank without a window yet goes to the Python ``post``, a full packet to ``_go_full``,
+// a traced channel while recording is refused (as the Python ``post`` refuses it).
+
+struct PosterObject {
+  PyObject_HEAD
+  PyObject *windows;  // the channel's, by destination (changed in place, never replaced)
+  PyObject *post;     // the link's outbox's post
+  PyObject *tag, *room, *max_ndim, *limit;  // its arguments, the channel's
+  PyObject *probe;    // None, or a traced channel's Probe (its ``recording`` read)
+  PyObject *go_full;  // channel._go_full(window, obj, dst) -> bool
+  PyObject *python;   // Channel.post, bound: a destination without a window yet
+};
+
+PyObject* poster_post(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 2, "post(obj, dst)")) return nullptr;
+  auto* self = reinterpret_cast<PosterObject*>(o);
+  PyObject *obj = args[0], *dst = args[1];
+  PyObject* window = PyLong_CheckExact(dst) ? PyDict_GetItemWithError(self->windows, dst)
+                                            : nullptr;  // (borrowed)
+  if (window == nullptr) {
+    if (PyErr_Occurred()) return nullptr;
+    return PyObject_Vectorcall(self->python, args, 2, nullptr);
+  }
+  if (self->probe != Py_None) {
+    PyObject* recording = PyObject_GetAttr(self->probe, str_recording);
+    if (recording == nullptr) return nullptr;
+    bool traced = recording != Py_None;
+    Py_DECREF(recording);
+    if (traced) Py_RETURN_FALSE;
+  }
+  Py_INCREF(window);  // (held while the outbox runs Python: its flush may change the dict)
+  PyObject* call[] = {window, dst, self->tag, obj, self->room, self->max_ndim, self->limit};
+  PyObject* answer = PyObject_Vectorcall(self->post, call, 7, nullptr);
+  long got = answer == nullptr ? -1 : PyLong_AsLong(answer);
+  Py_XDECREF(answer);
+  PyObject* result = nullptr;
+  if (answer == nullptr || (got == -1 && PyErr_Occurred())) {
+    result = nullptr;
+  } else if (got >= 0) {
+    result = Py_NewRef(Py_True);
+  } else if (got == -1) {  // the packet full: it goes, and this message in the next
+    PyObject* full[] = {window, obj, dst};
+    result = PyObject_Vectorcall(self->go_full, full, 3, nullptr);
+  } else {
+    result = Py_NewRef(Py_False);
+  }
+  Py_DECREF(window);
+  return result;
+}
+
+PyObject* poster_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
+    PyErr_SetString(PyExc_TypeError, "Poster(...) takes no keyword arguments");
+    return nullptr;
+  }
+  PyObject *windows, *post, *tag, *room, *max_ndim, *limit, *probe, *go_full, *python;
+  if (!PyArg_ParseTuple(args, "O!OOOOOOOO", &PyDict_Type, &windows, &post, &tag, &room,
+                        &max_ndim, &limit, &probe, &go_full, &python))
+    return nullptr;
+  auto* self = reinterpret_cast<PosterObject*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  PyObject* refs[] = {windows, post, tag, room, max_ndim, limit, probe, go_full, python};
+  PyObject** slots[] = {&self->windows, &self->post,  &self->tag,     &self->room,
+                        &self->max_ndim, &self->limit, &self->probe,   &self->go_full,
+                        &self->python};
+  for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++) {
+    Py_INCREF(refs[i]);
+    *slots[i] = refs[i];
+  }
+  return reinterpret_cast<PyObject*>(self);
+}
+
+int poster_traverse(PyObject* o, visitproc visit, void* arg) {
+  auto* self = reinterpret_cast<PosterObject*>(o);
+  Py_VISIT(Py_TYPE(o));
+  PyObject* refs[] = {self->windows, self->post,  self->tag,   self->room,  self->max_ndim,
+                      self->limit,   self->probe, self->go_full, self->python};
+  for (PyObject* r : refs) Py_VISIT(r);
+  return 0;
+}
+
+int poster_clear(PyObject* o) {
+  auto* self = reinterpret_cast<PosterObject*>(o);
+  PyObject** refs[] = {&self->windows, &self->post,  &self->tag,     &self->room,
+                       &self->max_ndim, &self->limit, &self->probe,  &self->go_full,
+                       &self->python};
+  for (PyObject** r : refs) Py_CLEAR(*r);
+  return 0;
+}
+
+void poster_dealloc(PyObject* o) {
+  PyObject_GC_UnTrack(o);
+  poster_clear(o);
+  PyTypeObject* type = Py_TYPE(o);
+  type->tp_free(o);
+  Py_DECREF(type);
+}
+
+PyMethodDef poster_methods[] = {
+    {"post", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(poster_post)),
+     METH_FASTCALL, "post(obj, dst) -> bool: Channel.post"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyType_Slot poster_slots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(poster_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(poster_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(poster_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(poster_clear)},
+    {Py_tp_methods, poster_methods},
+    {Py_tp_doc, const_cast<char*>(
+        "Poster(windows, post, tag, room, max_ndim, limit, probe, go_full, python): a "
+        "channel's post, compiled for a destination with a window")},
+    {0, nullptr}};
+
+PyType_Spec poster_spec = {"asyncomm_small.Poster", sizeof(PosterObject), 0,
+                           Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, poster_slots};
+
 PyMethodDef methods[] = {
     {"setup", setup, METH_O, "setup(table): the dtype codes, as (code, empty tensor)"},
     {"encode", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(encode)),
@@ -2053,6 +2362,25 @@ PyMODINIT_FUNC ASYNCOMM_INIT(TORCH_EXTENSION_NAME)() {
   str_recording = PyUnicode_InternFromString("recording");
   str_throw = PyUnicode_InternFromString("throw");
   str_close = PyUnicode_InternFromString("close");
+  str_items = PyUnicode_InternFromString("items");
+  str_waiter = PyUnicode_InternFromString("waiter");
+  str_append = PyUnicode_InternFromString("append");
+  str_done = PyUnicode_InternFromString("done");
+  str_set_result = PyUnicode_InternFromString("set_result");
+  PyObject* poster = PyType_FromSpec(&poster_spec);
+  if (poster == nullptr || PyModule_AddObject(m, "Poster", poster) < 0) {
+    Py_XDECREF(poster);
+    Py_DECREF(m);
+    return nullptr;
+  }
+  PyObject* listener = PyType_FromSpec(&listener_spec);
+  if (str_items == nullptr || str_waiter == nullptr || str_append == nullptr ||
+      str_done == nullptr || str_set_result == nullptr || listener == nullptr ||
+      PyModule_AddObject(m, "Listener", listener) < 0) {
+    Py_XDECREF(listener);
+    Py_DECREF(m);
+    return nullptr;
+  }
   receiving_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&receiving_spec));
   PyObject* receiver = PyType_FromSpec(&receiver_spec);
   if (str_popleft == nullptr || str_recording == nullptr || str_throw == nullptr ||
