@@ -206,7 +206,7 @@ async def check_a_receive_takes_nothing_until_it_runs(comm: Comm) -> list[Any]:
     async with fresh(comm) as sub:
         ch, peer = sub.channel(4), 1 - sub.rank
         if sub.rank == 0:
-            for i in range(6):
+            for i in range(7):
                 await ch.send(i, peer)
             assert (await ch.recv(peer)).data == "end"
             return []
@@ -230,6 +230,16 @@ async def check_a_receive_takes_nothing_until_it_runs(comm: Comm) -> list[Any]:
                (await asyncio.create_task(ch.recv(peer))).data,
                (await asyncio.wait_for(ch.recv(peer), 60)).data]
         got.extend(m.data for m in await asyncio.gather(ch.recv(peer), ch.recv(peer)))
+        while len(sub._router.mailbox(4).frames) < 1:  # (then it needs no look: no yield)
+            await asyncio.sleep(0.001)
+        stepped = ch.recv(peer)
+        try:
+            stepped.send(None)  # (as Python 3.12's await steps it: a StopIteration's value)
+        except StopIteration as stop:
+            assert type(stop.value) is asyncomm.Message, stop.value
+            got.append(stop.value.data)
+        else:
+            raise AssertionError("a receive whose message was there did not end at once")
         again = ch.recv(peer)
         got.append((await again).data)
         try:
@@ -244,7 +254,7 @@ async def check_a_receive_takes_nothing_until_it_runs(comm: Comm) -> list[Any]:
 
 def test_a_receive_takes_nothing_until_it_runs(world2: World) -> None:
     _, got = world2.run(check_a_receive_takes_nothing_until_it_runs)
-    assert got == list(range(6))
+    assert got == list(range(7))
 
 
 async def check_burst_received_without_coroutine_frames(comm: Comm) -> Any:

@@ -1641,6 +1641,27 @@ PyObject* str_recording = nullptr;
 PyObject* str_throw = nullptr;
 PyObject* str_close = nullptr;
 
+// Count ``message`` (from ``from``) as taken, as ``Channel._took`` does: 0, or -1 an error.
+int count_taken(PyObject* taken, PyObject* from, long long batch_less_one, PyObject* took,
+                PyObject* message) {
+  PyObject* done = PyDict_GetItemWithError(taken, from);  // (borrowed)
+  if (done == nullptr && PyErr_Occurred()) return -1;
+  if (done != nullptr && PyList_CheckExact(done) && PyList_GET_SIZE(done) >= 1 &&
+      PyLong_CheckExact(PyList_GET_ITEM(done, 0))) {
+    long long count = PyLong_AsLongLong(PyList_GET_ITEM(done, 0));
+    if (count == -1 && PyErr_Occurred()) return -1;
+    if (count < batch_less_one) {
+      PyObject* more = PyLong_FromLongLong(count + 1);
+      if (more == nullptr) return -1;
+      PyList_SetItem(done, 0, more);  // (steals ``more``)
+      return 0;
+    }
+  }
+  PyObject* answer = PyObject_CallOneArg(took, message);  // credit goes back: the router's
+  Py_XDECREF(answer);
+  return answer == nullptr ? -1 : 0;
+}
+
 // The mailbox's first entry taken, where it is the commonest (a small message, from ``src``
 // unless None): 1 and the message in ``*out``; 0 the mailbox empty; 2 not the commonest
 // (Python's); -1 an error raised.
@@ -1668,32 +1689,12 @@ int take_first(ReceiverObject* r, PyObject* src, PyObject** out) {
     return -1;
   }
   Py_DECREF(popped);  // (``first``: the same)
-  PyObject* done = PyDict_GetItemWithError(r->taken, from);  // (borrowed)
-  if (done == nullptr && PyErr_Occurred()) {
+  if (count_taken(r->taken, from, r->batch_less_one, r->took, first) < 0) {
     Py_DECREF(first);
     return -1;
   }
-  if (done != nullptr && PyList_CheckExact(done) && PyList_GET_SIZE(done) >= 1 &&
-      PyLong_CheckExact(PyList_GET_ITEM(done, 0))) {
-    long long count = PyLong_AsLongLong(PyList_GET_ITEM(done, 0));
-    if (count == -1 && PyErr_Occurred()) {
-      Py_DECREF(first);
-      return -1;
-    }
-    if (count < r->batch_less_one) {
-      PyObject* more = PyLong_FromLongLong(count + 1);
-      if (more == nullptr) {
-        Py_DECREF(first);
-        return -1;
-      }
-      PyList_SetItem(done, 0, more);  // (steals ``more``)
-      *out = first;
-      return 1;
-    }
-  }
-  *out = PyObject_CallOneArg(r->took, first);  // credit goes back: the router's code
-  Py_DECREF(first);
-  return *out == nullptr ? -1 : 1;
+  *out = first;
+  return 1;
 }
 
 // What a fresh Receiving does when first sent to: a message (new reference, the result), or
@@ -2024,27 +2025,6 @@ PyObject* str_waiter = nullptr;
 PyObject* str_append = nullptr;
 PyObject* str_done = nullptr;
 PyObject* str_set_result = nullptr;
-
-// Count ``message`` (from ``from``) as taken, as ``Channel._took`` does: 0, or -1 an error.
-int count_taken(PyObject* taken, PyObject* from, long long batch_less_one, PyObject* took,
-                PyObject* message) {
-  PyObject* done = PyDict_GetItemWithError(taken, from);  // (borrowed)
-  if (done == nullptr && PyErr_Occurred()) return -1;
-  if (done != nullptr && PyList_CheckExact(done) && PyList_GET_SIZE(done) >= 1 &&
-      PyLong_CheckExact(PyList_GET_ITEM(done, 0))) {
-    long long count = PyLong_AsLongLong(PyList_GET_ITEM(done, 0));
-    if (count == -1 && PyErr_Occurred()) return -1;
-    if (count < batch_less_one) {
-      PyObject* more = PyLong_FromLongLong(count + 1);
-      if (more == nullptr) return -1;
-      PyList_SetItem(done, 0, more);  // (steals ``more``)
-      return 0;
-    }
-  }
-  PyObject* answer = PyObject_CallOneArg(took, message);  // credit goes back: the router's
-  Py_XDECREF(answer);
-  return answer == nullptr ? -1 : 0;
-}
 
 // A request to its actor's inbox: 1 done, 0 not the commonest, -1 an error.
 int route_request(ListenerObject* self, PyObject* entry, PyObject* data) {
