@@ -1593,6 +1593,17 @@ PyType_Slot lane_slots[] = {
 PyType_Spec lane_spec = {"asyncomm_small.Lane", sizeof(LaneObject), 0,
                          Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, lane_slots};
 
+// A collected type's dealloc: untracked, cleared (``clear``: its references), freed, and its
+// (heap) type let go.
+template <int (*clear)(PyObject*)>
+void gc_dealloc(PyObject* o) {
+  PyObject_GC_UnTrack(o);
+  clear(o);
+  PyTypeObject* type = Py_TYPE(o);
+  type->tp_free(o);
+  Py_DECREF(type);
+}
+
 // -- receiving: a channel's recv, where what it wants is there -----------------------------
 //
 // ``Channel.recv`` returns a coroutine. Most of its calls find their message in the
@@ -1875,14 +1886,6 @@ int receiving_clear(PyObject* o) {
   return 0;
 }
 
-void receiving_dealloc(PyObject* o) {
-  PyObject_GC_UnTrack(o);
-  receiving_clear(o);
-  PyTypeObject* type = Py_TYPE(o);
-  type->tp_free(o);
-  Py_DECREF(type);
-}
-
 PyMethodDef receiving_methods[] = {
     {"send", receiving_step, METH_O, "send(value): the coroutine's next step"},
     {"throw", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(receiving_throw)),
@@ -1896,7 +1899,7 @@ PyType_Slot receiving_slots[] = {
     {Py_tp_iter, reinterpret_cast<void*>(receiving_await)},
     {Py_tp_iternext, reinterpret_cast<void*>(receiving_next)},
     {Py_tp_methods, receiving_methods},
-    {Py_tp_dealloc, reinterpret_cast<void*>(receiving_dealloc)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(gc_dealloc<receiving_clear>)},
     {Py_tp_traverse, reinterpret_cast<void*>(receiving_traverse)},
     {Py_tp_clear, reinterpret_cast<void*>(receiving_clear)},
     {Py_tp_doc, const_cast<char*>("A channel's recv: a coroutine (see Receiver)")},
@@ -1975,14 +1978,6 @@ int receiver_clear(PyObject* o) {
   return 0;
 }
 
-void receiver_dealloc(PyObject* o) {
-  PyObject_GC_UnTrack(o);
-  receiver_clear(o);
-  PyTypeObject* type = Py_TYPE(o);
-  type->tp_free(o);
-  Py_DECREF(type);
-}
-
 PyMethodDef receiver_methods[] = {
     {"receive", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(receiver_receive)),
      METH_FASTCALL, "receive(src, timeout) -> a coroutine: one recv"},
@@ -1990,7 +1985,7 @@ PyMethodDef receiver_methods[] = {
 
 PyType_Slot receiver_slots[] = {
     {Py_tp_new, reinterpret_cast<void*>(receiver_new)},
-    {Py_tp_dealloc, reinterpret_cast<void*>(receiver_dealloc)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(gc_dealloc<receiver_clear>)},
     {Py_tp_traverse, reinterpret_cast<void*>(receiver_traverse)},
     {Py_tp_clear, reinterpret_cast<void*>(receiver_clear)},
     {Py_tp_methods, receiver_methods},
@@ -2143,21 +2138,13 @@ int listener_clear(PyObject* o) {
   return 0;
 }
 
-void listener_dealloc(PyObject* o) {
-  PyObject_GC_UnTrack(o);
-  listener_clear(o);
-  PyTypeObject* type = Py_TYPE(o);
-  type->tp_free(o);
-  Py_DECREF(type);
-}
-
 PyMethodDef listener_methods[] = {
     {"listen", listener_listen, METH_O, "listen(entry): a mailbox's listener"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyType_Slot listener_slots[] = {
     {Py_tp_new, reinterpret_cast<void*>(listener_new)},
-    {Py_tp_dealloc, reinterpret_cast<void*>(listener_dealloc)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(gc_dealloc<listener_clear>)},
     {Py_tp_traverse, reinterpret_cast<void*>(listener_traverse)},
     {Py_tp_clear, reinterpret_cast<void*>(listener_clear)},
     {Py_tp_methods, listener_methods},
@@ -2263,14 +2250,6 @@ int poster_clear(PyObject* o) {
   return 0;
 }
 
-void poster_dealloc(PyObject* o) {
-  PyObject_GC_UnTrack(o);
-  poster_clear(o);
-  PyTypeObject* type = Py_TYPE(o);
-  type->tp_free(o);
-  Py_DECREF(type);
-}
-
 PyMethodDef poster_methods[] = {
     {"post", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(poster_post)),
      METH_FASTCALL, "post(obj, dst) -> bool: Channel.post"},
@@ -2278,7 +2257,7 @@ PyMethodDef poster_methods[] = {
 
 PyType_Slot poster_slots[] = {
     {Py_tp_new, reinterpret_cast<void*>(poster_new)},
-    {Py_tp_dealloc, reinterpret_cast<void*>(poster_dealloc)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(gc_dealloc<poster_clear>)},
     {Py_tp_traverse, reinterpret_cast<void*>(poster_traverse)},
     {Py_tp_clear, reinterpret_cast<void*>(poster_clear)},
     {Py_tp_methods, poster_methods},
