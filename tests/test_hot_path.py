@@ -35,6 +35,7 @@ def counted_looks(comm: Comm) -> collections.Counter[int]:
         return found
 
     link.look = host._look = counting
+    host.calling = host._calling()  # (the compiled call binds the look it is made with)
     return answers
 
 
@@ -296,3 +297,46 @@ async def check_burst_received_without_coroutine_frames(comm: Comm) -> Any:
 def test_a_burst_is_received_without_coroutine_frames(world2: World) -> None:
     _, coroutines = world2.run(check_burst_received_without_coroutine_frames)
     assert not coroutines, coroutines
+
+
+async def check_calls_answered_while_looking_make_no_coroutine(comm: Comm) -> Any:
+    # An actor call answered while its caller looks (a ping-pong of calls) runs in the
+    # compiled caller: no Python coroutine (``Host._call``'s: one a call) on the caller.
+    async with fresh(comm) as sub:
+        if sub.rank == 1:
+            sub.serve(_Echo(), "echo")
+        await sub.barrier()
+        coroutines = collections.Counter[str]()
+        if sub.rank == 0:
+            echo = sub.actor(1, "echo").echo
+            for i in range(50):  # (the look learns how long an answer takes)
+                assert await echo(i) == i
+
+            def count(frame: Any, event: str, arg: Any) -> None:
+                if event == "call" and frame.f_code.co_flags & inspect.CO_COROUTINE:
+                    coroutines[frame.f_code.co_name] += 1
+
+            sys.setprofile(count)
+            try:
+                for i in range(200):
+                    assert await echo(i) == i
+            finally:
+                sys.setprofile(None)
+        await sub.barrier()
+        return dict(coroutines)
+
+
+class _Echo(asyncomm.Actor):
+    @asyncomm.endpoint
+    def echo(self, x: Any) -> Any:
+        return x
+
+
+@compiled
+def test_an_actor_call_answered_while_looking_makes_no_coroutine(world2: World) -> None:
+    if world2.backend != "mpi":
+        pytest.skip("the look is MPI's (a link polled from the loop)")
+    caller, _ = world2.run(check_calls_answered_while_looking_make_no_coroutine)
+    # the caller's own coroutines: ``Host._call`` (one a call, before), ``Host._finish``
+    # (one a wait past the look's budget); others are the loop's tasks, run as a call waits
+    assert caller.get("_call", 0) + caller.get("_finish", 0) <= 200 // 4, caller

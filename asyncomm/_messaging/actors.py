@@ -123,6 +123,19 @@ class Host:
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
         self._look = router.link.look  # the router's flush and ``_hurry`` in one, where compiled
         self._post_request, self._post_reply = self._requests.posting, self._replies.posting
+        self.calling = self._calling()
+
+    def _calling(self) -> Callable[..., Awaitable[Any]]:
+        """What makes a call's coroutine: the compiled part's where built (``Caller``: a call
+        answered while it looks makes no Python coroutine), else ``_call``."""
+        if NATIVE is None:
+            return self._call
+        router = self._router
+        return NATIVE.Caller(  # type: ignore[no-any-return]
+            self._dead, self._ended, self._replies_ended, self._ids, self._loop.create_future,
+            self._calls, self._backlog, self._post_request, self._queue, self._requests,
+            self._look, router.expect, router.link.expect, self._hurry, self._call,
+            self._finish, self._result).call
 
     @staticmethod
     def _listen(channel: Channel, listener: Callable[[Entry], None], table: dict[Any, Any],
@@ -258,7 +271,7 @@ class Host:
              kwargs: dict[str, Any], timeout: float | None) -> Awaitable[Any]:
         """Call ``name.method(*args, **kwargs)`` on ``rank``; the awaitable gives its result."""
         if self.probe.recording is None:
-            return self._call(rank, name, method, args, kwargs, timeout)  # no layer between
+            return self.calling(rank, name, method, args, kwargs, timeout)  # no layer between
         return self._traced_call(rank, name, method, args, kwargs, timeout)
 
     async def _traced_call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
@@ -296,6 +309,17 @@ class Host:
             ok, result = future.result()
         else:
             ok, result = await self._answer_of(call_id, future, timeout)
+        return self._result(rank, name, method, ok, result)
+
+    async def _finish(self, rank: int, name: str, method: str, call_id: int,
+                      future: asyncio.Future[Any], timeout: float | None) -> Any:
+        """A call's wait for its answer, where the compiled call looked and found none."""
+        ok, result = await self._answer_of(call_id, future, timeout)
+        return self._result(rank, name, method, ok, result)
+
+    @staticmethod
+    def _result(rank: int, name: str, method: str, ok: bool, result: Any) -> Any:
+        """A call's result; ``RemoteError`` where the endpoint raised."""
         if not ok:
             kind, text, remote_tb = result
             raise RemoteError(f"rank {rank}: {name}.{method} raised {kind}: {text}", rank,
@@ -507,7 +531,7 @@ class EndpointRef:
         """Call the endpoint; resolves to its result (``RemoteError`` if it raised)."""
         host = self._host
         if host.probe.recording is None:  # (``Host.call``'s commonest, inline)
-            return host._call(self._rank, self._name, self._method, args, kwargs, timeout)
+            return host.calling(self._rank, self._name, self._method, args, kwargs, timeout)
         return host.call(self._rank, self._name, self._method, args, kwargs, timeout)
 
     def tell(self, *args: Any, **kwargs: Any) -> None:

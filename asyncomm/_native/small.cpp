@@ -1637,10 +1637,19 @@ struct ReceiverObject {
   char small;                // whether the channel's messages may be small ones
 };
 
-struct ReceivingObject {
+// A coroutine whose commonest case is compiled (a receive's, an actor call's): ``first``
+// runs when it is first sent to, and either gives its result or the Python coroutine it
+// hands over to.
+struct StepObject;
+using First = PyObject* (*)(StepObject* self, PyObject** inner);
+constexpr int STEP_ARGS = 6;
+
+struct StepObject {
   PyObject_HEAD
-  ReceiverObject* receiver;
-  PyObject *src, *timeout;
+  PyObject* owner;             // what made it (a Receiver, a Caller)
+  PyObject* arg[STEP_ARGS];    // its call's arguments (nullptr beyond ``nargs``)
+  Py_ssize_t nargs;
+  First first;
   PyObject* inner;  // the Python coroutine handed to, once handed to
   int state;        // FRESH, HANDED (to ``inner``), DONE
 };
@@ -1648,6 +1657,11 @@ struct ReceivingObject {
 enum { FRESH = 0, HANDED = 1, DONE = 2 };
 
 PyObject* str_popleft = nullptr;  // (set as the module loads)
+PyObject* str_items = nullptr;
+PyObject* str_waiter = nullptr;
+PyObject* str_append = nullptr;
+PyObject* str_done = nullptr;
+PyObject* str_set_result = nullptr;
 PyObject* str_recording = nullptr;
 PyObject* str_throw = nullptr;
 PyObject* str_close = nullptr;
@@ -1710,9 +1724,9 @@ int take_first(ReceiverObject* r, PyObject* src, PyObject** out) {
 
 // What a fresh Receiving does when first sent to: a message (new reference, the result), or
 // nullptr with ``*inner`` set to the coroutine it hands over to (nullptr too: an error).
-PyObject* receive_first(ReceivingObject* self, PyObject** inner) {
-  ReceiverObject* r = self->receiver;
-  PyObject *src = self->src, *message = nullptr;
+PyObject* receive_first(StepObject* self, PyObject** inner) {
+  auto* r = reinterpret_cast<ReceiverObject*>(self->owner);
+  PyObject *src = self->arg[0], *timeout = self->arg[1], *message = nullptr;
   *inner = nullptr;
   bool commonest = r->small;
   if (commonest && src != Py_None) {  // (a bad src: the Python path raises its error)
@@ -1736,7 +1750,7 @@ PyObject* receive_first(ReceivingObject* self, PyObject** inner) {
     if (got == 1) return message;
     if (got < 0) return nullptr;
     if (got == 0 && r->look != Py_None) {  // empty: the link's look (``recv``'s, the same)
-      PyObject* limit = self->timeout == Py_None ? r->timeout : self->timeout;
+      PyObject* limit = timeout == Py_None ? r->timeout : timeout;
       double seconds = PyFloat_AsDouble(limit);
       if (seconds == -1.0 && PyErr_Occurred()) PyErr_Clear();  // (Python's to refuse)
       else if (seconds > 0) {
@@ -1759,18 +1773,18 @@ PyObject* receive_first(ReceivingObject* self, PyObject** inner) {
       }
     }
   }
-  PyObject* args[] = {src, self->timeout, looked ? Py_True : Py_False};
+  PyObject* args[] = {src, timeout, looked ? Py_True : Py_False};
   *inner = PyObject_Vectorcall(r->receive, args, 3, nullptr);
   return nullptr;
 }
 
-void receiving_done(ReceivingObject* self) {
+void receiving_done(StepObject* self) {
   self->state = DONE;
   Py_CLEAR(self->inner);
 }
 
 PySendResult receiving_send(PyObject* o, PyObject* arg, PyObject** result) {
-  auto* self = reinterpret_cast<ReceivingObject*>(o);
+  auto* self = reinterpret_cast<StepObject*>(o);
   *result = nullptr;
   if (self->state == DONE) {
     PyErr_SetString(PyExc_RuntimeError, "cannot reuse already awaited coroutine");
@@ -1783,7 +1797,7 @@ PySendResult receiving_send(PyObject* o, PyObject* arg, PyObject** result) {
       return PYGEN_ERROR;
     }
     PyObject* inner = nullptr;
-    PyObject* message = receive_first(self, &inner);
+    PyObject* message = self->first(self, &inner);
     if (message != nullptr) {
       self->state = DONE;
       *result = message;
@@ -1822,7 +1836,7 @@ PyObject* receiving_step(PyObject* o, PyObject* arg) {
 PyObject* receiving_next(PyObject* o) { return receiving_step(o, Py_None); }
 
 PyObject* receiving_throw(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
-  auto* self = reinterpret_cast<ReceivingObject*>(o);
+  auto* self = reinterpret_cast<StepObject*>(o);
   if (nargs < 1 || nargs > 3) {
     PyErr_SetString(PyExc_TypeError, "throw(value) or throw(type[, value[, traceback]])");
     return nullptr;
@@ -1852,7 +1866,7 @@ PyObject* receiving_throw(PyObject* o, PyObject* const* args, Py_ssize_t nargs) 
 }
 
 PyObject* receiving_close(PyObject* o, PyObject*) {
-  auto* self = reinterpret_cast<ReceivingObject*>(o);
+  auto* self = reinterpret_cast<StepObject*>(o);
   PyObject* inner = self->inner;
   Py_XINCREF(inner);
   receiving_done(self);
@@ -1868,20 +1882,18 @@ PyObject* receiving_await(PyObject* o) {
 }
 
 int receiving_traverse(PyObject* o, visitproc visit, void* arg) {
-  auto* self = reinterpret_cast<ReceivingObject*>(o);
+  auto* self = reinterpret_cast<StepObject*>(o);
   Py_VISIT(Py_TYPE(o));
-  Py_VISIT(reinterpret_cast<PyObject*>(self->receiver));
-  Py_VISIT(self->src);
-  Py_VISIT(self->timeout);
+  Py_VISIT(self->owner);
+  for (Py_ssize_t i = 0; i < self->nargs; i++) Py_VISIT(self->arg[i]);
   Py_VISIT(self->inner);
   return 0;
 }
 
 int receiving_clear(PyObject* o) {
-  auto* self = reinterpret_cast<ReceivingObject*>(o);
-  Py_CLEAR(self->receiver);
-  Py_CLEAR(self->src);
-  Py_CLEAR(self->timeout);
+  auto* self = reinterpret_cast<StepObject*>(o);
+  Py_CLEAR(self->owner);
+  for (Py_ssize_t i = 0; i < self->nargs; i++) Py_CLEAR(self->arg[i]);
   Py_CLEAR(self->inner);
   return 0;
 }
@@ -1902,30 +1914,235 @@ PyType_Slot receiving_slots[] = {
     {Py_tp_dealloc, reinterpret_cast<void*>(gc_dealloc<receiving_clear>)},
     {Py_tp_traverse, reinterpret_cast<void*>(receiving_traverse)},
     {Py_tp_clear, reinterpret_cast<void*>(receiving_clear)},
-    {Py_tp_doc, const_cast<char*>("A channel's recv: a coroutine (see Receiver)")},
+    {Py_tp_doc, const_cast<char*>("A coroutine whose commonest case is compiled (see "
+                                  "Receiver, Caller)")},
     {0, nullptr}};
 
-PyType_Spec receiving_spec = {"asyncomm_small.Receiving", sizeof(ReceivingObject), 0,
+PyType_Spec receiving_spec = {"asyncomm_small.Step", sizeof(StepObject), 0,
                               Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, receiving_slots};
 
 PyTypeObject* receiving_type = nullptr;  // (set as the module loads)
 
-// receive(src, timeout) -> Receiving: the coroutine of one recv.
-PyObject* receiver_receive(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity(nargs, 2, "receive(src, timeout)")) return nullptr;
-  auto* self = PyObject_GC_New(ReceivingObject, receiving_type);  // (it holds its type)
+// A fresh Step of ``owner``'s, of the call ``args``, that runs ``first`` when first sent to.
+PyObject* make_step(PyObject* owner, First first, PyObject* const* args, Py_ssize_t nargs) {
+  auto* self = PyObject_GC_New(StepObject, receiving_type);  // (it holds its type)
   if (self == nullptr) return nullptr;
-  Py_INCREF(o);
-  Py_INCREF(args[0]);
-  Py_INCREF(args[1]);
-  self->receiver = reinterpret_cast<ReceiverObject*>(o);
-  self->src = args[0];
-  self->timeout = args[1];
+  Py_INCREF(owner);
+  self->owner = owner;
+  for (Py_ssize_t i = 0; i < STEP_ARGS; i++) {
+    self->arg[i] = i < nargs ? args[i] : nullptr;
+    Py_XINCREF(self->arg[i]);
+  }
+  self->nargs = nargs;
+  self->first = first;
   self->inner = nullptr;
   self->state = FRESH;
   PyObject_GC_Track(self);
   return reinterpret_cast<PyObject*>(self);
 }
+
+// receive(src, timeout) -> Step: the coroutine of one recv.
+PyObject* receiver_receive(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 2, "receive(src, timeout)")) return nullptr;
+  return make_step(o, receive_first, args, nargs);
+}
+
+// -- calling: an actor call, where its answer comes while it looks -----------------------
+//
+// ``Host._call`` (actors) in compiled form for its commonest case: the callee not known
+// gone or closed, the request posted (or queued behind others to that rank), the link's
+// look, and the answer found by it (a ping-pong of calls): no Python coroutine made. A
+// call whose answer does not come while it looks hands over to ``Host._finish`` (the
+// wait, its deadline, the callee's failure); a callee known gone or closed, or a rank not
+// an int, to ``Host._call`` itself, which says why. The rules stay ``Host``'s: this does
+// what ``_call`` does first, in the same order.
+
+struct CallerObject {
+  PyObject_HEAD
+  PyObject *dead, *ended, *replies_ended;  // ranks gone, or that closed (sets)
+  PyObject *ids;            // the call ids (itertools.count)
+  PyObject *create_future;  // the loop's
+  PyObject *calls;          // the calls in flight, by id: (rank, future, name, method)
+  PyObject *backlog;        // requests queued per rank (a rank with any queues the next)
+  PyObject *post;           // the requests channel's posting(request, rank) -> bool
+  PyObject *queue;          // Host._queue(rank, channel, request)
+  PyObject *requests;       // the requests channel
+  PyObject *look;           // the link's look, or None
+  PyObject *router_expect, *link_expect, *hurry;  // as ``_call`` calls them
+  PyObject *full;           // Host._call: the Python coroutine, whole
+  PyObject *finish;         // Host._finish: the wait for an answer not found by looking
+  PyObject *result;         // Host._result(rank, name, method, ok, result): raises if not ok
+};
+
+PyObject* str_result = nullptr;  // (set as the module loads)
+
+PyObject* call_first(StepObject* self, PyObject** inner) {
+  auto* c = reinterpret_cast<CallerObject*>(self->owner);
+  PyObject *rank = self->arg[0], *name = self->arg[1], *method = self->arg[2],
+           *args = self->arg[3], *kwargs = self->arg[4], *timeout = self->arg[5];
+  *inner = nullptr;
+  int known = PyLong_CheckExact(rank) && PyTuple_CheckExact(args) ? 0 : 1;
+  PyObject* sets[] = {c->dead, c->ended, c->replies_ended};
+  for (PyObject* ranks : sets) {
+    if (known) break;
+    known = PySequence_Contains(ranks, rank);
+    if (known < 0) return nullptr;
+  }
+  if (known) {  // (Python's: it says why not, or goes on where it may)
+    *inner = PyObject_Vectorcall(c->full, self->arg, 6, nullptr);
+    return nullptr;
+  }
+  PyObject *call_id = PyIter_Next(c->ids), *future = nullptr, *entry = nullptr,
+           *request = nullptr, *done = nullptr, *answer = nullptr;
+  PyObject* out = nullptr;
+  int found = -1;
+  int wants = call_id == nullptr ? -1 : PyObject_IsTrue(kwargs);
+  if (wants < 0) goto end;
+  future = PyObject_CallNoArgs(c->create_future);
+  if (future == nullptr) goto end;
+  entry = PyTuple_Pack(4, rank, future, name, method);
+  if (entry == nullptr || PyDict_SetItem(c->calls, call_id, entry) < 0) goto end;
+  request = PyList_New(5 + PyTuple_GET_SIZE(args));  // [id, name, method, True, kwargs, *args]
+  if (request == nullptr) goto end;
+  {
+    PyObject* head[] = {call_id, name, method, Py_True, wants ? kwargs : Py_None};
+    for (Py_ssize_t i = 0; i < 5; i++) {
+      Py_INCREF(head[i]);
+      PyList_SET_ITEM(request, i, head[i]);
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
+      PyObject* item = PyTuple_GET_ITEM(args, i);
+      Py_INCREF(item);
+      PyList_SET_ITEM(request, 5 + i, item);
+    }
+    PyObject* queued = PyDict_GetItemWithError(c->backlog, rank);  // (borrowed)
+    int behind = queued == nullptr ? (PyErr_Occurred() ? -1 : 0) : PyObject_IsTrue(queued);
+    if (behind < 0) goto end;
+    int posted = 0;
+    if (!behind) {
+      PyObject* post_args[] = {request, rank};
+      posted = truth_of(PyObject_Vectorcall(c->post, post_args, 2, nullptr));
+      if (posted < 0) goto end;
+    }
+    if (!posted) {
+      PyObject* queue_args[] = {rank, c->requests, request};
+      PyObject* queued_now = PyObject_Vectorcall(c->queue, queue_args, 3, nullptr);
+      if (queued_now == nullptr) goto end;
+      Py_DECREF(queued_now);
+    }
+  }
+  done = PyObject_GetAttr(future, str_done);
+  if (done == nullptr) goto end;
+  if (c->look != Py_None) {
+    PyObject* look_args[] = {done, Py_None};
+    PyObject* looked = PyObject_Vectorcall(c->look, look_args, 2, nullptr);
+    if (looked == nullptr) goto end;
+    long value = PyLong_AsLong(looked);
+    Py_DECREF(looked);
+    if (value == -1 && PyErr_Occurred()) goto end;
+    found = value > 0 ? 1 : value == 0 ? 0 : -1;
+  }
+  if (found < 0) {
+    PyObject* expected = PyObject_CallNoArgs(c->router_expect);
+    if (expected == nullptr) goto end;
+    Py_DECREF(expected);
+    found = truth_of(PyObject_CallOneArg(c->hurry, done));
+    if (found < 0) goto end;
+  } else if (found == 0) {  // (looked, with what it issued sent: now the poller watches)
+    PyObject* expected = PyObject_CallNoArgs(c->link_expect);
+    if (expected == nullptr) goto end;
+    Py_DECREF(expected);
+  }
+  if (!found) {
+    PyObject* finish_args[] = {rank, name, method, call_id, future, timeout};
+    *inner = PyObject_Vectorcall(c->finish, finish_args, 6, nullptr);
+    goto end;
+  }
+  if (PyDict_DelItem(c->calls, call_id) < 0) goto end;  // an answer within microseconds
+  answer = PyObject_CallMethodNoArgs(future, str_result);
+  if (answer == nullptr) goto end;
+  if (PyTuple_CheckExact(answer) && PyTuple_GET_SIZE(answer) == 2 &&
+      PyTuple_GET_ITEM(answer, 0) == Py_True) {
+    out = PyTuple_GET_ITEM(answer, 1);
+    Py_INCREF(out);
+  } else {  // (raised, as ``_call`` raises it)
+    PyObject* result_args[] = {rank, name, method, PyTuple_GET_ITEM(answer, 0),
+                               PyTuple_GET_ITEM(answer, 1)};
+    out = PyTuple_CheckExact(answer) && PyTuple_GET_SIZE(answer) == 2
+          ? PyObject_Vectorcall(c->result, result_args, 5, nullptr) : nullptr;
+    if (out == nullptr && !PyErr_Occurred())
+      PyErr_SetString(PyExc_RuntimeError, "an actor call's answer is not (ok, result)");
+  }
+end:
+  Py_XDECREF(call_id);
+  Py_XDECREF(future);
+  Py_XDECREF(entry);
+  Py_XDECREF(request);
+  Py_XDECREF(done);
+  Py_XDECREF(answer);
+  if (out == nullptr && *inner == nullptr && !PyErr_Occurred())
+    PyErr_SetString(PyExc_RuntimeError, "an actor call failed without an error");
+  return out;
+}
+
+// call(rank, name, method, args, kwargs, timeout) -> Step: the coroutine of one call.
+PyObject* caller_call(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 6, "call(rank, name, method, args, kwargs, timeout)")) return nullptr;
+  return make_step(o, call_first, args, nargs);
+}
+
+constexpr int CALLER_REFS = 17;
+
+PyObject** caller_refs(CallerObject* self) { return &self->dead; }  // (its 17, in order)
+
+PyObject* caller_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  if ((kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) || !PyTuple_Check(args) ||
+      PyTuple_GET_SIZE(args) != CALLER_REFS) {
+    PyErr_SetString(PyExc_TypeError, "Caller(...) takes its 17 arguments by position");
+    return nullptr;
+  }
+  auto* self = reinterpret_cast<CallerObject*>(type->tp_alloc(type, 0));
+  if (self == nullptr) return nullptr;
+  for (int i = 0; i < CALLER_REFS; i++) {
+    PyObject* ref = PyTuple_GET_ITEM(args, i);
+    Py_INCREF(ref);
+    caller_refs(self)[i] = ref;
+  }
+  if (!PyDict_Check(self->calls) || !PyDict_Check(self->backlog)) {
+    Py_DECREF(self);
+    PyErr_SetString(PyExc_TypeError, "Caller: calls and backlog must be dicts");
+    return nullptr;
+  }
+  return reinterpret_cast<PyObject*>(self);
+}
+
+int caller_traverse(PyObject* o, visitproc visit, void* arg) {
+  Py_VISIT(Py_TYPE(o));
+  for (int i = 0; i < CALLER_REFS; i++) Py_VISIT(caller_refs(reinterpret_cast<CallerObject*>(o))[i]);
+  return 0;
+}
+
+int caller_clear(PyObject* o) {
+  for (int i = 0; i < CALLER_REFS; i++) Py_CLEAR(caller_refs(reinterpret_cast<CallerObject*>(o))[i]);
+  return 0;
+}
+
+PyMethodDef caller_methods[] = {
+    {"call", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(caller_call)),
+     METH_FASTCALL, "call(rank, name, method, args, kwargs, timeout) -> a coroutine: one call"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyType_Slot caller_slots[] = {
+    {Py_tp_new, reinterpret_cast<void*>(caller_new)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(gc_dealloc<caller_clear>)},
+    {Py_tp_traverse, reinterpret_cast<void*>(caller_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(caller_clear)},
+    {Py_tp_methods, caller_methods},
+    {Py_tp_doc, const_cast<char*>("Caller(...): actor calls, compiled where answered at once")},
+    {0, nullptr}};
+
+PyType_Spec caller_spec = {"asyncomm_small.Caller", sizeof(CallerObject), 0,
+                           Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, caller_slots};
 
 PyObject* receiver_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0) {
@@ -2015,11 +2232,6 @@ struct ListenerObject {
   int requests;      // whether it routes requests (else settles replies)
 };
 
-PyObject* str_items = nullptr;  // (set as the module loads)
-PyObject* str_waiter = nullptr;
-PyObject* str_append = nullptr;
-PyObject* str_done = nullptr;
-PyObject* str_set_result = nullptr;
 
 // A request to its actor's inbox: 1 done, 0 not the commonest, -1 an error.
 int route_request(ListenerObject* self, PyObject* entry, PyObject* data) {
@@ -2326,6 +2538,13 @@ PyMODINIT_FUNC ASYNCOMM_INIT(TORCH_EXTENSION_NAME)() {
   str_append = PyUnicode_InternFromString("append");
   str_done = PyUnicode_InternFromString("done");
   str_set_result = PyUnicode_InternFromString("set_result");
+  str_result = PyUnicode_InternFromString("result");
+  PyObject* caller = PyType_FromSpec(&caller_spec);
+  if (str_result == nullptr || caller == nullptr || PyModule_AddObject(m, "Caller", caller) < 0) {
+    Py_XDECREF(caller);
+    Py_DECREF(m);
+    return nullptr;
+  }
   PyObject* poster = PyType_FromSpec(&poster_spec);
   if (poster == nullptr || PyModule_AddObject(m, "Poster", poster) < 0) {
     Py_XDECREF(poster);
@@ -2350,7 +2569,7 @@ PyMODINIT_FUNC ASYNCOMM_INIT(TORCH_EXTENSION_NAME)() {
     return nullptr;
   }
   Py_INCREF(receiving_type);  // (the module's too: its instances are made by Receiver)
-  if (PyModule_AddObject(m, "Receiving", reinterpret_cast<PyObject*>(receiving_type)) < 0) {
+  if (PyModule_AddObject(m, "Step", reinterpret_cast<PyObject*>(receiving_type)) < 0) {
     Py_DECREF(receiving_type);
     Py_DECREF(m);
     return nullptr;
