@@ -300,8 +300,8 @@ def test_a_burst_is_received_without_coroutine_frames(world2: World) -> None:
 
 
 async def check_calls_answered_while_looking_make_no_coroutine(comm: Comm) -> Any:
-    # An actor call answered while its caller looks (a ping-pong of calls) runs in the
-    # compiled caller: no Python coroutine (``Host._call``'s: one a call) on the caller.
+    # An actor call runs in the compiled caller: answered while its caller looks (a
+    # ping-pong of calls), no Python coroutine at all (``Host._call``'s: one a call).
     async with fresh(comm) as sub:
         if sub.rank == 1:
             sub.serve(_Echo(), "echo")
@@ -337,6 +337,8 @@ def test_an_actor_call_answered_while_looking_makes_no_coroutine(world2: World) 
     if world2.backend != "mpi":
         pytest.skip("the look is MPI's (a link polled from the loop)")
     caller, _ = world2.run(check_calls_answered_while_looking_make_no_coroutine)
-    # the caller's own coroutines: ``Host._call`` (one a call, before), ``Host._finish``
-    # (one a wait past the look's budget); others are the loop's tasks, run as a call waits
-    assert caller.get("_call", 0) + caller.get("_finish", 0) <= 200 // 4, caller
+    # the caller's own coroutines: ``Host._call`` (one a call, before; none now: a callee
+    # known gone or closed only), ``Host._finish`` (one a wait past the look's budget,
+    # which a loaded machine makes often); others are the loop's tasks, run as a call waits
+    assert caller.get("_call", 0) == 0, caller
+    assert caller.get("_finish", 0) < 200, caller

@@ -1609,7 +1609,7 @@ void gc_dealloc(PyObject* o) {
 // ``Channel.recv`` returns a coroutine. Most of its calls find their message in the
 // mailbox already (a burst's), or have the link's look find it (a ping-pong's): for those a
 // Python coroutine's frame is most of the cost (about 1 µs of 1.5 a message). ``Receiver``
-// (one per channel) makes ``Receiving`` objects instead: coroutines as asyncio takes them
+// (one per channel) makes ``Step`` objects instead: coroutines as asyncio takes them
 // (``send``, ``throw``, ``close``, ``__await__``: ``asyncio.iscoroutine`` says so, a task
 // runs one) that do nothing until first sent to, as a coroutine does (a receive never
 // awaited, or cancelled before it ran, takes nothing). Sent to, one takes the commonest
@@ -1722,7 +1722,7 @@ int take_first(ReceiverObject* r, PyObject* src, PyObject** out) {
   return 1;
 }
 
-// What a fresh Receiving does when first sent to: a message (new reference, the result), or
+// What a fresh receive's Step does when first sent to: a message (new reference, the result), or
 // nullptr with ``*inner`` set to the coroutine it hands over to (nullptr too: an error).
 PyObject* receive_first(StepObject* self, PyObject** inner) {
   auto* r = reinterpret_cast<ReceiverObject*>(self->owner);
@@ -1778,12 +1778,12 @@ PyObject* receive_first(StepObject* self, PyObject** inner) {
   return nullptr;
 }
 
-void receiving_done(StepObject* self) {
+void step_done(StepObject* self) {
   self->state = DONE;
   Py_CLEAR(self->inner);
 }
 
-PySendResult receiving_send(PyObject* o, PyObject* arg, PyObject** result) {
+PySendResult step_send(PyObject* o, PyObject* arg, PyObject** result) {
   auto* self = reinterpret_cast<StepObject*>(o);
   *result = nullptr;
   if (self->state == DONE) {
@@ -1811,15 +1811,15 @@ PySendResult receiving_send(PyObject* o, PyObject* arg, PyObject** result) {
     self->state = HANDED;
   }
   PySendResult sent = PyIter_Send(self->inner, arg, result);
-  if (sent != PYGEN_NEXT) receiving_done(self);
+  if (sent != PYGEN_NEXT) step_done(self);
   return sent;
 }
 
-// The Python protocol's face of ``receiving_send``: a value yielded, or nullptr with
+// The Python protocol's face of ``step_send``: a value yielded, or nullptr with
 // StopIteration(value) set (or the error).
-PyObject* receiving_step(PyObject* o, PyObject* arg) {
+PyObject* step_step(PyObject* o, PyObject* arg) {
   PyObject* result;
-  PySendResult sent = receiving_send(o, arg, &result);
+  PySendResult sent = step_send(o, arg, &result);
   if (sent == PYGEN_NEXT) return result;
   if (sent == PYGEN_RETURN) {
     // (the value wrapped: a Message is a tuple, which StopIteration would take as its args)
@@ -1833,9 +1833,9 @@ PyObject* receiving_step(PyObject* o, PyObject* arg) {
   return nullptr;
 }
 
-PyObject* receiving_next(PyObject* o) { return receiving_step(o, Py_None); }
+PyObject* step_next(PyObject* o) { return step_step(o, Py_None); }
 
-PyObject* receiving_throw(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+PyObject* step_throw(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
   auto* self = reinterpret_cast<StepObject*>(o);
   if (nargs < 1 || nargs > 3) {
     PyErr_SetString(PyExc_TypeError, "throw(value) or throw(type[, value[, traceback]])");
@@ -1849,7 +1849,7 @@ PyObject* receiving_throw(PyObject* o, PyObject* const* args, Py_ssize_t nargs) 
     PyObject* result = PyObject_VectorcallMethod(str_throw, call,
                                                  static_cast<size_t>(nargs) + 1, nullptr);
     Py_DECREF(inner);
-    if (result == nullptr) receiving_done(self);
+    if (result == nullptr) step_done(self);
     return result;
   }
   self->state = DONE;  // not started (or over): raised here, as a coroutine raises it
@@ -1865,23 +1865,23 @@ PyObject* receiving_throw(PyObject* o, PyObject* const* args, Py_ssize_t nargs) 
   return nullptr;
 }
 
-PyObject* receiving_close(PyObject* o, PyObject*) {
+PyObject* step_close(PyObject* o, PyObject*) {
   auto* self = reinterpret_cast<StepObject*>(o);
   PyObject* inner = self->inner;
   Py_XINCREF(inner);
-  receiving_done(self);
+  step_done(self);
   if (inner == nullptr) Py_RETURN_NONE;
   PyObject* result = PyObject_CallMethodNoArgs(inner, str_close);
   Py_DECREF(inner);
   return result;
 }
 
-PyObject* receiving_await(PyObject* o) {
+PyObject* step_await(PyObject* o) {
   Py_INCREF(o);
   return o;
 }
 
-int receiving_traverse(PyObject* o, visitproc visit, void* arg) {
+int step_traverse(PyObject* o, visitproc visit, void* arg) {
   auto* self = reinterpret_cast<StepObject*>(o);
   Py_VISIT(Py_TYPE(o));
   Py_VISIT(self->owner);
@@ -1890,7 +1890,7 @@ int receiving_traverse(PyObject* o, visitproc visit, void* arg) {
   return 0;
 }
 
-int receiving_clear(PyObject* o) {
+int step_clear(PyObject* o) {
   auto* self = reinterpret_cast<StepObject*>(o);
   Py_CLEAR(self->owner);
   for (Py_ssize_t i = 0; i < self->nargs; i++) Py_CLEAR(self->arg[i]);
@@ -1898,34 +1898,34 @@ int receiving_clear(PyObject* o) {
   return 0;
 }
 
-PyMethodDef receiving_methods[] = {
-    {"send", receiving_step, METH_O, "send(value): the coroutine's next step"},
-    {"throw", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(receiving_throw)),
+PyMethodDef step_methods[] = {
+    {"send", step_step, METH_O, "send(value): the coroutine's next step"},
+    {"throw", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(step_throw)),
      METH_FASTCALL, "throw(value) or throw(type[, value[, traceback]])"},
-    {"close", receiving_close, METH_NOARGS, "close(): the coroutine ends"},
+    {"close", step_close, METH_NOARGS, "close(): the coroutine ends"},
     {nullptr, nullptr, 0, nullptr}};
 
-PyType_Slot receiving_slots[] = {
-    {Py_am_await, reinterpret_cast<void*>(receiving_await)},
-    {Py_am_send, reinterpret_cast<void*>(receiving_send)},
-    {Py_tp_iter, reinterpret_cast<void*>(receiving_await)},
-    {Py_tp_iternext, reinterpret_cast<void*>(receiving_next)},
-    {Py_tp_methods, receiving_methods},
-    {Py_tp_dealloc, reinterpret_cast<void*>(gc_dealloc<receiving_clear>)},
-    {Py_tp_traverse, reinterpret_cast<void*>(receiving_traverse)},
-    {Py_tp_clear, reinterpret_cast<void*>(receiving_clear)},
+PyType_Slot step_slots[] = {
+    {Py_am_await, reinterpret_cast<void*>(step_await)},
+    {Py_am_send, reinterpret_cast<void*>(step_send)},
+    {Py_tp_iter, reinterpret_cast<void*>(step_await)},
+    {Py_tp_iternext, reinterpret_cast<void*>(step_next)},
+    {Py_tp_methods, step_methods},
+    {Py_tp_dealloc, reinterpret_cast<void*>(gc_dealloc<step_clear>)},
+    {Py_tp_traverse, reinterpret_cast<void*>(step_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(step_clear)},
     {Py_tp_doc, const_cast<char*>("A coroutine whose commonest case is compiled (see "
                                   "Receiver, Caller)")},
     {0, nullptr}};
 
-PyType_Spec receiving_spec = {"asyncomm_small.Step", sizeof(StepObject), 0,
-                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, receiving_slots};
+PyType_Spec step_spec = {"asyncomm_small.Step", sizeof(StepObject), 0,
+                              Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC, step_slots};
 
-PyTypeObject* receiving_type = nullptr;  // (set as the module loads)
+PyTypeObject* step_type = nullptr;  // (set as the module loads)
 
 // A fresh Step of ``owner``'s, of the call ``args``, that runs ``first`` when first sent to.
 PyObject* make_step(PyObject* owner, First first, PyObject* const* args, Py_ssize_t nargs) {
-  auto* self = PyObject_GC_New(StepObject, receiving_type);  // (it holds its type)
+  auto* self = PyObject_GC_New(StepObject, step_type);  // (it holds its type)
   if (self == nullptr) return nullptr;
   Py_INCREF(owner);
   self->owner = owner;
@@ -2559,18 +2559,18 @@ PyMODINIT_FUNC ASYNCOMM_INIT(TORCH_EXTENSION_NAME)() {
     Py_DECREF(m);
     return nullptr;
   }
-  receiving_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&receiving_spec));
+  step_type = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&step_spec));
   PyObject* receiver = PyType_FromSpec(&receiver_spec);
   if (str_popleft == nullptr || str_recording == nullptr || str_throw == nullptr ||
-      str_close == nullptr || receiving_type == nullptr || receiver == nullptr ||
+      str_close == nullptr || step_type == nullptr || receiver == nullptr ||
       PyModule_AddObject(m, "Receiver", receiver) < 0) {
     Py_XDECREF(receiver);
     Py_DECREF(m);
     return nullptr;
   }
-  Py_INCREF(receiving_type);  // (the module's too: its instances are made by Receiver)
-  if (PyModule_AddObject(m, "Step", reinterpret_cast<PyObject*>(receiving_type)) < 0) {
-    Py_DECREF(receiving_type);
+  Py_INCREF(step_type);  // (the module's too: its instances are made by Receiver)
+  if (PyModule_AddObject(m, "Step", reinterpret_cast<PyObject*>(step_type)) < 0) {
+    Py_DECREF(step_type);
     Py_DECREF(m);
     return nullptr;
   }
