@@ -259,28 +259,34 @@ def test_a_receive_takes_nothing_until_it_runs(world2: World) -> None:
 
 
 async def check_burst_received_without_coroutine_frames(comm: Comm) -> Any:
-    # A burst's messages, all in the mailbox: each receive takes its message in the
-    # compiled receiver, no Python coroutine run (an ``async def recv``'s, or the Python
-    # path's ``Channel._receive``: one each).
+    # A burst of small messages: each send posts its message in the compiled sender, and,
+    # all in the mailbox, each receive takes its message in the compiled receiver: no
+    # Python coroutine run (an ``async def``'s, or the Python path's ``Channel._sending``
+    # and ``_receive``: one each).
+    coroutines = collections.Counter[str]()
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_flags & inspect.CO_COROUTINE:
+            coroutines[frame.f_code.co_name] += 1
+
     async with fresh(comm) as sub:
         ch, ack, peer = sub.channel(6), sub.channel(7), 1 - sub.rank
         if sub.rank == 0:
-            for i in range(64):
-                await ch.send({"i": i}, peer)
+            await ch.send({"i": 0}, peer)  # (the first to a rank checks it: Python's)
+            sys.setprofile(count)
+            try:
+                for i in range(1, 64):
+                    await ch.send({"i": i}, peer)
+            finally:
+                sys.setprofile(None)
             assert (await ack.recv(peer)).data == "all"
-            return {}
+            return dict(coroutines)
         frames = sub._router.mailbox(6).frames
         for _ in range(10_000):  # (the poller, or gloo's reader, puts them there)
             if len(frames) == 64:
                 break
             await asyncio.sleep(0.001)
         assert len(frames) == 64, len(frames)
-        coroutines = collections.Counter[str]()
-
-        def count(frame: Any, event: str, arg: Any) -> None:
-            if event == "call" and frame.f_code.co_flags & inspect.CO_COROUTINE:
-                coroutines[frame.f_code.co_name] += 1
-
         got = []
         sys.setprofile(count)
         try:
@@ -294,9 +300,9 @@ async def check_burst_received_without_coroutine_frames(comm: Comm) -> Any:
 
 
 @compiled
-def test_a_burst_is_received_without_coroutine_frames(world2: World) -> None:
-    _, coroutines = world2.run(check_burst_received_without_coroutine_frames)
-    assert not coroutines, coroutines
+def test_a_burst_is_sent_and_received_without_coroutine_frames(world2: World) -> None:
+    for coroutines in world2.run(check_burst_received_without_coroutine_frames):
+        assert not coroutines, coroutines
 
 
 async def check_calls_answered_while_looking_make_no_coroutine(comm: Comm) -> Any:

@@ -63,11 +63,16 @@ class Channel:
         self._probe_of = router.probe
         self._size = router.size
         self._max_ndim = router.limits.max_ndim
-        # ``post`` (actors post every message), in one compiled call where built
+        # ``post`` (actors post every message) in one compiled call, and ``send``'s
+        # coroutine compiled, where built (``small.NATIVE.Poster``)
+        poster = None if NATIVE is None else NATIVE.Poster(
+            self._windows, self._post, tag, self._small_room, self._max_ndim, self._window,
+            router.probe if traced else None, self._go_full, self.post, self._send_encoded,
+            self._send_slowly, self._sending)
         self.posting: Callable[[object, int], bool] = (
-            self.post if NATIVE is None else NATIVE.Poster(
-                self._windows, self._post, tag, self._small_room, self._max_ndim, self._window,
-                router.probe if traced else None, self._go_full, self.post).post)
+            self.post if poster is None else poster.post)
+        self._sender: Callable[[object, int, float | None], Coroutine[Any, Any, None]] = (
+            self._sending if poster is None else poster.send)
         self._receiver: Callable[[int | None, float | None], Coroutine[Any, Any, Message]] = (
             self._receive if NATIVE is None else NATIVE.Receiver(
                 self._box.frames, self._box.taken, Message, router.probe if traced else None,
@@ -77,13 +82,22 @@ class Channel:
     def __repr__(self) -> str:
         return f"<Channel {self.tag} rank {self._router.rank} {self.codec.name.lower()}>"
 
-    async def send(self, obj: object, dst: int, *, timeout: float | None = None) -> None:
+    def send(self, obj: object, dst: int, *, timeout: float | None = None
+             ) -> Coroutine[Any, Any, None]:
         """Send ``obj`` to ``dst``; return once its buffers may be reused.
 
         Waits for credit if ``dst`` has not consumed enough of the earlier
         messages. Raises ``TypeError`` for objects the channel's codec cannot
         carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
+
+        Returns a coroutine, as an ``async def`` would: the compiled part's where
+        built (``small.NATIVE.Poster``: a small message posted with no Python
+        frame), which hands any other case to ``_sending``; else ``_sending``'s.
         """
+        return self._sender(obj, dst, timeout)
+
+    async def _sending(self, obj: object, dst: int, timeout: float | None) -> None:
+        """``send``'s coroutine."""
         window = self._windows.get(dst) if type(dst) is int else None
         if window is not None:  # a rank checked before, small messages
             # the fast path (``post``'s, inline): encoded and queued at once, sent with the
@@ -93,9 +107,13 @@ class Channel:
                    if not self._traced or self._probe_of.recording is None else -3)
             if got >= 0 or (got == -1 and self._go_full(window, obj, dst)):
                 return
-            await self._send(self._router.encode(self.tag, obj, self.codec), dst, timeout)
+            await self._send_encoded(obj, dst, timeout)
             return
         await self._send_slowly(obj, dst, timeout)
+
+    async def _send_encoded(self, obj: object, dst: int, timeout: float | None) -> None:
+        """``send`` of a message not small, or waiting for credit, to a rank checked before."""
+        await self._send(self._router.encode(self.tag, obj, self.codec), dst, timeout)
 
     def post(self, obj: object, dst: int) -> bool:
         """Send ``obj`` now if it is a small message and ``dst``'s window has credit; return
@@ -396,7 +414,8 @@ class Channel:
         if self._closed:
             return
         self._closed = True
-        self._windows = {}  # (sends go the slow way, which refuses them)
+        self._windows.clear()  # (sends go the slow way, which refuses them; kept: the
+        # compiled poster holds the dict)
         router = self._router
         if router._closed:
             return

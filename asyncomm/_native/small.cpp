@@ -2383,43 +2383,75 @@ struct PosterObject {
   PyObject *probe;    // None, or a traced channel's Probe (its ``recording`` read)
   PyObject *go_full;  // channel._go_full(window, obj, dst) -> bool
   PyObject *python;   // Channel.post, bound: a destination without a window yet
+  // ``send``'s Python coroutines, (obj, dst, timeout): encoded and sent (not small, or no
+  // credit), to a rank not checked before, and whole (a traced channel)
+  PyObject *encoded, *slowly, *whole;
 };
 
-PyObject* poster_post(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
-  if (!arity(nargs, 2, "post(obj, dst)")) return nullptr;
-  auto* self = reinterpret_cast<PosterObject*>(o);
-  PyObject *obj = args[0], *dst = args[1];
+enum Posted { POSTED = 1, NOT_SMALL = 0, NO_WINDOW = 2, TRACED = 3 };
+
+// ``obj`` posted to ``dst`` where it may be (POSTED); else why not: NOT_SMALL (not small,
+// or no credit: ``send`` encodes and waits), NO_WINDOW (a rank not checked before), TRACED
+// (a traced channel while recording); -1 an error raised.
+int poster_try(PosterObject* self, PyObject* obj, PyObject* dst) {
   PyObject* window = PyLong_CheckExact(dst) ? PyDict_GetItemWithError(self->windows, dst)
                                             : nullptr;  // (borrowed)
-  if (window == nullptr) {
-    if (PyErr_Occurred()) return nullptr;
-    return PyObject_Vectorcall(self->python, args, 2, nullptr);
-  }
+  if (window == nullptr) return PyErr_Occurred() ? -1 : NO_WINDOW;
   if (self->probe != Py_None) {
     PyObject* recording = PyObject_GetAttr(self->probe, str_recording);
-    if (recording == nullptr) return nullptr;
+    if (recording == nullptr) return -1;
     bool traced = recording != Py_None;
     Py_DECREF(recording);
-    if (traced) Py_RETURN_FALSE;
+    if (traced) return TRACED;
   }
   Py_INCREF(window);  // (held while the outbox runs Python: its flush may change the dict)
   PyObject* call[] = {window, dst, self->tag, obj, self->room, self->max_ndim, self->limit};
   PyObject* answer = PyObject_Vectorcall(self->post, call, 7, nullptr);
   long got = answer == nullptr ? -1 : PyLong_AsLong(answer);
   Py_XDECREF(answer);
-  PyObject* result = nullptr;
+  int posted = -1;
   if (answer == nullptr || (got == -1 && PyErr_Occurred())) {
-    result = nullptr;
+    posted = -1;
   } else if (got >= 0) {
-    result = Py_NewRef(Py_True);
+    posted = POSTED;
   } else if (got == -1) {  // the packet full: it goes, and this message in the next
     PyObject* full[] = {window, obj, dst};
-    result = PyObject_Vectorcall(self->go_full, full, 3, nullptr);
+    int went = truth_of(PyObject_Vectorcall(self->go_full, full, 3, nullptr));
+    posted = went < 0 ? -1 : went ? POSTED : NOT_SMALL;
   } else {
-    result = Py_NewRef(Py_False);
+    posted = NOT_SMALL;
   }
   Py_DECREF(window);
-  return result;
+  return posted;
+}
+
+PyObject* poster_post(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 2, "post(obj, dst)")) return nullptr;
+  auto* self = reinterpret_cast<PosterObject*>(o);
+  int posted = poster_try(self, args[0], args[1]);
+  if (posted < 0) return nullptr;
+  if (posted == NO_WINDOW) return PyObject_Vectorcall(self->python, args, 2, nullptr);
+  return PyBool_FromLong(posted == POSTED);
+}
+
+// What a fresh send's Step does when first sent to: None (posted), or nullptr with
+// ``*inner`` the Python coroutine it hands over to (``Channel.send``'s other cases).
+PyObject* send_first(StepObject* step, PyObject** inner) {
+  auto* self = reinterpret_cast<PosterObject*>(step->owner);
+  *inner = nullptr;
+  int posted = poster_try(self, step->arg[0], step->arg[1]);
+  if (posted < 0) return nullptr;
+  if (posted == POSTED) Py_RETURN_NONE;
+  PyObject* rest = posted == NOT_SMALL ? self->encoded : posted == NO_WINDOW ? self->slowly
+                   : self->whole;
+  *inner = PyObject_Vectorcall(rest, step->arg, 3, nullptr);
+  return nullptr;
+}
+
+// send(obj, dst, timeout) -> Step: the coroutine of one send.
+PyObject* poster_send(PyObject* o, PyObject* const* args, Py_ssize_t nargs) {
+  if (!arity(nargs, 3, "send(obj, dst, timeout)")) return nullptr;
+  return make_step(o, send_first, args, nargs);
 }
 
 PyObject* poster_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
@@ -2427,16 +2459,19 @@ PyObject* poster_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
     PyErr_SetString(PyExc_TypeError, "Poster(...) takes no keyword arguments");
     return nullptr;
   }
-  PyObject *windows, *post, *tag, *room, *max_ndim, *limit, *probe, *go_full, *python;
-  if (!PyArg_ParseTuple(args, "O!OOOOOOOO", &PyDict_Type, &windows, &post, &tag, &room,
-                        &max_ndim, &limit, &probe, &go_full, &python))
+  PyObject *windows, *post, *tag, *room, *max_ndim, *limit, *probe, *go_full, *python,
+      *encoded, *slowly, *whole;
+  if (!PyArg_ParseTuple(args, "O!OOOOOOOOOOO", &PyDict_Type, &windows, &post, &tag, &room,
+                        &max_ndim, &limit, &probe, &go_full, &python, &encoded, &slowly,
+                        &whole))
     return nullptr;
   auto* self = reinterpret_cast<PosterObject*>(type->tp_alloc(type, 0));
   if (self == nullptr) return nullptr;
-  PyObject* refs[] = {windows, post, tag, room, max_ndim, limit, probe, go_full, python};
-  PyObject** slots[] = {&self->windows, &self->post,  &self->tag,     &self->room,
-                        &self->max_ndim, &self->limit, &self->probe,   &self->go_full,
-                        &self->python};
+  PyObject* refs[] = {windows, post,  tag,     room,    max_ndim, limit,
+                      probe,   go_full, python, encoded, slowly,  whole};
+  PyObject** slots[] = {&self->windows, &self->post,    &self->tag,     &self->room,
+                        &self->max_ndim, &self->limit,  &self->probe,   &self->go_full,
+                        &self->python,  &self->encoded, &self->slowly,  &self->whole};
   for (size_t i = 0; i < sizeof(refs) / sizeof(refs[0]); i++) {
     Py_INCREF(refs[i]);
     *slots[i] = refs[i];
@@ -2447,17 +2482,18 @@ PyObject* poster_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
 int poster_traverse(PyObject* o, visitproc visit, void* arg) {
   auto* self = reinterpret_cast<PosterObject*>(o);
   Py_VISIT(Py_TYPE(o));
-  PyObject* refs[] = {self->windows, self->post,  self->tag,   self->room,  self->max_ndim,
-                      self->limit,   self->probe, self->go_full, self->python};
+  PyObject* refs[] = {self->windows, self->post,    self->tag,    self->room,
+                      self->max_ndim, self->limit,  self->probe,  self->go_full,
+                      self->python,  self->encoded, self->slowly, self->whole};
   for (PyObject* r : refs) Py_VISIT(r);
   return 0;
 }
 
 int poster_clear(PyObject* o) {
   auto* self = reinterpret_cast<PosterObject*>(o);
-  PyObject** refs[] = {&self->windows, &self->post,  &self->tag,     &self->room,
-                       &self->max_ndim, &self->limit, &self->probe,  &self->go_full,
-                       &self->python};
+  PyObject** refs[] = {&self->windows, &self->post,    &self->tag,    &self->room,
+                       &self->max_ndim, &self->limit,  &self->probe,  &self->go_full,
+                       &self->python,  &self->encoded, &self->slowly, &self->whole};
   for (PyObject** r : refs) Py_CLEAR(*r);
   return 0;
 }
@@ -2465,6 +2501,8 @@ int poster_clear(PyObject* o) {
 PyMethodDef poster_methods[] = {
     {"post", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(poster_post)),
      METH_FASTCALL, "post(obj, dst) -> bool: Channel.post"},
+    {"send", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(poster_send)),
+     METH_FASTCALL, "send(obj, dst, timeout) -> a coroutine: one Channel.send"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyType_Slot poster_slots[] = {
@@ -2474,8 +2512,9 @@ PyType_Slot poster_slots[] = {
     {Py_tp_clear, reinterpret_cast<void*>(poster_clear)},
     {Py_tp_methods, poster_methods},
     {Py_tp_doc, const_cast<char*>(
-        "Poster(windows, post, tag, room, max_ndim, limit, probe, go_full, python): a "
-        "channel's post, compiled for a destination with a window")},
+        "Poster(windows, post, tag, room, max_ndim, limit, probe, go_full, python, encoded, "
+        "slowly, whole): a channel's post and send, compiled for a small message to a "
+        "destination with a window")},
     {0, nullptr}};
 
 PyType_Spec poster_spec = {"asyncomm_small.Poster", sizeof(PosterObject), 0,
