@@ -112,8 +112,8 @@ class Host:
         self._unserved: dict[str, collections.deque[Message]] = {}  # tells before their actor
         loop = asyncio.get_running_loop()
         self._loop = loop
-        self._listen(self._requests, self._on_request, self._actors, requests=True)
-        self._listen(self._replies, self._on_reply, self._calls, requests=False)
+        self._requests.listen(self._on_request, self._actors, requests=True)
+        self._replies.listen(self._on_reply, self._calls, requests=False)
         self._tasks = [loop.create_task(self._serve_requests()),
                        loop.create_task(self._serve_replies())]
         router.on_dead.append(self._fail_dead)
@@ -122,7 +122,7 @@ class Host:
         self._replies_ended = self._replies._box.ended
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
         self._look = router.link.look  # the router's flush and ``_hurry`` in one, where compiled
-        self._post_request, self._post_reply = self._requests.posting, self._replies.posting
+        self._post_reply = self._replies.posting  # (``_answer``'s, a call less)
         self.calling = self._calling()
 
     def _calling(self) -> Callable[..., Awaitable[Any]]:
@@ -133,20 +133,9 @@ class Host:
         router = self._router
         return NATIVE.Caller(  # type: ignore[no-any-return]
             self._dead, self._ended, self._replies_ended, self._ids, self._loop.create_future,
-            self._calls, self._backlog, self._post_request, self._queue, self._requests,
+            self._calls, self._backlog, self._requests.posting, self._queue, self._requests,
             self._look, router.expect, router.link.expect, self._hurry, self._call,
             self._finish, self._result).call
-
-    @staticmethod
-    def _listen(channel: Channel, listener: Callable[[Entry], None], table: dict[Any, Any],
-                requests: bool) -> None:
-        """Make ``listener`` ``channel``'s mailbox's: compiled for the commonest message where
-        built (``small.NATIVE.Listener``: a request to its actor's inbox, a reply to its
-        call, counted for credit as ``Channel.opened`` counts it), ``listener`` for the rest."""
-        box = channel._box
-        box.listener = listener if NATIVE is None else NATIVE.Listener(
-            box.taken, Message, channel._took, table, listener, channel._batch_less_one,
-            requests).listen
 
     # -- hosting -----------------------------------------------------------------
 
@@ -202,11 +191,8 @@ class Host:
             inbox = self._actors.get(data[1])  # (``_route``'s commonest, inline)
             if inbox is None:
                 self._route(message)
-            else:  # (``inbox.put``, inline)
-                inbox.items.append(message)  # type: ignore[arg-type]
-                waiter = inbox.waiter
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(None)
+            else:
+                inbox.put(message)  # type: ignore[arg-type]
         except Exception as exc:  # a malformed message: say so, and go on with the next
             self._refused(entry, exc)
 
@@ -295,9 +281,7 @@ class Host:
         call_id = next(self._ids)
         future = self._loop.create_future()
         self._calls[call_id] = (rank, future, name, method)
-        request = [call_id, name, method, True, kwargs or None, *args]
-        if self._backlog.get(rank) or not self._post_request(request, rank):  # (``_post``)
-            self._queue(rank, self._requests, request)
+        self._post(rank, self._requests, [call_id, name, method, True, kwargs or None, *args])
         found = -1 if self._look is None else self._look(future.done, None)
         if found < 0:
             self._router.expect()

@@ -362,6 +362,18 @@ class Channel:
             self._router.took(message, self._box)
         return message
 
+    def listen(self, listener: Callable[[Entry], None], table: dict[Any, Any],
+               requests: bool) -> None:
+        """Hand every message of this channel to ``listener`` as it arrives (actors' requests
+        and replies), taken (``opened``) by it. Where built, the compiled part takes the
+        commonest itself (``small.NATIVE.Listener``: a request to its actor's inbox in
+        ``table``, by name; a reply to its call's future in ``table``, by id), counted for
+        credit as ``opened`` counts it, and hands ``listener`` the rest."""
+        box = self._box
+        box.listener = listener if NATIVE is None else NATIVE.Listener(
+            box.taken, Message, self._took, table, listener, self._batch_less_one,
+            requests).listen
+
     def opened(self, entry: Entry) -> object:
         """Count ``entry`` as taken from this channel; return its message's data.
 
@@ -370,12 +382,7 @@ class Channel:
         messages so.
         """
         if type(entry) is Message and self._small_room and not self._traced:
-            done = self._box.taken.get(entry[0])  # the commonest: an actor's request or reply
-            if done is not None and done[0] < self._batch_less_one:  # (``_took``, inline)
-                done[0] += 1
-            else:
-                self._router.took(entry, self._box)
-            return entry[2]
+            return self._took(entry)[2]  # the commonest: an actor's request or reply
         router = self._router
         router.took(entry, self._box)
         if type(entry) is Message:  # a small message: decoded on arrival (the default codec's)
