@@ -44,24 +44,12 @@ class Comm:
     ``all_reduce``, ``send`` and ``recv`` of a plain contiguous CPU tensor,
     with plain int ranks and tags in range and no deadline of their own, are
     issued in the fewest steps where the backend has a quick path (MPI): the
-    rank and tag checks inline here, the tensor's in the backend (in one
-    compiled call where built: each of torch's attributes costs a call), the
+    rank and tag checks here (``_quickly``), the tensor's in the backend, the
     operation posted before its handle is made, the handle numbered after.
     Everything else (arrays, a ``timeout=``, any source, tracing, debug mode,
     a peer lost, the first all-reduce of an (op, dtype)) takes the usual
-    path, which checks and words the errors.
-    Measured on 2 ranks: an awaited 8-byte all_reduce 4.3 -> 2.8-3.0 µs, a
-    ping-pong leg 3.0 -> 2.4 µs (``bench all --sizes 8``; see the poller's
-    note on hurrying for the second test at issue, half of it). The checks,
-    the numbering and the deadline are inline here, not in calls of their
-    own, and MPI's quick sends and receives start persistent requests (see
-    ``_backends.mpi_kept``): a leg 2.4 -> 1.9 µs, 1.92x raw in three launches.
-    Since session 23 a quick send or receive is one compiled call where built
-    (``mpi_native``; the persistent requests serve without it): a leg 0.68-0.89
-    of its time before, alternated in one process.
-    (``send`` and ``recv`` check and number inline, each its own copy: one
-    helper for both cost a leg 0.08 µs, 1.86-1.94 -> 1.96-2.04 in five
-    launches alternated, against a target of 2x with ~0.1 µs to spare.)
+    path, which checks and words the errors. MPI's quick sends and receives
+    start persistent requests (see ``_backends.mpi_kept``).
     """
 
     def __init__(self, backend: Backend, own: Backend, loop: asyncio.AbstractEventLoop,
@@ -316,19 +304,23 @@ class Comm:
 
     def send(self, tensor: torch.Tensor | np.ndarray, dst: int,  # type: ignore[type-arg]
              tag: int = 0, *, timeout: float | None = None) -> Handle[None]:
-        """Send ``tensor`` to ``dst``; the handle completes when the buffer may be reused."""
-        if (timeout is None and self._quick and type(dst) is int  # see the note
-                and type(tag) is int and 0 <= dst < self._size and dst != self._rank
-                and 0 <= tag <= self._max_tag and not self._closed
-                and self._probe.recording is None):
-            seq = self._seq + 1
-            handle = self._backend.quick_send(tensor, dst, tag, (self._rank, "send", seq, dst,
-                                                                 tag))
-            if handle is not None:  # (as all_reduce's)
-                self._seq, self._last_op = seq, "send"
-                if not handle._state:
-                    self._deadlines.add_default(handle)
-                return handle
+        """Send ``tensor`` to ``dst``; the handle completes when the buffer may be reused.
+
+        Args:
+            tensor: a tensor (or NumPy array) sent from its own memory; not to be written
+                until the handle completes.
+            dst: the receiving rank (not this one).
+            tag: matches the receiver's ``tag``.
+            timeout: seconds until the handle fails (default: the communicator's).
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is sent.
+            CommTimeoutError, PeerFailedError, CommClosedError: from the handle.
+        """
+        if timeout is None and self._quick:  # see the note on quick operations
+            quick = self._quickly("send", self._backend.quick_send, tensor, dst, tag)
+            if quick is not None:
+                return quick
         t = self._args.tensor(tensor, "send", writes=False)
         dst = self._args.peer(dst, "send", "dst", self_ok=False)
         tag = self._args.tag(tag, "send")
@@ -337,24 +329,43 @@ class Comm:
 
     def recv(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
              src: int | None = None, tag: int = 0, *, timeout: float | None = None) -> Handle[int]:
-        """Receive into ``tensor`` from ``src`` (``None``: any source); resolve to the source."""
-        if (timeout is None and self._quick and type(src) is int and type(tag) is int
-                and 0 <= src < self._size and src != self._rank
-                and 0 <= tag <= self._max_tag and not self._closed
-                and self._probe.recording is None):
-            seq = self._seq + 1
-            handle = self._backend.quick_recv(tensor, src, tag, (self._rank, "recv", seq, src,
-                                                                 tag))
-            if handle is not None:
-                self._seq, self._last_op = seq, "recv"
-                if not handle._state:
-                    self._deadlines.add_default(handle)
-                return handle
+        """Receive into ``tensor`` from ``src``; the handle resolves to the source rank.
+
+        Args:
+            tensor: a tensor (or NumPy array) received into in place.
+            src: the sending rank; ``None``: any rank.
+            tag: matches the sender's ``tag``.
+            timeout: seconds until the handle fails (default: the communicator's).
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is posted.
+            MismatchError: the message is larger than ``tensor`` (from the handle).
+            CommTimeoutError, PeerFailedError, CommClosedError: from the handle.
+        """
+        if timeout is None and self._quick and src is not None:  # see the note
+            quick = self._quickly("recv", self._backend.quick_recv, tensor, src, tag)
+            if quick is not None:
+                return quick
         t = self._args.tensor(tensor, "recv")
         peer = None if src is None else self._args.peer(src, "recv", "src", self_ok=False)
         tag = self._args.tag(tag, "recv")
         return self._issue("recv", self._backend.recv, (t, peer, tag), FROM_BACKEND, t, timeout,
                            peer=peer, tag=tag)
+
+    def _quickly(self, op: str, quick: Callable[..., Handle[Any] | None], tensor: object,
+                 peer: int, tag: int) -> Handle[Any] | None:
+        """``send``'s or ``recv``'s quick path (see the note); ``None``: take the usual one."""
+        if (type(peer) is int and type(tag) is int and 0 <= peer < self._size
+                and peer != self._rank and 0 <= tag <= self._max_tag and not self._closed
+                and self._probe.recording is None):
+            seq = self._seq + 1
+            handle = quick(tensor, peer, tag, (self._rank, op, seq, peer, tag))
+            if handle is not None:
+                self._seq, self._last_op = seq, op
+                if not handle._state:
+                    self._deadlines.add_default(handle)
+                return handle
+        return None
 
     def post_send(self, tensor: Buffer, dst: int, tag: int = 0) -> Posted:
         """On a thread that is not the loop's (see ``Posted``): send; ``wait()``, then reuse."""

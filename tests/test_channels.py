@@ -971,18 +971,6 @@ def count_packets(comm: Comm) -> list[int]:
     """Record the destination of every link message this rank posts (private)."""
     link = comm._router.link
     posted: list[int] = []
-    lane = getattr(link, "_lane", None)  # (MPI's compiled lane: its packets, sent by it)
-    if lane is not None:
-        lane.observe = posted.append
-    compiled = getattr(link, "_isend", None)  # (MPI's compiled send: every other link message)
-    if compiled is not None:
-        def sending(handle: Any, buffer: Any, dst: int, tag: int) -> Any:
-            if tag == tags.LINK_MESSAGE:
-                posted.append(dst)
-            return compiled(handle, buffer, dst, tag)
-
-        link._isend = sending
-        return posted
     post = link._post
 
     def counting(buffer: Any, dst: int, tag: int) -> Any:

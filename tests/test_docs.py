@@ -10,7 +10,7 @@ README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
 TEST_COMMAND = (
     "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
-    "pip install -e '.[mpi,test]' && asyncomm build && python -m pytest -q"
+    "pip install -e '.[mpi,test]' && python -m pytest -q"
 )
 
 _FENCE = re.compile(r"^(`{3,}|~{3,}).*?^\1\s*$", re.MULTILINE | re.DOTALL)

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from asyncomm._backends import mpi_kept, mpi_native
+from asyncomm._backends import mpi_kept
 from asyncomm._backends.mpi_link import AT_ONCE_BYTES, DATATYPES, PostedLink, ProbeLink, spec
 from asyncomm._backends.mpi_reduce import MPI_OPS, Reductions, in_turn, mpi_operator
 from asyncomm._core import small, tags
@@ -41,7 +41,7 @@ from asyncomm._core.polling import Poller
 from asyncomm._core.progress import Sink
 
 _TEST = MPI.Request.Test
-# the MPI datatype of each dtype, as the compiled calls take it (its handle)
+# the MPI datatype of each dtype, by its handle (a key of the persistent requests kept)
 _DATATYPE_HANDLES = {dtype: datatype.handle for dtype, datatype in DATATYPES.items()}
 
 
@@ -154,19 +154,9 @@ class MpiBackend(Backend):
         self._closed = False
         self.posted = InFlight()  # ``Posted`` operations (cancelled at close)
         self._probe_first = PROBE_FIRST
-        self._comm_handle = comm.handle
-        # Where the tensor of a quick operation lies (``span``), and the quick sends' and
-        # receives' compiled calls, where built (``mpi_native``): the tensor's place, and
-        # a send and its two tests, cost one call each, against a dozen of torch's and
-        # mpi4py's attributes and methods (~0.1 us each).
-        native = mpi_native.NATIVE
-        self._span = small.span if small.NATIVE is None else small.NATIVE.span
-        self._point = (None if native is None or small.NATIVE is None or self._probe_first
-                       else (native.send, native.recv))
-        if self._point is not None and native is not None:  # (their requests: by handle)
-            self._poller.handles(native.test, MPI.Request.fromhandle, mpi_native.exception)
+        self._span = small.span  # where the tensor of a quick operation lies
         self._probing: list[_Probing] = []  # receives looking for their message, in order
-        # persistent requests of quick sends and receives without the compiled calls, by
+        # persistent requests of quick sends and receives, by
         # (address, bytes, MPI datatype, peer, tag), with the handle of the last operation
         # they did (see ``mpi_kept``)
         self._sends: dict[tuple[Any, ...], list[Any]] = {}
@@ -253,15 +243,6 @@ class MpiBackend(Backend):
         where = self._span(tensor, _DATATYPE_HANDLES)
         if where is None:
             return None
-        if self._point is not None:  # compiled (see ``_point``)
-            try:
-                pending = self._point[0](self._comm_handle, where[0], where[1], where[2], dst,
-                                         tag)
-            except mpi_native.ERRORS as failure:  # (not issued, or issued and failed at once)
-                return self._quick_failed(failure, what, None)
-            if pending is None:  # the commonest: done at once, its handle born done
-                return Handle(self._loop, what, None, None, True)
-            return self._quick_pending(pending, Handle(self._loop, what, None, tensor), True)
         try:  # (a persistent request kept for the buffer, peer and tag: ``mpi_kept``)
             request, kept = mpi_kept.start(self._sends, (*where, dst, tag), self._comm.Send_init,
                                            self._comm.Isend, lambda: spec(tensor), dst, tag)
@@ -276,15 +257,6 @@ class MpiBackend(Backend):
         where = self._span(tensor, _DATATYPE_HANDLES)
         if where is None:
             return None
-        if self._point is not None:  # (as ``quick_send``)
-            try:
-                pending = self._point[1](self._comm_handle, where[0], where[1], where[2], src,
-                                         tag)
-            except mpi_native.ERRORS as failure:
-                return self._quick_failed(failure, what, src)
-            if pending is None:
-                return Handle(self._loop, what, src, None, True)
-            return self._quick_pending(pending, Handle(self._loop, what, src, tensor), False)
         handle: Handle[Any] = Handle(self._loop, what, src, tensor)
         if self._probe_first:  # see PROBE_FIRST
             self._recv_probed(handle, tensor, src, tag)
@@ -297,22 +269,6 @@ class MpiBackend(Backend):
         if kept is not None:
             kept[1] = handle
         self._poller.watch(request, handle, None, False)
-        return handle
-
-    def _quick_failed(self, failure: BaseException, what: tuple[Any, ...],
-                      result: object) -> Handle[Any]:
-        """The handle of a quick send or receive whose compiled call (see ``_point``)
-        failed: not issued, or issued and failed at once."""
-        exc = mpi_native.exception(failure)
-        handle: Handle[Any] = Handle(self._loop, what, result)
-        handle._fail(self._classify(exc), exc)
-        return handle
-
-    def _quick_pending(self, pending: int, handle: Handle[Any], active: bool) -> Handle[Any]:
-        """Have the poller follow a quick send or receive still in flight (its request's
-        handle ``pending``; ``active``: a send, which needs polling to progress, not a
-        receive, which waits for its peer: see ``Poller.watch``)."""
-        self._poller.follow_handle(pending, handle, active)
         return handle
 
     def _quickly(self, request: Any, handle: Handle[Any],

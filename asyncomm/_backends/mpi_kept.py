@@ -2,19 +2,13 @@
 
 Note on persistent requests
 ---------------------------
-Where the compiled part is built, a quick send or receive is one compiled
-call instead (``mpi_native``: ``MPI_Isend``/``MPI_Irecv`` and their tests,
-cheaper than a kept request started through mpi4py); without it, a quick
-send or receive (see the note in ``Comm``) of a buffer (address,
-bytes, MPI datatype), peer and tag seen before starts a persistent request kept for
-them: the loops of a program send and receive the same tensors again and
-again, and ``MPI_Start`` of a kept request costs less than posting a new one
-(2 ranks, MPICH, an 8-byte ping-pong in a bare loop: 0.93 -> 0.61 µs a leg;
-``docs/prototypes/persistent_requests.py``). The first time, a request of
-its own is posted and the buffer noted: one made and freed for every fresh
-buffer would cost more than it saves (a ping-pong of a new tensor each time,
-8 B: +0.35 µs a leg made at once, +0.1-0.15 made the second time; 16 KiB:
-+0.8 and +0.2-0.4). Each kept request remembers the handle of its last
+A quick send or receive (see the note in ``Comm``) of a buffer (address,
+bytes, MPI datatype), peer and tag seen before starts a persistent request
+kept for them: the loops of a program send and receive the same tensors
+again and again, and ``MPI_Start`` of a kept request costs less than posting
+a new one (see docs/benchmarks.md). The first time, a request of its own is
+posted and the buffer noted: one made and freed for every fresh buffer would
+cost more than it saves. Each kept request remembers the handle of its last
 operation: it is started again only once that handle's buffers are released
 (the operation is over, also when its await timed out or was cancelled and
 MPI finished it later); while it is in flight, the next operation on the

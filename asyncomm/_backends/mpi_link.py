@@ -8,17 +8,14 @@ import atexit
 import functools
 import logging
 from abc import abstractmethod
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from mpi4py import MPI
 
-from asyncomm._backends import mpi_native
-from asyncomm._core import small, tags
+from asyncomm._core import tags
 from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
-from asyncomm._core.hurry import run_due
 from asyncomm._core.link import Link, Transport
 from asyncomm._core.messages import PREAMBLE, Pending
 from asyncomm._core.polling import Poller
@@ -89,26 +86,17 @@ class MpiLink(Link):
         self._status = MPI.Status()
         self.packet_frames = PACKET_FRAMES
         self._open = False
-        # the compiled calls, where built (``mpi_native``): a message's send
-        self._native = mpi_native.NATIVE
-        self._isend = None if self._native is None else self._native.isend
-        self._comm_handle = comm.handle
-        self._look: Callable[[], bool] = self.pump  # what the poller calls (see ``pump``)
         self.hurry = poller.hurry_until
         self.refused = poller.refused
 
     def open(self, arrivals: Any, limits: Any) -> None:
         super().open(arrivals, limits)
         self._open = True
-        self._begin(arrivals, limits)
-        self._poller.probe(self._look)
-
-    def _begin(self, arrivals: Any, limits: Any) -> None:
-        """What the link sets up once open, before it is polled (``_look``)."""
+        self._poller.probe(self.pump)
 
     def stop(self) -> None:
         self._open = False
-        self._poller.unprobe(self._look)
+        self._poller.unprobe(self.pump)
         self._buffers.clear()
 
     looks = True
@@ -116,65 +104,24 @@ class MpiLink(Link):
     def expect(self) -> None:
         self._poller.kick()
 
-    def _send_packets(self) -> None:
-        """``Link._send_packets`` with the compiled send inline (``_flush_to`` and ``_post``'s
-        commonest case): a ping-pong leg 0.96 of the layered calls' time, alternated in
-        one process."""
-        isend = self._isend
-        if isend is None:
-            super()._send_packets()
-            return
-        outbox, tag = self._outbox, tags.LINK_MESSAGE
-        for dst in outbox.dsts():
-            packet = outbox.take(dst)
-            if packet is None:
-                continue
-            try:
-                pending = isend(self._comm_handle, packet, dst, tag)
-                if pending is None:
-                    continue  # the common case: small messages are sent at once
-            except mpi_native.ERRORS as failure:
-                self._settle(dst, packet, 0, failure.args[0])
-                continue
-            self._settle(dst, packet, pending, 0)
-
-    def _settle(self, dst: int, packet: bytes | bytearray, pending: int, code: int) -> None:
-        """A packet's send to ``dst`` was not done at once: follow its request (``pending``,
-        a handle), or it failed (MPI's error ``code``)."""
-        tag = tags.LINK_MESSAGE
-        if code:
-            assert self._native is not None
-            handle = self._failed_send(self._native.Error(code, dst), dst, tag)
-        else:
-            handle = self._watched(MPI.Request.fromhandle(pending), "send", dst, tag, packet)
-        handle.add_done_callback(self._packet_sent)
-
     def _packet(self, packet: bytes | bytearray) -> bytes | bytearray:
         return packet  # sized exactly: sent as it is
 
     def _post(self, buffer: bytes | bytearray | torch.Tensor, dst: int,
               tag: int) -> Handle[None] | None:
         try:
-            if self._isend is not None and type(buffer) is not torch.Tensor:
-                pending = self._isend(self._comm_handle, buffer, dst, tag)
-                if pending is None:
-                    return None  # the common case: small messages are sent at once
-                request = MPI.Request.fromhandle(pending)
-            else:
-                message = spec(buffer) if isinstance(buffer, torch.Tensor) else [buffer,
-                                                                                   MPI.BYTE]
-                request = self._comm.Isend(message, dst, tag)
-                if request.Test():
-                    return None
-        except mpi_native.ERRORS as failure:
+            message = spec(buffer) if isinstance(buffer, torch.Tensor) else [buffer, MPI.BYTE]
+            request = self._comm.Isend(message, dst, tag)
+            if request.Test():
+                return None  # the common case: small messages are sent at once
+        except MPI.Exception as failure:
             return self._failed_send(failure, dst, tag)
         return self._watched(request, "send", dst, tag, buffer)
 
     def _failed_send(self, failure: BaseException, dst: int, tag: int) -> Handle[None]:
         """The handle of a send to ``dst`` that MPI refused as it was posted."""
-        exc = mpi_native.exception(failure)
         handle: Handle[None] = Handle(self._loop, (self._rank, "send", None, dst, tag), None)
-        handle._fail(self._classify(exc), exc)
+        handle._fail(self._classify(failure), failure)
         return handle
 
     def _fetch_into(self, pending: Pending, tensor: torch.Tensor, src: int) -> None:
@@ -220,8 +167,6 @@ class ProbeLink(MpiLink):
                  poller: Poller, classify: Classify) -> None:
         super().__init__(backend, comm, loop, poller, classify)
         self._behind: dict[int, asyncio.Task[None]] = {}  # last pending message per source
-        if self._native is not None:  # (polled as often as the loop turns: a call less)
-            self._look = self._pump_compiled
 
     def pump(self) -> bool:
         """Take the messages that are there; return whether any was.
@@ -243,38 +188,6 @@ class ProbeLink(MpiLink):
                 break
             found = True
             if self._take(message, status.Get_source(), status.Get_count(MPI.BYTE)):
-                break
-        return found
-
-    def _pump_compiled(self) -> bool:
-        """``pump``, each message's probe and a small one's receive and reading made by the
-        compiled part (``mpi_native``); while a message is pending (``_behind``), ``pump``
-        itself, which keeps its source's later ones in order."""
-        native = self._native
-        assert native is not None and self._arrivals is not None
-        found = False
-        while self._open:
-            if self._behind:
-                return self.pump() or found
-            try:
-                got = native.probe(self._comm_handle, tags.LINK_MESSAGE, AT_ONCE_BYTES,
-                                   self._unpack, self._limits.max_ndim, self._message_type)
-            except native.Error as exc:
-                if exc.args[1] < 0:
-                    return found  # (the probe failed: freed under us)
-                self._lost(exc.args[1], mpi_native.exception(exc))
-                return True
-            if got is None:
-                break
-            found = True
-            src, count, items, buffer, matched = got
-            if items is not None:  # a packet of small messages: it ends the call
-                self._arrivals.messages(src, items)
-                break
-            if buffer is not None:
-                if self._arrive(src, buffer):
-                    break
-            elif self._take(MPI.Message.fromhandle(matched), src, count):
                 break
         return found
 
@@ -375,40 +288,17 @@ class PostedLink(MpiLink):
         super().__init__(backend, comm, loop, poller, classify)
         self._slot = bytearray(MESSAGE_BYTES)
         self._posted: Any = None  # the persistent receive, while the link is open
-        self._posted_handle = 0  # ... its handle, for the compiled calls
-        self._lane: Any = None  # the compiled hot path, where built (see ``open``)
 
     def open(self, arrivals: Any, limits: Any) -> None:
         self._posted = self._comm.Recv_init([self._slot, MPI.BYTE], MPI.ANY_SOURCE,
                                             tags.LINK_MESSAGE)
         self._posted.Start()
-        self._posted_handle = self._posted.handle
         _posted.add(self)
         super().open(arrivals, limits)
-
-    def _begin(self, arrivals: Any, limits: Any) -> None:
-        if self._native is None:
-            return
-        # The hot path of small messages in compiled calls (see ``small.cpp``'s Lane): the
-        # poller's probe (``pump`` in one call), and a receiver's look. (Built only beside
-        # the compiled part, small.NATIVE, whose outbox is attached now.)
-        assert small.NATIVE is not None
-        probes, requests, fresh, hurry = self._poller.lane()
-        lane = small.NATIVE.Lane(
-            self._outbox, self._native.lane_calls, self._comm_handle, self._posted_handle,
-            tags.LINK_MESSAGE, self._slot, arrivals.messages, arrivals.message_type,
-            limits.max_ndim, self._settle, self._other, self.pump, arrivals.pay_held,
-            self._poller.sweep, self._held, self._batches, arrivals.owed, probes, requests,
-            fresh, hurry, self._loop.call_soon, run_due, self._loop)
-        self._lane = lane
-        self._look = lane.pump
-        self.look = lane.look
 
     def stop(self) -> None:
         posted, self._posted = self._posted, None
         _posted.discard(self)
-        if self._lane is not None:
-            self._lane.stop()  # (its pump and look go the Python way from now on)
         super().stop()
         if posted is None:
             return
@@ -424,12 +314,6 @@ class PostedLink(MpiLink):
                 "rank %d: a link message from rank %d (%d bytes) came after the link "
                 "closed; dropped", self._rank, status.Get_source(), status.Get_count(MPI.BYTE))
 
-    def _send_packets(self) -> None:
-        if self._lane is not None:
-            self._lane.flush()
-            return
-        super()._send_packets()
-
     def pump(self) -> bool:
         """Take the message that is there, if any; return whether one was.
 
@@ -442,16 +326,11 @@ class PostedLink(MpiLink):
         if not self._open:
             return False
         posted, status = self._posted, self._status
-        items = None
         try:
             if not posted.Test(status):
                 return False
-            count = status.Get_count(MPI.BYTE)
             src = status.Get_source()
-            if self._unpack is not None and not self._held:  # a packet read where it lies
-                items = self._unpack(self._slot, count, self._limits.max_ndim, src,
-                                     self._message_type)
-            message: bytearray | None = None if items is not None else self._slot[:count]
+            message: bytearray | None = self._slot[:status.Get_count(MPI.BYTE)]
         except MPI.Exception as exc:  # cut short: more than ``MESSAGE_BYTES``
             message, error = None, exc
             src = status.Get_source()
@@ -459,10 +338,7 @@ class PostedLink(MpiLink):
             posted.Start()
         except MPI.Exception as exc:  # (not seen: the receive completed above)
             self._receive_failed(exc)
-        if items is not None:  # (the commonest, with the compiled part: small messages)
-            assert self._arrivals is not None
-            self._arrivals.messages(src, items)
-        elif message is None:
+        if message is None:
             self._oversized(src, error)
         else:
             self._arrive(src, message)
@@ -481,22 +357,3 @@ class PostedLink(MpiLink):
         assert self._arrivals is not None
         self._arrivals.refuse(src, ProtocolError(
             f"message from rank {src} beyond {MESSAGE_BYTES} bytes: {error}"), None)
-
-    def _other(self, src: int, count: int, code: int) -> None:
-        """What the lane's pump (``small.cpp``) leaves to Python: a message of ``count``
-        bytes from ``src`` in the slot that is not a packet it reads, or a receive that
-        failed (MPI's error ``code``), the receive not started again either way; or the
-        receive that failed to start again after a packet (``count`` -1)."""
-        assert self._native is not None
-        if count < 0:  # (not seen: the receive completed)
-            self._receive_failed(mpi_native.exception(self._native.Error(code, src)))
-            return
-        message = None if code else self._slot[:count]  # copied out, then the receive goes on
-        try:
-            self._native.start(self._posted_handle)
-        except self._native.Error as exc:  # (not seen: the receive completed above)
-            self._receive_failed(mpi_native.exception(exc))
-        if message is None:
-            self._oversized(src, mpi_native.exception(self._native.Error(code, src)))
-        else:
-            self._arrive(src, message)

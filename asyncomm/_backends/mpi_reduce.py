@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import torch
 from mpi4py import MPI
 
-from asyncomm._backends import mpi_kept, mpi_native
+from asyncomm._backends import mpi_kept
 from asyncomm._backends.mpi_link import DATATYPES, spec
 from asyncomm._core import ops
 from asyncomm._core.errors import CommClosedError, CommError
@@ -117,11 +117,6 @@ def _bf16_op(op: ReduceOp) -> Any:
 
 
 _TEST = MPI.Request.Test
-# the compiled call of ``quick``'s commonest case, where built; and its tests before it
-# leaves the request to the poller (a few µs at most; 2 ranks, an awaited 8-byte
-# all_reduce: 4 tests 2.1-2.3x raw, 16 1.8x, 32 and 64 1.73-1.80x)
-_allreduce = None if mpi_native.NATIVE is None else mpi_native.NATIVE.allreduce
-QUICK_TESTS = 32
 _IN_PLACE = MPI.IN_PLACE
 
 F = TypeVar("F", bound=Callable[..., None])
@@ -130,15 +125,13 @@ F = TypeVar("F", bound=Callable[..., None])
 class Kept:
     """A persistent all-reduce over a buffer of its own, and the tensor it last served."""
 
-    __slots__ = ("buffer", "finish", "handle", "last", "nbytes", "ptr", "request", "stage",
-                 "stage_ptr", "user", "wanted")
+    __slots__ = ("buffer", "finish", "last", "nbytes", "ptr", "request", "stage", "user",
+                 "wanted")
 
     def __init__(self, request: Any, stage: torch.Tensor, buffer: Any,
                  release: Callable[[], None], loop: asyncio.AbstractEventLoop) -> None:
         self.request = request
-        self.handle = request.handle  # (for the compiled call: ``mpi_native``)
         self.stage = stage  # (its memory: ``buffer`` is only its address)
-        self.stage_ptr = stage.data_ptr()
         self.buffer = buffer
         self.nbytes = stage.nbytes
         self.last: Any = mpi_kept.IDLE  # the handle of its last operation (``_keep``: busy)
@@ -180,7 +173,6 @@ class Reductions:
         self._comm = comm
         self._loop = loop
         self._poller = poller
-        self._may_look = poller.may_look
         self._status = status
         self._classify = classify
         self._tables: dict[tuple[torch.dtype, ops.ReduceOp], dict[int, _Kind]] = {}
@@ -271,8 +263,6 @@ class Reductions:
         try:
             if kept is None:
                 request = self._comm.Iallreduce(_IN_PLACE, spec(tensor), mpi_op)
-            elif kept.last._keep is None and _allreduce is not None:  # the commonest, compiled
-                return self._quick_compiled(kept, tensor, ptr, what)
             elif kept.last._keep is None:  # the commonest: its request idle (``Kept.start``)
                 if ptr != kept.ptr:
                     kept.user, kept.ptr = MPI.buffer.fromaddress(ptr, kept.nbytes), ptr
@@ -305,30 +295,6 @@ class Reductions:
         else:
             kept.last = handle
             self._poller.follow(request, handle, kept.finish)
-        return handle
-
-    def _quick_compiled(self, kept: Kept, tensor: torch.Tensor, ptr: int,
-                        what: tuple[Any, ...]) -> Handle[Any]:
-        """``quick``'s commonest case by the compiled call: the copy in, the start, a few
-        tests and the copy out in one (``mpi_native``). No tests while the loop's turn is
-        overdue (``Poller.may_look``): all-reduces done at once one after the other would
-        never let it turn (the handle's await yields for it)."""
-        assert _allreduce is not None
-        try:
-            done = _allreduce(kept.handle, kept.stage_ptr, ptr, kept.nbytes,
-                              QUICK_TESTS if self._may_look() else 0)
-        except mpi_native.ERRORS as failure:
-            error = mpi_native.exception(failure)
-            handle: Handle[Any] = Handle(self._loop, what, tensor)
-            handle._fail(self._classify(error), error)
-            return handle
-        if done:  # the commonest: its handle born done
-            return Handle(self._loop, what, tensor, None, True)
-        handle = Handle(self._loop, what, tensor, tensor)
-        if ptr != kept.ptr:
-            kept.user, kept.ptr = MPI.buffer.fromaddress(ptr, kept.nbytes), ptr
-        kept.last = handle
-        self._poller.follow(kept.request, handle, kept.finish)
         return handle
 
     def _hold_first(self, sink: Sink, issue: Callable[[], object]) -> None:

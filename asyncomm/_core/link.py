@@ -55,7 +55,7 @@ from typing import Any, Protocol
 
 import torch
 
-from asyncomm._core import outbox, small, tags, wire
+from asyncomm._core import small, tags, wire
 from asyncomm._core.buffers import Buffers
 from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError, ProtocolError
 from asyncomm._core.handle import FROM_BACKEND, Handle
@@ -70,7 +70,7 @@ from asyncomm._core.messages import (
     pack_frame,
     unpack_frame,
 )
-from asyncomm._core.outbox import Queue
+from asyncomm._core.outbox import Outbox
 from asyncomm._core.wire import Head
 
 _PREAMBLE_AT = PREAMBLE.unpack_from
@@ -113,30 +113,9 @@ class Arrivals(Protocol):
         whole frames is refused (``refuse``) from the first one that is not.
         """
 
-    @property
-    def message_type(self) -> type[tuple[Any, ...]]:
-        """What a message is delivered as: a tuple type of (src, tag, data)."""
-
-    @property
-    def window_type(self) -> type:
-        """What ``Link.post``'s windows are: a class with ``__slots__`` open, messages_out,
-        seq and waiters (the sender's credit towards one receiver and channel)."""
-
-    @property
-    def owed(self) -> dict[tuple[int, int], list[int]]:
-        """The credit owed, per (source, channel): never replaced (a link's compiled lane
-        holds it, and pays it by ``pay_held`` where it is not empty)."""
-
-    def pay_held(self) -> None:
-        """Pay the credit owed as a task about to wait pays it."""
-
     def items(self, src: int, items: list[Any]) -> None:
         """The small frames of a packet from ``src``, decoded: ``small.unpack_packet``'s
         items."""
-
-    def messages(self, src: int, items: list[Any]) -> None:
-        """``items``, decoded by the compiled part (``small.NATIVE.unpack_message``), the
-        bodies of its messages made ``message_type`` already."""
 
     def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are on their way (it comes before later ones)."""
@@ -181,29 +160,21 @@ class Link(ABC):
         self.room = room  # the most frame bytes a message carries inline
         self._arrivals: Arrivals | None = None
         self._limits = wire.Limits()
-        # (``_held`` and ``_batches`` are changed in place: a compiled lane holds them)
         self._held: dict[int, collections.deque[bytearray | torch.Tensor]] = {}
         self._heads: dict[bytes, Head] = {}
         self._buffers = Buffers()  # large frames' receive buffers, lent again once free
         # the body of a small frame: what fits a packet with a run's head, up to small.BYTES
         self.small_room = min(small.BYTES, room - _RUN_HEAD_BYTES - small.PACKET_HEAD_BYTES)
         # small frames queued, per destination (the most bytes of a packet: within ``room``)
-        self._outbox: Queue = outbox.make(PREAMBLE.size + room)
+        self._outbox = Outbox(PREAMBLE.size + room)
         self._queue_data = self._outbox.data
         self._queue_message = self._outbox.message
         self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
         self.batching = False  # whether large frames' envelopes go in batches (see the note)
         # The outbox says whether frames wait to be sent (``waiting``: its flush is in
         # ``DUE`` then, as ``_due``) and whether a flush is asked of the loop, at its
-        # iteration's end (``flush_due``): ``_begun``, or the compiled outbox's ``post``.
+        # iteration's end (``flush_due``): ``_begun``.
         self._due: Due = (loop, self._flush_looked)
-        # ``Channel.send``'s commonest case (see ``_post_message``): once open, the
-        # compiled outbox's own ``post`` where it is built
-        self.post: Callable[[Any, int, int, object, int, int, int], int] = self._post_message
-        # a link message's packet read, its messages made, by the compiled part (``None``:
-        # not built), as ``arrivals.message_type`` (set when the link opens)
-        self._unpack = None if small.NATIVE is None else small.NATIVE.unpack_message
-        self._message_type: type[tuple[Any, ...]] = tuple
         # A task is about to wait for ``done()``: look for frames now; return whether it
         # is. Links that poll (MPI) look for a while, as an awaited request is tested (see
         # ``polling.Hurry``: their poller's ``hurry_until`` itself, a call less on every
@@ -212,20 +183,10 @@ class Link(ABC):
         # whether the last ``hurry`` was refused until the loop turns, without looking
         # (its task yields that turn and looks again)
         self.refused: Callable[[], bool] = _no
-        # ``flush`` then ``hurry`` in one call, for a channel's recv about to wait
-        # (``look(frames, src)``: 1 a message from ``src`` is in ``frames``, 0 not, -1 not
-        # looked: do both): where a compiled lane polls (MPI), else None
-        self.look: Callable[[Any, int | None], int] | None = None
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         """Start receiving: every frame that arrives goes to ``arrivals``."""
         self._arrivals, self._limits = arrivals, limits
-        if small.NATIVE is not None and not isinstance(self._outbox, outbox.Outbox):
-            compiled: Any = self._outbox
-            compiled.attach(DUE, self._due, self._loop.call_soon, self._flush_due_now,
-                            arrivals.window_type)
-            self.post = compiled.post
-        self._message_type = arrivals.message_type
 
     looks = False  # whether ``hurry`` may find anything (links that poll)
 
@@ -313,7 +274,7 @@ class Link(ABC):
 
     def send_message(self, dst: int, tag: int, seq: int, obj: object, room: int,
                      max_ndim: int) -> bool:
-        """``send_data`` of ``obj``'s small body, encoded by the outbox (``Queue.message``);
+        """``send_data`` of ``obj``'s small body, encoded by the outbox (``Outbox.message``);
         return ``False`` (nothing queued) where it is not small."""
         queued = self._queue_message(dst, tag, seq, obj, room, max_ndim)
         if queued == -2:
@@ -326,12 +287,11 @@ class Link(ABC):
         """``post`` found ``dst``'s packet full: it goes now (the caller posts again)."""
         self._begun(dst, -1)
 
-    def _post_message(self, window: Any, dst: int, tag: int, obj: object, room: int,
-                      max_ndim: int, limit: int) -> int:
-        """``post``: a channel's small message through its ``window`` (see ``Channel.post``),
-        where the outbox is not the compiled one (whose ``post`` answers as its ``message``,
-        or -3 where the window does not let it: see ``small.cpp``). Here a packet found
-        full is sent and the message queued (0), and -2 says nothing was queued."""
+    def post(self, window: Any, dst: int, tag: int, obj: object, room: int,
+             max_ndim: int, limit: int) -> int:
+        """A channel's small message through its ``window`` (see ``Channel.post``): 0
+        queued (a packet found full is sent first), -2 nothing queued (the window is
+        closed or full, a sender waits for credit, or ``obj`` is not small)."""
         out = window.messages_out
         if (not window.open or out >= limit or window.waiters
                 or not self.send_message(dst, tag, window.seq, obj, room, max_ndim)):
@@ -348,7 +308,7 @@ class Link(ABC):
 
     def _begun(self, dst: int, queued: int = 1) -> bool:
         """Something for ``dst`` begun (``queued``: a queuing call's answer, see
-        ``Queue.data``; 1: a packet or batch begun, -1: a full packet): call ``flush``
+        ``Outbox.data``; 1: a packet or batch begun, -1: a full packet): call ``flush``
         when the loop iteration ends (once, however often asked), or before, when a task
         begins to look for what it awaits (``hurry``). Return whether the packet was full:
         it is sent now, and the caller queues its frame again."""
@@ -495,14 +455,7 @@ class Link(ABC):
         head_bytes, inline, follow, form = _PREAMBLE_AT(view, 0)
         end = at + inline
         if form == PACKET and not head_bytes and not follow and end <= len(view):
-            # the hot path of small messages: read by the compiled part where it can
-            items = (None if self._unpack is None else
-                     self._unpack(view, len(view), self._limits.max_ndim, src,
-                                  self._message_type))
-            if items is not None:
-                arrivals.messages(src, items)
-            else:
-                arrivals.packet(src, view, at, end)
+            arrivals.packet(src, view, at, end)
             return True
         if form == BATCH and not head_bytes and not follow and end <= len(view):
             self._batch(src, view[at:end])

@@ -7,17 +7,11 @@ Messages of one channel in sequence share one head: a *run*
 (``small.RUN_HEAD``, its count laid once it ends). A lone message becomes a
 run when the next of its channel follows (its channel and sequence number
 read back from its head then: nothing is kept for it before).
-
-``Outbox`` is the Python twin of the compiled part's ``NATIVE.Outbox``
-(``_native/small.cpp``), which queues the same bytes; ``make`` returns the
-compiled one where it is built.
 """
 
 from __future__ import annotations
 
-import functools
 import struct
-from typing import Any, Protocol
 
 from asyncomm._core import small
 from asyncomm._core.messages import PACKET, PREAMBLE
@@ -35,39 +29,6 @@ _U64_AT, _TAG_OFFSET, _SEQ_OFFSET = struct.Struct(">Q").unpack_from, small.TAG_A
 _PACKET_AT = PREAMBLE.size + small.PACKET_HEAD_BYTES  # a packet's first frame
 _PREAMBLE_INTO, _PREAMBLE_BYTES = PREAMBLE.pack_into, PREAMBLE.size
 _lay_packet_head = small.PACKET_HEAD.pack_into  # (buffer, at, ARRAY_BYTE, frames)
-
-
-class Queue(Protocol):
-    """What a link asks of an outbox (``Outbox``, or the compiled one)."""
-
-    packet_frames: int
-    waiting: bool  # whether packets wait (its link's flush is due: ``Link._begun``)
-    flush_due: bool  # whether its link asked the loop for a flush
-
-    def data(self, dst: int, tag: int, seq: int, body: bytes) -> int:
-        """Queue message ``seq`` of channel ``tag`` for ``dst``: 0 queued in the packet that
-        waits, 1 queued as the first of a new packet, -1 not queued: the packet is full
-        (the caller sends it, ``take``, and calls again)."""
-
-    def message(self, dst: int, tag: int, seq: int, obj: object, room: int,
-                max_ndim: int) -> int:
-        """Queue ``obj`` as ``data`` would its small body (``small.encode``), or return -2
-        where it is not a small message (nothing queued)."""
-
-    def small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> int:
-        """Queue a small frame of ``kind`` (as ``data``; a message, ``DATA``, is ``data``)."""
-
-    def take(self, dst: int) -> bytes | bytearray | None:
-        """Return ``dst``'s packet laid out whole (no longer queued), or ``None``."""
-
-    def queued(self, dst: int) -> bool:
-        """Return whether a packet for ``dst`` waits."""
-
-    def dsts(self) -> list[int]:
-        """Return the destinations whose packets wait, in the order they were begun."""
-
-    def counts(self, dst: int) -> tuple[int, int] | None:
-        """Return the items (frames and runs) and frames of ``dst``'s packet, or ``None``."""
 
 
 class Packet(bytearray):
@@ -98,9 +59,12 @@ class Outbox:
         self.flush_due = False  # whether its link asked the loop for a flush
 
     def data(self, dst: int, tag: int, seq: int, body: bytes) -> int:
-        """See ``Queue.data``. The message after the last one queued for ``dst`` on the same
-        channel (the commonest, in a burst) adds its body to that run; after a lone
-        message, it makes that a run first. Any other goes as a lone message."""
+        """Queue message ``seq`` of channel ``tag`` for ``dst``: 0 queued in the packet that
+        waits, 1 queued as the first of a new packet, -1 not queued: the packet is full (the
+        caller sends it, ``take``, and calls again). The message after the last one queued
+        for ``dst`` on the same channel (the commonest, in a burst) adds its body to that
+        run; after a lone message, it makes that a run first. Any other goes as a lone
+        message."""
         packet = self._packets.get(dst)
         started = 0
         if packet is None:
@@ -142,12 +106,13 @@ class Outbox:
 
     def message(self, dst: int, tag: int, seq: int, obj: object, room: int,
                 max_ndim: int) -> int:
-        """See ``Queue.message`` (the Python twin's encoding)."""
-        body = small.encode(obj, room, max_ndim, compiled=False)
+        """Queue ``obj`` as ``data`` would its small body (``small.encode``), or return -2
+        where it is not a small message (nothing queued)."""
+        body = small.encode(obj, room, max_ndim)
         return -2 if body is None else self.data(dst, tag, seq, body)
 
     def small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> int:
-        """See ``Queue.small``."""
+        """Queue a small frame of ``kind`` (as ``data``; a message, ``DATA``, is ``data``)."""
         if kind == _DATA:
             return self.data(dst, tag, seq, body)
         packet = self._packets.get(dst)
@@ -175,7 +140,7 @@ class Outbox:
         return packet
 
     def take(self, dst: int) -> bytearray | None:
-        """See ``Queue.take``."""
+        """Return ``dst``'s packet laid out whole (no longer queued), or ``None``."""
         packet = self._packets.pop(dst, None)
         if packet is None:
             return None
@@ -186,23 +151,14 @@ class Outbox:
         return packet
 
     def queued(self, dst: int) -> bool:
-        """See ``Queue.queued``."""
+        """Return whether a packet for ``dst`` waits."""
         return dst in self._packets
 
     def dsts(self) -> list[int]:
-        """See ``Queue.dsts``."""
+        """Return the destinations whose packets wait, in the order they were begun."""
         return list(self._packets)
 
     def counts(self, dst: int) -> tuple[int, int] | None:
-        """See ``Queue.counts``."""
+        """Return the items (frames and runs) and frames of ``dst``'s packet, or ``None``."""
         packet = self._packets.get(dst)
         return None if packet is None else (packet.items, packet.frames)
-
-
-def make(packet_bytes: int, compiled: bool = True) -> Any:
-    """Return an outbox of packets of at most ``packet_bytes``: the compiled one where it is
-    built (and ``compiled``), else ``Outbox``."""
-    if compiled and small.NATIVE is not None:  # (what its encoding leaves, the twin's takes)
-        return small.NATIVE.Outbox(packet_bytes, functools.partial(small.encode,
-                                                                   compiled=False))
-    return Outbox(packet_bytes)

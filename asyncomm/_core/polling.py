@@ -175,12 +175,7 @@ class Poller:
     a small collective on 2 ranks often only starts it, and the second
     finds it done (measured: an awaited 8-byte all_reduce 3.6 µs with one
     test, 2.9-3.0 with two or more, whose completion then mostly comes in the
-    call, no frame of the await's hurrying between). A compiled quick send or
-    receive still in flight is followed by its bare handle (``follow_handle``):
-    its task tests the handle by a compiled call, and only one still pending
-    when the iteration ends is made a request object (mpi4py's
-    ``Request.fromhandle`` and ``Test`` cost ~270 and ~350 ns; an awaited
-    8-byte ping-pong took 0.87-0.91 of the time with them). A
+    call, no frame of the await's hurrying between). A
     channel receive, an actor call or an idle actor about to wait sweeps
     (``hurry_until``: the requests and the probes, so the MPI link finds its
     messages) for as long as ``Hurry`` has learnt pays off.
@@ -196,12 +191,6 @@ class Poller:
         self._outcome = outcome
         self._testsome = testsome
         self._classify = classify
-        # a request known by its handle only (``follow_handle``): tested so, and made a
-        # request object (``request_of``) only once it is polled; a failure of the test
-        # made the error ``classify`` knows by ``error_of``
-        self._test_handle: Callable[[int], bool] | None = None
-        self._request_of: Callable[[int], Any] = lambda handle: handle
-        self._error_of: Callable[[BaseException], BaseException] = lambda exc: exc
         polling = settings.read()
         self._spin_s = polling.spin_s
         self._active_spin_s = polling.active_spin_s
@@ -216,7 +205,6 @@ class Poller:
         if self._ticker is not None:
             self._ticker.hold()  # until ``drain``
         self._computing = computing(loop)
-        # (``_requests``, ``_fresh`` and ``_probes`` are changed in place: see ``lane``)
         self._requests: list[Any] = []
         self._entries: list[tuple[Sink, Finish | None, bool]] = []
         self._active = 0  # pending requests that need polling to make progress
@@ -265,27 +253,6 @@ class Poller:
             return
         self._add(request, entry)
 
-    def handles(self, test: Callable[[int], bool], request_of: Callable[[int], Any],
-                error_of: Callable[[BaseException], BaseException]) -> None:
-        """Let ``follow_handle`` take requests by their handles: ``test(handle)`` tests one
-        (whether done: then freed), ``request_of(handle)`` makes the request object the
-        poller's lists hold, ``error_of`` the error of a failed test."""
-        self._test_handle, self._request_of, self._error_of = test, request_of, error_of
-
-    def follow_handle(self, handle: int, sink: Any, active: bool) -> None:
-        """``follow`` a request in flight known by its ``handle`` (a compiled quick
-        operation's, see ``handles``): its task tests the handle while it hurries, and
-        only a request still pending when the iteration ends is made an object (its
-        making costs as much as issuing the operation), with no ``finish``."""
-        if self._test_handle is None or not self._hurry.tests:
-            self.follow(self._request_of(handle), sink, None, active)
-            return
-        sink._hurry = (self, handle, (sink, None, active), 0.0)
-        fresh = self._fresh
-        if not fresh:
-            self._loop.call_soon(self._enlisted)
-        fresh.append(sink)
-
     def _add(self, request: Any, entry: tuple[Sink, Finish | None, bool]) -> None:
         self._requests.append(request)
         self._entries.append(entry)
@@ -294,15 +261,12 @@ class Poller:
 
     def _enlist(self) -> bool:
         """Poll the requests issued (``watch``) and still pending; return whether any were."""
-        fresh = self._fresh[:]  # (cleared in place: a compiled lane holds the list, see ``lane``)
-        self._fresh.clear()
+        fresh, self._fresh = self._fresh, []
         added = False
         for sink in fresh:
             hurried = sink._hurry
             if hurried is not None and hurried[2] is not None:  # not finished by its task
                 request = hurried[1]
-                if type(request) is int:  # (``follow_handle``'s)
-                    request = self._request_of(request)
                 sink._hurry = (self, request, None, hurried[3])
                 self._add(request, hurried[2])
                 added = True
@@ -330,24 +294,14 @@ class Poller:
             return hurry.tests > 0
         _, request, entry, since = sink._hurry
         try:
-            if type(request) is int:  # a handle (``follow_handle``): done, it needs no outcome
-                test_handle = self._test_handle
-                assert test_handle is not None
-                for _ in range(hurry.tests):
-                    if test_handle(request):
-                        break
-                else:
-                    return self._young(sink, request, entry, since)
-                outcome = None
+            for _ in range(hurry.tests):
+                if test(request, scratch):
+                    break
             else:
-                for _ in range(hurry.tests):
-                    if test(request, scratch):
-                        break
-                else:
-                    return self._young(sink, request, entry, since)
-                outcome = self._outcome()
+                return self._young(sink, request, entry, since)
+            outcome = self._outcome()
         except BaseException as exc:
-            outcome = self._error_of(exc)
+            outcome = exc
         sink._hurry = None
         if entry is None:  # polled already: no longer
             try:
@@ -445,13 +399,6 @@ class Poller:
             # finds something not awaited (a frame whose data it began to receive)
             return self._hurry.run(self._probes[0], done, self.sweep)
         return self._hurry.run(self.sweep, done)
-
-    def lane(self) -> tuple[list[Any], list[Any], list[Any], Hurry]:
-        """What a compiled lane looks with, as ``hurry_until`` does (see ``small.cpp``'s
-        Lane): the probes, the requests in flight and those issued this iteration (the
-        probe alone looks while there is one probe and neither), and the Hurry. The lists
-        are kept (changed in place, never replaced)."""
-        return self._probes, self._requests, self._fresh, self._hurry
 
     def refused(self) -> bool:
         """Return whether the last ``hurry_until`` was refused until the loop turns (see

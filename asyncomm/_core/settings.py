@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 BACKENDS = ("gloo", "nccl", "mpi")
 
@@ -45,8 +44,6 @@ class Settings:
     store: str | None = None  # ASYNCOMM_STORE: "client" when the launcher hosts the store
     test_address: str | None = None  # ASYNCOMM_TEST_ADDRESS: a test world's rank server
     test_key: str | None = None  # ASYNCOMM_TEST_KEY: its authentication key (hex)
-    native: bool = True  # ASYNCOMM_NATIVE: "0" runs small frames' work in Python though built
-    cache: str | None = None  # ASYNCOMM_CACHE: where ``asyncomm build`` keeps what it builds
 
 
 def read(environ: Mapping[str, str] | None = None) -> Settings:
@@ -109,24 +106,4 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         store=text("STORE"),
         test_address=text("TEST_ADDRESS"),
         test_key=text("TEST_KEY"),
-        native=native_on(env),
-        cache=text("CACHE"),
     )
-
-
-def native_on(environ: Mapping[str, str] | None = None) -> bool:
-    """Return whether asyncomm's compiled part may run (``ASYNCOMM_NATIVE`` is not ``0``),
-    reading that variable alone (asyncomm reads it when it is imported)."""
-    env = os.environ if environ is None else environ
-    return env.get("ASYNCOMM_NATIVE", "").strip() != "0"
-
-
-def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """Return asyncomm's cache: ``ASYNCOMM_CACHE``, else ``$XDG_CACHE_HOME/asyncomm``, else
-    ``~/.cache/asyncomm``."""
-    env = os.environ if environ is None else environ
-    chosen = env.get("ASYNCOMM_CACHE", "").strip()
-    if chosen:
-        return Path(chosen)
-    xdg = env.get("XDG_CACHE_HOME", "").strip()
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "asyncomm"

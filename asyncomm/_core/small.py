@@ -37,8 +37,6 @@ from typing import Any, Final, NamedTuple
 import msgpack
 import torch
 
-from asyncomm import _native
-from asyncomm._core import settings
 from asyncomm._core.errors import ProtocolError
 from asyncomm._core.wire import (
     _BUFFER_KINDS,
@@ -67,8 +65,7 @@ from asyncomm._core.wire import (
 )
 
 __all__ = ["HEAD", "RUN", "RUN_HEAD", "BYTES", "encode", "decode", "unpack_packet",
-           "split_packet", "packet_head", "run_head", "inline_buffer", "NATIVE",
-           "DTYPE_TABLE", "PACKET_HEAD"]
+           "split_packet", "packet_head", "run_head", "inline_buffer", "PACKET_HEAD"]
 
 # a small frame's head, msgpack: fixarray 4, kind (a positive fixint), uint64 tag, uint64 seq
 HEAD: Final = struct.Struct(">BBBQBQ")
@@ -86,14 +83,6 @@ RUN_COUNT_AT: Final = HEAD.size + 1
 DATA: Final = int(Kind.DATA)
 BYTES: Final = 8 << 10  # the most bytes a small frame's body holds
 _LIMITS: Final = Limits()
-# The compiled twins of the lone tensor's encoding and the inline tensor's making (see
-# ``asyncomm._native``), if built and not turned off; ``None``: these Python ones alone.
-NATIVE: Final = _native.load(settings.cache_dir()) if settings.native_on() else None
-DTYPE_TABLE: Final = [(code, torch.empty(0, dtype=dtype)) for code, dtype in _DTYPES.items()]
-if NATIVE is not None:
-    NATIVE.setup(DTYPE_TABLE)
-_native_encode = None if NATIVE is None else NATIVE.encode
-_native_packet = None if NATIVE is None else NATIVE.unpack_packet
 # Packs exact scalars, lists and dicts; refuses the rest (a packer of its own: one of the
 # thread's would do as well, but costs a lookup; this one calls no Python code while it
 # packs, so the GIL keeps threads from sharing it at once).
@@ -176,9 +165,7 @@ def span(tensor: object, table: dict[torch.dtype, Any]) -> tuple[int, int, Any] 
     """Return where a tensor a backend's quick operation moves lies: (address, bytes,
     ``table``'s value for its dtype), for exactly a ``torch.Tensor`` laid out in host
     memory whose dtype ``table`` holds and whose elements a C ``int`` counts; else
-    ``None`` (the usual path takes it). The Python twin of the compiled part's ``span``,
-    which does it in one call (each of torch's attributes here is a call, and a quick
-    operation asks this of every tensor it moves)."""
+    ``None`` (the usual path takes it)."""
     if (type(tensor) is torch.Tensor and tensor.layout is torch.strided
             and tensor.is_cpu and tensor.is_contiguous()
             and not tensor.is_conj() and not tensor.is_neg()):
@@ -188,24 +175,18 @@ def span(tensor: object, table: dict[torch.dtype, Any]) -> tuple[int, int, Any] 
     return None
 
 
-_MAX_COUNT = 2**31 - 1  # the most elements a C int counts (a compiled call's count)
+_MAX_COUNT = 2**31 - 1  # the most elements an MPI count (a C int) holds
 
 
-def encode(obj: object, room: int = BYTES, max_ndim: int = 16, compiled: bool = True
-           ) -> bytes | None:
+def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
     """Return the body of a small frame (DEFAULT codec) carrying ``obj``, or ``None``.
 
     ``None``: ``obj`` needs more than ``room`` bytes; it travels as a frame (``encode``).
-    ``compiled=False``: the Python twin alone, though ``NATIVE`` is there (the same bytes).
 
     Raises:
         TypeError: the DEFAULT codec cannot carry something in ``obj`` (names it and where).
     """
     if type(obj) is torch.Tensor:  # a lone tensor, the commonest: laid out here
-        if _native_encode is not None and compiled:
-            laid_out: bytes | None = _native_encode(obj, room, max_ndim)
-            if laid_out is not None:
-                return laid_out
         known = _known(obj, max_ndim)
         if known is not None and known.nbytes <= room - 256:
             return known.lone + known.data(obj)
@@ -219,10 +200,6 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16, compiled: bool = 
                 if len(shape) <= max_ndim:
                     _keep_known(obj, code, shape, t.nbytes)
                     return _lone_small(code, shape, t.nbytes) + _bytes_of(t)
-    elif (type(obj) is list or type(obj) is dict) and _native_encode is not None and compiled:
-        laid_items: bytes | None = _native_encode(obj, room, max_ndim)
-        if laid_items is not None:  # (an actor's request or reply, a dict of scalars)
-            return laid_items
     if type(obj) is not list:  # a list is likelier to hold a tensor: lowered at once
         try:
             body: bytes = _strict(obj)  # only exact scalars, lists and dicts pass
@@ -356,20 +333,15 @@ def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
     return read_structure(body, _hook(limits))
 
 
-def unpack_packet(data: bytes | memoryview, limits: Limits = _LIMITS, compiled: bool = True
-                  ) -> list[Any]:
+def unpack_packet(data: bytes | memoryview, limits: Limits = _LIMITS) -> list[Any]:
     """Return the items of a packet (each should be a frame: ``[kind, tag, seq, message]``).
 
     The caller checks each item's shape; the messages are checked here, as ``decode``
-    checks a body. ``compiled=False``: the Python twin alone (the same items).
+    checks a body.
 
     Raises:
         ProtocolError: a malformed packet or frame (``split_packet`` tells which).
     """
-    if _native_packet is not None and compiled:  # plain bodies, kept tensors (the commonest)
-        made: list[Any] | None = _native_packet(data, limits.max_ndim)
-        if made is not None:
-            return made
     try:
         items = unpack(data, _hook(limits), passing=_HasTuple)
     except _HasTuple:  # a tuple in it (its marker, an extension): unpacked again, tuples rebuilt
@@ -435,9 +407,6 @@ def _hook(limits: Limits) -> Callable[[int, bytes], object]:
             if code == _EXT_TUPLE:
                 raise _HasTuple  # (``read_structure`` takes tuple markers before the hook)
             raise ProtocolError(f"frame structure has an unknown extension {code}")
-
-        if NATIVE is not None:  # the commonest made compiled, the rest by the hook above
-            hook = functools.partial(NATIVE.inline, hook, limits.max_ndim)
         _HOOKS[limits] = hook
     _LAST_HOOK[0] = (limits, hook)
     return hook
@@ -452,8 +421,7 @@ _LAST_HOOK: list[tuple[Limits | None, Callable[[int, bytes], object]]] = [(None,
 
 
 def inline_buffer(payload: bytes | memoryview, limits: Limits = _LIMITS) -> object:
-    """Rebuild an inline buffer, checked as ``decode_head`` checks a descriptor (the Python
-    twin of the compiled ``inline``, which hands it whatever it does not make itself)."""
+    """Rebuild an inline buffer, checked as ``decode_head`` checks a descriptor."""
     if len(payload) < _DESC.size or payload[2] > limits.max_ndim:
         raise ProtocolError("inline buffer: truncated, or too many dims")
     size = _DESCS[payload[2]].size
@@ -470,8 +438,6 @@ def inline_buffer(payload: bytes | memoryview, limits: Limits = _LIMITS) -> obje
         raise ProtocolError(f"inline buffer of {len(data)} bytes declares {d.nbytes}")
     if d.kind is BufferKind.TENSOR and d.nbytes and d.dtype is not torch.bool:
         _TENSORS[raw] = (d.dtype, d.nbytes, None if len(d.shape) == 1 else d.shape)
-        if NATIVE is not None:
-            NATIVE.keep(raw)
         tensor = torch.frombuffer(bytearray(data), dtype=d.dtype)
         return tensor if len(d.shape) == 1 else tensor.reshape(d.shape)
     if d.kind is BufferKind.BYTES:
@@ -498,7 +464,5 @@ def _inline_descriptor(raw: bytes) -> Descriptor:
     if len(_INLINE_DESCRIPTORS) >= 1024:
         _INLINE_DESCRIPTORS.clear()
         _TENSORS.clear()
-        if NATIVE is not None:
-            NATIVE.forget()
     d = _INLINE_DESCRIPTORS[raw] = _descriptor(code, bkind, shape, nbytes)
     return d

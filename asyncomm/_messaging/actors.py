@@ -55,7 +55,6 @@ from asyncomm._core.errors import (
     PeerFailedError,
     RemoteError,
 )
-from asyncomm._core.small import NATIVE
 from asyncomm._core.wire import Codec
 from asyncomm._messaging.channels import Channel
 from asyncomm._messaging.mailbox import Encoded, Entry, Message, src_of
@@ -112,8 +111,8 @@ class Host:
         self._unserved: dict[str, collections.deque[Message]] = {}  # tells before their actor
         loop = asyncio.get_running_loop()
         self._loop = loop
-        self._requests.listen(self._on_request, self._actors, requests=True)
-        self._replies.listen(self._on_reply, self._calls, requests=False)
+        self._requests.listen(self._on_request)
+        self._replies.listen(self._on_reply)
         self._tasks = [loop.create_task(self._serve_requests()),
                        loop.create_task(self._serve_replies())]
         router.on_dead.append(self._fail_dead)
@@ -121,21 +120,7 @@ class Host:
         self._dead, self._ended = router.dead, self._requests._box.ended
         self._replies_ended = self._replies._box.ended
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
-        self._look = router.link.look  # the router's flush and ``_hurry`` in one, where compiled
-        self._post_reply = self._replies.posting  # (``_answer``'s, a call less)
-        self.calling = self._calling()
-
-    def _calling(self) -> Callable[..., Awaitable[Any]]:
-        """What makes a call's coroutine: the compiled part's where built (``Caller``: a call
-        answered while it looks makes no Python coroutine), else ``_call``."""
-        if NATIVE is None:
-            return self._call
-        router = self._router
-        return NATIVE.Caller(  # type: ignore[no-any-return]
-            self._dead, self._ended, self._replies_ended, self._ids, self._loop.create_future,
-            self._calls, self._backlog, self._requests.posting, self._queue, self._requests,
-            self._look, router.expect, router.link.expect, self._hurry, self._call,
-            self._finish, self._result).call
+        self._post_reply = self._replies.post  # (``_answer``'s, a call less)
 
     # -- hosting -----------------------------------------------------------------
 
@@ -214,11 +199,11 @@ class Host:
 
     async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:
         endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far
-        items, look, answer = inbox.items, self._look, self._answer
+        items, answer = inbox.items, self._answer
         while True:
             # its next request may be microseconds away: look first (what it answered, sent
-            # first: the look's flush, or the router's)
-            if not items and (look is None or look(items, None) < 0):
+            # first: the router's flush)
+            if not items:
                 self._router.flush(waiting=True)
                 self._hurry(inbox.nonempty)
             message = items.popleft() if items else await inbox.get()
@@ -257,7 +242,7 @@ class Host:
              kwargs: dict[str, Any], timeout: float | None) -> Awaitable[Any]:
         """Call ``name.method(*args, **kwargs)`` on ``rank``; the awaitable gives its result."""
         if self.probe.recording is None:
-            return self.calling(rank, name, method, args, kwargs, timeout)  # no layer between
+            return self._call(rank, name, method, args, kwargs, timeout)  # no layer between
         return self._traced_call(rank, name, method, args, kwargs, timeout)
 
     async def _traced_call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
@@ -282,23 +267,12 @@ class Host:
         future = self._loop.create_future()
         self._calls[call_id] = (rank, future, name, method)
         self._post(rank, self._requests, [call_id, name, method, True, kwargs or None, *args])
-        found = -1 if self._look is None else self._look(future.done, None)
-        if found < 0:
-            self._router.expect()
-            found = self._hurry(future.done)
-        elif not found:  # (looked, with what it issued sent: now the poller watches closely)
-            self._router.link.expect()
-        if found:  # an answer within microseconds: no loop turn, no timer
+        self._router.expect()
+        if self._hurry(future.done):  # an answer within microseconds: no loop turn, no timer
             del self._calls[call_id]
             ok, result = future.result()
         else:
             ok, result = await self._answer_of(call_id, future, timeout)
-        return self._result(rank, name, method, ok, result)
-
-    async def _finish(self, rank: int, name: str, method: str, call_id: int,
-                      future: asyncio.Future[Any], timeout: float | None) -> Any:
-        """A call's wait for its answer, where the compiled call looked and found none."""
-        ok, result = await self._answer_of(call_id, future, timeout)
         return self._result(rank, name, method, ok, result)
 
     @staticmethod
@@ -347,7 +321,7 @@ class Host:
         message is encoded once, as it is queued for the link (``Channel.post``) or here
         for this rank's sender.
         """
-        if not self._backlog.get(rank) and channel.posting(message, rank):
+        if not self._backlog.get(rank) and channel.post(message, rank):
             return  # the common case: sent now (with the loop iteration's other messages)
         self._queue(rank, channel, message)
 
@@ -513,10 +487,7 @@ class EndpointRef:
 
     def __call__(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
         """Call the endpoint; resolves to its result (``RemoteError`` if it raised)."""
-        host = self._host
-        if host.probe.recording is None:  # (``Host.call``'s commonest, inline)
-            return host.calling(self._rank, self._name, self._method, args, kwargs, timeout)
-        return host.call(self._rank, self._name, self._method, args, kwargs, timeout)
+        return self._host.call(self._rank, self._name, self._method, args, kwargs, timeout)
 
     def tell(self, *args: Any, **kwargs: Any) -> None:
         """Send a one-way call: no result, no error back; ordered with other calls."""

@@ -12,12 +12,10 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from collections.abc import AsyncIterator, Callable
 
 from asyncomm._core import wire
 from asyncomm._core.errors import CommClosedError, CommTimeoutError, ProtocolError
-from asyncomm._core.small import NATIVE
 from asyncomm._core.small import encode as small_encode
 from asyncomm._core.wire import Codec, Kind
 from asyncomm._messaging.mailbox import Encoded, Entry, Frame, Message, size_of, wake
@@ -57,47 +55,32 @@ class Channel:
         self._flush = router.flush
         self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
         self._looks = router.link.looks  # whether ``hurry`` may find anything
-        self._look = router.link.look  # ``_flush`` and ``_hurry`` in one call, where compiled
         self._refused = router.link.refused
         self._has: dict[int, Callable[[], bool]] = {}  # per source: ``_has_from``
         self._probe_of = router.probe
         self._size = router.size
         self._max_ndim = router.limits.max_ndim
-        # ``post`` (actors post every message) in one compiled call, and ``send``'s
-        # coroutine compiled, where built (``small.NATIVE.Poster``)
-        poster = None if NATIVE is None else NATIVE.Poster(
-            self._windows, self._post, tag, self._small_room, self._max_ndim, self._window,
-            router.probe if traced else None, self._go_full, self.post, self._send_encoded,
-            self._send_slowly, self._sending)
-        self.posting: Callable[[object, int], bool] = (
-            self.post if poster is None else poster.post)
-        self._sender: Callable[[object, int, float | None], Coroutine[Any, Any, None]] = (
-            self._sending if poster is None else poster.send)
-        self._receiver: Callable[[int | None, float | None], Coroutine[Any, Any, Message]] = (
-            self._receive if NATIVE is None else NATIVE.Receiver(
-                self._box.frames, self._box.taken, Message, router.probe if traced else None,
-                self._look, self._took, self._receive, self._wait, float(timeout),
-                self._batch_less_one, self._size, bool(self._small_room)).receive)
 
     def __repr__(self) -> str:
         return f"<Channel {self.tag} rank {self._router.rank} {self.codec.name.lower()}>"
 
-    def send(self, obj: object, dst: int, *, timeout: float | None = None
-             ) -> Coroutine[Any, Any, None]:
+    async def send(self, obj: object, dst: int, *, timeout: float | None = None) -> None:
         """Send ``obj`` to ``dst``; return once its buffers may be reused.
 
-        Waits for credit if ``dst`` has not consumed enough of the earlier
-        messages. Raises ``TypeError`` for objects the channel's codec cannot
-        carry, ``ValueError`` for a bad ``dst`` -- before anything is sent.
+        Args:
+            obj: what to send: a tensor, or plain data holding tensors (the channel's codec).
+            dst: the rank to send to (may be this rank).
+            timeout: seconds to wait for credit (default: the communicator's timeout).
 
-        Returns a coroutine, as an ``async def`` would: the compiled part's where
-        built (``small.NATIVE.Poster``: a small message posted with no Python
-        frame), which hands any other case to ``_sending``; else ``_sending``'s.
+        Waits for credit if ``dst`` has not consumed enough of the earlier messages.
+
+        Raises:
+            TypeError: the channel's codec cannot carry ``obj`` (before anything is sent).
+            ValueError: ``dst`` is not a rank (before anything is sent).
+            CommClosedError: this end of the channel, or the communicator, is closed.
+            CommTimeoutError: no credit came within ``timeout``.
+            PeerFailedError: ``dst`` is known dead.
         """
-        return self._sender(obj, dst, timeout)
-
-    async def _sending(self, obj: object, dst: int, timeout: float | None) -> None:
-        """``send``'s coroutine."""
         window = self._windows.get(dst) if type(dst) is int else None
         if window is not None:  # a rank checked before, small messages
             # the fast path (``post``'s, inline): encoded and queued at once, sent with the
@@ -176,24 +159,25 @@ class Channel:
             trace.message("channel_send", nbytes, dst, self.tag, router.probe.id, start,
                           error)
 
-    def recv(self, src: int | None = None, *, timeout: float | None = None
-             ) -> Coroutine[Any, Any, Message]:
-        """Receive the next message (from ``src``, or any source); a cancelled call loses nothing.
+    async def recv(self, src: int | None = None, *, timeout: float | None = None) -> Message:
+        """Receive the next message; a cancelled call loses nothing.
 
-        Raises ``CommClosedError`` once every other rank (or ``src``) has
-        closed the channel and no message is left, ``ProtocolError`` for a
-        malformed frame (the next call goes on with the next message).
+        Args:
+            src: the rank to receive from; ``None``: any rank.
+            timeout: seconds to wait (default: the communicator's timeout).
 
-        Returns a coroutine, as an ``async def`` would: the compiled part's where
-        built (``small.NATIVE.Receiver``: a message in the mailbox, or found by the
-        link's look, taken with no Python frame), which hands any other case to
-        ``_receive``; else ``_receive``'s.
+        Returns:
+            ``Message(src, tag, data)``.
+
+        Raises:
+            ValueError: ``src`` is not a rank (before anything is taken).
+            CommClosedError: every other rank (or ``src``) closed the channel and no
+                message is left, or the communicator is closed.
+            CommTimeoutError: nothing came within ``timeout``.
+            PeerFailedError: every rank it could come from is dead.
+            ProtocolError: a malformed message (the next call goes on with the next one).
         """
-        return self._receiver(src, timeout)
-
-    async def _receive(self, src: int | None, timeout: float | None,
-                       looked: bool = False) -> Message:
-        """``recv``'s coroutine (``looked``: the compiled receiver looked already)."""
+        looked = False
         if src is not None and (type(src) is not int or not 0 <= src < self._size):
             self._check_rank("recv", "src", src)
         if not self._traced or self._probe_of.recording is None:
@@ -216,13 +200,6 @@ class Channel:
                 limit = self._timeout if timeout is None else timeout
                 if looked:  # (what was found is not there: taken meanwhile)
                     return await self._wait(src, limit)
-                if self._look is not None and limit > 0:  # both below in one compiled call
-                    found = self._look(frames, src)
-                    if found > 0:
-                        looked = True
-                        continue
-                    if found == 0:
-                        return await self._wait(src, limit, looked=True)
                 self._flush(True)  # (here, not in ``_wait``: it leaves before that is made)
                 if not self._looks or limit <= 0:
                     return await self._wait(src, limit)
@@ -362,17 +339,10 @@ class Channel:
             self._router.took(message, self._box)
         return message
 
-    def listen(self, listener: Callable[[Entry], None], table: dict[Any, Any],
-               requests: bool) -> None:
+    def listen(self, listener: Callable[[Entry], None]) -> None:
         """Hand every message of this channel to ``listener`` as it arrives (actors' requests
-        and replies), taken (``opened``) by it. Where built, the compiled part takes the
-        commonest itself (``small.NATIVE.Listener``: a request to its actor's inbox in
-        ``table``, by name; a reply to its call's future in ``table``, by id), counted for
-        credit as ``opened`` counts it, and hands ``listener`` the rest."""
-        box = self._box
-        box.listener = listener if NATIVE is None else NATIVE.Listener(
-            box.taken, Message, self._took, table, listener, self._batch_less_one,
-            requests).listen
+        and replies), which takes it (``opened``)."""
+        self._box.listener = listener
 
     def opened(self, entry: Entry) -> object:
         """Count ``entry`` as taken from this channel; return its message's data.
@@ -421,8 +391,7 @@ class Channel:
         if self._closed:
             return
         self._closed = True
-        self._windows.clear()  # (sends go the slow way, which refuses them; kept: the
-        # compiled poster holds the dict)
+        self._windows.clear()  # (sends go the slow way, which refuses them)
         router = self._router
         if router._closed:
             return

@@ -34,20 +34,8 @@ _new: Any = tuple.__new__
 RUN = small.RUN
 
 
-def _bare(item: list[Any]) -> list[Any]:
-    """A frame of ``Delivery.messages`` as ``Delivery.items`` takes it: its messages' bodies."""
-    kind, tag, seq, data = item
-    if kind == DATA:
-        return [kind, tag, seq, data[2]]
-    if kind == RUN:
-        return [kind, tag, seq, [message[2] for message in data]]
-    return item
-
-
 class Delivery:
     """Frames that arrive, into the mailboxes of their channels (the router's receive side)."""
-
-    message_type = Message  # what a message is delivered as (see ``messages``)
 
     def __init__(self, rank: int, limits: wire.Limits) -> None:
         self.rank = rank
@@ -88,31 +76,6 @@ class Delivery:
             self._packet_slowly(src, view[at:end])
             return
         self.items(src, items)
-
-    def messages(self, src: int, items: list[Any]) -> None:
-        """``items``, but with the messages' bodies made ``Message`` already (by the compiled
-        part: ``small.NATIVE.unpack_message``): a frame of kind DATA holds a ``Message``, a
-        run a list of them. The commonest case is kept here; any other goes to ``items``."""
-        if (self._broken and src in self._broken) or (self._queued and src in self._queued):
-            self.items(src, [_bare(item) for item in items])
-            return
-        boxes = self._mailboxes
-        for i, item in enumerate(items):
-            kind, tag, seq, data = item
-            box = boxes.get(tag) if kind in (DATA, RUN) else None
-            if box is None or seq != box.seqs.get(src, 0):  # another kind, a new channel, or
-                self.items(src, [_bare(item) for item in items[i:]])  # out of sequence
-                return
-            if kind == DATA:  # (``_in_order``'s commonest, inline)
-                box.seqs[src] = seq + 1
-                if box.listener is not None:
-                    box.listener(data)
-                    continue
-                box.frames.append(data)
-                if box.waiters:
-                    box.came(src)
-                continue
-            self._in_order(box, src, kind, seq, data)
 
     def _in_order(self, box: Mailbox, src: int, kind: int, seq: int, data: Any) -> None:
         """Keep in ``box`` the next of ``src``'s messages: ``data`` a ``Message`` (a frame of

@@ -143,8 +143,6 @@ class Window:
 class Router(Delivery):
     """This rank's receive loop and send side for every channel of one communicator."""
 
-    window_type = Window  # what its windows are (``Link.post`` reads and sets their slots)
-
     def __init__(self, rank: int, size: int, link: Link, peers: Releasing,
                  probe: instrument.Probe, probe_s: float = 0.5, window: int = 64,
                  window_bytes: int = 64 << 20, limits: wire.Limits | None = None) -> None:
@@ -527,16 +525,6 @@ class Router(Delivery):
         elif self._owed:
             self._pay(False)
             self.link.flush()
-
-    @property
-    def owed(self) -> dict[tuple[int, int], list[int]]:
-        """The credit owed, per (source, channel) (kept: a compiled lane's look holds it)."""
-        return self._owed
-
-    def pay_held(self) -> None:
-        """The credit owed, paid as a task about to wait pays it (``flush(waiting=True)``;
-        a compiled lane's look calls this where any is owed)."""
-        self._pay(self._hold_credit)
 
     def _pay(self, hold: bool) -> None:
         """Queue a credit frame for each channel credit is owed on, but (``hold``) a lone

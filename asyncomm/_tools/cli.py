@@ -15,7 +15,6 @@ _COMMANDS = {
     "bench": ("asyncomm._tools.bench", "compare asyncomm with the raw backend"),
     "pipeline": ("asyncomm._tools.pipeline_command", "check and draw pipeline-parallel schedules"),
     "trace": ("asyncomm._tools.trace_command", "merge a traced run: trace JSON, overlap, PNG"),
-    "build": ("asyncomm._tools.build_command", "compile asyncomm's optional C++ part"),
 }
 
 

@@ -214,9 +214,7 @@ def table(records: Sequence[Record]) -> str:
         return ""
     m = records[0]
     header = (f"backend {m['backend']}, {m['ranks']} ranks, loop {m['loop']}, "
-              f"torch {m['torch']}, mpi4py {m['mpi4py'] or '-'}, python {m['python']}, "
-              f"compiled part {'on' if m.get('compiled') else 'off (asyncomm build)'}"
-              + (", MPI calls compiled" if m.get("compiled_mpi") else "")
+              f"torch {m['torch']}, mpi4py {m['mpi4py'] or '-'}, python {m['python']}"
               + (f"\n{m['mpi_library']}" if m["mpi_library"] else ""))
     parts = [header]
     for section in dict.fromkeys(r["bench"] for r in records):

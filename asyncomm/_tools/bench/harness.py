@@ -98,24 +98,18 @@ def iterations(size: int, quick: bool = False) -> tuple[int, int]:
 def meta(comm: Comm, rounds: int, quick: bool) -> Record:
     import torch
 
-    from asyncomm._core import small
-
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
     meta: Record = {
         "backend": comm.backend, "ranks": comm.size,
         "loop": "uvloop" if loop == "uvloop" else "asyncio",
         "torch": torch.__version__, "mpi4py": _version("mpi4py"), "mpi_library": None,
         "python": platform.python_version(), "rounds": rounds, "quick": quick,
-        "compiled": small.NATIVE is not None,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     if comm.backend == "mpi":
         from mpi4py import MPI
 
-        from asyncomm._backends import mpi_native
-
         meta["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0]
-        meta["compiled_mpi"] = mpi_native.NATIVE is not None
     return meta
 
 
