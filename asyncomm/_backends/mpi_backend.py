@@ -381,22 +381,22 @@ class MpiBackend(Backend):
                 return  # found (or failed)
             self._poller.probe(self._look)
         self._probing.append(receive)
-        if hasattr(sink, "_hurry"):  # a handle: awaited, it looks for its message itself
-            sink._hurry = (self,)
+        if hasattr(sink, "_spin"):  # a handle: awaited, it looks for its message itself
+            sink._spin = (self,)
 
-    def hurry(self, sink: Handle[Any]) -> bool:
+    def spin(self, sink: Handle[Any]) -> bool:
         """An awaited receive that probes first: look for its message a while now, as a
-        channel's receive does (``Poller.hurry_until``: the poller's probe looks, for this
+        channel's receive does (``Poller.spin_until``: the poller's probe looks, for this
         receive and those before it, in order). Return whether its handle may look again
         after a loop turn (see ``Handle.__await__``): once its message is found, as the
         poller's requests do; while it is not, no (it waits; the poller goes on looking)."""
-        sink._hurry = None  # (taken, its receive is done, or the poller's: see ``follow``)
-        if not self._poller.hurry_until(lambda: sink.done() or sink._hurry is not None):
+        sink._spin = None  # (taken, its receive is done, or the poller's: see ``follow``)
+        if not self._poller.spin_until(lambda: sink.done() or sink._spin is not None):
             if any(r[0] is sink for r in self._probing):
-                sink._hurry = (self,)  # (awaited again later, it looks again)
+                sink._spin = (self,)  # (awaited again later, it looks again)
             return False
-        engine = sink._hurry  # found: its receive is posted, and the poller's to finish
-        return engine is not None and bool(engine[0].hurry(sink))
+        engine = sink._spin  # found: its receive is posted, and the poller's to finish
+        return engine is not None and bool(engine[0].spin(sink))
 
     def _look(self) -> bool:
         """The poller's probe while receives look for their messages (see PROBE_FIRST)."""

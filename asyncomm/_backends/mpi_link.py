@@ -8,6 +8,7 @@ import atexit
 import functools
 import logging
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -86,8 +87,6 @@ class MpiLink(Link):
         self._status = MPI.Status()
         self.packet_frames = PACKET_FRAMES
         self._open = False
-        self.hurry = poller.hurry_until
-        self.refused = poller.refused
 
     def open(self, arrivals: Any, limits: Any) -> None:
         super().open(arrivals, limits)
@@ -100,6 +99,12 @@ class MpiLink(Link):
         self._buffers.clear()
 
     looks = True
+
+    def spin_until(self, done: Callable[[], bool]) -> bool:
+        return self._poller.spin_until(done)
+
+    def refused(self) -> bool:
+        return self._poller.refused()
 
     def expect(self) -> None:
         self._poller.kick()

@@ -60,10 +60,10 @@ from asyncomm._core import settings, tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
 from asyncomm._core.env import LaunchEnv
 from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError
-from asyncomm._core.hurry import Hurry
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.progress import FutureBridge, Inbox, Reaper, Sink, Waiters
+from asyncomm._core.spin import Spin
 
 T = TypeVar("T")
 
@@ -210,8 +210,8 @@ class TorchBackend(Backend):
         self.cuda = name == "nccl"
         self._blocking = self.cuda and _blocking_wait()  # see the note on CUDA
         self._inbox = Inbox(loop, remembering(self, classify))
-        hurry = None if self.cuda else Hurry(loop, tuned.hurry_tests, tuned.gloo_hurry_max_s)
-        self._bridge = FutureBridge(self._inbox, loop, hurry)
+        spin = None if self.cuda else Spin(loop, tuned.spin_tests, tuned.gloo_spin_max_s)
+        self._bridge = FutureBridge(self._inbox, loop, spin)
         self._waiters = Waiters(self._inbox)
         self._link: GlooLink | None = None
         self._any_source: collections.Counter[int] = collections.Counter()  # tags pending

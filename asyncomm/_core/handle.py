@@ -29,8 +29,20 @@ class Handle(Generic[T]):
     alive until the backend has finished with them.
     """
 
-    __slots__ = ("__weakref__", "_callbacks", "_error", "_events", "_hurry", "_keep", "_loop",
-                 "_result", "_state", "_value", "_waiters", "_what")
+    __slots__ = (
+        "__weakref__",
+        "_callbacks",
+        "_error",
+        "_events",
+        "_keep",
+        "_loop",
+        "_result",
+        "_spin",
+        "_state",
+        "_value",
+        "_waiters",
+        "_what",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, what: tuple[Any, ...],
                  result: Any = FROM_BACKEND, keep: object = None, done: bool = False) -> None:
@@ -47,9 +59,9 @@ class Handle(Generic[T]):
         self._waiters: list[asyncio.Future[None]] | None = None
         self._events: list[threading.Event] | None = None
         self._callbacks: list[Callable[[Handle[T]], None]] | None = None
-        # set by an engine that can finish the request here and now (``Poller.hurry``,
-        # ``FutureBridge.hurry``): the engine first, then what it needs
-        self._hurry: tuple[Any, ...] | None = None
+        # set by an engine that can finish the request here and now (``Poller.spin``,
+        # ``FutureBridge.spin``): the engine first, then what it needs
+        self._spin: tuple[Any, ...] | None = None
 
     def __repr__(self) -> str:
         state = ("pending", "done", "failed")[self._state]
@@ -92,12 +104,12 @@ class Handle(Generic[T]):
         raise asyncio.InvalidStateError(f"{describe(*self._what)} is still in flight")
 
     def __await__(self) -> Generator[Any, None, T]:
-        while self._state == _PENDING and self._hurry is not None:
+        while self._state == _PENDING and self._spin is not None:
             # perhaps done within microseconds (MPI) or a little more (gloo's collectives):
             # no thread's wake-up, no loop iteration
-            if not self._hurry[0].hurry(self):
+            if not self._spin[0].spin(self):
                 break
-            yield  # the loop's turn is due first (see ``Hurry``); look again after it
+            yield  # the loop's turn is due first (see ``Spin``); look again after it
         if self._state == _PENDING:
             waiter = self._loop.create_future()
             if self._waiters is None:

@@ -59,7 +59,6 @@ from asyncomm._core import small, tags, wire
 from asyncomm._core.buffers import Buffers
 from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError, ProtocolError
 from asyncomm._core.handle import FROM_BACKEND, Handle
-from asyncomm._core.hurry import DUE, Due
 from asyncomm._core.messages import (
     BATCH,
     PACKET,
@@ -71,6 +70,7 @@ from asyncomm._core.messages import (
     unpack_frame,
 )
 from asyncomm._core.outbox import Outbox
+from asyncomm._core.spin import due_at
 from asyncomm._core.wire import Head
 
 _PREAMBLE_AT = PREAMBLE.unpack_from
@@ -143,14 +143,6 @@ class Transport(Protocol):
         """Issue a receive; the sink gets the source rank."""
 
 
-def _never(done: Callable[[], bool]) -> bool:
-    return False
-
-
-def _no() -> bool:
-    return False
-
-
 class Link(ABC):
     """Frames between the ranks of one communicator; see the note on the layout."""
 
@@ -168,27 +160,29 @@ class Link(ABC):
         # small frames queued, per destination (the most bytes of a packet: within ``room``)
         self._outbox = Outbox(PREAMBLE.size + room)
         self._queue_data = self._outbox.data
-        self._queue_message = self._outbox.message
         self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
         self.batching = False  # whether large frames' envelopes go in batches (see the note)
-        # The outbox says whether frames wait to be sent (``waiting``: its flush is in
-        # ``DUE`` then, as ``_due``) and whether a flush is asked of the loop, at its
-        # iteration's end (``flush_due``): ``_begun``.
-        self._due: Due = (loop, self._flush_looked)
-        # A task is about to wait for ``done()``: look for frames now; return whether it
-        # is. Links that poll (MPI) look for a while, as an awaited request is tested (see
-        # ``polling.Hurry``: their poller's ``hurry_until`` itself, a call less on every
-        # wait); the others never find anything.
-        self.hurry: Callable[[Callable[[], bool]], bool] = _never
-        # whether the last ``hurry`` was refused until the loop turns, without looking
-        # (its task yields that turn and looks again)
-        self.refused: Callable[[], bool] = _no
+        # Whether frames wait to be sent (their flush is in the loop's ``due`` list then,
+        # see ``spin``), and whether a flush is asked of the loop at its iteration's end.
+        self._waiting = False
+        self._flush_asked = False
+        self._due = due_at(loop)
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
         """Start receiving: every frame that arrives goes to ``arrivals``."""
         self._arrivals, self._limits = arrivals, limits
 
-    looks = False  # whether ``hurry`` may find anything (links that poll)
+    looks = False  # whether ``spin_until`` may find anything (links that poll)
+
+    def spin_until(self, done: Callable[[], bool]) -> bool:
+        """A task is about to wait for ``done()``: poll for frames a while first (links that
+        poll, see ``spin``); return whether ``done()`` became true."""
+        return False
+
+    def refused(self) -> bool:
+        """Return whether the last ``spin_until`` was refused until the loop turns (its task
+        yields that turn, then spins again)."""
+        return False
 
     def expect(self) -> None:  # noqa: B027
         """A receiver waits: watch closely for a while (where the link polls)."""
@@ -272,33 +266,21 @@ class Link(ABC):
         if queued and self._begun(dst, queued):
             self._outbox.small(dst, kind, tag, seq, body)
 
-    def send_message(self, dst: int, tag: int, seq: int, obj: object, room: int,
-                     max_ndim: int) -> bool:
-        """``send_data`` of ``obj``'s small body, encoded by the outbox (``Outbox.message``);
-        return ``False`` (nothing queued) where it is not small."""
-        queued = self._queue_message(dst, tag, seq, obj, room, max_ndim)
-        if queued == -2:
-            return False
-        if queued and self._begun(dst, queued):
-            self._queue_message(dst, tag, seq, obj, room, max_ndim)
-        return True
-
-    def full(self, dst: int) -> None:
-        """``post`` found ``dst``'s packet full: it goes now (the caller posts again)."""
-        self._begun(dst, -1)
-
     def post(self, window: Any, dst: int, tag: int, obj: object, room: int,
-             max_ndim: int, limit: int) -> int:
-        """A channel's small message through its ``window`` (see ``Channel.post``): 0
-        queued (a packet found full is sent first), -2 nothing queued (the window is
-        closed or full, a sender waits for credit, or ``obj`` is not small)."""
+             max_ndim: int, limit: int) -> bool:
+        """Queue a channel's message through its ``window`` (see ``Channel.post``); return
+        ``False`` (nothing queued) where the window is closed or full, a sender waits for
+        credit, or ``obj`` is not a small message."""
         out = window.messages_out
-        if (not window.open or out >= limit or window.waiters
-                or not self.send_message(dst, tag, window.seq, obj, room, max_ndim)):
-            return -2
+        if not window.open or out >= limit or window.waiters:
+            return False
+        body = small.encode(obj, room, max_ndim)
+        if body is None:
+            return False
+        self.send_data(dst, tag, window.seq, body)
         window.messages_out = out + 1
         window.seq += 1
-        return 0
+        return True
 
     def send_data(self, dst: int, tag: int, seq: int, body: bytes) -> None:
         """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``)."""
@@ -310,45 +292,35 @@ class Link(ABC):
         """Something for ``dst`` begun (``queued``: a queuing call's answer, see
         ``Outbox.data``; 1: a packet or batch begun, -1: a full packet): call ``flush``
         when the loop iteration ends (once, however often asked), or before, when a task
-        begins to look for what it awaits (``hurry``). Return whether the packet was full:
-        it is sent now, and the caller queues its frame again."""
-        box = self._outbox
-        if not box.waiting:
-            box.waiting = True
-            DUE.append(self._due)
-        if not box.flush_due:
-            box.flush_due = True
-            self._loop.call_soon(self._flush_due_now)
+        begins to spin for what it awaits (the loop's ``due`` list). Return whether the
+        packet was full: it is sent now, and the caller queues its frame again."""
+        if not self._waiting:
+            self._waiting = True
+            self._due.append(self.flush)
+        if not self._flush_asked:
+            self._flush_asked = True
+            self._loop.call_soon(self._flush_at_turn_end)
         if queued < 0:
             self._flush_to(dst)
             return True
         return False
 
-    def _flush_due_now(self) -> None:
-        self._outbox.flush_due = False
-        if self._outbox.waiting:
+    def _flush_at_turn_end(self) -> None:
+        self._flush_asked = False
+        if self._waiting:
             self.flush()
 
-    def _flush_looked(self) -> None:
-        """``flush``, for a task about to look (``hurry.run_due``, which took it off ``DUE``)."""
-        self._outbox.waiting = False
-        self.flush()
-
     def flush(self) -> None:
-        """Send every batch and packet queued (the loop calls this once an iteration ends)."""
-        if self._outbox.waiting:
-            self._outbox.waiting = False
+        """Send every batch and packet queued (the loop calls this once an iteration ends,
+        a task about to spin before)."""
+        if self._waiting:
+            self._waiting = False
             try:
-                DUE.remove(self._due)
-            except ValueError:  # (forgotten already: its loop closed before it was done)
+                self._due.remove(self.flush)
+            except ValueError:  # (a spinning task took it off the list to call it)
                 pass
         while self._batches:
             self._send_batch(next(iter(self._batches)))
-        self._send_packets()
-
-    def _send_packets(self) -> None:
-        """Send every destination's packet (``flush``, its batches sent): ``_flush_to``
-        each; a link may do it in fewer calls (a ping-pong leg's every message)."""
         for dst in self._outbox.dsts():
             self._flush_to(dst)
 

@@ -55,8 +55,6 @@ class Outbox:
         self.packet_bytes = packet_bytes
         self.packet_frames = 1 << 61
         self._packets: dict[int, Packet] = {}
-        self.waiting = False  # whether packets wait (its link's flush is due: ``Link._begun``)
-        self.flush_due = False  # whether its link asked the loop for a flush
 
     def data(self, dst: int, tag: int, seq: int, body: bytes) -> int:
         """Queue message ``seq`` of channel ``tag`` for ``dst``: 0 queued in the packet that
@@ -103,13 +101,6 @@ class Outbox:
         packet.frames += 1
         packet.items += 1
         return started
-
-    def message(self, dst: int, tag: int, seq: int, obj: object, room: int,
-                max_ndim: int) -> int:
-        """Queue ``obj`` as ``data`` would its small body (``small.encode``), or return -2
-        where it is not a small message (nothing queued)."""
-        body = small.encode(obj, room, max_ndim)
-        return -2 if body is None else self.data(dst, tag, seq, body)
 
     def small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> int:
         """Queue a small frame of ``kind`` (as ``data``; a message, ``DATA``, is ``data``)."""

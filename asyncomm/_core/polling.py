@@ -1,8 +1,8 @@
 """Polling: complete requests by testing them from the event loop (MPI).
 
-``Poller`` tests the requests in flight from loop callbacks, spinning while
+``Poller`` tests the requests in flight from loop callbacks, at every iteration while
 completions are expected and backing off when idle, and lets a task about to
-wait test its own request (``hurry``); ``Ticker`` wakes a backing-off poller
+wait test its own request (``spin``); ``Ticker`` wakes a backing-off poller
 finer than the loop's millisecond timers. The engines
 that complete requests on threads are in ``progress``.
 """
@@ -18,8 +18,8 @@ from typing import Any
 
 from asyncomm._core import settings
 from asyncomm._core.errors import CommClosedError
-from asyncomm._core.hurry import Hurry
 from asyncomm._core.progress import Classify, Finish, Sink, deliver
+from asyncomm._core.spin import Spin
 
 TICKING_S = 0.25  # a poller backing off is woken by the ticker this long after it found news
 
@@ -126,7 +126,7 @@ def computing(loop: asyncio.AbstractEventLoop) -> list[int]:
     """Return ``loop``'s count of computes in flight, a cell its users change in place.
 
     ``asyncomm.compute`` counts its jobs in and out (on the loop thread); pollers
-    read it (see the note on spinning).
+    read it (see the note on busy polling).
     """
     cell = _computes.get(loop)
     if cell is None:
@@ -135,7 +135,7 @@ def computing(loop: asyncio.AbstractEventLoop) -> list[int]:
 
 
 class Poller:
-    """Complete requests by testing them from the event loop: spin while busy, back off when idle.
+    """Complete requests by testing them from the loop: every turn while busy, less when idle.
 
     The backend supplies ``test(request, scratch)`` -> whether it is done
     (``outcome()`` then says what it reported, from ``scratch``: both are
@@ -144,41 +144,36 @@ class Poller:
     ``testsome(requests)`` -> ``[(index, outcome), ...]`` for the completed
     ones; an outcome that is an exception fails its request.
 
-    Note on spinning
-    ----------------
+    Note on busy polling
+    --------------------
     A request is tested once when it is issued (an eager send is often done
     at once: its ``await`` then never suspends). After that the loop polls
     with ``call_soon`` for a while after the last issue or completion, then
     backs off exponentially. *Active* requests -- collectives and sends, which
-    MPI only advances inside MPI calls -- keep the loop spinning for
-    ``active_spin_s`` so that large transfers are not slowed by back-off;
-    a rank with only receives waiting backs off after ``spin_s`` and polls at
+    MPI only advances inside MPI calls -- keep the loop polling for
+    ``active_busy_s`` so that large transfers are not slowed by back-off;
+    a rank with only receives waiting backs off after ``busy_s`` and polls at
     most every ``max_backoff_s``, so waiting costs little CPU. *Probes*
     (``probe``) are called at every poll, with or without requests in
     flight: the MPI channel link finds its messages so. ``kick`` resets the
     back-off when something is expected soon. While a compute runs on the
     loop's threads (``asyncomm.compute``, counted by ``computing``) and the
-    ticker wakes the poller, it does not spin for receives at all: a
-    spinning loop takes the core and the GIL the compute needs (measured: a
-    ZB-V pipeline's bubble 1.29 of the simulator's with the 2 ms spin, 1.21
-    with none), and the ticker sees their messages within ``tick_s``.
+    ticker wakes the poller, it does not poll busily for receives: a busy
+    loop takes the core and the GIL the compute needs, and the ticker sees
+    their messages within ``tick_s``.
 
-    Note on hurrying
+    Note on spinning
     ----------------
-    A task that awaits a request first tests it ``hurry_tests`` times itself
-    (``hurry``, from ``Handle.__await__``): a request that completes within
+    A task that awaits a request first tests it ``spin_tests`` times itself
+    (``spin``, from ``Handle.__await__``): a request that completes within
     microseconds (a collective its peers have entered, a reply on its way)
     then costs no loop iteration, as in a busy-poll loop, while one that
-    takes longer parks the task and leaves the loop to others. The bound is
-    the loop's fairness: 32 tests hold the loop for about 10 µs at most.
-    ``watch`` tests a request twice as it is issued: MPICH's first test of
-    a small collective on 2 ranks often only starts it, and the second
-    finds it done (measured: an awaited 8-byte all_reduce 3.6 µs with one
-    test, 2.9-3.0 with two or more, whose completion then mostly comes in the
-    call, no frame of the await's hurrying between). A
-    channel receive, an actor call or an idle actor about to wait sweeps
-    (``hurry_until``: the requests and the probes, so the MPI link finds its
-    messages) for as long as ``Hurry`` has learnt pays off.
+    takes longer parks the task and leaves the loop to others. ``watch``
+    tests a request twice as it is issued: MPICH's first test of a small
+    collective often only starts it, and the second finds it done. A
+    channel receive, an actor call or an idle actor about to wait spins
+    (``spin_until``: the requests and the probes, so the MPI link finds its
+    messages) as ``Spin`` says.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
@@ -192,14 +187,10 @@ class Poller:
         self._testsome = testsome
         self._classify = classify
         polling = settings.read()
-        self._spin_s = polling.spin_s
-        self._active_spin_s = polling.active_spin_s
+        self._busy_s = polling.busy_s
+        self._active_busy_s = polling.active_busy_s
         self._max_backoff_s = polling.max_backoff_s
-        self._hurry = Hurry(loop, polling.hurry_tests, polling.hurry_max_s)
-        # whether a task may look for what it waits for now (``Hurry.allowed``: not while a
-        # loop turn asked for long ago has not come): an operation that tests its request
-        # as it is issued asks this first, so done ones cannot hold the loop
-        self.may_look: Callable[[], bool] = self._hurry.allowed
+        self._spin = Spin(loop, polling.spin_tests, polling.spin_max_s)
         self._ticker = ticker(loop, polling.tick_s) if polling.tick_s < polling.max_backoff_s \
             else None
         if self._ticker is not None:
@@ -211,7 +202,7 @@ class Poller:
         self._fresh: list[Any] = []  # sinks whose requests join the lists as the iteration ends
         self._probes: list[Callable[[], bool]] = []
         self._timer: asyncio.Handle | None = None
-        self._spinning = False  # a poll runs or is due at the next loop iteration
+        self._busy = False  # a poll runs or is due at the next loop iteration
         self._delay = 0.0
         self._last_busy = 0.0  # when a request was issued or completed, or a poll expected
         self._last_news = 0.0  # when a poll last found something
@@ -220,13 +211,13 @@ class Poller:
               active: bool = True) -> None:
         """Settle ``sink`` with ``finish(outcome)`` (or the outcome) once ``request`` completes.
 
-        A request its task may finish itself (a handle: see ``hurry``) joins
+        A request its task may finish itself (a handle: see ``spin``) joins
         the requests polled only when the loop iteration ends, if it is still
         pending then: most are done by then, and cost no bookkeeping.
         """
         try:
             test, scratch = self._test, self._scratch
-            # twice: a collective's first test often only starts it (see the note on hurrying)
+            # twice: a collective's first test often only starts it (see the note on spinning)
             done = test(request, scratch) or test(request, scratch)
             outcome = self._outcome() if done else None
         except BaseException as exc:
@@ -244,8 +235,8 @@ class Poller:
                active: bool = True) -> None:
         """``watch`` a request its issuer has just tested and found pending (no test here)."""
         entry = (sink, finish, active)
-        if self._hurry.tests and hasattr(sink, "_hurry"):
-            sink._hurry = (self, request, entry, 0.0)
+        if self._spin.tests and hasattr(sink, "_spin"):
+            sink._spin = (self, request, entry, 0.0)
             fresh = self._fresh
             if not fresh:
                 self._loop.call_soon(self._enlisted)
@@ -264,11 +255,11 @@ class Poller:
         fresh, self._fresh = self._fresh, []
         added = False
         for sink in fresh:
-            hurried = sink._hurry
-            if hurried is not None and hurried[2] is not None:  # not finished by its task
-                request = hurried[1]
-                sink._hurry = (self, request, None, hurried[3])
-                self._add(request, hurried[2])
+            spun = sink._spin
+            if spun is not None and spun[2] is not None:  # not finished by its task
+                request = spun[1]
+                sink._spin = (self, request, None, spun[3])
+                self._add(request, spun[2])
                 added = True
         return added
 
@@ -278,23 +269,22 @@ class Poller:
             self._timer.cancel()  # the poll ``kick`` asked for comes next iteration: now
             self._poll()
 
-    def hurry(self, sink: Any) -> bool:
+    def spin(self, sink: Any) -> bool:
         """Test ``sink``'s request a bounded number of times; settle it now if it completes.
 
-        Only ``tests`` times, never for a learnt while: tasks that await requests are
-        often many at once (a gather of sends), and each would hold the others back.
-        Return whether its task is to yield the loop a turn and look again: when the
-        loop's turn is due first (``Hurry.allowed``), or while the wait is young (within
-        ``max_s`` of its first look: an answer a little slower than the tests, as an
-        8-byte ping-pong's on a slow core, then costs a loop turn, not a park and a
-        poll's wake-up; measured: see benchmarks.md, session 22).
+        Only ``tests`` times, never for a while: tasks that await requests are often
+        many at once (a gather of sends), and each would hold the others back. Return
+        whether its task is to yield the loop a turn and test again: when the loop's
+        turn is due first (``Spin.allowed``), or while the wait is young (within
+        ``max_s`` of its first test: an answer a little slower than the tests then costs
+        a loop turn, not a park and a poll's wake-up).
         """
-        hurry, test, scratch = self._hurry, self._test, self._scratch
-        if not hurry.allowed():
-            return hurry.tests > 0
-        _, request, entry, since = sink._hurry
+        spin, test, scratch = self._spin, self._test, self._scratch
+        if not spin.allowed():
+            return spin.tests > 0
+        _, request, entry, since = sink._spin
         try:
-            for _ in range(hurry.tests):
+            for _ in range(spin.tests):
                 if test(request, scratch):
                     break
             else:
@@ -302,7 +292,7 @@ class Poller:
             outcome = self._outcome()
         except BaseException as exc:
             outcome = exc
-        sink._hurry = None
+        sink._spin = None
         if entry is None:  # polled already: no longer
             try:
                 index = self._requests.index(request)
@@ -318,13 +308,13 @@ class Poller:
         return False
 
     def _young(self, sink: Any, request: Any, entry: Any, since: float) -> bool:
-        """A hurried request not done after its tests: whether its task looks again after a
-        loop turn (while its wait is young; see ``hurry``)."""
+        """A spun request not done after its tests: whether its task looks again after a
+        loop turn (while its wait is young; see ``spin``)."""
         now = time.perf_counter()
         if not since:
-            sink._hurry = (self, request, entry, now)
+            sink._spin = (self, request, entry, now)
             return True
-        return bool(now - since < self._hurry.max_s)
+        return bool(now - since < self._spin.max_s)
 
     def _settle(self, entry: tuple[Sink, Finish | None, bool], outcome: Any) -> None:
         """Settle the sink of a request that completed (taken out of the lists already)."""
@@ -350,13 +340,13 @@ class Poller:
             self._probes.remove(probe)
 
     def kick(self) -> None:
-        """Poll at once and spin a while: something is expected soon."""
+        """Poll at once and busily for a while: something is expected soon."""
         self._last_busy = time.monotonic()
         self._delay = 0.0
-        if not self._spinning:
+        if not self._busy:
             if self._timer is not None:
                 self._timer.cancel()
-            self._spinning = True
+            self._busy = True
             self._timer = self._loop.call_soon(self._poll)
 
     def sweep(self) -> bool:
@@ -389,40 +379,39 @@ class Poller:
                 news = True
         return news
 
-    def hurry_until(self, done: Callable[[], bool]) -> bool:
-        """A task is about to wait for ``done()``: sweep while hurrying (see ``Hurry``).
+    def spin_until(self, done: Callable[[], bool]) -> bool:
+        """A task is about to wait for ``done()``: sweep while spinning (see ``Spin``).
 
         Return whether ``done()`` became true.
         """
         if len(self._probes) == 1 and not self._requests and not self._fresh:
             # the commonest (one link, no request in flight): the probe alone, until it
             # finds something not awaited (a frame whose data it began to receive)
-            return self._hurry.run(self._probes[0], done, self.sweep)
-        return self._hurry.run(self.sweep, done)
+            return self._spin.run(self._probes[0], done, self.sweep)
+        return self._spin.run(self.sweep, done)
 
     def refused(self) -> bool:
-        """Return whether the last ``hurry_until`` was refused until the loop turns (see
-        ``Hurry``)."""
-        return self._hurry.refused
+        """Return whether the last ``spin_until`` was refused until the loop turns (see
+        ``Spin``)."""
+        return self._spin.refused
 
     def _poll(self) -> None:
         self._timer = None
-        self._spinning = True  # what is issued from here on is polled when this poll ends
+        self._busy = True  # what is issued from here on is polled when this poll ends
         now = time.monotonic()
         if self.sweep():
             self._last_busy = self._last_news = now
             self._delay = 0.0
-            self._hurry.came()
         if not self._requests and not self._probes:
-            self._spinning = False
+            self._busy = False
             return
-        window = (self._active_spin_s if self._active else
-                  0.0 if self._computing[0] and self._ticker is not None else self._spin_s)
+        window = (self._active_busy_s if self._active else
+                  0.0 if self._computing[0] and self._ticker is not None else self._busy_s)
         if now - self._last_busy < window:
-            self._spinning = True
+            self._busy = True
             self._timer = self._loop.call_soon(self._poll)
         else:
-            self._spinning = False
+            self._busy = False
             self._delay = min(max(2 * self._delay, 1e-5), self._max_backoff_s)
             self._timer = self._loop.call_later(self._delay, self._poll)
             if self._ticker is not None and now - self._last_news < TICKING_S:
@@ -430,7 +419,7 @@ class Poller:
 
     def _ticked(self) -> None:
         """The ticker's wake-up (see ``Ticker``): poll now unless a poll is due anyway."""
-        if not self._spinning and self._timer is not None:
+        if not self._busy and self._timer is not None:
             self._timer.cancel()
             self._poll()
 
@@ -445,7 +434,7 @@ class Poller:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._spinning = False
+        self._busy = False
         self._probes.clear()
         if self._ticker is not None:
             self._ticker.release()

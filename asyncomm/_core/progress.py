@@ -4,14 +4,14 @@ Three engines, one per way a backend can report that a request is done:
 
 - ``FutureBridge``: the backend completes a future on one of its own threads
   (torch collectives); a task awaiting it first waits for it itself a while
-  (a bounded ``wait``, as ``Hurry`` learns), else its callback hops to the loop
+  (a bounded ``wait``, as ``Spin`` learns), else its callback hops to the loop
   through the ``Inbox``.
 - ``Waiters``: the request only completes inside a blocking ``wait()`` (gloo
   send/recv cannot be polled). Reusable threads block in ``wait()``, one per
   request *in flight*, so a receive that waits long never delays another
   request's completion. Idle threads are kept for reuse and retire after a while.
 - ``Poller`` (in ``polling``): the request must be tested (MPI). The loop
-  calls the backend's ``testsome`` — spinning with ``call_soon`` while
+  calls the backend's ``testsome`` — polling with ``call_soon`` while
   completions are expected, backing off exponentially to ``max_backoff_s``
   when idle, so a rank waiting for a message that does not come uses little
   CPU; a ``Ticker`` thread wakes it sooner while waits are recent.
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from asyncomm._core.errors import CommClosedError, CommError
-from asyncomm._core.hurry import Hurry
+from asyncomm._core.spin import Spin
 
 Finish = Callable[[Any], object]
 Classify = Callable[[BaseException], type[CommError]]
@@ -133,7 +133,7 @@ class Inbox:
 class FutureBridge:
     """Complete requests whose backend future fires on a backend thread.
 
-    Note on hurrying
+    Note on spinning
     ----------------
     The callback's hop costs two thread hand-offs (the backend's thread takes
     the GIL, the loop wakes): on a small machine they are most of a small
@@ -141,7 +141,7 @@ class FutureBridge:
     blocking ``wait()`` in the loop's thread: ~105 µs). So a request watched
     with a bounded ``wait`` is not given its callback when it is issued: a
     task that awaits its handle waits for it itself, in one blocking call
-    that releases the GIL, for as long as ``Hurry`` has learnt (waits that
+    that releases the GIL, for as long as ``Spin`` has learnt (waits that
     came soon: the call's whole budget; long waits: a look without blocking).
     The callback is given only to the requests still pending when the loop
     iteration that issued them ends, and to those whose task gave up.
@@ -158,10 +158,10 @@ class FutureBridge:
     """
 
     def __init__(self, inbox: Inbox, loop: asyncio.AbstractEventLoop,
-                 hurry: Hurry | None = None) -> None:
+                 spin: Spin | None = None) -> None:
         self._inbox = inbox
         self._loop = loop
-        self._hurry = hurry if hurry is not None and hurry.tests else None
+        self._spin = spin if spin is not None and spin.tests else None
         self._fresh: list[Any] = []  # handles issued this iteration, their callbacks not given
         self._callbacks: weakref.WeakSet[Callable[[Any], None]] = weakref.WeakSet()
 
@@ -173,26 +173,26 @@ class FutureBridge:
         all) and return whether it is done; it raises nothing (a request that failed
         is done: ``finish`` raises its error). With it, an awaiting task may wait itself.
         """
-        if wait is not None and self._hurry is not None and hasattr(sink, "_hurry"):
-            sink._hurry = (self, future, finish, wait)  # a handle: see the note
+        if wait is not None and self._spin is not None and hasattr(sink, "_spin"):
+            sink._spin = (self, future, finish, wait)  # a handle: see the note
             if not self._fresh:
                 self._loop.call_soon(self.enlist)
             self._fresh.append(sink)
             return
         self._call_back(future, sink, finish)
 
-    def hurry(self, sink: Any) -> bool:
-        """A task awaits ``sink``: wait for it as ``Hurry`` has learnt; settle it if done.
+    def spin(self, sink: Any) -> bool:
+        """A task awaits ``sink``: wait for it as ``Spin`` has learnt; settle it if done.
 
-        Return whether the loop's turn is due first (``Hurry.allowed``): then look again.
+        Return whether the loop's turn is due first (``Spin.allowed``): then look again.
         """
-        hurry = self._hurry
-        assert hurry is not None
-        if not hurry.allowed():
+        spin = self._spin
+        assert spin is not None
+        if not spin.allowed():
             return True
-        _, future, finish, wait = sink._hurry
-        if hurry.block(wait):
-            sink._hurry = None
+        _, future, finish, wait = sink._spin
+        if spin.block(wait):
+            sink._spin = None
             self._inbox.settle(sink, finish, future)
         return False
 
@@ -204,22 +204,21 @@ class FutureBridge:
         """
         fresh, self._fresh = self._fresh, []
         for sink in fresh:
-            hurried = sink._hurry
-            if hurried is not None:  # not settled by its task
-                self._call_back(hurried[1], sink, self._learning(sink, hurried[2]))
+            spun = sink._spin
+            if spun is not None:  # not settled by its task
+                self._call_back(spun[1], sink, self._unless_settled(sink, spun[2]))
 
-    def _learning(self, sink: Any, finish: Finish) -> Finish:
-        assert self._hurry is not None  # (only hurried futures are enlisted)
-        came = self._hurry.came
+    @staticmethod
+    def _unless_settled(sink: Any, finish: Finish) -> Finish:
+        """``finish``, unless the task that awaits ``sink`` saw it done first and finished it."""
 
-        def learnt(future: Any) -> object:
-            if sink._hurry is None:
-                return None  # its task saw it done first (and finished it)
-            sink._hurry = None
-            came()  # how long a task that gave up looking would have had to look
+        def settle(future: Any) -> object:
+            if sink._spin is None:
+                return None
+            sink._spin = None
             return finish(future)
 
-        return learnt
+        return settle
 
     def _call_back(self, future: Any, sink: Sink, finish: Finish) -> None:
         put = self._inbox.put

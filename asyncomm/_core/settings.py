@@ -31,13 +31,13 @@ class Settings:
     status_host: str | None = None  # ASYNCOMM_STATUS_HOST: where the status server listens
     max_message_bytes: int | None = None  # ASYNCOMM_MAX_MESSAGE_BYTES: the largest frame
     eager_bytes: int = 64 << 10  # ASYNCOMM_EAGER_BYTES: gloo sends a copy at most this big
-    spin_s: float = 2e-3  # ASYNCOMM_SPIN_US: MPI polling spins this long after receives
-    active_spin_s: float = 0.1  # ASYNCOMM_ACTIVE_SPIN_US: ... after sends and collectives
+    busy_s: float = 2e-3  # ASYNCOMM_BUSY_US: MPI polls every loop turn this long after receives
+    active_busy_s: float = 0.1  # ASYNCOMM_ACTIVE_BUSY_US: ... after sends and collectives
     max_backoff_s: float = 1e-3  # ASYNCOMM_MAX_BACKOFF_US: the longest idle MPI poll interval
     tick_s: float = 200e-6  # ASYNCOMM_TICK_US: ... while waits are recent, a thread's (0: none)
-    hurry_tests: int = 32  # ASYNCOMM_HURRY_TESTS: an awaited MPI request is tested so often first
-    hurry_max_s: float = 50e-6  # ASYNCOMM_HURRY_MAX_US: ... and at most this long, as learnt
-    gloo_hurry_max_s: float = 1e-3  # ASYNCOMM_GLOO_HURRY_MAX_US: the same for gloo collectives
+    spin_tests: int = 32  # ASYNCOMM_SPIN_TESTS: an awaited MPI request is tested so often first
+    spin_max_s: float = 50e-6  # ASYNCOMM_SPIN_MAX_US: ... and at most this long, as learnt
+    gloo_spin_max_s: float = 1e-3  # ASYNCOMM_GLOO_SPIN_MAX_US: the same for gloo collectives
     lane_shm: bool = True  # ASYNCOMM_LANE_SHM: "0": gloo's data lane uses sockets on one host too
     lane_direct: bool = True  # ASYNCOMM_LANE_DIRECT: "0": ... rings, not direct reads
     compute_threads: int = 1  # ASYNCOMM_COMPUTE_THREADS: threads asyncomm.compute uses
@@ -93,13 +93,13 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         status_host=text("STATUS_HOST"),
         max_message_bytes=count("MAX_MESSAGE_BYTES", None, 1),
         eager_bytes=count("EAGER_BYTES", 64 << 10, 0) or 0,
-        spin_s=number("SPIN_US", 2e-3, scale=1e-6),
-        active_spin_s=number("ACTIVE_SPIN_US", 0.1, scale=1e-6),
+        busy_s=number("BUSY_US", 2e-3, scale=1e-6),
+        active_busy_s=number("ACTIVE_BUSY_US", 0.1, scale=1e-6),
         max_backoff_s=number("MAX_BACKOFF_US", 1e-3, scale=1e-6),
         tick_s=number("TICK_US", 200e-6, scale=1e-6),
-        hurry_tests=count("HURRY_TESTS", 32, 0) or 0,
-        hurry_max_s=number("HURRY_MAX_US", 50e-6, scale=1e-6),
-        gloo_hurry_max_s=number("GLOO_HURRY_MAX_US", 1e-3, scale=1e-6),
+        spin_tests=count("SPIN_TESTS", 32, 0) or 0,
+        spin_max_s=number("SPIN_MAX_US", 50e-6, scale=1e-6),
+        gloo_spin_max_s=number("GLOO_SPIN_MAX_US", 1e-3, scale=1e-6),
         lane_shm=text("LANE_SHM") != "0",
         lane_direct=text("LANE_DIRECT") != "0",
         compute_threads=count("COMPUTE_THREADS", 1, 1) or 1,

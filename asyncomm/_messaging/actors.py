@@ -11,7 +11,7 @@ round trip and no more. A request is ``[call id, actor, method, wants
 reply, kwargs or None, *args]`` (flat: a list level less to encode and
 decode); a reply is ``[call id, ok, result]`` or ``[call id, ok=False,
 [type name, message, traceback]]``. A caller and an actor about to wait
-look for what they wait for a while first (``Router.hurry``): an answer
+spin for what they wait for a while first (``Link.spin_until``): an answer
 that comes within microseconds then costs no loop turn. Each rank sends its requests
 to one destination in call order (calls and tells alike), and each actor
 handles one request at a time, in arrival order.
@@ -119,7 +119,7 @@ class Host:
         # (``_check_open``'s sets, as ``_call`` asks them inline)
         self._dead, self._ended = router.dead, self._requests._box.ended
         self._replies_ended = self._replies._box.ended
-        self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
+        self._spin_until = router.link.spin_until
         self._post_reply = self._replies.post  # (``_answer``'s, a call less)
 
     # -- hosting -----------------------------------------------------------------
@@ -205,7 +205,7 @@ class Host:
             # first: the router's flush)
             if not items:
                 self._router.flush(waiting=True)
-                self._hurry(inbox.nonempty)
+                self._spin_until(inbox.nonempty)
             message = items.popleft() if items else await inbox.get()
             data = message[2]
             method, kwargs, args = data[2], data[4], data[5:]
@@ -268,7 +268,7 @@ class Host:
         self._calls[call_id] = (rank, future, name, method)
         self._post(rank, self._requests, [call_id, name, method, True, kwargs or None, *args])
         self._router.expect()
-        if self._hurry(future.done):  # an answer within microseconds: no loop turn, no timer
+        if self._spin_until(future.done):  # an answer within microseconds: no loop turn, no timer
             del self._calls[call_id]
             ok, result = future.result()
         else:

@@ -51,10 +51,9 @@ class Channel:
         self._window = router.window  # the most messages out per destination
         self._batch_less_one = router.batch - 1  # messages taken before credit goes back
         self._post = router.link.post
-        self._full = router.link.full
         self._flush = router.flush
-        self._hurry = router.link.hurry  # (``Router.hurry``, a call less)
-        self._looks = router.link.looks  # whether ``hurry`` may find anything
+        self._spin_until = router.link.spin_until
+        self._looks = router.link.looks  # whether ``spin_until`` may find anything
         self._refused = router.link.refused
         self._has: dict[int, Callable[[], bool]] = {}  # per source: ``_has_from``
         self._probe_of = router.probe
@@ -82,21 +81,12 @@ class Channel:
             PeerFailedError: ``dst`` is known dead.
         """
         window = self._windows.get(dst) if type(dst) is int else None
-        if window is not None:  # a rank checked before, small messages
-            # the fast path (``post``'s, inline): encoded and queued at once, sent with the
-            # iteration's other frames
-            got = (self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
-                              self._window)
-                   if not self._traced or self._probe_of.recording is None else -3)
-            if got >= 0 or (got == -1 and self._go_full(window, obj, dst)):
-                return
-            await self._send_encoded(obj, dst, timeout)
-            return
-        await self._send_slowly(obj, dst, timeout)
-
-    async def _send_encoded(self, obj: object, dst: int, timeout: float | None) -> None:
-        """``send`` of a message not small, or waiting for credit, to a rank checked before."""
-        await self._send(self._router.encode(self.tag, obj, self.codec), dst, timeout)
+        if window is None:  # another codec, or a rank not checked before
+            await self._send_slowly(obj, dst, timeout)
+        elif ((self._traced and self._probe_of.recording is not None)
+              or not self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
+                                self._window)):  # (the commonest: queued, sent at turn's end)
+            await self._send(self._router.encode(self.tag, obj, self.codec), dst, timeout)
 
     def post(self, obj: object, dst: int) -> bool:
         """Send ``obj`` now if it is a small message and ``dst``'s window has credit; return
@@ -112,15 +102,8 @@ class Channel:
         # message to this rank itself, or traces it.
         if self._traced and self._probe_of.recording is not None:
             return False
-        got = self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
-                         self._window)
-        return got >= 0 or (got == -1 and self._go_full(window, obj, dst))
-
-    def _go_full(self, window: Window, obj: object, dst: int) -> bool:
-        """``post`` found ``dst``'s packet full: it goes now, and the message in the next."""
-        self._full(dst)
         return self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
-                          self._window) >= 0
+                          self._window)
 
     async def _send_slowly(self, obj: object, dst: int, timeout: float | None) -> None:
         """``send`` of a message of another codec, or to a rank not checked before."""
@@ -205,7 +188,7 @@ class Channel:
                     return await self._wait(src, limit)
                 # Looked for here, where the link polls (MPI): found, it is taken above and
                 # no ``_wait`` coroutine is made (a ping-pong's every message: 1 µs a leg)
-                if not self._hurry(box.has_frames if src is None else self._has_from(src)):
+                if not self._spin_until(box.has_frames if src is None else self._has_from(src)):
                     return await self._wait(src, limit, looked=True)
                 looked = True
         trace = self._probe_of.recording
@@ -265,8 +248,8 @@ class Channel:
             router.expect()  # what this rank issued leaves now: then look a while
             if looked:  # (``recv`` looked just now)
                 looked = False
-            elif self._hurry(box.has_frames if src is None else self._has_from(src)):
-                frame = box.take(src)  # (there: ``hurry`` says so)
+            elif self._spin_until(box.has_frames if src is None else self._has_from(src)):
+                frame = box.take(src)  # (there: ``spin_until`` says so)
                 if frame is not None:
                     return self._open(frame)
             if self._refused():  # no look until the loop turns: yield it, then look again

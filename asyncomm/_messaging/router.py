@@ -376,10 +376,6 @@ class Router(Delivery):
 
     # -- receiving -----------------------------------------------------------------
 
-    def hurry(self, done: Callable[[], bool]) -> bool:
-        """A task is about to wait for ``done()``: look for frames first (see ``Link.hurry``)."""
-        return self.link.hurry(done)
-
     def expect(self) -> None:
         """A task begins to wait for a frame: send what it issued, and watch closely.
 
@@ -484,7 +480,7 @@ class Router(Delivery):
         it further. Only a message larger than the room left (it waits until
         no more than a batch is out) may wait for that credit until this
         rank's loop turns: 50 µs at most, as a waiting task looks for
-        messages (``Hurry``).
+        messages (``spin``).
         """
         if type(entry) is Message:
             src, charge = entry[0], 0

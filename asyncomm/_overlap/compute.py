@@ -90,7 +90,7 @@ class _Worker:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, threads: int) -> None:
         self.inbox = Inbox(loop, _any_error)
-        self.running = computing(loop)  # computes in flight: pollers spin less meanwhile
+        self.running = computing(loop)  # computes in flight: pollers poll less busily meanwhile
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.stream: Any = None  # a CUDA side stream, made on the first CUDA compute
         self.cuda = torch.cuda.is_available()  # asked once: it does not change in a process
