@@ -30,8 +30,7 @@ from asyncomm._core.wire import (
     encode,
     head_size,
 )
-from asyncomm._messaging.delivery import Delivery
-from asyncomm._messaging.mailbox import Frame, Message
+from asyncomm._messaging.mailbox import Delivery, Frame, Message
 
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])

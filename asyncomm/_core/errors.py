@@ -33,8 +33,10 @@ class PeerFailedError(CommError):
 
 
 class MismatchError(CommError):
-    """Raised when ranks issue different collectives (op, dtype, shape or root) at one step,
-    or a receive's message is larger than its buffer (``truncated``)."""
+    """Raised when ranks disagree on a collective, or a message overflows its receive buffer.
+
+    Ranks disagree when they issue another op, dtype, shape or root at one step.
+    """
 
 
 def truncated(sender: int, size: int, room: int) -> MismatchError:

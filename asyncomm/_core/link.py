@@ -69,7 +69,7 @@ from asyncomm._core.messages import (
     pack_frame,
     unpack_frame,
 )
-from asyncomm._core.outbox import Outbox
+from asyncomm._core.small import Outbox
 from asyncomm._core.spin import due_at
 from asyncomm._core.wire import Head
 

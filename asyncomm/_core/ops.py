@@ -29,7 +29,12 @@ class ReduceOp(enum.Enum):
 
     @classmethod
     def parse(cls, op: ReduceOp | str) -> ReduceOp:
-        """Return ``op`` as a ``ReduceOp``; accept its name in any case."""
+        """Return ``op`` as a ``ReduceOp``; accept its name in any case.
+
+        Raises:
+            ValueError: ``op`` names no reduction.
+            TypeError: ``op`` is neither a ``ReduceOp`` nor a str.
+        """
         if isinstance(op, ReduceOp):
             return op
         if isinstance(op, str):

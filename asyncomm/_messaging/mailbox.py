@@ -1,4 +1,5 @@
-"""Mailboxes: the messages of one channel as they arrive, and the receivers waiting for them.
+"""Mailboxes: the messages of one channel as they arrive, the receivers waiting for them,
+and the delivery of arriving frames into them.
 
 A mailbox keeps what arrived in order: a small message as the ``Message`` its
 receiver gets (decoded once, on arrival), anything else as a ``Frame``. A
@@ -6,6 +7,22 @@ receiver waiting for a source is woken when something from it arrives and
 takes it then: nothing is handed to a receiver that may yet be cancelled, so
 a cancelled ``recv`` loses nothing. A mailbox also counts, per source, the
 sequence number due next and what its user took (the credit to return).
+
+``Delivery`` is the receive side of the router (``router``): the link hands
+it every frame as it arrives (it is the link's ``Arrivals``), and it keeps
+each in its channel's mailbox, checked: sequence numbers per (source, channel), malformed
+frames refused on their channel (or, where the channel cannot be told, the
+source's stream broken), and frames whose buffers are still on their way
+holding back their source's later ones.
+
+Note on small messages
+----------------------
+A packet of small frames is decoded in one call (``small.unpack_packet``),
+and each message kept as the ``Message`` its receiver gets: no object per
+frame beside it, no call per frame on the commonest paths (a run of a
+channel's messages, checked once and kept in one step; the channel's next
+message alone). A packet that does not decode as a whole is taken apart
+frame by frame, so a malformed message fails its own channel.
 """
 
 from __future__ import annotations
@@ -17,8 +34,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from asyncomm._core import small
-from asyncomm._core.errors import CommError
+from asyncomm._core import small, wire
+from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError
+from asyncomm._core.messages import Pending
 from asyncomm._core.wire import Head, Kind
 
 
@@ -177,3 +195,244 @@ def charge(frame: Encoded) -> int:
 def wake(waiter: asyncio.Future[Any]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+RUN = small.RUN
+
+
+class Delivery:
+    """Frames that arrive, into the mailboxes of their channels (the router's receive side)."""
+
+    def __init__(self, rank: int, limits: wire.Limits) -> None:
+        self.rank = rank
+        self.limits = limits
+        self._mailboxes: dict[int, Mailbox] = {}
+        # frames of a source queued behind one whose buffers are on their way
+        # (a small frame as its tag, seq and message)
+        self._queued: dict[int, collections.deque[Frame | Pending | tuple[int, int, object]]] = {}
+        self._broken: dict[int, CommError] = {}  # sources whose stream cannot be followed
+
+    def mailbox(self, tag: int) -> Mailbox:
+        box = self._mailboxes.get(tag)
+        if box is None:
+            box = self._mailboxes[tag] = Mailbox()
+        return box
+
+    def frame(self, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> None:
+        """A whole frame from ``src`` (the link calls this, in the order frames arrive)."""
+        if src not in self._broken:
+            frame = Frame.whole(src, head, buffers, seq)
+            queue = self._queued.get(src)
+            if queue is None:
+                self._deliver(frame)  # the common case: nothing from src is on its way
+            else:
+                queue.append(frame)
+
+    def packet(self, src: int, view: memoryview, at: int, end: int) -> None:
+        """The small frames of a packet from ``src`` (the link calls this, in arrival order).
+
+        The hot path of every small message: the packet decoded in one call,
+        each message kept in its mailbox as the ``Message`` its receiver gets
+        (or handed to the mailbox's listener). A packet that does not decode
+        as a whole is taken apart frame by frame (``_packet_slowly``).
+        """
+        try:
+            items = small.unpack_packet(view[at:end], self.limits)
+        except ProtocolError:
+            self._packet_slowly(src, view[at:end])
+            return
+        self.items(src, items)
+
+    def _in_order(self, box: Mailbox, src: int, kind: int, seq: int, data: Any) -> None:
+        """Keep in ``box`` the next of ``src``'s messages: ``data`` a ``Message`` (a frame of
+        kind DATA, sequence number ``seq``) or a list of them (a run from ``seq`` on)."""
+        if kind == DATA:  # the commonest: the channel's next message
+            box.seqs[src] = seq + 1
+            if box.listener is None:
+                box.frames.append(data)
+                if box.waiters:
+                    box.came(src)
+            else:
+                box.listener(data)
+            return
+        box.seqs[src] = seq + len(data)
+        if box.listener is not None:
+            for message in data:
+                box.put(message)
+            return
+        box.frames.extend(data)
+        if box.waiters:
+            for _ in data:  # each wakes a receiver waiting for src (if one still waits)
+                box.came(src)
+
+    def items(self, src: int, items: list[Any]) -> None:
+        """The small frames of a packet from ``src``, decoded (``small.unpack_packet``'s items):
+        each message kept in its mailbox (the link calls this where it decoded them itself)."""
+        if (self._broken and src in self._broken) or (self._queued and src in self._queued):
+            for item in items:
+                if not self._one(src, item):
+                    return
+            return
+        boxes = self._mailboxes
+        for item in items:
+            if type(item) is not list or len(item) != 4:
+                self._one(src, item)  # which refuses it
+                return
+            kind, tag, seq, data = item
+            if type(tag) is not int or (kind != DATA and (kind != RUN or type(data) is not list)):
+                if not self._one(src, item):  # not a message, or a malformed run
+                    return
+                continue
+            box = boxes.get(tag) or self.mailbox(tag)
+            if seq != box.seqs.get(src, 0) or type(seq) is not int:  # out of sequence
+                if not self._one(src, item):
+                    return
+                continue
+            self._in_order(box, src, kind, seq, _new(Message, (src, tag, data)) if kind == DATA
+                           else [_new(Message, (src, tag, obj)) for obj in data])
+
+    def _one(self, src: int, item: object) -> bool:
+        """Take one item of a packet as a small frame (or run); return whether ``src`` may
+        go on."""
+        if (type(item) is not list or len(item) != 4
+                or not all(type(field) is int for field in item[:3])
+                or (item[0] == RUN and type(item[3]) is not list)):
+            self.refuse(src, ProtocolError(f"malformed small frame from rank {src}"), None)
+            return False
+        kind, tag, seq, data = item
+        for i, obj in enumerate(data) if kind == RUN else ((0, data),):
+            self._small(src, DATA if kind == RUN else kind, tag, seq + i, obj)
+            if src in self._broken:
+                return False
+        return True
+
+    def _packet_slowly(self, src: int, data: memoryview) -> None:
+        """Take a packet that does not decode as a whole: frame by frame, each refused alone."""
+        for frame in small.split_packet(data, self.limits):
+            if isinstance(frame, ProtocolError):
+                self.refuse(src, ProtocolError(f"packet from rank {src}: {frame}"), None)
+                return
+            self._small(src, *frame)
+            if self._broken and src in self._broken:
+                return
+
+    def _small(self, src: int, kind: int, tag: int, seq: int, obj: object) -> None:
+        """One small frame from ``src``, decoded (``obj``: a ``ProtocolError`` if it is not)."""
+        if src in self._broken:
+            return
+        if kind != DATA:
+            self._small_control(src, kind, tag, obj)
+            return
+        queue = self._queued.get(src) if self._queued else None
+        if queue is not None:  # behind a frame still on its way
+            queue.append((tag, seq, obj))
+            return
+        self._keep(src, tag, seq, obj)
+
+    def _keep(self, src: int, tag: int, seq: int, obj: object) -> None:
+        """Keep a small message in its mailbox, its sequence checked."""
+        box = self._mailboxes.get(tag) or self.mailbox(tag)
+        due = box.seqs.get(src, 0)
+        box.seqs[src] = seq + 1
+        if seq != due or isinstance(obj, ProtocolError):
+            why = (f"frame {seq} from rank {src} where {due} was due" if seq != due
+                   else f"frame from rank {src} refused: {obj}")
+            box.put(Frame.refused(src, tag, ProtocolError(f"rank {self.rank}: channel {tag}: "
+                                                          f"{why}"), seq, 0))
+            return
+        box.put(message(src, tag, obj))
+
+    def _small_control(self, src: int, kind: int, tag: int, obj: object) -> None:
+        if kind == Kind.CREDIT:  # not queued: credit may overtake what is on its way
+            credit: Any = obj  # (not trusted: checked here)
+            try:
+                messages, nbytes = credit
+                self._credit(src, tag, int(messages), int(nbytes))
+            except (TypeError, ValueError):
+                self._break(src, ProtocolError(f"malformed credit from rank {src}"))
+            return
+        self.refuse(src, ProtocolError(f"small frame of kind {kind}"), tag)
+
+    def later(self, src: int, pending: Pending) -> None:
+        """A frame from ``src`` whose buffers are still on their way."""
+        if src in self._broken:
+            return
+        queue = self._queued.get(src)
+        if queue is None:
+            if pending.done() and pending.error is None:  # whole already, none before it
+                assert pending.head is not None
+                self._deliver(Frame.whole(src, pending.head, pending.buffers, pending.seq))
+                return
+            queue = self._queued[src] = collections.deque()
+        queue.append(pending)
+        pending.then(lambda: self._release(src))
+
+    def _release(self, src: int) -> None:
+        """Deliver ``src``'s queued frames up to the first still on its way."""
+        queue = self._queued.get(src)
+        while queue:
+            item = queue[0]
+            if isinstance(item, tuple):  # a small frame: (tag, seq, message)
+                queue.popleft()
+                if src not in self._broken:
+                    self._keep(src, *item)
+                continue
+            if isinstance(item, Frame):
+                frame = item
+            elif not item.done():
+                return
+            elif item.error is not None:
+                error = item.error
+                self._queued.pop(src, None)
+                # (a peer gone mid-frame stays a PeerFailedError: its data was lost, not bad)
+                lost = PeerFailedError if isinstance(error, PeerFailedError) else ProtocolError
+                self._break(src, error if isinstance(error, ProtocolError)
+                            else lost(f"frame from rank {src} lost: {error}"))
+                return
+            else:
+                assert item.head is not None
+                frame = Frame.whole(src, item.head, item.buffers, item.seq)
+            queue.popleft()
+            if src not in self._broken:
+                self._deliver(frame)
+        self._queued.pop(src, None)
+
+    def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
+        """Refuse a malformed frame: on its channel if its tag is legible, its source if not."""
+        if tag is None:
+            self._break(src, error)
+            return
+        wrapped = ProtocolError(f"rank {self.rank}: channel {tag}: frame from rank {src} "
+                                f"refused: {error}")
+        self.mailbox(tag).put(Frame.refused(src, tag, wrapped))
+
+    def _break(self, src: int, error: CommError) -> None:
+        """Stop following ``src``'s stream: every channel waiting on it gets ``error`` (a
+        ``PeerFailedError`` where the peer went, else a ``ProtocolError``)."""
+        self._broken[src] = error
+        kind = PeerFailedError if isinstance(error, PeerFailedError) else ProtocolError
+        for tag, box in self._mailboxes.items():
+            box.put(Frame.refused(src, tag, kind(
+                f"rank {self.rank}: channel {tag}: stream from rank {src} broken: {error}")))
+
+    def _deliver(self, frame: Frame) -> None:
+        tag = frame.tag
+        if frame.kind != DATA:
+            self._control(frame)
+            return
+        box = self._mailboxes.get(tag) or self.mailbox(tag)
+        expected = box.seqs.get(frame.src, 0)
+        if frame.seq != expected:
+            frame.error = ProtocolError(
+                f"rank {self.rank}: channel {tag}: frame {frame.seq} from rank "
+                f"{frame.src} where {expected} was due")
+        box.seqs[frame.src] = frame.seq + 1
+        box.put(frame)
+
+    def _credit(self, src: int, tag: int, messages: int, nbytes: int) -> None:
+        """Credit came back from ``src`` for channel ``tag`` (the router counts it)."""
+        raise NotImplementedError
+
+    def _control(self, frame: Frame) -> None:
+        """A whole frame that carries no message (the router takes it)."""
+        raise NotImplementedError

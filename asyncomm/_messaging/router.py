@@ -69,8 +69,8 @@ from asyncomm._core.errors import (
 )
 from asyncomm._core.link import Link
 from asyncomm._core.wire import Codec, Kind
-from asyncomm._messaging.delivery import Delivery
 from asyncomm._messaging.mailbox import (
+    Delivery,
     Encoded,
     Entry,
     Frame,
