@@ -18,21 +18,20 @@ as a *run*: one head, then their bodies as one array (``RUN_HEAD``)::
 (message ``i`` of a run has sequence number ``first seq + i``), so each
 message after a run's first costs its sender its body's bytes alone, and
 its receiver no head. Small frames and runs to one rank are laid one after
-the other as the items of one msgpack array (a *packet*, see ``_core.link``),
+the other as the items of one msgpack array (a *packet*, see ``link``),
 and a packet is decoded in one ``unpack`` call (``unpack_packet``): every
 extension and tuple checked as a frame's would be (a message decodes to
 what its frame would), none allocated before it is. A packet that does not
 decode as a whole is taken apart frame by frame (``split_packet``), so a
 malformed frame fails its own channel only.
 
-The outbox (``Outbox``) queues small frames per destination as *packets*
-until they are sent. A packet is one link message (see ``link``'s note on the layout): room for
-the preamble and the packet's head (laid when it goes: ``take``), then each
-frame's head and body (``small.HEAD``), read on arrival as one msgpack array.
-Messages of one channel in sequence share one head: a *run*
-(``small.RUN_HEAD``, its count laid once it ends). A lone message becomes a
-run when the next of its channel follows (its channel and sequence number
-read back from its head then: nothing is kept for it before).
+The outbox (``Outbox``) queues small frames per destination as packets until
+they are sent. A packet is one link message (see ``link``'s note on the
+layout): room for the preamble and the packet's head (laid when it goes:
+``take``), then each frame's head and body (``HEAD``), read on arrival as one
+msgpack array. A lone message becomes a run when the next of its channel
+follows (its channel and sequence number read back from its head then:
+nothing is kept for it before).
 """
 
 from __future__ import annotations
