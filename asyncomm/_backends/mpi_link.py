@@ -98,7 +98,7 @@ class MpiLink(Link):
         self._poller.unprobe(self.pump)
         self._buffers.clear()
 
-    looks = True
+    polls = True
 
     def spin_until(self, done: Callable[[], bool]) -> bool:
         return self._poller.spin_until(done)

@@ -109,7 +109,7 @@ class Handle(Generic[T]):
             # no thread's wake-up, no loop iteration
             if not self._spin[0].spin(self):
                 break
-            yield  # the loop's turn is due first (see ``Spin``); look again after it
+            yield  # the loop's turn is due first (see ``Spin``); spin again after it
         if self._state == _PENDING:
             waiter = self._loop.create_future()
             if self._waiters is None:

@@ -172,7 +172,7 @@ class Link(ABC):
         """Start receiving: every frame that arrives goes to ``arrivals``."""
         self._arrivals, self._limits = arrivals, limits
 
-    looks = False  # whether ``spin_until`` may find anything (links that poll)
+    polls = False  # whether ``spin_until`` may find anything (links polled from the loop)
 
     def spin_until(self, done: Callable[[], bool]) -> bool:
         """A task is about to wait for ``done()``: poll for frames a while first (links that
@@ -411,7 +411,7 @@ class Link(ABC):
         """Take one message from ``src`` (perhaps padded), in its order.
 
         Return whether it was a packet of small frames, delivered: whoever waits for one
-        of them may go on (a link that polls stops looking there, see ``_mpi``).
+        of them may go on (a link that polls stops polling there, see ``mpi_link``).
         """
         arrivals = self._arrivals
         assert arrivals is not None

@@ -201,7 +201,7 @@ class Host:
         endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far
         items, answer = inbox.items, self._answer
         while True:
-            # its next request may be microseconds away: look first (what it answered, sent
+            # its next request may be microseconds away: spin first (what it answered, sent
             # first: the router's flush)
             if not items:
                 self._router.flush(waiting=True)

@@ -53,7 +53,7 @@ class Channel:
         self._post = router.link.post
         self._flush = router.flush
         self._spin_until = router.link.spin_until
-        self._looks = router.link.looks  # whether ``spin_until`` may find anything
+        self._polls = router.link.polls  # whether ``spin_until`` may find anything
         self._refused = router.link.refused
         self._has: dict[int, Callable[[], bool]] = {}  # per source: ``_has_from``
         self._probe_of = router.probe
@@ -160,7 +160,7 @@ class Channel:
             PeerFailedError: every rank it could come from is dead.
             ProtocolError: a malformed message (the next call goes on with the next one).
         """
-        looked = False
+        spun = False
         if src is not None and (type(src) is not int or not 0 <= src < self._size):
             self._check_rank("recv", "src", src)
         if not self._traced or self._probe_of.recording is None:
@@ -181,16 +181,16 @@ class Channel:
                     if entry is not None:
                         return self._open(entry)
                 limit = self._timeout if timeout is None else timeout
-                if looked:  # (what was found is not there: taken meanwhile)
+                if spun:  # (what was found is not there: taken meanwhile)
                     return await self._wait(src, limit)
                 self._flush(True)  # (here, not in ``_wait``: it leaves before that is made)
-                if not self._looks or limit <= 0:
+                if not self._polls or limit <= 0:
                     return await self._wait(src, limit)
-                # Looked for here, where the link polls (MPI): found, it is taken above and
-                # no ``_wait`` coroutine is made (a ping-pong's every message: 1 µs a leg)
+                # Spun for here, where the link polls (MPI): found, it is taken above and
+                # no ``_wait`` coroutine is made
                 if not self._spin_until(box.has_frames if src is None else self._has_from(src)):
-                    return await self._wait(src, limit, looked=True)
-                looked = True
+                    return await self._wait(src, limit, spun=True)
+                spun = True
         trace = self._probe_of.recording
         assert trace is not None  # (traced: said above)
         start, error, message = time.perf_counter(), None, None
@@ -220,16 +220,16 @@ class Channel:
             has = self._has[src] = functools.partial(self._box.has, src)
         return has
 
-    async def _wait(self, src: int | None, limit: float, looked: bool = False) -> Message:
+    async def _wait(self, src: int | None, limit: float, spun: bool = False) -> Message:
         """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds.
 
         What this rank issued is sent first (``Router.flush``, by the caller): it may be
-        answered. ``looked``: the caller looked for it already (``recv``), and found none.
+        answered. ``spun``: the caller spun for it already (``recv``), and found none.
         """
         router, box = self._router, self._box
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + limit
-        while True:  # ``recv`` found nothing just now: check, wait, then look again
+        while True:  # ``recv`` found nothing just now: check, wait, then spin again
             if box.ended and self._ended(src):
                 who = "every other rank" if src is None else f"rank {src}"
                 raise CommClosedError(f"rank {router.rank}: channel {self.tag}: {who} closed it")
@@ -245,14 +245,14 @@ class Channel:
                 peer = "any" if src is None else src
                 raise CommTimeoutError(f"rank {router.rank}: channel {self.tag} recv from peer "
                                        f"{peer} timed out after {limit:g} s")
-            router.expect()  # what this rank issued leaves now: then look a while
-            if looked:  # (``recv`` looked just now)
-                looked = False
+            router.expect()  # what this rank issued leaves now: then spin a while
+            if spun:  # (``recv`` spun just now)
+                spun = False
             elif self._spin_until(box.has_frames if src is None else self._has_from(src)):
                 frame = box.take(src)  # (there: ``spin_until`` says so)
                 if frame is not None:
                     return self._open(frame)
-            if self._refused():  # no look until the loop turns: yield it, then look again
+            if self._refused():  # no spin until the loop turns: yield it, then spin again
                 await asyncio.sleep(0)
                 frame = box.take(src)  # (the loop may have put it here meanwhile)
                 if frame is not None:
@@ -270,7 +270,7 @@ class Channel:
                 await waiter  # woken: something came (or an end of stream, a death, a timer)
             except BaseException:  # cancelled: it took nothing, what came stays in the mailbox
                 if waiter.done() and not waiter.cancelled() and box.frames:
-                    box.wake()  # woken for it first: the other receivers look instead
+                    box.wake()  # woken for it first: the other receivers take it instead
                 raise
             finally:
                 if timer is not None:

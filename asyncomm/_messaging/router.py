@@ -479,8 +479,7 @@ class Router(Delivery):
         of the window: under a batch uncredited, one batch owed), which take
         it further. Only a message larger than the room left (it waits until
         no more than a batch is out) may wait for that credit until this
-        rank's loop turns: 50 µs at most, as a waiting task looks for
-        messages (``spin``).
+        rank's loop turns, or the waiting task's spin ends (``spin``).
         """
         if type(entry) is Message:
             src, charge = entry[0], 0
