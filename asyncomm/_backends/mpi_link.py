@@ -67,8 +67,8 @@ MESSAGE_BYTES = 64 << 10  # the largest link message: frames up to about this tr
 # MPI sends messages this small eagerly (with the match), so it is here whole and the
 # receive returns at once; larger ones are received without blocking (see ``_take``).
 AT_ONCE_BYTES = 1024
-# A burst's packets go every so many frames: measured on 2 ranks, 64 small dicts one after
-# the other, this lets the receiver decode while the sender issues (see benchmarks.md).
+# A burst's packets go every so many frames, so that the receiver decodes while the sender
+# issues.
 PACKET_FRAMES = 16
 
 
@@ -275,8 +275,7 @@ class PostedLink(MpiLink):
     A persistent any-source receive of ``MESSAGE_BYTES`` stays started on the
     link's tag: MPI matches each message to it as it lands, and the poller
     finds it with one ``Test`` (a probe's matched receive costs a probe, a
-    receive and a buffer sized from the probe: measured, an 8-byte channel
-    ping-pong 8.7 -> 8.0 µs a leg on 2 ranks; mpi4py alone, 1.62 -> 1.35 µs).
+    receive and a buffer sized from the probe).
     Each message is copied out and the receive started again at once, before
     the message is taken, so the next one lands in it; messages that come
     meanwhile wait in MPI's queue, in order (one source's messages match the
@@ -325,8 +324,8 @@ class PostedLink(MpiLink):
         One message a call (the poller calls again while messages come): a
         frame's receiver takes it, and frees its buffer for the next, before
         the next is fetched. (Taking every message there, as ``ProbeLink``
-        does, took all 64 envelopes of a 64 x 1 MiB stream in one call, so each
-        data message went into a fresh buffer: 14.4 GiB/s against 19.4.)
+        does, would take all the envelopes of a stream in one call, and each
+        data message would go into a fresh buffer.)
         """
         if not self._open:
             return False

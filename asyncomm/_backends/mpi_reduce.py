@@ -5,9 +5,7 @@ Note on kept all-reduces
 ------------------------
 An all-reduce of a small CPU tensor started by a kept persistent request
 (``MPI_Allreduce_init`` once, then ``MPI_Start``) costs less than a new
-``MPI_Iallreduce`` (2 ranks, MPICH, 8 bytes in a bare loop: 0.92-0.96 against
-1.62 µs; an awaited ``comm.all_reduce`` in ``bench all``: 2.8-3.0 -> ~2.5 µs).
-But a persistent collective is itself a collective: every rank must make
+``MPI_Iallreduce``. But a persistent collective is itself a collective: every rank must make
 and start its own in the same order as its other collectives, and it
 matches only the requests made with it. So whether an all-reduce is kept,
 and by which request, depends here only on what every rank knows alike: its

@@ -251,9 +251,8 @@ class Deadlines:
     callback for all of them) those still pending join their queues, with
     the time they were issued. The quick operations' handles (``add_default``:
     the default timeout) are noted bare, and their deadlines counted from the
-    iteration's end (one clock read for all; the hot path of an awaited
-    point-to-point operation: measured, noting the time and timeout of each
-    took ~3% of an 8-byte MPI ping-pong). Handles of one timeout are added
+    iteration's end (one clock read for all, not one per operation on the
+    hot path of an awaited point-to-point operation). Handles of one timeout are added
     in deadline order, so each timeout has
     a FIFO queue whose head is the next to expire: adding is an append, and
     a single loop timer waits for the head (none for ``math.inf``). Settled

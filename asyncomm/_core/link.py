@@ -22,8 +22,8 @@ batch (``batching``: gloo), the envelopes of large frames issued to one rank
 within one iteration travel together too, as one *batch* (preamble form ``BATCH``,
 then each frame's preamble and head), sent when the iteration ends or once
 the next does not fit in the room; their data messages are issued at once,
-in order. (On MPI, data messages sent before their envelope arrive
-unexpected: a 64 x 1 MiB stream went from 0.90x raw to 0.61x.) A frame sent
+in order. (On MPI, data messages sent before their envelope would arrive
+unexpected, and be copied twice.) A frame sent
 another way first sends its destination's packet and batch, so frames leave
 in the order they were issued. The frame bytes are the same on every link;
 only how a message is found differs (their layout: ``messages``):

@@ -37,8 +37,8 @@ class Ticker:
     news a poller backing off also asks the ticker, a thread that sleeps
     ``tick_s`` (the OS sleeps finer than the loop) and then schedules the
     poll on the loop; the millisecond timer stays as a floor. Waking the loop
-    costs some microseconds: at 200 µs, a few percent of a core while
-    ticking, nothing once a rank's waits are long (see ``bench idle``).
+    costs a few percent of a core while ticking, nothing once a rank's waits
+    are long (see ``bench idle``).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, tick_s: float) -> None:
