@@ -173,18 +173,25 @@ def _laid(code: int, kind: int, shape: tuple[int, ...], nbytes: int) -> bytes:
 def span(tensor: object, table: dict[torch.dtype, Any]) -> tuple[int, int, Any] | None:
     """Return where a tensor a backend's quick operation moves lies: (address, bytes,
     ``table``'s value for its dtype), for exactly a ``torch.Tensor`` laid out in host
-    memory whose dtype ``table`` holds and whose elements a C ``int`` counts; else
-    ``None`` (the usual path takes it)."""
-    if (type(tensor) is torch.Tensor and tensor.layout is torch.strided
-            and tensor.is_cpu and tensor.is_contiguous()
-            and not tensor.is_conj() and not tensor.is_neg()):
-        value = table.get(tensor.dtype)
-        if value is not None and tensor.numel() <= _MAX_COUNT:
-            return tensor.data_ptr(), tensor.nbytes, value
+    memory whose dtype ``table`` holds and whose bytes a C ``int`` counts; else ``None``
+    (the usual path takes it).
+
+    Every operation calls it: each check is one torch call, and none is repeated (a
+    tensor whose bytes a C ``int`` counts has no more elements than that; only a complex
+    tensor can be a conjugate view)."""
+    if (type(tensor) is torch.Tensor and tensor.layout is _STRIDED
+            and tensor.is_cpu and tensor.is_contiguous() and not tensor.is_neg()):
+        dtype = tensor.dtype
+        value = table.get(dtype)
+        if value is not None and not (dtype in _COMPLEX and tensor.is_conj()):
+            nbytes = tensor.nbytes
+            if nbytes <= _MAX_COUNT:
+                return tensor.data_ptr(), nbytes, value
     return None
 
 
-_MAX_COUNT = 2**31 - 1  # the most elements an MPI count (a C int) holds
+_COMPLEX: Final = frozenset({torch.complex32, torch.complex64, torch.complex128})
+_MAX_COUNT = 2**31 - 1  # the most an MPI count (a C int) holds
 
 
 def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
@@ -323,11 +330,6 @@ def run_head(tag: int, seq: int, count: int) -> bytes:
 def packet_head(frames: int) -> bytes:
     """Return the head of a packet of ``frames`` small frames (before their bytes)."""
     return _ARRAY.pack(0xdd, frames)
-
-
-def lay_packet_head(buffer: bytearray, at: int, frames: int) -> None:
-    """Lay the head of a packet of ``frames`` small frames into ``buffer`` at ``at``."""
-    _ARRAY.pack_into(buffer, at, 0xdd, frames)
 
 
 PACKET_HEAD_BYTES: Final = _ARRAY.size
@@ -609,8 +611,3 @@ class Outbox:
     def dsts(self) -> list[int]:
         """Return the destinations whose packets wait, in the order they were begun."""
         return list(self._packets)
-
-    def counts(self, dst: int) -> tuple[int, int] | None:
-        """Return the items (frames and runs) and frames of ``dst``'s packet, or ``None``."""
-        packet = self._packets.get(dst)
-        return None if packet is None else (packet.items, packet.frames)
