@@ -55,10 +55,19 @@ class init:
     """Join this rank's world from its environment; closing leaves it.
 
     ``async with asyncomm.init() as comm: ...`` closes ``comm`` on exit;
-    ``comm = await asyncomm.init()`` leaves closing to you. ``backend`` is
-    ``"gloo"``, ``"nccl"``, ``"mpi"`` or ``None`` (MPI under an MPI launcher,
-    else gloo; ``ASYNCOMM_BACKEND`` overrides). ``timeout`` is every
-    operation's default deadline in seconds (300; ``ASYNCOMM_TIMEOUT``).
+    ``comm = await asyncomm.init()`` leaves closing to you.
+
+    Args:
+        backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or ``None`` (MPI under an MPI
+            launcher, else gloo; ``ASYNCOMM_BACKEND`` overrides).
+        timeout: every operation's default deadline in seconds (300;
+            ``ASYNCOMM_TIMEOUT``).
+
+    Raises:
+        ValueError: a bad ``backend`` or ``timeout`` (at once), or a launcher
+            environment that does not parse.
+        CommError: joining failed (``CommTimeoutError``: a peer never came;
+            ``PeerFailedError``: one failed to join).
     """
 
     def __init__(self, *, backend: str | None = None, timeout: float | None = None) -> None:
@@ -89,18 +98,18 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
     error. Under MPI an uncaught error aborts the whole job instead of
     leaving the other ranks to hang.
 
-    Note on the garbage collector
-    -----------------------------
-    What exists when ``run`` starts (the imports: torch alone makes a few
-    hundred thousand objects) is frozen out of the collector's sight
-    (``gc.freeze``) until ``run`` returns. A full collection traverses every
-    object it sees, and the first one came shortly after start, stalling
-    the loop about 60 ms (2,000 awaited 8-byte MPI all_reduces took 35 µs
-    each instead of 4, in 2 launches of 3; none in 3 launches frozen).
-    Nothing frozen is freed by the collector meanwhile: module-level
-    objects live that long anyway. Where something is frozen already (the
-    program, or an import, called ``gc.freeze``), ``run`` freezes nothing:
-    Python can thaw everything or nothing, not what ``run`` froze.
+    Note on the garbage collector: what exists when ``run`` starts (the
+    imports, torch's above all) is frozen (``gc.freeze``) until it returns, so
+    that no full collection traverses it and stalls the loop; module-level
+    objects live that long anyway. Where something is frozen already, ``run``
+    freezes nothing: Python can thaw everything or nothing, not what it froze.
+
+    Args:
+        main: the program, called with this rank's ``Comm``.
+        backend, timeout: as for :class:`init`.
+
+    Raises:
+        ValueError, CommError: as :class:`init`; and whatever ``main`` raised.
     """
     backend, deadline = _settings(backend, timeout)
 
@@ -113,8 +122,7 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
                     _failed(comm, exc)
                 raise
 
-    # See the note on the garbage collector. A program that froze its own objects keeps
-    # them frozen, and nothing more: run could not thaw only what it froze itself.
+    # See the note on the garbage collector.
     frozen_before = gc.get_freeze_count()
     if not frozen_before:
         gc.freeze()

@@ -74,6 +74,9 @@ class span:  # a context manager named like the function it reads as
     ``with asyncomm.trace.span("forward"): ...`` (or ``async with``): for
     compute that runs on the event loop itself, which ``asyncomm.compute``
     spans cannot show. Nothing is recorded while tracing is off.
+
+    Raises:
+        TypeError: ``name`` is not a str.
     """
 
     def __init__(self, name: str) -> None:

@@ -2,17 +2,14 @@
 
 Note on why
 -----------
-Through gloo's pairs, 64 x 1 MiB channel frames streamed at 0.55-0.65x raw
-gloo ``isend``/``irecv``, however little Python went around them (a
-prototype of the envelope protocol with no windows, framing or mailboxes:
-0.69-0.83x): both ranks were CPU-bound on two cores, and gloo's I/O thread
-of a receiving rank woke ~220 times per 1 MiB message (raw gloo: ~32). So a
-frame's envelope still travels as a gloo link message, and its data follows
-on the lane: one connection each way per pair of ranks that exchange data,
-a *writer* thread per destination and a *reader* thread per source. Over
-the socket alone (peers on other hosts) a reader spent about what gloo's
-I/O thread does per MiB (~200 us of CPU here); see the note on memory for
-peers on one host.
+Large frames streamed through gloo's pairs fall well short of raw gloo
+``isend``/``irecv``, however little Python goes around them: the receiving
+rank's gloo I/O thread wakes many times per message, and both ranks run out
+of CPU. So a frame's envelope still travels as a gloo link message, and its
+data follows on the lane: one connection each way per pair of ranks that
+exchange data, a *writer* thread per destination and a *reader* thread per
+source. Over the socket alone (peers on other hosts) a reader costs about
+what gloo's I/O thread does; see the note on memory for peers on one host.
 
 Note on order and matching
 --------------------------
@@ -27,34 +24,30 @@ ranks can deadlock the lane).
 Note on memory
 --------------
 Peers on one host (the same listening address) skip the socket's copies.
-First choice, *direct*: the writer only says where a buffer is and how
-large (16 bytes on the socket); the reader copies it straight out of the
-writer's process into its own buffer (``process_vm_readv``, one copy,
-without the GIL) and says so (one byte), and the writer's ``done`` follows
-then (a thread per destination hears it: the writer never waits). The
-sending rank then spends no CPU on the bytes at all: 64 x 1 MiB per round,
-~95 us of CPU a frame against ~180 copying into a ring, and the stream went
-from 0.75-0.85x raw gloo (ring) to 0.86-1.04 (alternated launches, session
-25). The reader takes the offer only after reading a token from where the
+First choice, *direct*: the writer only says where a buffer is and how large
+(16 bytes on the socket); the reader copies it straight out of the writer's
+process into its own buffer (``process_vm_readv``, one copy, without the
+GIL) and says so (one byte), and the writer's ``done`` follows then (a
+thread per destination hears it: the writer never waits). The sending rank
+then spends no CPU on the bytes at all, where a ring costs a copy on each
+side. The reader takes the offer only after reading a token from where the
 offer says (same host, same processes, and the kernel lets it read them:
 Yama's ``ptrace_scope`` >= 1 or a container's seccomp forbid it); else it
-declines and the writer offers a *ring*: ``RING_BYTES`` of shared memory
-per direction, the writer copying bytes in (``memmove``, without the GIL)
-and sending the count written so far; the reader copies them out and sends
-back the count read once it has read another quarter of the ring (the
-writer takes them every 16 copies, and whenever it runs low: they never
-pile up unread). A file in ``/dev/shm`` carries the ring only for the
-handshake: the writer unlinks it once the reader mapped it. A ring declined
-(another container's ``/dev/shm`` behind the address), or none to be made,
-leaves the socket. ``ASYNCOMM_LANE_DIRECT=0`` skips the direct offer,
+declines and the writer offers a *ring*: ``RING_BYTES`` of shared memory per
+direction, the writer copying bytes in (``memmove``, without the GIL) and
+sending the count written so far; the reader copies them out and sends back
+the count read once it has read another quarter of the ring (the writer
+takes them every 16 copies, and whenever it runs low: they never pile up
+unread). A file in ``/dev/shm`` carries the ring only for the handshake: the
+writer unlinks it once the reader mapped it. A ring declined (another
+container's ``/dev/shm`` behind the address), or none to be made, leaves the
+socket. ``ASYNCOMM_LANE_DIRECT=0`` skips the direct offer,
 ``ASYNCOMM_LANE_SHM=0`` both. The copies take the tensors' addresses and
-sizes only: a torch call that lets the GIL go (``reshape``, ``view``) costs a
-hand-off between the loop and the lane's threads.
+sizes only: a torch call that lets the GIL go (``reshape``, ``view``) costs
+a hand-off between the loop and the lane's threads.
 And the reader takes a frame's buffers only when its bytes are next
 (``recv``'s ``take``), not when its envelope came: a stream's buffers are
-then mostly the ones its receiver just freed, still in the cache. 64 x 1 MiB
-per round, the reader's CPU per MiB: ~200 us over the socket, 206-231
-through the ring into buffers taken as the batch came, 175-184 taken late.
+then mostly the ones its receiver just freed, still in the cache.
 
 Note on connecting
 ------------------
@@ -122,8 +115,7 @@ class Lane:
         self._store = store
         self._key = key
         self._shared = shared  # peers on this host share memory (see the note on memory)
-        # ... and read each other's buffers, where allowed
-        self._direct = shared and direct and _READV is not None
+        self._direct = shared and direct and _READV is not None  # ... and read each other's
         self._lock = threading.Lock()
         self._writers: dict[int, _Queue] = {}
         self._readers: dict[int, _Queue] = {}
@@ -150,10 +142,7 @@ class Lane:
 
     def recv(self, src: int, take: Callable[[], Sequence[torch.Tensor]], done: Done) -> None:
         """Read ``src``'s next bytes into the buffers ``take()`` returns (called when their
-        bytes are next), in order; ``done`` once all are full.
-
-        Buffers taken late are mostly ones just freed, still in the cache (see the note
-        on memory).
+        bytes are next: see the note on memory), in order; ``done`` once all are full.
         """
         self._queue(self._readers, src).put((take, done))
 
@@ -360,12 +349,7 @@ class _TcpIn(_Tcp):
 
 
 class _Ring:
-    """A ring of shared memory, and the socket that says how far each end got.
-
-    The writer copies bytes in and sends the count written so far; the reader
-    copies them out and sends the count read, each time it has read another
-    quarter of the ring (see the note on memory).
-    """
+    """A ring of shared memory, and the socket that says how far each end got."""
 
     def __init__(self, sock: socket.socket, fd: int) -> None:
         self._sock = sock
@@ -435,9 +419,7 @@ class _RingOut(_Ring):
         done(None)
 
     def _write(self, tensor: torch.Tensor) -> None:
-        # (its address and size only: torch calls that let the GIL go cost a hand-off
-        # between threads each, see the note on memory)
-        sent, size, address = 0, tensor.nbytes, tensor.data_ptr()
+        sent, size, address = 0, tensor.nbytes, tensor.data_ptr()  # (see the note on memory)
         while sent < size:
             free = RING_BYTES - (self._done - self._other)
             if free < min(size - sent, _CHUNK):

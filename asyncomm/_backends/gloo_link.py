@@ -16,40 +16,34 @@ peer's goodbye (see the note on closing in ``_link``).
 Note on the data lane
 ---------------------
 Large frames' bytes travel on connections of asyncomm's own, not through
-gloo's pairs (see ``gloo_lane``'s note on why: 64 x 1 MiB streamed at
-0.55-0.65x raw gloo through them). It also took the loop out of gloo's
-pair lock: a pair's I/O thread holds it while it moves a message, and a
-send posted meanwhile waits (credit frames sent while 64 x 1 MiB streamed
-in sat 1.2 s of a 4.5 s run in gloo's ``send``); with no data on the pairs,
-a link message waits for nothing but other link messages. A data message
-needs no order against its envelope: its receiver reads a source's lane in
-the order of that source's envelopes, and bytes written early wait in the
-connection.
+gloo's pairs (see ``gloo_lane``'s note on why). That also keeps the loop out
+of gloo's pair lock: a pair's I/O thread holds it while it moves a message,
+and a send posted meanwhile waits (a credit frame sent during a stream would
+wait out whole data messages); with no data on the pairs, a link message
+waits for nothing but other link messages. A data message needs no order
+against its envelope: its receiver reads a source's lane in the order of
+that source's envelopes, and bytes written early wait in the connection.
 
 Note on batches and message sizes
 ---------------------------------
 The envelopes of large frames travel in batches (see the note on the layout
 in ``_link``). On gloo a batch spares every frame but its first an eager
-send, a listener's wake-up and a receive re-posted, on both ranks: 64 x 1
-MiB streamed at 0.54x raw gloo with an envelope each, 0.76-0.93x in batches
-(through gloo's pairs, before the lane). The listener asks for the data of a
-batch's frames in order and tells the loop of them in one hand-off. A batch
-holds the envelopes of about 150 large frames (40 where messages are
-padded). On Linux, link messages are as long as what they hold: gloo's TCP
-transport takes a message into a longer receive. Its libuv transport (macOS,
-Windows) reads as many bytes as the receive holds, so there they are padded
-to ``ENVELOPE_BYTES``.
+send, a listener's wake-up and a receive re-posted, on both ranks. The
+listener asks for the data of a batch's frames in order and tells the loop
+of them in one hand-off. A batch holds the envelopes of about 150 large
+frames (40 where messages are padded). On Linux, link messages are as long
+as what they hold; elsewhere they are padded to ``ENVELOPE_BYTES`` (see
+``gloo_p2p``'s note on sizes).
 
 Note on draining
 ----------------
 One posted receive at a time puts a listener's reaction between any two
-messages; with ``DEPTH`` posted, messages flow while it works (measured with
-gloo alone: 64 x 1 MiB at ~1,100 MiB/s with one, 1,500-3,200 with eight).
-But no receive may stay posted when the group goes, and gloo cannot cancel
-one. So the listener re-posts after every message until the last peer's
-goodbye, except after a DRAIN message, and each rank sends ``DEPTH - 1``
-DRAINs to rank ``rank - 1`` after its goodbyes: the receives still posted
-once every goodbye is in are exactly the ones the DRAINs fill.
+messages; with ``DEPTH`` posted, messages flow while it works. But no
+receive may stay posted when the group goes, and gloo cannot cancel one. So
+the listener re-posts after every message until the last peer's goodbye,
+except after a DRAIN message, and each rank sends ``DEPTH - 1`` DRAINs to
+rank ``rank - 1`` after its goodbyes: the receives still posted once every
+goodbye is in are exactly the ones the DRAINs fill.
 
 Note on dead peers
 ------------------
@@ -88,9 +82,7 @@ from asyncomm._core.link import Arrivals, Link, Transport, bye_from, proxy_bye, 
 from asyncomm._core.messages import BATCH, PREAMBLE, Pending, envelopes
 from asyncomm._core.progress import Classify, Inbox, Waiters
 
-# gloo's TCP transport (Linux) takes a message into a longer receive; its libuv transport
-# (macOS, Windows) reads as many bytes as the receive holds (see the note on batches).
-SHORT = gloo_p2p.SHORT
+SHORT = gloo_p2p.SHORT  # a message may be shorter than its receive (see gloo_p2p's note)
 # the most bytes of a link message on gloo (its receives' size; padded to it where not SHORT)
 ENVELOPE_BYTES = (16 if SHORT else 4) << 10
 DEPTH = 8  # any-source receives the listener keeps posted

@@ -50,11 +50,7 @@ class Choice:
 def choose(environ: Mapping[str, str], master_addr: str) -> Choice | None:
     """Return the interface gloo should use to reach ``master_addr``, or ``None`` to leave it.
 
-    ``None`` when ``GLOO_SOCKET_IFNAME`` is set, the choice is turned off, the
-    hostname resolves to a routable address of this host (torch's default
-    is right), the world is on this host alone (``master_addr`` is this
-    host's and the launcher names no other host), or no interface routes to
-    ``master_addr`` but loopback.
+    See the note on interfaces for when it leaves it.
     """
     if environ.get("GLOO_SOCKET_IFNAME") or environ.get("ASYNCOMM_GLOO_IFNAME") == "0":
         return None

@@ -17,7 +17,7 @@ def torch_split() -> tuple[Any, Any] | None:
     """Return torch's (``stage_backward_input``, ``stage_backward_weight``), or ``None``.
 
     Imported at the first call: ``torch.distributed.pipelining`` brings sympy and
-    more (1.6 s of every process that imported ``asyncomm.pipeline`` before).
+    more, which a process that only imports ``asyncomm.pipeline`` should not pay for.
     """
     try:
         from torch.distributed.pipelining import _backward as split

@@ -73,8 +73,7 @@ def _said(failed: dict[int, str]) -> str:
 def on_daemon(step: Callable[[], T], name: str) -> asyncio.Future[T]:
     """Run ``step`` on a daemon thread; return the loop's future of its result.
 
-    A thread blocked in torch's C++ cannot be interrupted, and must not keep the
-    process from exiting: whoever awaits the future may give up on it.
+    Whoever awaits the future may give up on it (see the note on failing fast).
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
@@ -121,9 +120,9 @@ async def reach_store(make: Callable[[], T], rank: int, host: str, port: int, ho
 
     torch's store client bounds its wait for a connection, not for the answer to
     its first question: a port some other program listens on (a squatted
-    ``MASTER_PORT``) held a rank until that program let go. And a port taken
-    when this rank hosts the store is said in torch's words only. Both are
-    worded here.
+    ``MASTER_PORT``) would hold a rank until that program lets go. And torch
+    says a port taken when this rank hosts the store in its own words only.
+    Both are worded here.
 
     Raises:
         CommTimeoutError: no store answered within ``timeout``.
@@ -159,9 +158,8 @@ class Watch:
     async def run(self, step: Callable[[], T], what: str) -> T:
         """Run ``step`` on a daemon thread; raise as soon as a peer announces a failure.
 
-        A failure of ``step`` itself is announced and re-raised. The peers are
-        watched from a daemon thread too: a store that stops answering holds
-        nobody up.
+        A failure of ``step`` itself is announced and re-raised (see the note on
+        failing fast).
         """
         loop = asyncio.get_running_loop()
         failed: asyncio.Future[dict[int, str]] = loop.create_future()

@@ -6,9 +6,7 @@ A frame's buffers become the tensors of the message received (its memory: no
 copy), so they cannot be taken back when the message is consumed. But fresh
 memory costs a page fault per page as it is first written, and whether the
 allocator hands freed memory back depends on what else lies in its heap: a
-stream of 64 x 1 MiB channel messages on MPI ran at 0.43-0.45 of raw in some
-launches (4,300-4,800 page faults a round at the receiver) and at 0.85-0.95
-in others (none), the same code on the same machine.
+stream of large messages would pay those faults or not by chance.
 
 So a large buffer is a ``bytearray`` lent here, and the tensor a view of it
 (``torch.frombuffer``). Every tensor, view or array over it holds a
@@ -27,11 +25,8 @@ message was just read). Messages are mostly consumed in the order they came,
 so the buffers lent first are the ones freed first: every ``take`` moves the
 oldest lent buffers that are free to the free ones (stopping at the first still
 used: cheap however many messages the user keeps), and the whole lent list is
-looked through only when that finds none. When lent buffers were looked
-through only once no free one was left, the free ones left by a burst were
-lent in turn, each out of the cache: a stream of 64 x 1 MiB on MPI dropped
-from ~18.5 to ~14.5 GB/s once its receiver had fallen behind once (32
-buffers kept), and stayed there.
+looked through only when that finds none (looked through only once none is
+free, a burst's leftovers would be lent in turn, each out of the cache).
 """
 
 from __future__ import annotations

@@ -48,10 +48,9 @@ VERSION = 1
 # The fields of a recorded communication, in the order of its list.
 FIELDS = ("cat", "kind", "bytes", "peer", "tag", "seq", "comm", "start", "end", "error",
           "name")
-# Note on cost: records are tuples of scalars, which the garbage collector stops
-# tracking, so a trace of millions of operations does not make every full collection
-# walk them (mutable records did: +10-20 us per small MPI operation). An operation's
-# completion is appended as a tuple of its own and joined to its record on writing.
+# Note on cost: records are tuples of scalars, which the garbage collector stops tracking,
+# so a trace of millions of operations does not make every full collection walk them. An
+# operation's completion is appended as a tuple of its own, joined to its record on writing.
 
 _perf = time.perf_counter
 _recorder: Recorder | None = None
@@ -83,8 +82,6 @@ class Recorder:
         self.written = 0  # how many events the last write saw
         self.from_env = False  # started by ASYNCOMM_TRACE (see the note on who owns it)
         self._open = 0
-
-    # -- attaching ---------------------------------------------------------------
 
     def attach(self, rank: int, size: int, backend: str) -> int:
         """Start recording a communicator; return its id in this process's trace."""
@@ -138,8 +135,6 @@ class Recorder:
         """Record a finished compute span (called on the thread that ran it)."""
         self.events.append(("compute", name, start, end, threading.get_ident()))
 
-    # -- writing ---------------------------------------------------------------
-
     def path(self) -> Path:
         """Return the file this process writes: ``DIR/rank{R}.json``."""
         rank = self.rank if self.rank is not None else f"-pid{os.getpid()}"
@@ -188,9 +183,6 @@ class Recorder:
                 pass
 
 
-# -- turning it on and off ------------------------------------------------------
-
-
 def start_from_env() -> None:
     """Start tracing if ``ASYNCOMM_TRACE`` asks for it and nothing traces yet.
 
@@ -205,13 +197,11 @@ def start_from_env() -> None:
 def start(directory: str | os.PathLike[str]) -> Recorder:
     """Trace every open and future communicator of this process into ``directory``.
 
-    Note on who owns tracing
-    ------------------------
-    ``ASYNCOMM_TRACE`` (``asyncomm run --trace DIR``) owns it for the whole
-    run: a program that starts tracing itself into another directory goes
-    on tracing into the run's (one warning says so), so that the launcher
-    finds every rank's file where it merges them. A program that asks for
-    two directories itself gets a ``ValueError``.
+    Note on who owns tracing: ``ASYNCOMM_TRACE`` (``asyncomm run --trace DIR``)
+    does, for the whole run, so that the launcher finds every rank's file where
+    it merges them: a program that starts tracing into another directory goes on
+    into the run's (one warning says so). One that asks for two directories
+    itself gets a ``ValueError``.
     """
     global _recorder
     with _lock:

@@ -38,9 +38,6 @@ COMM_TID = 100
 _COMM_CATS = ("op", "channel", "actor")
 
 
-# -- interval arithmetic ---------------------------------------------------------
-
-
 def union(intervals: Iterable[Interval]) -> list[Interval]:
     """Return the union of ``intervals`` as sorted, disjoint intervals."""
     merged: list[Interval] = []
@@ -104,9 +101,6 @@ def measure(communication: Iterable[Interval], compute: Iterable[Interval]) -> O
                    hidden=hidden, exposed=total - hidden, spans=len(spans))
 
 
-# -- reading and merging ------------------------------------------------------------
-
-
 def load(directory: str | Path) -> list[dict[str, Any]]:
     """Read every rank's file of a trace directory, in rank order.
 
@@ -155,6 +149,9 @@ def merge(directory: str | Path) -> dict[str, Any]:
     Complete ("X") events, ``pid`` = rank, compute and communication on
     separate lanes (``tid``); ``ts``/``dur`` in microseconds from the
     earliest event. Operations that never completed are left out.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load`.
     """
     ranks = load(directory)
     offsets = _clock(ranks)
@@ -203,9 +200,6 @@ def _event(pid: int, span: dict[str, Any], zero: float) -> dict[str, Any]:
             "args": args}
 
 
-# -- metrics ---------------------------------------------------------------------
-
-
 def overlap(trace: dict[str, Any]) -> dict[int, Overlap]:
     """Return each rank's overlap metrics (seconds) from a merged trace."""
     comm: dict[int, list[Interval]] = {}
@@ -233,14 +227,14 @@ def report(metrics: dict[int, Overlap]) -> str:
     return "\n".join(lines)
 
 
-# -- drawing -------------------------------------------------------------------
-
-
 def draw(trace: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
     """Draw a PNG timeline of a merged trace: a lane per rank, compute above communication.
 
     Each lane shows the union of the rank's compute spans in one colour and
-    of its communication spans (ops, channels, actors) in another.
+    of its communication spans (ops, channels, actors) in another. Returns ``path``.
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'asyncomm[plot]'``).
     """
     import matplotlib
 
@@ -281,7 +275,14 @@ def draw(trace: dict[str, Any], path: str | Path, title: str | None = None) -> P
 
 def summarise(directory: str | Path, json_path: str | Path | None = None,
               png_path: str | Path | None = None) -> dict[int, Overlap]:
-    """Merge a trace directory, write its trace JSON and PNG, print and return its metrics."""
+    """Merge a trace directory, write its trace JSON and PNG, print and return its metrics.
+
+    The files go to ``json_path`` and ``png_path``, by default ``trace.json`` and
+    ``timeline.png`` in ``directory``; without matplotlib no PNG is drawn.
+
+    Raises:
+        FileNotFoundError, ValueError: as :func:`load`.
+    """
     trace = merge(directory)
     out = Path(json_path) if json_path is not None else Path(directory) / "trace.json"
     out.write_text(json.dumps(trace))

@@ -20,11 +20,10 @@ on every stream.
 
 Note on the hand-over
 ---------------------
-Results come back through an ``Inbox`` (see ``_progress``): a queue and an
-eventfd that the worker writes without holding the GIL, so the woken loop
+Results come back through an ``Inbox`` (see ``_core.progress``): a queue and
+an eventfd that the worker writes without holding the GIL, so the woken loop
 thread does not at once wait for the worker to let go of it, as after
-``call_soon_threadsafe`` (what ``run_in_executor`` uses). A no-op compute's
-round trip measured 15-30% shorter so.
+``call_soon_threadsafe`` (what ``run_in_executor`` uses).
 """
 
 from __future__ import annotations
@@ -159,12 +158,16 @@ async def compute(fn: Callable[..., T], *args: Any, name: str | None = None,
 
     The loop keeps running (and communication keeps progressing) meanwhile.
     Computes of one loop run one at a time in call order (or
-    ``ASYNCOMM_COMPUTE_THREADS`` at a time). ``name`` labels the span in
-    traces (default: the function's name). Cancelling the await does not
+    ``ASYNCOMM_COMPUTE_THREADS`` at a time). Cancelling the await does not
     stop a compute that has started.
 
+    Args:
+        fn: what to run, called with ``args`` and ``kwargs``.
+        name: the span's label in traces (default: the function's name).
+
     Raises:
-        TypeError: ``fn`` is not callable.
+        TypeError: ``fn`` is not callable, or ``name`` is not a str.
+        Exception: whatever ``fn`` raised.
     """
     if not callable(fn):
         raise TypeError(f"compute: fn must be callable, not {type(fn).__name__}")

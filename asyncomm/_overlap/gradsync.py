@@ -207,10 +207,9 @@ class GradSync:
     def _assign(self, cap: int) -> list[_Bucket]:
         """Split the parameters into buckets of about ``cap`` bytes, last parameters first.
 
-        A bucket closes once it holds ``cap`` bytes or more; the first of each dtype and
-        device closes at 1 MiB already (if ``cap`` is larger), as DDP's does. A gradient
-        of 1 MiB or more gets a bucket of its own. Buckets are ordered by their last
-        parameter, the one backward is expected to fill last.
+        A bucket closes once it holds ``cap`` bytes or more (the first of each dtype and
+        device at 1 MiB already, as DDP's); buckets are ordered by their last parameter,
+        the one backward is expected to fill last (see the note on how a step goes).
         """
         closed: list[list[int]] = []
         open_: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}

@@ -341,7 +341,7 @@ def _serve_store(sock: socket.socket) -> object:
 
     port = sock.getsockname()[1]
     fd = sock.detach()
-    # The libuv store learnt to adopt a listening fd only recently (pytorch#150215).
+    # The libuv store adopts a listening fd from torch 2.8 on (pytorch#150215).
     use_libuv = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8)
     try:
         return TCPStore(

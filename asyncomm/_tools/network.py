@@ -20,11 +20,11 @@ Note on MPI
 -----------
 The hosts share one kernel and its memory. MPICH's default network module
 (UCX) finds that out and moves data between ranks of different hosts through
-shared memory, so nothing crosses the emulated link (measured: 14 KB on the
-link for 4 MiB sent each way). Ranks on emulated hosts therefore use MPICH's
-OFI module with its tcp provider (``MPI_OVER_THE_LINK``), which goes over the
-link as between machines (4.2 MB for the same 4 MiB); UCX's own tcp transport
-(``UCX_TLS=tcp``) hung while connecting here. Real hosts need neither.
+shared memory, so next to nothing crosses the emulated link. Ranks on
+emulated hosts therefore use MPICH's OFI module with its tcp provider
+(``MPI_OVER_THE_LINK``), which goes over the link as between machines (UCX's
+own tcp transport, ``UCX_TLS=tcp``, hangs connecting between emulated
+hosts). Real hosts need neither.
 
 Needs root, ``ip`` (iproute2), ``tc`` and ``unshare``: ``missing()``
 says what is lacking, and ``Network`` raises ``PermissionError`` then.

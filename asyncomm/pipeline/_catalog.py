@@ -21,14 +21,17 @@ SCHEDULES: tuple[str, ...] = tuple(_BUILDERS)
 
 
 def get(name: str, n_ranks: int, n_microbatches: int, **kw: Any) -> Schedule:
-    """Build the schedule called ``name``: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
-    ``"zbh1"`` or ``"zbv"``.
+    """Build the schedule called ``name`` for ``n_ranks`` ranks and ``n_microbatches``.
 
-    Keyword arguments go to the builder (``stages_per_rank`` for ``"interleaved"``).
+    Args:
+        name: ``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"zbh1"`` or ``"zbv"`` (any case).
+        n_ranks: the pipeline's ranks.
+        n_microbatches: microbatches per step.
+        kw: for the builder (``stages_per_rank`` for ``"interleaved"``).
 
     Raises:
         ValueError: unknown name, or the builder rejects its arguments.
-        TypeError: a keyword the builder does not take.
+        TypeError: ``name`` is not a str, or a keyword the builder does not take.
     """
     if not isinstance(name, str):
         raise TypeError(f"schedule name must be a str, got {name!r}")

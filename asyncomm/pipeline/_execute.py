@@ -13,10 +13,9 @@ point-to-point operations (the second step on), passes run on the loop thread it
 backend whose operations progress on its own threads (gloo, nccl), and on MPI, whose
 requests move only when polled, from the step after one whose every send was done when
 issued (eager: small messages) and without ``grad_sync`` (its reductions need the polls); a
-send found pending hands the step's later passes back to the compute thread. The hop to the
-compute thread and back costs about 70 µs a pass on a small host, and a ZB-V schedule makes
-24 passes a step per rank against a small bubble (MPI, bubble over the simulator's:
-1.19-1.21 with the hops, 1.11-1.14 without; see ``docs/benchmarks.md``).
+send found pending hands the step's later passes back to the compute thread. The hop there
+and back is two thread hand-offs a pass, which a schedule of many short passes against a
+small bubble (ZB-V) cannot hide.
 
 Note on messages
 ----------------
@@ -158,14 +157,11 @@ class Pipeline:
         tag_base: first channel tag used; pipelines sharing ``comm`` need
             ranges that do not overlap (each uses ``3 * n_stages *
             n_microbatches + 1`` tags).
-        fixed_shapes: after the first step, send each activation and gradient
-            as one point-to-point operation into a buffer of the shape and
-            dtype that message had in the first step (much faster on gloo).
-            A stage whose output (or input gradient) then changes shape or
-            dtype raises ``ValueError`` on its rank, before sending; the rank
-            waiting for it raises ``RemoteError`` (see the note on failure).
-            ``False``: every message travels on a channel and may have any
-            shape.
+        fixed_shapes: after the first step, send each activation and gradient as one
+            point-to-point operation into a buffer of its first-step shape and dtype
+            (much faster on gloo); a message that then differs raises ``ValueError``
+            on its sender, before sending, and ``RemoteError`` on the rank waiting
+            for it. ``False``: every message travels on a channel, of any shape.
 
     Raises:
         ScheduleError: ``schedule`` is broken (``validate``), before anything is sent.
@@ -224,10 +220,8 @@ class Pipeline:
         self._shapes: dict[tuple[int, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._group: Comm | None = None  # the pipeline's own communicator (first step on)
         self._p2p: Comm | None = None  # ... once its messages' shapes are known (step 2 on)
-        # whether passes run on the loop thread (see the note on a step), and whether the
-        # sends of the step so far needed no loop to move them (MPI: done when issued)
-        self._inline = False
-        self._moved_alone = True
+        self._inline = False  # passes run on the loop thread (see the note on a step)
+        self._moved_alone = True  # the step's sends so far needed no loop (MPI: done at once)
         self._failed: str | None = None  # a step that raised: its messages may still come
         self._closed = False
         self._steps = 0  # steps started
@@ -251,8 +245,6 @@ class Pipeline:
         # what a split backward's W differentiates, per stage (B hands it to torch's split)
         self._trainable = {s: [p for p in m.parameters() if p.requires_grad]
                          for s, m in modules.items()}
-
-    # -- public --------------------------------------------------------------------
 
     @property
     def first(self) -> bool:
@@ -299,9 +291,8 @@ class Pipeline:
         self._check_usable()
         self._steps += 1
         if self.fixed_shapes and self._group is None:
-            # Made where every rank is, before any can fail mid-step: made at the end of
-            # the first step, it was left half made on a rank whose step a failure notice
-            # stopped there, and the ranks then disagreed on every later group's name.
+            # Made here, before any rank can fail mid-step: a group left half made by a step
+            # that a failure notice stopped would make the ranks disagree on later groups' names.
             self._group = await self.comm.group(range(self.comm.size))
         return await self._guarded(f"step {self._steps}", self._step(xs, ys))
 
@@ -390,6 +381,8 @@ class Pipeline:
             ``None`` elsewhere.
 
         Raises:
+            ValueError, TypeError: ``inputs`` missing where needed, or not a batch.
+            RuntimeError: an earlier step of this pipeline raised.
             RemoteError: another rank's ``forward`` raised (see the note on failure).
         """
         xs = self._microbatches(inputs, "inputs", exact=False) if self.first else None
@@ -431,8 +424,6 @@ class Pipeline:
         if sends:
             await asyncio.gather(*sends)
         return torch.cat(outputs) if outputs else None
-
-    # -- failure (see the note) -------------------------------------------------------
 
     async def _guarded(self, what: str, body: Coroutine[Any, Any, T]) -> T:
         """Run ``body``; stop it if another rank fails, and tell the others if it fails."""
@@ -496,8 +487,6 @@ class Pipeline:
         await asyncio.gather(*(notices.send(notice, peer, timeout=_NOTICE_S)
                                for peer in range(self.comm.size) if peer != self.rank),
                              return_exceptions=True)
-
-    # -- one action ----------------------------------------------------------------
 
     def _what(self, index: int, action: Action) -> str:
         return f"rank {self.rank}: pipeline {self.schedule.name!r} action #{index} ({action})"

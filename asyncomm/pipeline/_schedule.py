@@ -50,7 +50,11 @@ _ACTION = re.compile(r"(SEND_F|SEND_B|RECV_F|RECV_B|F|B|W)(\d+)@s(\d+)")
 
 @dataclass(frozen=True)
 class Action:
-    """One step of a rank's list: ``op`` for ``microbatch`` on (global, virtual) ``stage``."""
+    """One step of a rank's list: ``op`` for ``microbatch`` on (global, virtual) ``stage``.
+
+    Raises:
+        TypeError, ValueError: ``op`` is not an ``Op``, or a number is not an int >= 0.
+    """
 
     op: Op
     stage: int
@@ -94,6 +98,9 @@ class Schedule:
     stage ``s`` lives on rank ``placement[s]``, by default ``s % n_ranks``. Constructing a
     schedule checks only its shape; :func:`asyncomm.pipeline.validate` checks that it is
     complete, consistent and free of deadlocks.
+
+    Raises:
+        TypeError, ValueError: a count, action list or placement of the wrong type or shape.
     """
 
     name: str
@@ -150,13 +157,13 @@ class Schedule:
         return any(a.op is Op.W for rank_actions in self.actions for a in rank_actions)
 
     def rank_of(self, stage: int) -> int:
-        """Return the rank that hosts ``stage``."""
+        """Return the rank that hosts ``stage``; ``ValueError`` if there is no such stage."""
         if not 0 <= stage < self.n_stages:
             raise ValueError(f"stage {stage} out of range 0..{self.n_stages - 1}")
         return stage % self.n_ranks if self.placement is None else self.placement[stage]
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        """Return the stages ``rank`` hosts, in increasing order."""
+        """Return the stages ``rank`` hosts, in increasing order; ``ValueError`` if no such rank."""
         if not 0 <= rank < self.n_ranks:
             raise ValueError(f"rank {rank} out of range 0..{self.n_ranks - 1}")
         if self.placement is None:
@@ -308,13 +315,17 @@ def _with_communication(compute: Iterable[Action], n_stages: int) -> tuple[Actio
     return tuple(out)
 
 
-# -- builders ------------------------------------------------------------------------------
-
-
 def gpipe(n_ranks: int, n_microbatches: int) -> Schedule:
     """Build GPipe: every rank runs all its forwards, then all its backwards.
 
     Each rank holds the activations of all ``n_microbatches`` at the peak.
+
+    Args:
+        n_ranks: pipeline ranks, one stage each.
+        n_microbatches: microbatches per step.
+
+    Raises:
+        TypeError, ValueError: a count is not an int >= 1.
     """
     _check_count("n_ranks", n_ranks)
     _check_count("n_microbatches", n_microbatches)
@@ -332,6 +343,7 @@ def one_f_one_b(n_ranks: int, n_microbatches: int) -> Schedule:
 
     Rank ``r`` runs ``min(n_ranks - r - 1, n_microbatches)`` warm-up forwards, so it holds
     at most ``min(n_microbatches, n_ranks - r)`` activations instead of GPipe's all.
+    Arguments and errors as :func:`gpipe`'s.
     """
     _check_count("n_ranks", n_ranks)
     _check_count("n_microbatches", n_microbatches)
@@ -358,9 +370,15 @@ def interleaved_1f1b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 2
     bubble stays near the no-latency theory when messages take time (``simulate`` with a
     ``comm_cost`` shows it) where plain 1F1B's grows.
 
+    Args:
+        n_ranks: pipeline ranks.
+        n_microbatches: microbatches per step, a multiple of ``n_ranks``.
+        stages_per_rank: virtual stages per rank.
+
     Raises:
         ValueError: ``n_microbatches`` is not a multiple of ``n_ranks`` (the grouping above
             needs whole groups), or a count is below 1.
+        TypeError: a count is not an int.
     """
     _check_count("n_ranks", n_ranks)
     _check_count("n_microbatches", n_microbatches)

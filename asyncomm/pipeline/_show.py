@@ -1,6 +1,4 @@
-"""See a schedule: its step x rank grid as text, its Gantt chart as a PNG, and the command
-``asyncomm pipeline show``.
-"""
+"""See a schedule: its step x rank grid as text, its Gantt chart as a PNG."""
 
 from __future__ import annotations
 
@@ -26,6 +24,9 @@ def render(simulation: Simulation, step: float | None = None) -> str:
 
     One row per time step (see :meth:`Simulation.grid`), one column per rank; an empty
     cell is a rank idle (or waiting for a message) during that step.
+
+    Raises:
+        ValueError: ``step`` is not > 0.
     """
     schedule = simulation.schedule
     step = simulation.step_size() if step is None else step
@@ -53,7 +54,11 @@ def render(simulation: Simulation, step: float | None = None) -> str:
 
 
 def plot(simulation: Simulation, path: str | os.PathLike[str]) -> None:
-    """Write the Gantt chart of ``simulation`` to the PNG file ``path`` (matplotlib, Agg)."""
+    """Write the Gantt chart of ``simulation`` to the PNG file ``path`` (matplotlib, Agg).
+
+    Raises:
+        ImportError: matplotlib is not installed (``pip install 'asyncomm[plot]'``).
+    """
     # A bare Figure draws with Agg and leaves pyplot's global state (and any GUI) alone.
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch

@@ -255,6 +255,9 @@ class Simulation:
         Args:
             step: the time per row; default: :meth:`step_size` (exact for costs such as
                 f=1, b=2, comm=0.5).
+
+        Raises:
+            ValueError: ``step`` is not > 0.
         """
         step = self.step_size() if step is None else step
         if not step > 0:
@@ -289,6 +292,7 @@ def validate(schedule: Schedule) -> None:
             duplicate, a receive with no matching send (or the reverse), a missing forward
             or backward, a backward before its forward, a message on the wrong side of its
             compute, or a deadlock (which actions wait on which).
+        TypeError: ``schedule`` is not a ``Schedule``.
     """
     _run(schedule, 1.0, 1.0, 0.0, 1.0)
 
@@ -303,8 +307,9 @@ def simulate(
     w_cost``: 2 by default, so that 1F1B and ZB-H1 compare with F = B = W.
 
     Raises:
-        ScheduleError: as :func:`validate`.
-        ValueError: a cost is negative, or the forward and backward costs are all 0.
+        ScheduleError, TypeError: as :func:`validate`; ``TypeError`` too for a cost that is
+            not a number.
+        ValueError: a cost is negative or infinite, or the forward and backward costs are all 0.
     """
     for what, cost in (("f_cost", f_cost), ("b_cost", b_cost), ("comm_cost", comm_cost),
                        ("w_cost", w_cost)):

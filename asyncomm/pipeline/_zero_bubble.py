@@ -33,6 +33,7 @@ def zbh1(n_ranks: int, n_microbatches: int) -> Schedule:
     than in 1F1B -- at most ``n_ranks``, 1F1B's peak on rank 0); then its last Bs,
     each followed by a W, and the Ws left. With F = B = W its makespan is
     ``3 m + (p - 1)`` against 1F1B's ``3 m + 3 (p - 1)``: a third of the bubble.
+    Arguments and errors as :func:`~asyncomm.pipeline.gpipe`'s.
     """
     _check_count("n_ranks", n_ranks)
     _check_count("n_microbatches", n_microbatches)
@@ -56,13 +57,20 @@ def _zbh1_order(rank: int, n_ranks: int, n_microbatches: int) -> list[Action]:
 
 
 def v_placement(n_ranks: int) -> tuple[int, ...]:
-    """Return ZB-V's placement of ``2 * n_ranks`` stages: rank r hosts r and 2 n_ranks - 1 - r."""
+    """Return ZB-V's placement of ``2 * n_ranks`` stages: rank r hosts r and 2 n_ranks - 1 - r.
+
+    Raises:
+        TypeError, ValueError: ``n_ranks`` is not an int >= 1.
+    """
     _check_count("n_ranks", n_ranks)
     return tuple(s if s < n_ranks else 2 * n_ranks - 1 - s for s in range(2 * n_ranks))
 
 
 def zbv(n_ranks: int, n_microbatches: int) -> Schedule:
-    """Build ZB-V: two stages per rank in a V, backwards split; nearly no bubble."""
+    """Build ZB-V: two stages per rank in a V, backwards split; nearly no bubble.
+
+    Arguments and errors as :func:`~asyncomm.pipeline.gpipe`'s (but two stages a rank).
+    """
     _check_count("n_ranks", n_ranks)
     _check_count("n_microbatches", n_microbatches)
     placement = v_placement(n_ranks)

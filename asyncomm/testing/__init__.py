@@ -4,22 +4,11 @@ Starting ranks is the slow part, so a ``World`` is started once and serves
 many tests: each rank process connects back to the test process, imports the
 check function by file and name, runs it on a communicator of its own (made
 for the check over every rank, closed after it, so that no check sees what
-another left) and reports the result or its traceback. A failure on any rank
-fails the test with that rank's traceback; a rank that hangs past the
-deadline fails the test with every rank's stack, and the world is restarted
-for the next test.
+another left) and reports the result or its traceback (see :meth:`World.run`
+for failures and hangs, after which the world is restarted).
 
-With the pytest plugin (``asyncomm.testing.plugin``, registered for pytest
-when asyncomm is installed) a test is simply::
-
-    @pytest.mark.asyncomm(ranks=3, backends=("gloo", "mpi"))
-    async def test_sum(comm):            # runs on every rank
-        t = torch.ones(1)
-        await comm.all_reduce(t)
-        assert t.item() == comm.size
-
-and ``asyncomm_worlds`` (a ``WorldPool``) gives worlds to run checks on by
-hand: ``asyncomm_worlds.get("gloo", 2).run(check_sum)``.
+The pytest plugin (``asyncomm.testing.plugin``, registered for pytest when
+asyncomm is installed) runs ``async def test_x(comm)`` tests so: see its note.
 """
 
 from __future__ import annotations
@@ -45,11 +34,20 @@ _KEY = "ASYNCOMM_TEST_KEY"
 
 
 class WorldFailure(AssertionError):
-    """A check failed, or hung, on one or more ranks."""
+    """Raised when a check failed, or hung, on one or more ranks."""
 
 
 class World:
-    """``size`` rank processes on ``backend``, serving checks until stopped."""
+    """``size`` rank processes on ``backend``, serving checks until stopped.
+
+    Args:
+        size: how many ranks.
+        backend: ``"gloo"``, ``"nccl"`` or ``"mpi"``.
+        start_timeout: how long :meth:`start` waits for the ranks, in seconds.
+
+    Raises:
+        ValueError: ``size`` is below 1.
+    """
 
     def __init__(self, size: int, backend: str = "gloo", start_timeout: float = 60.0) -> None:
         if size < 1:
@@ -74,7 +72,12 @@ class World:
         return bool(self._conns) and all(p.poll() is None for p in self._procs)
 
     def start(self) -> None:
-        """Start the ranks and wait until each has connected."""
+        """Start the ranks and wait until each has connected.
+
+        Raises:
+            RuntimeError: a rank exited or did not connect in time (their output
+                is in the message), or the MPI world finds no ``mpiexec``.
+        """
         from asyncomm._tools import launch as _launch
 
         key = secrets.token_bytes(16)
@@ -132,9 +135,16 @@ class World:
     def run(self, check: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
         """Run ``await check(comm, *args)`` on every rank; return their results in rank order.
 
-        Raise ``WorldFailure`` with the traceback of every rank that raised,
-        or naming the ranks still busy after ``timeout`` seconds, with every
-        rank's stack (keep ``timeout`` below pytest's own, so this report comes).
+        Args:
+            check: an ``async def`` that each rank imports by its file and name.
+            args: its arguments after ``comm`` (picklable).
+            timeout: seconds the ranks have (keep it below pytest's own, so
+                this report comes).
+
+        Raises:
+            WorldFailure: ranks raised (their tracebacks), or were still busy
+                after ``timeout`` (every rank's stack); the world is stopped.
+            RuntimeError: as :meth:`start` (a world not running is started first).
         """
         if not self.running:
             self.stop()
@@ -239,7 +249,11 @@ class WorldPool:
         self._worlds: dict[tuple[str, int], World] = {}
 
     def get(self, backend: str, size: int) -> World:
-        """Return the running world of ``size`` ranks on ``backend``."""
+        """Return the running world of ``size`` ranks on ``backend``, started if need be.
+
+        Raises:
+            ValueError, RuntimeError: as :class:`World` and :meth:`World.start`.
+        """
         world = self._worlds.get((backend, size))
         if world is None:
             world = self._worlds[(backend, size)] = World(size, backend)
@@ -261,10 +275,12 @@ class WorldPool:
 @contextlib.asynccontextmanager
 async def fresh(comm: asyncomm.Comm,
                 env: Mapping[str, str] | None = None) -> AsyncIterator[asyncomm.Comm]:
-    """A new communicator over every rank of ``comm`` (a clean slate), closed on leaving.
+    """Yield a new communicator over every rank of ``comm`` (a clean slate), closed on leaving.
 
-    ``env`` is set while it is made, for settings read then (``ASYNCOMM_DEBUG``,
-    ``ASYNCOMM_MAX_MESSAGE_BYTES``), and restored after.
+    Args:
+        comm: whose ranks (every one enters, as for ``comm.group``).
+        env: environment variables set while it is made, for settings read then
+            (``ASYNCOMM_DEBUG``, ``ASYNCOMM_MAX_MESSAGE_BYTES``), and restored after.
     """
     saved = {name: os.environ.get(name) for name in env or {}}
     os.environ.update(env or {})
@@ -292,6 +308,12 @@ def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
 
     ``env`` is added to the ranks' environment. Skips the calling test (pytest) when
     ``backend`` is ``"mpi"`` and no mpiexec exists.
+
+    Returns:
+        The finished run, its output captured as text.
+
+    Raises:
+        subprocess.TimeoutExpired: it took longer than ``timeout`` seconds.
     """
     from asyncomm._tools import launch as _launch
 

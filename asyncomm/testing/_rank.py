@@ -72,10 +72,8 @@ async def serve(comm: asyncomm.Comm) -> None:
 async def _isolated(check: Callable[..., Any], comm: asyncomm.Comm, args: tuple[Any, ...]) -> Any:
     """Run ``check`` on a communicator of its own over every rank, closed after it.
 
-    So a check leaves nothing behind on the world (operations in flight, channels,
-    actors, groups): what it leaves closes with its communicator, and the next check,
-    whatever it is and in whatever order, starts clean. A check that raised leaves
-    without waiting for the other ranks.
+    What a check leaves (operations in flight, channels, actors, groups) closes with
+    it, so the next check starts clean. A check that raised leaves without waiting.
     """
     mine = await comm.group(range(comm.size))
     assert mine is not None

@@ -1,24 +1,22 @@
 """``asyncomm bench channels``: channels between ranks 0 and 1 beside the raw backend.
 
-Each row against a baseline, with the ratio (and the target it should meet):
+Each row against a baseline, with the ratio and its target (``CHANNEL_TESTS``, where
+one backend differs ``BACKEND_TARGETS``):
 
 - ``pingpong``: one-way latency of an 8 B and a 1 MiB tensor, vs the raw blocking
   send/recv of the same bytes;
 - ``awaited``: the raw backend's send and receive of the smallest message, each awaited
-  through a plain loop-callback bridge (no framing, routing or decoding): a reference
-  under the ping-pong row (``comm.send``/``recv``, which test inline first, beat it);
+  through a plain loop-callback bridge (``_awaited``): a reference for the ping-pong row;
 - ``stream``: bandwidth of 1 MiB messages with 64 in flight (the sender gathers 64
   ``send``s, the receiver consumes them, then acknowledges), vs 64 raw isend/irecv in
-  flight (into 64 buffers), wait all, ack (as osu_bw); target asyncomm/raw >= 0.8;
+  flight (into 64 buffers), wait all, ack (as osu_bw);
 - ``rate``: small dicts per second, sent one after the other, vs the backend's pickle path
-  (mpi4py ``comm.send``/``recv``; gloo: torch's ``send_object_list``); target >= 1.0;
+  (mpi4py ``comm.send``/``recv``; gloo: torch's ``send_object_list``);
 - ``burst``: 8 B tensors per second, sent one after the other then acknowledged (they
-  travel together: see the note on packets in ``_core.link``), vs raw blocking sends of
-  the same bytes one after the other;
-- ``actor``: the round trip of an actor call (an echo) vs a channel round trip of the same
-  message; target actor/channel <= 1.3;
-- ``channels``: ping-pong latency with each exchange on the next of 1000 open channels, vs
-  all on one channel; target 1000/1 <= 1.2.
+  travel together: see the note on the layout in ``_core.link``), vs raw blocking sends
+  of the same bytes one after the other;
+- ``actor``: the round trip of an actor call (an echo) vs a channel's of the same message;
+- ``channels``: ping-pong latency over 1000 open channels in turn, vs all on one channel.
 """
 
 from __future__ import annotations
@@ -74,11 +72,10 @@ _TAGS = {"pingpong": 1, "stream": 2, "rate": 3, "ack": 4, "one": 5, "burst": 6, 
 def _awaited(comm: Comm, t: torch.Tensor, peer: int) -> Calls:
     """Raw sends and receives of ``t``, each awaited through a plain loop-callback bridge.
 
-    No checks, framing, routing or decoding: a reference for what awaiting a request
-    costs with nothing else (asyncomm's awaited operations test inline before parking,
-    and cost less: see the core bench). On MPI, one loop callback tests the requests in
-    flight and settles a future per request; on gloo, whose requests complete only in
-    ``wait()``, a thread waits and settles it: the core bench's ``naive`` variant.
+    No checks, framing, routing or decoding: what awaiting a request costs with nothing
+    else. On MPI, one loop callback tests the requests in flight and settles a future per
+    request; on gloo, whose requests complete only in ``wait()``, a thread waits and
+    settles it: the core bench's ``naive`` variant.
     """
     if comm.backend != "mpi":
         return variants(comm, t, peer)["naive"]

@@ -171,9 +171,8 @@ async def idle(comm: Comm, wait_s: float) -> list[Record]:
             ] if comm.rank == 0 else []
 
 
-# The targets of issue "messaging at the speed of the wire", by (op, size, backend): the
-# most asyncomm/raw may be (None: no bound), and whether asyncomm must be at or below
-# the hand-written bridge (``naive``) too.
+# The latency targets by (op, size, backend): the most asyncomm/raw may be (None: no
+# bound), and whether asyncomm must be at or below the hand-written bridge (``naive``) too.
 TARGETS: dict[tuple[str, int, str], tuple[float | None, bool]] = {
     ("pingpong", 8, "mpi"): (2.0, False),
     ("allreduce", 8, "mpi"): (2.0, True),

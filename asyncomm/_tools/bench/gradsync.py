@@ -5,14 +5,13 @@ timed call per round, the order rotating from round to round) on the same ranks,
 data:
 
 - ``step``: one data-parallel training step (forward, backward, gradients averaged) of an
-  MLP of eight 1024x1024 layers (32 MiB of float32 parameters; buckets of 4 and 28 MiB):
-  ``local`` (forward and backward only, no communication: the compute floor), ``ddp``
-  (``torch.nn.parallel.DistributedDataParallel``, gloo only), ``gradsync`` (backward on the
-  loop thread, then ``await sync.wait()``) and ``gradsync+compute`` (``await
-  asyncomm.compute(loss.backward)``, then ``await sync.wait()``). Reported: the step time,
-  its ratio to DDP's (target <= 1.0) and the exposed communication: step time minus the
-  local step's, and for GradSync also measured directly, from the end of backward to the
-  averaged gradients (median over calls).
+  MLP of eight 1024x1024 layers (``WIDTHS``: 32 MiB of float32 parameters): ``local`` (no
+  communication: the compute floor), ``ddp`` (``DistributedDataParallel``, gloo only),
+  ``gradsync`` (backward on the loop thread, then ``await sync.wait()``) and
+  ``gradsync+compute`` (``await asyncomm.compute(loss.backward)``, then ``sync.wait()``).
+  Reported: the step time, its ratio to DDP's (target <= 1.0) and the exposed
+  communication: step time minus the local step's, and for GradSync also the time from
+  the end of backward to the averaged gradients (median over calls).
 - ``compute``: a 16 MiB all-reduce issued just before a forward pass of the same MLP, the
   forward run on the loop thread (``loop``) or through ``asyncomm.compute`` (``compute``),
   beside each alone: does the all-reduce progress under the forward?
@@ -179,8 +178,6 @@ async def measure(comm: Comm, rounds: int, quick: bool, widths: Sequence[int] | 
     ``widths`` and ``nbytes`` (the all-reduce of the compute section) shrink it for tests.
     """
     widths = widths or (QUICK_WIDTHS if quick else WIDTHS)
-    # Variants alternate step by step, in an order that rotates: ``rounds`` x 8 steps of
-    # each (x 2 with --quick), after ``prime`` untimed ones.
     steps, prime = rounds * (2 if quick else 8), 1 if quick else 3
     torch.set_num_threads(1)  # two ranks share the cores: one intra-op thread each
     records = await _steps(comm, widths, steps, prime)

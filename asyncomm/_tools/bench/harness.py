@@ -120,9 +120,6 @@ def _version(dist: str) -> str | None:
         return None
 
 
-# -- output ---------------------------------------------------------------------------
-
-
 def size_text(n: int) -> str:
     for unit, scale in (("MiB", MIB), ("KiB", KIB)):
         if n >= scale and n % scale == 0:

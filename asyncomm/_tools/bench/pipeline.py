@@ -4,23 +4,16 @@ Two measurements, each rank running one stage (``measure``, run on every rank by
 ``asyncomm bench``'s worker, like the other sections):
 
 - ``vs torch`` (gloo only: torch.distributed.pipelining needs torch's process group):
-  the same MLP (one block of ``Linear(width, width)`` + ``Tanh`` per stage; the last
-  block's output goes through an MSE loss) and the same microbatches, trained one step
-  at a time by ``torch.distributed.pipelining`` (``PipelineStage`` with
-  ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleavedZeroBubble`` (one stage per
-  rank, against zbh1) / ``ScheduleZBVZeroBubble`` (two per rank in a V)) and by
-  ``asyncomm.pipeline.Pipeline`` with the matching schedule. The variants alternate
-  round by round (each round: a barrier, a warm-up step, then timed steps); a step's
-  time is the slowest rank's, the result the median over rounds and the ratio
-  asyncomm / torch (target <= 1.0).
-- ``bubble``: stages whose forward takes a fixed ``t`` and whose backward takes ``2t``:
-  ``t`` for the input's gradient (B) and ``t`` for the weights' (W), apart where a
-  schedule splits them (they sleep: fixed cost, no CPU contention), run by every
-  schedule. The measured bubble of a step is the simulator's definition,
-  ``1 - sum(busy) / (ranks x makespan)``, from every rank's compute time and the first
-  start and last end of the step (``Pipeline.last``; the ranks share a host, so their
-  ``perf_counter`` readings compare), against ``simulate(schedule).bubble`` (F = B = W =
-  1; target: measured / theory <= 1.15).
+  one training step of the same MLP (``mlp``) and microbatches under
+  ``torch.distributed.pipelining`` (``TORCH_SCHEDULES``) and under
+  ``asyncomm.pipeline.Pipeline`` with the matching schedule, alternated round by round
+  (each round: a barrier, a warm-up step, then timed steps); a step's time is the slowest
+  rank's, the result the median over rounds and the ratio asyncomm / torch (target <= 1.0).
+- ``bubble``: stages of fixed cost (``FixedCost``) under every schedule. The measured
+  bubble of a step is the simulator's definition, ``1 - sum(busy) / (ranks x makespan)``,
+  from every rank's compute time and the first start and last end of the step
+  (``Pipeline.last``; the ranks share a host, so their ``perf_counter`` readings compare),
+  against ``simulate(schedule).bubble`` (target: measured / theory <= ``BUBBLE_TARGET``).
 """
 
 from __future__ import annotations
@@ -47,9 +40,6 @@ BUBBLE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 BUBBLE_TARGET = 1.15
 
 
-# -- the models ----------------------------------------------------------------------
-
-
 def mlp(n_stages: int, width: int) -> list[nn.Module]:
     """The stages of the comparison's model, the same on every rank (seeded)."""
     torch.manual_seed(0)
@@ -62,7 +52,7 @@ class _Sleeps(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
         ctx.backward_s = backward_s
-        if forward_s:  # time.sleep(0) is not free: about 0.1 ms on a small host
+        if forward_s:  # time.sleep(0) is not free: it gives up the GIL and the core
             time.sleep(forward_s)
         return x.clone()
 
@@ -89,9 +79,6 @@ class FixedCost(nn.Module):
         through: torch.Tensor = _Sleeps.apply(x, self.t, self.t)  # type: ignore[no-untyped-call]
         weight: torch.Tensor = _Sleeps.apply(self.bias, 0.0, self.t)  # type: ignore[no-untyped-call]
         return through + weight
-
-
-# -- timing --------------------------------------------------------------------------
 
 
 async def _slowest(comm: Comm, seconds: float) -> float:
@@ -197,7 +184,6 @@ async def bubble(comm: Comm, t: float, n_microbatches: int, steps: int) -> list[
             await comm.barrier()
             await pipe.step(x if pipe.first else None, x if pipe.last_stage else None)
             assert pipe.last is not None
-            # the simulator's definition: idle time over the common makespan, tails included
             busy = torch.tensor([pipe.last.busy_s], dtype=torch.float64)
             ends = torch.tensor([-pipe.last.start, pipe.last.end], dtype=torch.float64)
             await comm.all_reduce(busy)
@@ -215,9 +201,6 @@ async def bubble(comm: Comm, t: float, n_microbatches: int, steps: int) -> list[
             "target": BUBBLE_TARGET, "samples": measured,
         })
     return records
-
-
-# -- output --------------------------------------------------------------------------
 
 
 def table(records: Sequence[Record]) -> list[str]:
