@@ -2,66 +2,57 @@
 
 Note on why
 -----------
-Large frames streamed through gloo's pairs fall well short of raw gloo
-``isend``/``irecv``, however little Python goes around them: the receiving
-rank's gloo I/O thread wakes many times per message, and both ranks run out
-of CPU. So a frame's envelope still travels as a gloo link message, and its
-data follows on the lane: one connection each way per pair of ranks that
-exchange data, a *writer* thread per destination and a *reader* thread per
-source. Over the socket alone (peers on other hosts) a reader costs about
-what gloo's I/O thread does; see the note on memory for peers on one host.
+Large frames streamed through gloo's pairs fall well short of raw gloo ``isend``/``irecv``,
+however little Python goes around them: the receiving rank's gloo I/O thread wakes many
+times per message, and both ranks run out of CPU. So a frame's envelope still travels as a
+gloo link message, and its data follows on the lane: one connection each way per pair of
+ranks that exchange data, a *writer* thread per destination and a *reader* thread per
+source. Over the socket alone (peers on other hosts) a reader costs about what gloo's I/O
+thread does; see the note on memory for peers on one host.
 
 Note on order and matching
 --------------------------
-A connection is FIFO and a source's data is asked for in the order of its
-envelopes (the listener's order), so the n-th buffer read from a source is
-the n-th buffer it wrote to this rank: nothing is tagged, and bytes written
-before their envelope arrives wait in the connection. Each direction has its
-own connection and threads: a writer held by a receiver that does not read
-holds no other peer's data, and no reader waits for a writer (no cycle of
-ranks can deadlock the lane).
+A connection is FIFO and a source's data is asked for in the order of its envelopes (the
+listener's order), so the n-th buffer read from a source is the n-th buffer it wrote to
+this rank: nothing is tagged, and bytes written before their envelope arrives wait in the
+connection. Each direction has its own connection and threads: a writer held by a receiver
+that does not read holds no other peer's data, and no reader waits for a writer (no cycle
+of ranks can deadlock the lane).
 
 Note on memory
 --------------
-Peers on one host (the same listening address) skip the socket's copies.
-First choice, *direct*: the writer only says where a buffer is and how large
-(16 bytes on the socket); the reader copies it straight out of the writer's
-process into its own buffer (``process_vm_readv``, one copy, without the
-GIL) and says so (one byte), and the writer's ``done`` follows then (a
-thread per destination hears it: the writer never waits). The sending rank
-then spends no CPU on the bytes at all, where a ring costs a copy on each
-side. The reader takes the offer only after reading a token from where the
-offer says (same host, same processes, and the kernel lets it read them:
-Yama's ``ptrace_scope`` >= 1 or a container's seccomp forbid it); else it
-declines and the writer offers a *ring*: ``RING_BYTES`` of shared memory per
-direction, the writer copying bytes in (``memmove``, without the GIL) and
-sending the count written so far; the reader copies them out and sends back
-the count read once it has read another quarter of the ring (the writer
-takes them every 16 copies, and whenever it runs low: they never pile up
-unread). A file in ``/dev/shm`` carries the ring only for the handshake: the
-writer unlinks it once the reader mapped it. A ring declined (another
-container's ``/dev/shm`` behind the address), or none to be made, leaves the
-socket. ``ASYNCOMM_LANE_DIRECT=0`` skips the direct offer,
-``ASYNCOMM_LANE_SHM=0`` both. The copies take the tensors' addresses and
-sizes only: a torch call that lets the GIL go (``reshape``, ``view``) costs
-a hand-off between the loop and the lane's threads.
-And the reader takes a frame's buffers only when its bytes are next
-(``recv``'s ``take``), not when its envelope came: a stream's buffers are
-then mostly the ones its receiver just freed, still in the cache.
+Peers on one host (the same listening address) skip the socket's copies. First choice,
+*direct*: the writer only says where a buffer is and how large (16 bytes on the socket);
+the reader copies it straight out of the writer's process into its own buffer
+(``process_vm_readv``, one copy, without the GIL) and says so (one byte), and the writer's
+``done`` follows then (a thread per destination hears it: the writer never waits). The
+sending rank then spends no CPU on the bytes, where a ring costs a copy on each side. The
+reader takes the offer only after reading a token from where the offer says (same host,
+same processes, and the kernel lets it: Yama's ``ptrace_scope`` >= 1 or a container's
+seccomp forbid it); else it declines and the writer offers a *ring*: ``RING_BYTES`` of
+shared memory per direction, the writer copying bytes in (``memmove``, without the GIL) and
+sending the count written so far; the reader copies them out and sends back the count read
+once it has read another quarter of the ring (the writer takes them every 16 copies, and
+whenever it runs low: they never pile up unread). A file in ``/dev/shm`` carries the ring
+only for the handshake: the writer unlinks it once the reader mapped it. A ring declined
+(another container's ``/dev/shm`` behind the address), or none to be made, leaves the
+socket. ``ASYNCOMM_LANE_DIRECT=0`` skips the direct offer, ``ASYNCOMM_LANE_SHM=0`` both.
+The copies take the tensors' addresses and sizes only: a torch call that lets the GIL go
+(``reshape``, ``view``) costs a hand-off between the loop and the lane's threads. The
+reader takes a frame's buffers only when its bytes are next (``recv``'s ``take``), not when
+its envelope came: a stream's buffers are then mostly the ones its receiver just freed,
+still in the cache.
 
 Note on connecting
 ------------------
-Each rank listens on the address its gloo device uses, says where in the
-rendezvous store (``lane/LABEL/RANK``) and connects to a peer the first time
-it has data for it (on the writer thread: the store's ``get`` waits for the
-peer to say where it listens), saying its rank first, then offering the ways
-above in turn (each answered: taken, or declined and the next offered; the
-socket last).
-A source has one connection: another that says it comes from that source is
-closed. A failure to connect, write or read fails that buffer and every
-later one of that peer with a ``PeerFailedError`` (the peer died, or its
-host did); nothing is retried: a lost buffer breaks its frame, and the
-peer's frames behind it.
+Each rank listens on the address its gloo device uses, says where in the rendezvous store
+(``lane/LABEL/RANK``) and connects to a peer the first time it has data for it (on the
+writer thread: the store's ``get`` waits for the peer to say where it listens), saying its
+rank first, then offering the ways above in turn (each answered: taken, or declined and the
+next offered; the socket last). A source has one connection: another that says it comes
+from that source is closed. A failure to connect, write or read fails that buffer and every
+later one of that peer with a ``PeerFailedError`` (the peer died, or its host did); nothing
+is retried: a lost buffer breaks its frame, and the peer's frames behind it.
 """
 
 from __future__ import annotations
@@ -121,8 +112,7 @@ class Lane:
         self._readers: dict[int, _Queue] = {}
         self._threads: list[threading.Thread] = []
         self._closed = False
-        # peers whose connection broke (closed, reset, their process gone): the first
-        # failure each; a peer's death the link's probe of it reports (see ``GlooLink.probe``)
+        # the first failure of each peer whose connection broke (``GlooLink.probe`` reports it)
         self.lost: dict[int, PeerFailedError] = {}
         family = socket.AF_INET6 if ":" in address else socket.AF_INET
         self._server = socket.create_server((address, 0), family=family, backlog=64)
@@ -142,8 +132,7 @@ class Lane:
 
     def recv(self, src: int, take: Callable[[], Sequence[torch.Tensor]], done: Done) -> None:
         """Read ``src``'s next bytes into the buffers ``take()`` returns (called when their
-        bytes are next: see the note on memory), in order; ``done`` once all are full.
-        """
+        bytes are next: see the note on memory), in order; ``done`` once all are full."""
         self._queue(self._readers, src).put((take, done))
 
     def close(self) -> None:
@@ -175,8 +164,7 @@ class Lane:
         thread.start()
 
     def _queue(self, queues: dict[int, _Queue], peer: int) -> _Queue:
-        """Return ``peer``'s queue, made once (the listener and the accepting thread both
-        ask for a reader's)."""
+        """Return ``peer``'s queue, made once (the listener and the accepting thread ask)."""
         with self._lock:
             items = queues.get(peer)
             if items is None:
@@ -277,13 +265,11 @@ class Lane:
 
 
 def _welcome(sock: socket.socket) -> tuple[int, _In]:
-    """Read a connecting peer's hello and offers; return its rank and the stream to read
-    from it.
+    """Read a connecting peer's hello and offers; return its rank and the stream to read.
 
-    The peer offers ways in turn (see the note on memory), the socket last (an
-    empty offer). One this rank cannot take (another host's ring, or shared
-    memory of its own: another container; a process it may not read) is
-    declined, and the peer offers the next.
+    The peer offers ways in turn (see the note on memory), the socket last (an empty offer).
+    One this rank cannot take (another host's ring, or shared memory of its own: another
+    container; a process it may not read) is declined, and the peer offers the next.
     """
     _nodelay(sock)
     sock.settimeout(_HELLO_S)  # (a stranger that says nothing holds no one up)

@@ -2,63 +2,55 @@
 
 Note on threads
 ---------------
-gloo's receives must know their size and complete only inside a blocking
-``wait()``. So a *listener* thread keeps ``DEPTH`` any-source receives of
-``ENVELOPE_BYTES`` link messages posted, and when one announces a large
-frame, asks the data lane (``gloo_lane``) for that frame's bytes at once, in
-order; the lane's reader hands each whole frame to the loop through the
-backend's inbox. The loop posts link messages itself (eager sends: a round
-trip of small messages takes no thread hand-off) and gives data to the
-lane's writers, which never wait on the loop. The loop parses messages that
-came in one piece itself. The listener posts no receive after the last
-peer's goodbye (see the note on closing in ``_link``).
+gloo's receives must know their size and complete only inside a blocking ``wait()``. So a
+*listener* thread keeps ``DEPTH`` any-source receives of ``ENVELOPE_BYTES`` link messages
+posted, and when one announces a large frame, asks the data lane (``gloo_lane``) for that
+frame's bytes at once, in order; the lane's reader hands each whole frame to the loop
+through the backend's inbox. The loop posts link messages itself (eager sends: a round trip
+of small messages takes no thread hand-off), parses those that came in one piece, and gives
+data to the lane's writers, which never wait on the loop. The listener posts no receive
+after the last peer's goodbye (see the note on closing in ``_core.link``).
 
 Note on the data lane
 ---------------------
-Large frames' bytes travel on connections of asyncomm's own, not through
-gloo's pairs (see ``gloo_lane``'s note on why). That also keeps the loop out
-of gloo's pair lock: a pair's I/O thread holds it while it moves a message,
-and a send posted meanwhile waits (a credit frame sent during a stream would
-wait out whole data messages); with no data on the pairs, a link message
-waits for nothing but other link messages. A data message needs no order
-against its envelope: its receiver reads a source's lane in the order of
-that source's envelopes, and bytes written early wait in the connection.
+Large frames' bytes travel on connections of asyncomm's own, not through gloo's pairs (see
+``gloo_lane``'s note on why). That also keeps the loop out of gloo's pair lock: a pair's I/O
+thread holds it while it moves a message, and a send posted meanwhile waits (a credit frame
+sent during a stream would wait out whole data messages); with no data on the pairs, a link
+message waits for nothing but other link messages. A data message needs no order against
+its envelope: its receiver reads a source's lane in the order of that source's envelopes,
+and bytes written early wait in the connection.
 
 Note on batches and message sizes
 ---------------------------------
-The envelopes of large frames travel in batches (see the note on the layout
-in ``_link``). On gloo a batch spares every frame but its first an eager
-send, a listener's wake-up and a receive re-posted, on both ranks. The
-listener asks for the data of a batch's frames in order and tells the loop
-of them in one hand-off. A batch holds the envelopes of about 150 large
-frames (40 where messages are padded). On Linux, link messages are as long
-as what they hold; elsewhere they are padded to ``ENVELOPE_BYTES`` (see
-``gloo_p2p``'s note on sizes).
+The envelopes of large frames travel in batches (see the note on the layout in
+``_core.link``): on gloo a batch spares every frame but its first an eager send, a
+listener's wake-up and a receive re-posted, on both ranks. The listener asks for the data of
+a batch's frames in order and tells the loop of them in one hand-off. On Linux, link
+messages are as long as what they hold; elsewhere they are padded to ``ENVELOPE_BYTES``
+(see ``gloo_p2p``'s note on sizes).
 
 Note on draining
 ----------------
-One posted receive at a time puts a listener's reaction between any two
-messages; with ``DEPTH`` posted, messages flow while it works. But no
-receive may stay posted when the group goes, and gloo cannot cancel one. So
-the listener re-posts after every message until the last peer's goodbye,
-except after a DRAIN message, and each rank sends ``DEPTH - 1`` DRAINs to
-rank ``rank - 1`` after its goodbyes: the receives still posted once every
-goodbye is in are exactly the ones the DRAINs fill.
+One posted receive at a time puts a listener's reaction between any two messages; with
+``DEPTH`` posted, messages flow while it works. But no receive may stay posted when the
+group goes, and gloo cannot cancel one. So the listener re-posts after every message until
+the last peer's goodbye, except after a DRAIN message, and each rank sends ``DEPTH - 1``
+DRAINs to rank ``rank - 1`` after its goodbyes: the receives still posted once every goodbye
+is in are exactly the ones the DRAINs fill.
 
 Note on dead peers
 ------------------
-gloo fails an operation on a connection that closed (its peer died), but
-not an any-source receive, which belongs to no connection: the listener
-never learns of a death. ``probe`` sends the peer a PING message, which the
-listener drops; if the peer is gone, the send fails at once (gloo closed its
-connection when the socket did). A frame whose data a dead peer never wrote
-fails when the lane's connection closes. A dead rank drains no one and says
-no goodbye, so each rank drains the nearest *live* rank below it and first
-says the dead ranks' goodbyes to it (proxy ``BYE``s, see ``_link``): the
-count above holds as long as the live ranks agree on who is dead (they
-probe everyone just before saying goodbye). A rank left with no live peer
-cannot be drained: its listener stays blocked in its receive (a daemon
-thread) until the process exits.
+gloo fails an operation on a connection that closed (its peer died), but not an any-source
+receive, which belongs to no connection: the listener never learns of a death. ``probe``
+sends the peer a PING message, which the listener drops; if the peer is gone, the send fails
+at once (gloo closed its connection when the socket did). A frame whose data a dead peer
+never wrote fails when the lane's connection closes. A dead rank drains no one and says no
+goodbye, so each rank drains the nearest *live* rank below it and first says the dead
+ranks' goodbyes to it (proxy ``BYE``s, see ``_core.link``): the count above holds as long as
+the live ranks agree on who is dead (they probe everyone just before saying goodbye). A rank
+left with no live peer cannot be drained: its listener stays blocked in its receive (a
+daemon thread) until the process exits.
 """
 
 from __future__ import annotations
@@ -193,16 +185,14 @@ class GlooLink(Link):
         return packet  # sent as it is (padded where it must be: see ``_post``)
 
     def probe(self, dst: int) -> BaseException | None:
-        """Send ``dst`` a PING; a send to a dead peer fails at once (see the note). A
-        peer whose data lane broke is gone: a PING to a peer that died can still be
-        written (and then proves nothing), but its lane's connection closed.
+        """Send ``dst`` a PING; a send to a dead peer fails at once (see the note). A peer
+        whose data lane broke is gone, though a PING to it may still be written.
 
-        At most one PING per peer is in flight: one to a stalled peer waits
-        (on a waiter thread, so other peers' sends go on) and reports a death
-        if the peer dies meanwhile.
+        At most one PING per peer is in flight: one to a stalled peer waits (on a waiter
+        thread, so other peers' sends go on) and reports a death if the peer dies meanwhile.
         """
         lost = None if self._lane is None else self._lane.lost.get(dst)
-        if lost is not None:  # its lane broke: the peer is gone (a PING may still be sent)
+        if lost is not None:
             return lost
         if dst in self._pinging:
             return None
@@ -251,11 +241,8 @@ class GlooLink(Link):
 
     async def join(self, timeout: float) -> None:
         """Join the lane's threads, and the listener once it drained, off the loop, up to
-        ``timeout`` in all.
-
-        A listener that did not drain waits for a peer that never said
-        goodbye (it died, or never closed): it is left, a daemon thread.
-        """
+        ``timeout`` in all. A listener that did not drain waits for a peer that never said
+        goodbye (it died, or never closed): it is left, a daemon thread."""
         deadline = time.monotonic() + timeout
         lane, listener = self._lane, self._listener
         if not self._drained.done():

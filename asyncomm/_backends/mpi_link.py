@@ -48,10 +48,9 @@ _SPECS = 256  # the specs kept: a program's hot tensors are far fewer
 def spec(tensor: torch.Tensor) -> list[Any]:
     """Return an mpi4py buffer spec over the tensor's own memory (the caller keeps it alive).
 
-    A spec is only an address, a length and a datatype: it owns nothing, so the spec
-    of the same memory seen as the same dtype is kept and given again (making one
-    costs as much as the operation it describes). A tensor freed and another made at
-    its address is the same memory: its spec is right for it too.
+    A spec is only an address, a length and a datatype, owning nothing: the spec of the
+    same memory as the same dtype is kept and given again (making one costs as much as the
+    operation it describes), and is right for a tensor made anew at that address too.
     """
     key = (tensor.data_ptr(), tensor.nbytes, tensor.dtype)
     made = _specs.get(key)
@@ -67,9 +66,7 @@ MESSAGE_BYTES = 64 << 10  # the largest link message: frames up to about this tr
 # MPI sends messages this small eagerly (with the match), so it is here whole and the
 # receive returns at once; larger ones are received without blocking (see ``_take``).
 AT_ONCE_BYTES = 1024
-# A burst's packets go every so many frames, so that the receiver decodes while the sender
-# issues.
-PACKET_FRAMES = 16
+PACKET_FRAMES = 16  # a burst's packets go so often: the receiver decodes as the sender issues
 
 
 class MpiLink(Link):
@@ -160,12 +157,10 @@ class MpiLink(Link):
 class ProbeLink(MpiLink):
     """Link messages found by matched probe from any source (Open MPI: see ``PostedLink``).
 
-    The poller probes at every poll (``MPI_Improbe``), so a message is taken
-    as soon as it is there, with no receive standing. Each message is
-    received into a buffer of the size the probe reports (never more than
-    ``MESSAGE_BYTES``). A message that is not complete at once (rare: only
-    large ones) delays the later messages of its source until it is, so
-    data receives are always posted in the order the frames were sent.
+    The poller probes at every poll (``MPI_Improbe``), so a message is taken as soon as it
+    is there, with no receive standing, into a buffer of the size the probe reports (at most
+    ``MESSAGE_BYTES``). A message not complete at once (only large ones) delays the later
+    messages of its source until it is, so data receives are posted in the order sent.
     """
 
     def __init__(self, backend: Transport, comm: Any, loop: asyncio.AbstractEventLoop,
@@ -176,11 +171,10 @@ class ProbeLink(MpiLink):
     def pump(self) -> bool:
         """Take the messages that are there; return whether any was.
 
-        A packet of small messages ends the call (whoever waits for one goes
-        on at once, without a last probe that finds nothing: the poller calls
-        again while messages come); the other messages are taken one after
-        the other, so that the data receives of every frame announced are
-        posted at once.
+        A packet of small messages ends the call (whoever waits for one goes on at once,
+        without a last probe that finds nothing: the poller calls again while messages
+        come); other messages are taken one after the other, so that the data receives of
+        every frame announced are posted at once.
         """
         found = False
         comm, status = self._comm, self._status
@@ -272,19 +266,17 @@ class PostedLink(MpiLink):
 
     Note on the posted receive
     --------------------------
-    A persistent any-source receive of ``MESSAGE_BYTES`` stays started on the
-    link's tag: MPI matches each message to it as it lands, and the poller
-    finds it with one ``Test`` (a probe's matched receive costs a probe, a
-    receive and a buffer sized from the probe).
-    Each message is copied out and the receive started again at once, before
-    the message is taken, so the next one lands in it; messages that come
-    meanwhile wait in MPI's queue, in order (one source's messages match the
-    receive in the order they were sent). No sender of ours sends a link
-    message beyond ``MESSAGE_BYTES``; a larger one is cut short by MPI
-    (``MPI_ERR_TRUNCATE``, its source known): refused as a probed one would be,
-    and the receive goes on. Only where a truncated receive is safe (MPICH;
-    Open MPI's crashed the process: ``PROBE_FIRST``) -- elsewhere the link
-    probes (``ProbeLink``).
+    A persistent any-source receive of ``MESSAGE_BYTES`` stays started on the link's tag:
+    MPI matches each message to it as it lands, and the poller finds it with one ``Test``
+    (a probe's matched receive costs a probe, a receive and a buffer sized from the probe).
+    Each message is copied out and the receive started again at once, before the message
+    is taken, so the next one lands in it; messages that come meanwhile wait in MPI's
+    queue, in order (one source's messages match the receive in the order they were sent).
+    No sender of ours sends a link message beyond ``MESSAGE_BYTES``; a larger one is cut
+    short by MPI (``MPI_ERR_TRUNCATE``, its source known): refused as a probed one would
+    be, and the receive goes on. Only where a truncated receive is safe (MPICH; Open MPI's
+    crashed the process: ``mpi_backend.PROBE_FIRST``); elsewhere the link probes
+    (``ProbeLink``).
     """
 
     def __init__(self, backend: Transport, comm: Any, loop: asyncio.AbstractEventLoop,
@@ -321,11 +313,10 @@ class PostedLink(MpiLink):
     def pump(self) -> bool:
         """Take the message that is there, if any; return whether one was.
 
-        One message a call (the poller calls again while messages come): a
-        frame's receiver takes it, and frees its buffer for the next, before
-        the next is fetched. (Taking every message there, as ``ProbeLink``
-        does, would take all the envelopes of a stream in one call, and each
-        data message would go into a fresh buffer.)
+        One message a call (the poller calls again while messages come): a frame's receiver
+        takes it, and frees its buffer for the next, before the next is fetched. (Taking all
+        that are there, as ``ProbeLink`` does, would take a stream's envelopes in one call,
+        and each data message would go into a fresh buffer.)
         """
         if not self._open:
             return False

@@ -15,9 +15,8 @@ from asyncomm._core.ops import ReduceOp, check_reduce
 class Arguments:
     """Check the arguments of a communicator's operations; raise ``TypeError``/``ValueError``.
 
-    Each check returns the value as the backend takes it (an array as a
-    tensor, a numpy integer as an int). Plain values in range pass in one
-    step: these checks are on the path of every operation.
+    Each check returns the value as the backend takes it (an array as a tensor, a numpy
+    integer as an int). Plain values in range pass in one step: every operation checks.
     """
 
     def __init__(self, backend: Backend, timeout: float) -> None:

@@ -1,10 +1,10 @@
 """The backend interface: what a communicator asks of torch.distributed or MPI.
 
-A ``Backend`` issues non-blocking primitives and reports each one's end to a
-``Sink`` through one of the progress engines. One is chosen when a
-communicator is made (``asyncomm._backends``); nothing above asks which it is.
-Ranks, tags and buffers reach a backend already checked by ``Comm``: tensors
-are contiguous, on the backend's device, with matching shapes.
+A ``Backend`` issues non-blocking primitives and reports each one's end to a ``Sink``
+through one of the progress engines. One is chosen when a communicator is made
+(``asyncomm._backends``); nothing above asks which it is. Ranks, tags and buffers reach a
+backend already checked by ``Comm``: tensors are contiguous, on the backend's device, with
+matching shapes.
 """
 
 from __future__ import annotations
@@ -31,20 +31,17 @@ Tensors = Sequence[torch.Tensor]
 class Posted(ABC):
     """A point-to-point operation issued by a thread other than the loop's, for it to wait on.
 
-    ``Comm.post_send``/``post_recv`` give them, and take the same arguments as
-    ``send``/``recv`` (but a source must be named). No handle, no progress
-    engine, no loop hop: a thread that runs a fixed sequence of computes and
-    messages (a pipeline's driver, say) sends, and blocks on what it receives, as
-    a program written against the backend would. Raise ``ValueError``/``TypeError``
-    for bad arguments, ``CommClosedError`` on a closed communicator, before
-    anything is sent. The wait has no deadline of its own: it ends when the
-    operation does, when a peer's failure fails it (gloo sees a peer's exit at
-    once; under MPI the launcher ends the job), or when ``cancel`` or the
-    communicator's close ends it (where the backend can; see ``cancel``). On gloo,
-    wait for every posted operation before closing the communicator.
-
-    A backend implements ``_block`` (and ``cancel`` where it can); ``wait`` keeps
-    the communicator's ``InFlight`` count and words the backend's errors.
+    ``Comm.post_send``/``post_recv`` give them, and take the same arguments as ``send``/
+    ``recv`` (but a source must be named). No handle, no progress engine, no loop hop: a
+    thread that runs a fixed sequence of computes and messages (a pipeline's driver, say)
+    sends, and blocks on what it receives, as a program written against the backend would.
+    Bad arguments raise ``ValueError``/``TypeError``, a closed communicator
+    ``CommClosedError``, before anything is sent. The wait has no deadline of its own: it
+    ends when the operation does, when a peer's failure fails it (gloo sees a peer's exit at
+    once; under MPI the launcher ends the job), or when ``cancel`` or the communicator's
+    close ends it (where the backend can). On gloo, wait for every posted operation before
+    closing the communicator. A backend implements ``_block`` (and ``cancel`` where it can);
+    ``wait`` keeps the communicator's ``InFlight`` count and words the backend's errors.
     """
 
     def __init__(self, what: tuple[int, str, int, int], in_flight: InFlight,
@@ -85,10 +82,8 @@ class Posted(ABC):
 
 
 class InFlight:
-    """One communicator's ``Posted`` operations not waited for yet, and threads inside a wait.
-
-    Closing the communicator ends what it can of them first (and waits for the threads).
-    """
+    """One communicator's ``Posted`` operations not waited for yet, and threads inside a wait
+    (closing the communicator ends what it can of them first, and waits for the threads)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -132,11 +127,11 @@ class Backend(ABC):
     lost: BaseException | None = None  # the first error that said a peer is gone
     dtypes: frozenset[torch.dtype] | None = None  # the dtypes it moves; None: every one
     ends_job_on_error: bool = False  # whether ``abort_job`` ends every rank's process
-    # whether its link can tell that a peer is gone (``Link.probe``): else a dead peer
-    # ends the whole job (MPI), and nobody is left to tell
+    # whether its link can tell that a peer is gone (``Link.probe``); else a dead peer ends
+    # the whole job (MPI), and nobody is left to tell
     probes_peers: bool = False
-    # whether its operations progress without the event loop (on the backend's own
-    # threads: torch's), or only when the loop polls them (MPI)
+    # whether its operations progress on the backend's own threads (torch's), not only when
+    # the loop polls them (MPI)
     progresses_alone: bool = False
 
     def check_reduce(self, dtype: torch.dtype, op: ReduceOp, what: str) -> None:  # noqa: B027
@@ -153,10 +148,10 @@ class Backend(ABC):
 
     def quick_all_reduce(self, tensor: object, ops: dict[torch.dtype, Any],
                          what: tuple[Any, ...]) -> Handle[Any] | None:
-        """Issue an all-reduce of ``tensor`` as the user gave it (``Comm`` checked the
-        rest) by ``ops[tensor.dtype]`` (``quick_op``'s), in the fewest steps: posted, then
-        its handle made (named ``what``). ``None``: not issued, take the usual path (not a
-        plain contiguous tensor in the backend's memory, or of a dtype ``ops`` lacks)."""
+        """Issue an all-reduce of ``tensor`` as the user gave it (``Comm`` checked the rest) by
+        ``ops[tensor.dtype]`` (``quick_op``'s), in the fewest steps: posted, then its handle
+        made (named ``what``). ``None``: not issued, take the usual path (not a plain
+        contiguous tensor in the backend's memory, or of a dtype ``ops`` lacks)."""
         return None
 
     def quick_send(self, tensor: object, dst: int, tag: int,
@@ -234,15 +229,12 @@ class Backend(ABC):
 
     @abstractmethod
     def link(self) -> Link:
-        """Return a link carrying channel frames over this communicator (see ``_link``)."""
+        """Return a link carrying channel frames over this communicator (see ``link``)."""
 
     def stuck(self) -> list[int]:
-        """Return the tags of receives in flight that only a peer's message can end.
-
-        One entry per receive (gloo's any-source receives: see ``_torch``'s
-        note on teardown). A communicator about to close asks a live peer to
-        ``release`` them.
-        """
+        """Return the tags of receives in flight that only a peer's message can end, one entry
+        per receive (gloo's any-source receives: see ``TorchBackend``'s note on teardown). A
+        communicator about to close asks a live peer to ``release`` them."""
         return []
 
     def release(self, peer: int, tag: int) -> None:  # noqa: B027

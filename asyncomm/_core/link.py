@@ -1,48 +1,40 @@
 """Links: how whole frames travel between the ranks of asyncomm's own communicator.
 
-A ``Link`` carries frames (see ``wire``) for the channel router, in order
-per pair of ranks, and hands each one that arrives to the router's
-``Arrivals``. Backends choose the link that suits them (``Backend.link``).
+A ``Link`` carries frames (see ``wire``) for the channel router, in order per pair of
+ranks, and hands each one that arrives to the router's ``Arrivals``. Backends choose the
+link that suits them (``Backend.link``).
 
 Note on the layout
 ------------------
-A frame travels as one *message* on tag ``tags.LINK_MESSAGE``: a preamble (head
-bytes, frame bytes inline, data messages following), then the frame in one
-piece if it fits in the link's ``room``. If it does not, the message holds
-only the head (or nothing, for a head beyond the room) and the buffers follow
-as *data messages* on tag ``tags.LINK_DATA`` from the same source, in order: the
-receiver posts their receives as soon as the message arrives, so frames from
-one source never mix. Small frames (see ``small``) issued to one rank
-within one loop iteration travel together as one *packet* (queued in the
-link's ``outbox``): a message on tag ``tags.LINK_MESSAGE`` whose preamble
-says ``PACKET``, holding the frames as one msgpack array (decoded in one
-call), sent when the iteration ends (``flush``; no timer, so a lone frame
-waits for nothing). On links that
-batch (``batching``: gloo), the envelopes of large frames issued to one rank
-within one iteration travel together too, as one *batch* (preamble form ``BATCH``,
-then each frame's preamble and head), sent when the iteration ends or once
-the next does not fit in the room; their data messages are issued at once,
-in order. (On MPI, data messages sent before their envelope would arrive
-unexpected, and be copied twice.) A frame sent
-another way first sends its destination's packet and batch, so frames leave
-in the order they were issued. The frame bytes are the same on every link;
-only how a message is found differs (their layout: ``messages``):
+A frame travels as one *message* on tag ``tags.LINK_MESSAGE``: a preamble (head bytes,
+frame bytes inline, data messages following; see ``messages``), then the frame in one
+piece if it fits in the link's ``room``. If not, the message holds only the head (or
+nothing, for a head beyond the room) and the buffers follow as *data messages* on
+``tags.LINK_DATA`` from the same source, in order: the receiver posts their receives as
+soon as the message arrives, so frames from one source never mix.
 
-- gloo's receives must know their size: every message fits a fixed size,
-  and a thread keeps any-source receives of that size posted (see ``_gloo``);
-- MPI finds messages by matched probe and sizes each receive from it (see
-  ``_mpi``).
+Small frames (see ``small``) issued to one rank within one loop iteration travel together
+as one *packet* (queued in ``small.Outbox``; preamble form ``PACKET``, one msgpack array
+decoded in one call), sent when the iteration ends (``flush``; no timer, so a lone frame
+waits for nothing). On links that batch (``batching``: gloo), the envelopes of large
+frames issued to one rank within one iteration travel together as one *batch* (form
+``BATCH``: each frame's preamble and head), sent when the iteration ends or once the next
+does not fit in the room; their data messages are issued at once, in order. (On MPI, data
+messages sent before their envelope would arrive unexpected, and be copied twice.) A frame
+sent another way first sends its destination's packet and batch, so frames leave in the
+order they were issued. The frame bytes are the same on every link; only how a message is
+found differs. gloo's receives must know their size: every message fits a fixed size, and
+a thread keeps any-source receives of that size posted (``gloo_link``). MPI finds
+messages by matched probe, or in a receive kept posted (``mpi_link``).
 
 Note on closing
 ---------------
-A receive posted on gloo can be neither cancelled nor aborted, and tearing a
-process group down under one kills the process. So links close
-collectively: each sends ``BYE`` to every peer and stops receiving once
-every peer's ``BYE`` is in (``Arrivals.bye``). A peer known to be gone
-(``probe``) never says goodbye, so a live rank says it for it: a *proxy*
-``BYE`` naming the dead rank, sent before its own goodbye to the one rank it
-drains (see ``_gloo``), so that every receiver counts a goodbye from every
-peer, live or dead.
+A receive posted on gloo can be neither cancelled nor aborted, and tearing a process group
+down under one kills the process. So links close collectively: each sends ``BYE`` to every
+peer and stops receiving once every peer's ``BYE`` is in (``Arrivals.bye``). A peer known
+to be gone (``probe``) never says goodbye, so a live rank says it for it: a *proxy* ``BYE``
+naming the dead rank, sent before its own goodbye to the one rank it drains (see
+``gloo_link``), so that every receiver counts a goodbye from every peer, live or dead.
 """
 
 from __future__ import annotations
@@ -107,15 +99,11 @@ class Arrivals(Protocol):
         """A whole frame from ``src`` (``seq`` is its own: ``head`` may be a shared one)."""
 
     def packet(self, src: int, view: memoryview, at: int, end: int) -> None:
-        """The small frames of a packet from ``src``, laid in ``view[at:end]`` (read it at once).
-
-        A msgpack array of frames (see ``small``); a packet that does not hold
-        whole frames is refused (``refuse``) from the first one that is not.
-        """
+        """The small frames of a packet from ``src`` in ``view[at:end]`` (read it at once): a
+        msgpack array (see ``small``), refused (``refuse``) from the first frame not whole."""
 
     def items(self, src: int, items: list[Any]) -> None:
-        """The small frames of a packet from ``src``, decoded: ``small.unpack_packet``'s
-        items."""
+        """The small frames of a packet from ``src``, decoded (``small.unpack_packet``'s)."""
 
     def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are on their way (it comes before later ones)."""
@@ -124,10 +112,8 @@ class Arrivals(Protocol):
         """A malformed frame: on channel ``tag``, or (``None``) the end of ``src``'s stream."""
 
     def bye(self, src: int, dead: int | None = None) -> None:
-        """``src`` closed its end of the link: nothing more comes from it.
-
-        With ``dead``: ``src`` says that goodbye for ``dead``, which it found gone.
-        """
+        """``src`` closed its end of the link: nothing more comes from it (with ``dead``: it
+        says that goodbye for ``dead``, which it found gone)."""
 
     def failed(self, peer: int, cause: BaseException) -> None:
         """``peer`` is gone (a probe of it failed)."""
@@ -162,10 +148,8 @@ class Link(ABC):
         self._queue_data = self._outbox.data
         self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
         self.batching = False  # whether large frames' envelopes go in batches (see the note)
-        # Whether frames wait to be sent (their flush is in the loop's ``due`` list then,
-        # see ``spin``), and whether a flush is asked of the loop at its iteration's end.
-        self._waiting = False
-        self._flush_asked = False
+        self._waiting = False  # whether frames wait (their flush in ``due``: see ``spin``)
+        self._flush_asked = False  # whether the loop flushes at its iteration's end
         self._due = due_at(loop)
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
@@ -188,18 +172,14 @@ class Link(ABC):
         """A receiver waits: watch closely for a while (where the link polls)."""
 
     def probe(self, dst: int) -> BaseException | None:
-        """Check that ``dst`` is still there; return why not, or ``None`` if it may be.
-
-        Links that cannot tell return ``None`` (MPI: a dead rank ends the job).
-        Only before this rank's goodbye (a probe is a message).
-        """
+        """Check that ``dst`` is still there; return why not, or ``None`` if it may be (always,
+        where the link cannot tell: on MPI a dead rank ends the job). Only before this rank's
+        goodbye (a probe is a message)."""
         return None
 
     def goodbye(self, gone: frozenset[int] = frozenset()) -> list[Handle[None]]:
-        """Say goodbye to every live peer (see the note on closing); return the sends in flight.
-
-        ``gone`` are the peers known dead: they get nothing.
-        """
+        """Say goodbye to every peer but the dead ones, ``gone`` (see the note on closing);
+        return the sends in flight."""
         handles: list[Handle[None]] = []
         for dst in range(self._backend.size):
             if dst != self._backend.rank and dst not in gone:
@@ -255,12 +235,11 @@ class Link(ABC):
     def send_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
         """Queue a small frame (``body`` at most ``small_room`` bytes) for ``dst``'s packet.
 
-        The packet goes when the loop iteration ends, or once the frame does
-        not fit in it: beyond the link's room, or its ``packet_frames`` frames
-        (where the link sets that: so that a long burst reaches its receiver
-        in pieces, which it decodes while later ones are issued). A failure to
-        send it fails ``dst`` (``Arrivals.failed``), as a send to a dead peer
-        does. A message (``DATA``) joins a run (see ``outbox``).
+        The packet goes when the loop iteration ends, or once the frame does not fit in it:
+        beyond the link's room, or its ``packet_frames`` frames (where the link sets that, a
+        long burst reaches its receiver in pieces, decoded while later ones are issued). A
+        failure to send it fails ``dst`` (``Arrivals.failed``). A ``DATA`` frame joins a run
+        (see ``small.Outbox``).
         """
         queued = self._outbox.small(dst, kind, tag, seq, body)
         if queued and self._begun(dst, queued):
@@ -289,11 +268,10 @@ class Link(ABC):
             self._queue_data(dst, tag, seq, body)
 
     def _begun(self, dst: int, queued: int = 1) -> bool:
-        """Something for ``dst`` begun (``queued``: a queuing call's answer, see
-        ``Outbox.data``; 1: a packet or batch begun, -1: a full packet): call ``flush``
-        when the loop iteration ends (once, however often asked), or before, when a task
-        begins to spin for what it awaits (the loop's ``due`` list). Return whether the
-        packet was full: it is sent now, and the caller queues its frame again."""
+        """Something for ``dst`` begun (``queued``, as ``Outbox.data`` answers: 1 a packet or
+        batch begun, -1 a full packet): ``flush`` when the loop iteration ends (once), or when
+        a task begins to spin first (the loop's ``due`` list). Return whether the packet was
+        full: it is sent now, and the caller queues its frame again."""
         if not self._waiting:
             self._waiting = True
             self._due.append(self.flush)
@@ -352,11 +330,9 @@ class Link(ABC):
                 "exception": exc})
 
     def send(self, dst: int, head: bytes, buffers: list[torch.Tensor]) -> list[Handle[None]]:
-        """Issue a frame (``buffers`` flat uint8); return the handles still in flight.
-
-        A large frame's envelope waits for the iteration's others (see the note on
-        the layout); its data messages are issued at once.
-        """
+        """Issue a frame (``buffers`` flat uint8); return the handles still in flight. A large
+        frame's envelope may wait for the iteration's others in a batch (see the note on the
+        layout); its data messages are issued at once."""
         if self._outbox.queued(dst):  # what was issued before goes first
             self._flush_to(dst)
         at = PREAMBLE.size
@@ -408,11 +384,8 @@ class Link(ABC):
     # -- receiving ---------------------------------------------------------------------
 
     def _arrive(self, src: int, message: bytearray | torch.Tensor) -> bool:
-        """Take one message from ``src`` (perhaps padded), in its order.
-
-        Return whether it was a packet of small frames, delivered: whoever waits for one
-        of them may go on (a link that polls stops polling there, see ``mpi_link``).
-        """
+        """Take one message from ``src`` (perhaps padded), in its order; return whether it was
+        a packet of small frames, delivered (a link that polls stops there: see ``mpi_link``)."""
         arrivals = self._arrivals
         assert arrivals is not None
         if self._held and src in self._held:  # a big head from src is on its way: keep order
@@ -481,10 +454,9 @@ class Link(ABC):
     def _head(self, raw: memoryview) -> tuple[Head, int]:
         """Decode a head; return it and its seq.
 
-        Heads with buffers that differ only in their seq (a stream of tensors
-        of one shape) are decoded once: the cache maps the head's bytes but
-        the seq to the ``Head`` decoded first. (A link's listener thread calls
-        this too: each of the cache's operations is one step under the GIL.)
+        Heads with buffers that differ only in their seq (a stream of tensors of one shape)
+        are decoded once: the cache maps the head's bytes but the seq to the ``Head`` decoded
+        first. (A listener thread calls this too: each cache operation is atomic under the GIL.)
         """
         data = raw.tobytes()
         key = wire.without_seq(data)

@@ -1,6 +1,5 @@
 """Link messages: their preamble, a frame laid out in one piece, a batch's envelopes, and a
-frame whose buffers are still on their way (``Pending``). The links (``link``) send and
-take them; see the note on the layout there.
+frame whose buffers are still on their way (``Pending``); see ``link``'s note on the layout.
 """
 
 from __future__ import annotations
@@ -25,11 +24,8 @@ _PREAMBLE_AT, _PREAMBLE_BYTES = PREAMBLE.unpack_from, PREAMBLE.size
 
 
 class Pending:
-    """A frame whose buffers are on their way; ``then`` runs once it is whole or failed.
-
-    Completion runs callbacks at once (no loop iteration between a buffer's
-    arrival and the frame's delivery).
-    """
+    """A frame whose buffers are on their way; ``then`` runs once it is whole or failed, at
+    once (no loop iteration between a buffer's arrival and the frame's delivery)."""
 
     __slots__ = ("_then", "buffers", "error", "head", "left", "seq")
 
@@ -101,10 +97,8 @@ def _aligned(at: int) -> int:
 
 
 def envelopes(view: memoryview, room: int) -> Iterator[tuple[memoryview, int]]:
-    """Yield the envelopes of a batch: each frame's head and its count of data messages.
-
-    Raise ``ProtocolError`` at the first one that is malformed (those before are whole).
-    """
+    """Yield the envelopes of a batch: each frame's head and its count of data messages;
+    raise ``ProtocolError`` at the first one that is malformed (those before are whole)."""
     at, end = 0, len(view)
     while at < end:
         if end - at < _PREAMBLE_BYTES:
@@ -127,10 +121,8 @@ def frame_size(head_bytes: int, sizes: list[int]) -> int:
 
 
 def pack_frame(head: bytes, buffers: list[torch.Tensor], out: memoryview) -> None:
-    """Lay out a frame in one piece into ``out`` (zeroed, ``frame_size`` bytes long).
-
-    ``buffers`` are flat uint8 tensors, as ``encode`` returns them.
-    """
+    """Lay out a frame in one piece into ``out`` (zeroed, ``frame_size`` bytes long);
+    ``buffers`` are flat uint8 tensors, as ``encode`` returns them."""
     at = len(head)
     out[:at] = head
     for b in buffers:

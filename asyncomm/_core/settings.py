@@ -1,10 +1,9 @@
 """Every ``ASYNCOMM_*`` environment variable, read in one place.
 
-``read()`` returns a frozen ``Settings`` from the environment as it is now;
-each part of asyncomm reads it when the value matters (most when a
-communicator is made), so a program or a test may set a variable before
-that. A value that does not parse raises ``ValueError`` naming the variable.
-The table in ``docs/configuration.md`` lists them all.
+``read()`` returns a frozen ``Settings`` from the environment as it is now; each part of
+asyncomm reads it when the value matters (most when a communicator is made), so a program
+or a test may set a variable before that. A value that does not parse raises ``ValueError``
+naming the variable. ``docs/configuration.md`` lists them all.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The wire format: one frame layout and two codecs, the same bytes on every backend.
 
-A frame is a *head* followed by raw *buffers*. The head is a fixed prefix, one
-descriptor per buffer and the *structure* (the message with every buffer
-replaced by a reference to it). Buffers travel from their own memory: tensors,
-arrays and large ``bytes`` are never copied into the head. This module does no
-I/O; a transport sends ``encode``'s head and buffers, and on the other side
-calls ``decode_head`` -> ``allocate`` -> (receive into the buffers) -> ``decode``.
+A frame is a *head* followed by raw *buffers*. The head is a fixed prefix, one descriptor
+per buffer and the *structure* (the message with every buffer replaced by a reference to
+it). Buffers travel from their own memory: tensors, arrays and large ``bytes`` are never
+copied into the head. This module does no I/O; a transport sends ``encode``'s head and
+buffers, and the other side calls ``decode_head`` -> ``allocate`` -> (receive into the
+buffers) -> ``decode``.
 
 Note: layout (integers little-endian; buffers hold little-endian elements)::
 
@@ -14,9 +14,9 @@ Note: layout (integers little-endian; buffers hold little-endian elements)::
     descriptor  u8 dtype code | u8 buffer kind | u8 ndim | u64 x ndim shape | u64 nbytes
     structure   msgpack (DEFAULT) or pickle protocol 5 (PICKLE) bytes
 
-Note: a structure larger than ``INLINE_BYTES`` travels as the last buffer
-(kind STRUCTURE) instead of in the head, so heads stay small whatever the
-message; ``bytes`` values larger than ``INLINE_BYTES`` go out of band too.
+Note: a structure larger than ``INLINE_BYTES`` travels as the last buffer (kind STRUCTURE)
+instead of in the head, so heads stay small whatever the message; ``bytes`` values larger
+than ``INLINE_BYTES`` go out of band too.
 
 Note: small messages travel in a layout of their own: see ``small``.
 """
@@ -214,11 +214,9 @@ def _key(k: object) -> object:
 
 
 def _plain(obj: object) -> bool:
-    """Whether ``obj`` is only exact scalars, lists and dicts: then it *is* its own lowering.
-
-    Tuples, subclasses and buffers are not plain (nor ``ExtType``, which msgpack would pack);
-    ints are not range-checked here: msgpack refuses the same ones ``_lower`` does.
-    """
+    """Whether ``obj`` is only exact scalars, lists and dicts: then it *is* its own lowering
+    (not tuples, subclasses, buffers or ``ExtType``). Ints are not range-checked here:
+    msgpack refuses the same ones ``_lower`` does."""
     kind = type(obj)
     if kind is list:
         items: Any = obj
@@ -535,9 +533,8 @@ def allocate(head: Head) -> list[torch.Tensor]:
 
 
 def decode(head: Head, buffers: list[torch.Tensor], expect: Codec) -> object:
-    """Rebuild the message from a head and its received buffers (as made by ``allocate``).
-
-    Tensors and arrays are views of the received buffers, not copies.
+    """Rebuild the message from a head and its received buffers (as made by ``allocate``):
+    tensors and arrays are views of them, not copies.
 
     Raises:
         ProtocolError: the frame's codec is not ``expect`` (nothing is decoded then),
@@ -604,9 +601,8 @@ def unpack(data: bytes | memoryview, ext_hook: Callable[[int, bytes], object],
            passing: type[Exception] = ProtocolError) -> object:
     """Unpack msgpack as the DEFAULT codec does; ``ProtocolError`` if it is not valid.
 
-    msgpack decodes its own extension -1 (timestamps) before any hook: to a plain
-    float here. Errors of type ``passing`` (and ``ProtocolError``) pass unchanged.
-    """
+    msgpack decodes its own extension -1 (timestamps) before any hook: to a plain float
+    here. Errors of type ``passing`` (and ``ProtocolError``) pass unchanged."""
     try:
         return msgpack.unpackb(data, ext_hook=ext_hook, list_hook=list_hook, raw=False,
                                strict_map_key=False, timestamp=1)

@@ -2,34 +2,25 @@
 
 Note on the protocol
 --------------------
-Requests and replies travel on two channels of asyncomm's own (tags above
-every user channel), with the default codec: arguments and results are what
-a default channel carries. Their mailboxes hand each message over as it
-arrives (a listener): a request goes straight to its actor's inbox, a reply
-straight to its call's future, so an actor call costs the hops of a channel
-round trip and no more. A request is ``[call id, actor, method, wants
-reply, kwargs or None, *args]`` (flat: a list level less to encode and
-decode); a reply is ``[call id, ok, result]`` or ``[call id, ok=False,
-[type name, message, traceback]]``. A caller and an actor about to wait
-spin for what they wait for a while first (``Link.spin_until``): an answer
-that comes within microseconds then costs no loop turn. Each rank sends its requests
-to one destination in call order (calls and tells alike), and each actor
-handles one request at a time, in arrival order.
+Requests and replies travel on two channels of asyncomm's own (tags above every user
+channel), with the default codec. Their mailboxes hand each message over as it arrives (a
+listener): a request goes straight to its actor's inbox, a reply straight to its call's
+future, so a call costs the hops of a channel round trip and no more. A request is ``[call
+id, actor, method, wants reply, kwargs or None, *args]`` (flat: a list level less to encode
+and decode); a reply is ``[call id, ok, result]`` or ``[call id, ok=False, [type name,
+message, traceback]]``. A caller and an actor about to wait spin for what they wait for a
+while first (``Link.spin_until``): an answer within microseconds then costs no loop turn.
+Each rank sends its requests to one destination in call order (calls and tells alike), and
+each actor handles one request at a time, in arrival order.
 
-A call to an actor its rank does not serve (yet) fails at once with
-``RemoteError`` (``LookupError``). A tell cannot fail back, and may well
-come before its actor is served (its sender started first): it is kept
-for that actor, and handed to it, before anything later, when it is
-served. At most 1024 are kept per name (an older one dropped beyond that
-is reported), and those never served are reported when the communicator
-closes: none is lost silently.
-
-A call to a rank that closed its communicator fails with ``CommClosedError``
-as soon as its end-of-stream arrives. A call to a rank that died fails with
-``PeerFailedError`` once the router knows (the caller's reply loop probes
-the ranks it has calls in flight to, see the note on dead peers in
-``_channels``); where the link cannot tell, with ``CommTimeoutError`` at the
-call's deadline (``timeout=``, default the communicator's).
+A call to an actor its rank does not serve (yet) fails at once (``RemoteError``). A tell
+cannot fail back and may come before its actor is served: it is kept for that actor, at
+most ``_UNSERVED`` per name; one dropped beyond that, and those never served by the close,
+are reported, not lost silently. A call to a rank that closed fails with
+``CommClosedError`` once its end of stream arrives; to a rank that died, with
+``PeerFailedError`` once the router knows (the reply loop probes the ranks it has calls in
+flight to, see the note on dead peers in ``router``), or where the link cannot tell, with
+``CommTimeoutError`` at the call's deadline.
 """
 
 from __future__ import annotations
@@ -201,8 +192,7 @@ class Host:
         endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far
         items, answer = inbox.items, self._answer
         while True:
-            # its next request may be microseconds away: spin first (what it answered, sent
-            # first: the router's flush)
+            # its next request may be microseconds away: send its answers, then spin first
             if not items:
                 self._router.flush(waiting=True)
                 self._spin_until(inbox.nonempty)
@@ -317,9 +307,8 @@ class Host:
     def _post(self, rank: int, channel: Channel, message: list[Any]) -> None:
         """Queue ``message`` for ``rank``: one sender per destination keeps call order.
 
-        Raises ``TypeError`` at once if the default codec cannot carry it: the
-        message is encoded once, as it is queued for the link (``Channel.post``) or here
-        for this rank's sender.
+        Raises ``TypeError`` at once if the default codec cannot carry it (it is encoded as
+        it is queued, for the link by ``Channel.post`` or here for this rank's sender).
         """
         if not self._backlog.get(rank) and channel.post(message, rank):
             return  # the common case: sent now (with the loop iteration's other messages)
@@ -448,9 +437,6 @@ class _Inbox:
         waiter = self.waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-
-    def empty(self) -> bool:
-        return not self.items
 
     def nonempty(self) -> bool:
         return bool(self.items)

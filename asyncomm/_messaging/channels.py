@@ -1,10 +1,5 @@
-"""Channels: messages multiplexed by tag between ranks, over the router.
-
-``ch = comm.channel(tag)``; ``await ch.send(obj, dst)``; ``msg = await
-ch.recv(src=None)``; ``async for msg in ch``. Per (sender, channel) messages
-arrive exactly once and in order; flow control, dead peers and the end of a
-stream are the router's (see ``router``).
-"""
+"""Channels: messages multiplexed by tag between ranks, over the router (``router`` keeps
+flow control, dead peers and the end of a stream; see docs/channels-and-actors.md)."""
 
 from __future__ import annotations
 
@@ -64,14 +59,13 @@ class Channel:
         return f"<Channel {self.tag} rank {self._router.rank} {self.codec.name.lower()}>"
 
     async def send(self, obj: object, dst: int, *, timeout: float | None = None) -> None:
-        """Send ``obj`` to ``dst``; return once its buffers may be reused.
+        """Send ``obj`` to ``dst``; return once its buffers may be reused (waiting for credit
+        first if ``dst`` has not consumed enough of the earlier messages).
 
         Args:
             obj: what to send: a tensor, or plain data holding tensors (the channel's codec).
             dst: the rank to send to (may be this rank).
             timeout: seconds to wait for credit (default: the communicator's timeout).
-
-        Waits for credit if ``dst`` has not consumed enough of the earlier messages.
 
         Raises:
             TypeError: the channel's codec cannot carry ``obj`` (before anything is sent).
@@ -97,9 +91,8 @@ class Channel:
                     or not 0 <= dst < self._router.size):
                 return False
             window = self._windows[dst] = self._router.window_to(dst, self.tag)
-        # Encoded and queued by the link's outbox (``Link.post``) if small and the window
-        # lets it. Else ``send`` waits for credit, says why it cannot send, delivers a
-        # message to this rank itself, or traces it.
+        # Queued by ``Link.post`` if small and the window lets it; else ``send`` waits for
+        # credit, says why it cannot send, delivers to this rank itself, or traces it.
         if self._traced and self._probe_of.recording is not None:
             return False
         return self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
@@ -186,8 +179,8 @@ class Channel:
                 self._flush(True)  # (here, not in ``_wait``: it leaves before that is made)
                 if not self._polls or limit <= 0:
                     return await self._wait(src, limit)
-                # Spun for here, where the link polls (MPI): found, it is taken above and
-                # no ``_wait`` coroutine is made
+                # Spun for here, where the link polls (MPI): found, it is taken above, no
+                # ``_wait`` coroutine made
                 if not self._spin_until(box.has_frames if src is None else self._has_from(src)):
                     return await self._wait(src, limit, spun=True)
                 spun = True
@@ -221,11 +214,9 @@ class Channel:
         return has
 
     async def _wait(self, src: int | None, limit: float, spun: bool = False) -> Message:
-        """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds.
-
-        What this rank issued is sent first (``Router.flush``, by the caller): it may be
-        answered. ``spun``: the caller spun for it already (``recv``), and found none.
-        """
+        """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds; the
+        caller sent what this rank issued first (``Router.flush``: it may be answered).
+        ``spun``: the caller spun for it already (``recv``), and found none."""
         router, box = self._router, self._box
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + limit
@@ -323,16 +314,14 @@ class Channel:
         return message
 
     def listen(self, listener: Callable[[Entry], None]) -> None:
-        """Hand every message of this channel to ``listener`` as it arrives (actors' requests
-        and replies), which takes it (``opened``)."""
+        """Hand every message to ``listener`` as it arrives, which takes it (``opened``)."""
         self._box.listener = listener
 
     def opened(self, entry: Entry) -> object:
-        """Count ``entry`` as taken from this channel; return its message's data.
+        """Count ``entry`` as taken from this channel (as a listener does); return its data.
 
-        Raises what a frame carries (``ProtocolError`` for one refused on
-        arrival, or of the wrong codec). Mailbox listeners (actors) take their
-        messages so.
+        Raises what a frame carries: ``ProtocolError`` for one refused on arrival, or of the
+        wrong codec.
         """
         if type(entry) is Message and self._small_room and not self._traced:
             return self._took(entry)[2]  # the commonest: an actor's request or reply

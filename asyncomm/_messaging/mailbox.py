@@ -1,28 +1,19 @@
 """Mailboxes: the messages of one channel as they arrive, the receivers waiting for them,
 and the delivery of arriving frames into them.
 
-A mailbox keeps what arrived in order: a small message as the ``Message`` its
-receiver gets (decoded once, on arrival), anything else as a ``Frame``. A
-receiver waiting for a source is woken when something from it arrives and
-takes it then: nothing is handed to a receiver that may yet be cancelled, so
-a cancelled ``recv`` loses nothing. A mailbox also counts, per source, the
-sequence number due next and what its user took (the credit to return).
+A mailbox keeps what arrived in order: a small message as the ``Message`` its receiver gets
+(decoded once, on arrival), anything else as a ``Frame``. A receiver waiting for a source is
+woken when something from it arrives and takes it then: nothing is handed to a receiver
+that may yet be cancelled, so a cancelled ``recv`` loses nothing. A mailbox also counts,
+per source, the sequence number due next and what its user took (the credit to return).
 
-``Delivery`` is the receive side of the router (``router``): the link hands
-it every frame as it arrives (it is the link's ``Arrivals``), and it keeps
-each in its channel's mailbox, checked: sequence numbers per (source, channel), malformed
-frames refused on their channel (or, where the channel cannot be told, the
-source's stream broken), and frames whose buffers are still on their way
-holding back their source's later ones.
-
-Note on small messages
-----------------------
-A packet of small frames is decoded in one call (``small.unpack_packet``),
-and each message kept as the ``Message`` its receiver gets: no object per
-frame beside it, no call per frame on the commonest paths (a run of a
-channel's messages, checked once and kept in one step; the channel's next
-message alone). A packet that does not decode as a whole is taken apart
-frame by frame, so a malformed message fails its own channel.
+``Delivery`` is the router's receive side (the link's ``Arrivals``): it keeps each frame in
+its channel's mailbox, checked: sequence numbers per (source, channel), malformed frames
+refused on their channel (or, where the channel cannot be told, the source's stream
+broken), and frames whose buffers are still on their way holding back their source's
+later ones. A packet of small frames is decoded in one call (see ``Delivery.packet``), with
+no object or call per frame on the commonest paths (a run of a channel's messages, checked
+once and kept in one step; the channel's next message alone).
 """
 
 from __future__ import annotations
@@ -98,8 +89,7 @@ Entry = Message | Frame  # what a mailbox keeps: a small message, or a frame
 class Mailbox:
     """Messages of one channel in arrival order, who waits for them, who has closed their end.
 
-    A mailbox with a ``listener`` hands it every good message as it arrives,
-    on the loop, instead (actors take their messages so).
+    With a ``listener``, every good message is handed to it on arrival instead (actors').
     """
 
     __slots__ = ("ended", "frames", "listener", "seqs", "taken", "waiters")
@@ -184,11 +174,8 @@ def size_of(frame: Encoded) -> int:
 
 
 def charge(frame: Encoded) -> int:
-    """Return the bytes a message holds of its window, as its receiver counts (``charge_of``).
-
-    Every message's first ``small.BYTES`` are free, as a small message's all are: the
-    window's count of messages bounds them. So 64 messages of 1 MiB fit 64 MiB.
-    """
+    """Return the bytes a message holds of its window, as its receiver counts (``charge_of``):
+    its first ``small.BYTES`` are free, as all a small message's are (see ``router``)."""
     return 0 if isinstance(frame, bytes) else max(0, size_of(frame) - small.BYTES)
 
 
@@ -207,8 +194,8 @@ class Delivery:
         self.rank = rank
         self.limits = limits
         self._mailboxes: dict[int, Mailbox] = {}
-        # frames of a source queued behind one whose buffers are on their way
-        # (a small frame as its tag, seq and message)
+        # frames of a source queued behind one whose buffers are on their way (a small
+        # frame as its tag, seq and message)
         self._queued: dict[int, collections.deque[Frame | Pending | tuple[int, int, object]]] = {}
         self._broken: dict[int, CommError] = {}  # sources whose stream cannot be followed
 
@@ -231,10 +218,10 @@ class Delivery:
     def packet(self, src: int, view: memoryview, at: int, end: int) -> None:
         """The small frames of a packet from ``src`` (the link calls this, in arrival order).
 
-        The hot path of every small message: the packet decoded in one call,
-        each message kept in its mailbox as the ``Message`` its receiver gets
-        (or handed to the mailbox's listener). A packet that does not decode
-        as a whole is taken apart frame by frame (``_packet_slowly``).
+        The hot path of every small message: the packet decoded in one call, each message
+        kept in its mailbox as the ``Message`` its receiver gets (or handed to the mailbox's
+        listener). A packet that does not decode as a whole is taken apart frame by frame
+        (``_packet_slowly``), so a malformed message fails its own channel only.
         """
         try:
             items = small.unpack_packet(view[at:end], self.limits)
@@ -292,8 +279,7 @@ class Delivery:
                            else [_new(Message, (src, tag, obj)) for obj in data])
 
     def _one(self, src: int, item: object) -> bool:
-        """Take one item of a packet as a small frame (or run); return whether ``src`` may
-        go on."""
+        """Take one packet item as a small frame (or run); return whether ``src`` may go on."""
         if (type(item) is not list or len(item) != 4
                 or not all(type(field) is int for field in item[:3])
                 or (item[0] == RUN and type(item[3]) is not list)):

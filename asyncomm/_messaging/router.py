@@ -1,48 +1,35 @@
 """The router: one per communicator, it sends and routes the frames of every channel.
 
-It owns the receive side of asyncomm's private twin communicator (through a
-``Link``) and routes every frame into the mailbox of its channel; channels
-(``channels``) and actors (``actors``) are built on it.
-
-Note on the transport
----------------------
-Frames travel over a ``Link`` of the backend's choosing (see
-``_core.link``): on asyncomm's private twin communicator, in order per
-pair of ranks, the same frame bytes on every backend. The link hands each
-frame that arrives to the router, which delivers them in order per source
-into their mailboxes (``delivery``).
+It holds the receive side of asyncomm's private twin communicator, through a ``Link`` of the
+backend's choosing (see ``_core.link``: in order per pair of ranks, the same frame bytes on
+every backend), and delivers each frame that arrives, in order per source, into its
+channel's mailbox (see ``mailbox``). Channels (``channels``) and actors (``actors``) are
+built on it. A channel's ``close()`` sends EOS to every other rank: a receiver's iteration
+ends when every other rank has closed its end and the mailbox is empty (``recv`` then
+raises ``CommClosedError``).
 
 Note on flow control
 --------------------
-A sender may have at most ``window`` messages and ``window_bytes`` bytes of
-one channel unconsumed at one receiver; the first ``small.BYTES`` of each
-message are not counted (a small frame counts as a message only): the
-message count bounds them. The receiver returns
+A sender may have at most ``window`` messages and ``window_bytes`` bytes of one channel
+unconsumed at one receiver; the first ``small.BYTES`` of each message are not counted (a
+small frame counts as a message only): the message count bounds them. The receiver returns
 credit (a CREDIT frame) as its user consumes messages, in batches of half the window's
-messages or a quarter of its bytes;
-a message too large for the room left passes once no more than a batch is
-out, so large messages pass. So a fast producer blocks in ``send`` instead of
-filling a slow consumer's memory, and messages for a channel nobody opened
-yet are kept, but never more than one window per sender.
-
-Note on end of stream
----------------------
-``close()`` sends an EOS frame to every other rank. A receiver's iteration
-ends when every other rank has closed its end and the mailbox is empty;
-``recv`` then raises ``CommClosedError``.
+messages or a quarter of its bytes; a message too large for the room left passes once no
+more than a batch is out, so large messages pass. So a fast producer blocks in ``send``
+instead of filling a slow consumer's memory, and messages for a channel nobody opened yet
+are kept, but never more than one window per sender.
 
 Note on dead peers
 ------------------
-A rank that dies says no goodbye. Whoever waits on a peer -- a ``recv``
-from it, a ``send`` waiting for its credit, an actor call to it -- checks
-after ``probe_s`` (``ASYNCOMM_PROBE_S``) of waiting, and every ``probe_s``
-after, that the peer is still there (``Link.probe``, rate-limited per peer); a send to it that fails
-says the same. Once a peer is known dead, the router fails what depends on
-it with ``PeerFailedError``: a ``recv`` from it (after the messages it sent
-before dying), an any-source ``recv`` once every other rank has died or
-closed the channel (while a live rank may still send, it waits), a send to
-it; and it tells whoever registered in ``on_dead`` (the communicator fails
-its own operations that need the peer, and its later ones).
+A rank that dies says no goodbye. Whoever waits on a peer (a ``recv`` from it, a ``send``
+waiting for its credit, an actor call to it) checks after ``probe_s`` (``ASYNCOMM_PROBE_S``)
+of waiting, and every ``probe_s`` after, that the peer is still there (``Link.probe``,
+rate-limited per peer); a send to it that fails says the same. Once a peer is known dead,
+the router fails what depends on it with ``PeerFailedError``: a ``recv`` from it (after the
+messages it sent before dying), an any-source ``recv`` once every other rank has died or
+closed the channel (while a live rank may still send, it waits), a send to it; and it tells
+whoever registered in ``on_dead`` (the communicator fails its own operations that need the
+peer, and its later ones).
 """
 
 from __future__ import annotations
@@ -84,11 +71,9 @@ _DATA_KIND = int(Kind.DATA)
 
 
 def frame_limits() -> wire.Limits:
-    """Return the frame limits: the defaults, with ``ASYNCOMM_MAX_MESSAGE_BYTES`` if set.
-
-    Every rank should set the same: a sender refuses (``ValueError``) what a
-    receiver with the same limits would refuse (``ProtocolError``).
-    """
+    """Return the frame limits: the defaults, with ``ASYNCOMM_MAX_MESSAGE_BYTES`` if set
+    (the same on every rank: a sender refuses, ``ValueError``, what a receiver with the same
+    limits would refuse, ``ProtocolError``)."""
     largest = settings.read().max_message_bytes
     return wire.Limits() if largest is None else wire.Limits(max_message_bytes=largest)
 
@@ -139,7 +124,6 @@ class Window:
         self.open = open
 
 
-
 class Router(Delivery):
     """This rank's receive loop and send side for every channel of one communicator."""
 
@@ -151,9 +135,8 @@ class Router(Delivery):
         self.probe = probe  # where channels and actors report, while someone records
         self.probe_s = probe_s  # see the note on dead peers
         self.window, self.window_bytes = window, window_bytes
-        # credit comes back in batches of half the window's messages or a quarter of its
-        # bytes (see ``took``; a quarter of the messages: small dicts at 0.91-0.92 of the
-        # half's rate, each credit frame costing its receiver a packet of its own)
+        # credit goes back in batches (see the note on flow control, and ``took``): smaller
+        # ones would cost the sender more credit frames, each a packet of its own
         self.batch, self._batch_bytes = max(1, window // 2), window_bytes // 4
         self._hold_credit = 2 * self.batch <= window  # see the note on credit (``took``)
         # credit owed: messages, bytes (changed in place: see ``owed``)
@@ -186,9 +169,8 @@ class Router(Delivery):
     def encode(self, tag: int, obj: object, codec: Codec) -> Encoded:
         """Encode ``obj`` for channel ``tag``; ``TypeError`` if the codec can't carry it.
 
-        A small message of the default codec becomes a small frame's body;
-        any other, a frame. Its sequence number is set by ``send``, when it goes.
-        """
+        A small message of the default codec becomes a small frame's body, any other a frame;
+        ``send`` sets its sequence number, when it goes."""
         if codec is Codec.DEFAULT:
             body = small.encode(obj, self.small_room, self.limits.max_ndim)
             if body is not None:
@@ -306,9 +288,8 @@ class Router(Delivery):
     def _fits(self, window: Window, nbytes: int) -> bool:
         """Whether a message of ``nbytes`` may go now."""
         out, out_bytes = window.messages_out, window.bytes_out
-        # A message too large for the room left passes once all that is out may be
-        # credit the receiver holds back until a batch is full (see ``took``):
-        # else it would wait for credit that never comes.
+        # A message too large for the room left passes once all that is out may be credit the
+        # receiver holds back until a batch is full (see ``took``): else it would never pass.
         return (out == 0
                 or (out < self.batch and out_bytes < self._batch_bytes)
                 or (out < self.window and out_bytes + nbytes <= self.window_bytes))
@@ -377,31 +358,23 @@ class Router(Delivery):
     # -- receiving -----------------------------------------------------------------
 
     def expect(self) -> None:
-        """A task begins to wait for a frame: send what it issued, and watch closely.
-
-        Its small frames would leave when the loop iteration ends; a task that
-        waits for an answer adds nothing more, and the answer cannot come before
-        the question has left: they go now.
-        """
+        """A task begins to wait for a frame: send what it issued now, not when the iteration
+        ends (the answer cannot come before the question has left), and watch closely."""
         self.flush(waiting=True)
         self.link.expect()
 
     def flush(self, waiting: bool = False) -> None:
         """Send the small frames issued so far now, not when the loop iteration ends.
 
-        ``waiting``: for a task about to wait for a message, which a lone batch of
-        credit cannot be holding back (see ``took``): that goes when the iteration ends.
-        """
+        ``waiting``: for a task about to wait for a message, which a lone batch of credit
+        cannot be holding back (see ``took``): that goes when the iteration ends."""
         if self._owed:
             self._pay(waiting and self._hold_credit)
         self.link.flush()
 
     def patrol(self) -> None:
-        """Wake every waiting receiver within ``probe_s`` (to check its peers, its deadline).
-
-        One timer for all of them, not one per wait (a timer costs as much as a small
-        message's delivery).
-        """
+        """Wake every waiting receiver within ``probe_s`` (to check its peers, its deadline):
+        one timer for all, not one per wait (a timer costs as much as a message's delivery)."""
         if self._patrol is None:
             self._patrol = asyncio.get_running_loop().call_later(self.probe_s, self._tick)
 
@@ -412,7 +385,7 @@ class Router(Delivery):
                 box.wake()
 
     def bye(self, src: int, dead: int | None = None) -> None:
-        """``src``'s router said goodbye, or said it for ``dead`` (see ``_backends._link``)."""
+        """``src``'s router said goodbye, or said it for ``dead`` (see ``_core.link``)."""
         if dead is not None:  # so this rank says it too, to the rank it drains
             self.failed(dead, PeerFailedError(f"rank {src} found rank {dead} gone"))
         self._byes.add(src if dead is None else dead)
@@ -425,10 +398,8 @@ class Router(Delivery):
             self._all_byes.set_result(None)
 
     def _ask_release(self) -> None:
-        """Ask a live peer to end the communicator's receives only its message can end.
-
-        Sent before the goodbye, so the peer handles it before it closes.
-        """
+        """Ask a live peer to end the communicator's receives only its message can end (sent
+        before the goodbye, so the peer handles it before it closes)."""
         stuck = self.peers.stuck()
         helper = next((p for p in range(self.size)
                        if p != self.rank and p not in self.dead and p not in self._left), None)
@@ -469,17 +440,15 @@ class Router(Delivery):
 
         Note on credit
         --------------
-        A batch of credit is owed, not sent, when it is taken: it goes as
-        a small frame when the loop iteration ends, with whatever else
-        goes to its sender before, or when a task begins to wait
-        (``flush``), one frame for every batch owed on a channel. A
-        task about to wait leaves a lone batch owed (``flush(waiting=True)``):
-        a batch is at most half a window, so a sender that waits for it
-        has messages on their way to the waiting task (beside what it holds
-        of the window: under a batch uncredited, one batch owed), which take
-        it further. Only a message larger than the room left (it waits until
-        no more than a batch is out) may wait for that credit until this
-        rank's loop turns, or the waiting task's spin ends (``spin``).
+        A batch of credit is owed, not sent, when it is taken: it goes as a small frame when
+        the loop iteration ends, with whatever else goes to its sender before, or when a task
+        begins to wait (``flush``), one frame for every batch owed on a channel. A task about
+        to wait leaves a lone batch owed (``flush(waiting=True)``): a batch is at most half a
+        window, so a sender that waits for it has messages on their way to the waiting task
+        (beside what it holds of the window: under a batch uncredited, one batch owed), which
+        take it further. Only a message larger than the room left (it waits until no more
+        than a batch is out) may wait for that credit until this rank's loop turns, or the
+        waiting task's spin ends (``spin``).
         """
         if type(entry) is Message:
             src, charge = entry[0], 0
@@ -537,10 +506,10 @@ class Router(Delivery):
     async def close(self, timeout: float) -> None:
         """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
 
-        Closing is collective, like MPI's finalize (see the note on closing
-        in ``_backends._link``). Every peer not heard from is probed first: a
-        dead one is not waited for (its goodbye is said for it). A live rank
-        that never closes leaves the link's receive posted after ``timeout``.
+        Closing is collective, like MPI's finalize (see the note on closing in
+        ``_core.link``). Every peer not heard from is probed first: a dead one is not waited
+        for (its goodbye is said for it). A live rank that never closes leaves the link's
+        receive posted after ``timeout``.
         """
         if self._closed:
             return

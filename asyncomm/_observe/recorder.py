@@ -2,22 +2,22 @@
 
 Note on cost
 ------------
-Off, a communicator pays one attribute check per operation (``Comm._trace is
-None``). On, an operation costs two ``perf_counter`` reads, one small list and
-one completion callback; nothing is formatted or written until the file is
-written, when the last traced communicator closes (and again at exit if more
-was recorded since). Compute spans arrive on the thread that ran them through
-``_core.instrument``; ``list.append`` is atomic under the GIL, so that thread
-appends without a lock.
+Off, a communicator pays one attribute check per operation (``Comm._trace is None``). On,
+an operation costs two ``perf_counter`` reads, one small list and one completion callback;
+nothing is formatted or written until the file is written, when the last traced
+communicator closes (and again at exit if more was recorded since). Compute spans arrive
+through ``_core.instrument`` on the thread that ran them, which appends without a lock
+(``list.append`` is atomic under the GIL). Records are tuples of scalars, which the garbage
+collector stops tracking, so a trace of millions of operations does not make every full
+collection walk them; an operation's completion is a tuple of its own, joined on writing.
 
 Note on clocks
 --------------
-Times are ``time.perf_counter()`` seconds, the clock compute spans use too.
-On Linux it is CLOCK_MONOTONIC, shared by every process of a host, so ranks
-of one host line up exactly. The file also keeps an anchor, a
-``(perf_counter, time.time_ns())`` pair read back to back at start, so ranks
-of different hosts can be put on one wall-clock timeline (as good as the
-hosts' clock synchronisation, typically well under a millisecond with NTP).
+Times are ``time.perf_counter()`` seconds, the clock compute spans use too. On Linux it is
+CLOCK_MONOTONIC, shared by every process of a host, so ranks of one host line up exactly.
+The file also keeps an anchor, a ``(perf_counter, time.time_ns())`` pair read back to back
+at start, so ranks of different hosts can be put on one wall-clock timeline (as good as the
+hosts' clock synchronisation).
 """
 
 from __future__ import annotations
@@ -45,12 +45,9 @@ ENV = "ASYNCOMM_TRACE"
 FORMAT = "asyncomm-trace"
 VERSION = 1
 
-# The fields of a recorded communication, in the order of its list.
+# The fields of a recorded communication, in the order of its tuple (see the note on cost).
 FIELDS = ("cat", "kind", "bytes", "peer", "tag", "seq", "comm", "start", "end", "error",
           "name")
-# Note on cost: records are tuples of scalars, which the garbage collector stops tracking,
-# so a trace of millions of operations does not make every full collection walk them. An
-# operation's completion is appended as a tuple of its own, joined to its record on writing.
 
 _perf = time.perf_counter
 _recorder: Recorder | None = None
@@ -184,10 +181,8 @@ class Recorder:
 
 
 def start_from_env() -> None:
-    """Start tracing if ``ASYNCOMM_TRACE`` asks for it and nothing traces yet.
-
-    Called as a communicator is made, so that it is traced from its first operation.
-    """
+    """Start tracing if ``ASYNCOMM_TRACE`` asks for it and nothing traces yet (called as a
+    communicator is made, so that it is traced from its first operation)."""
     if _recorder is None:
         directory = settings.read().trace
         if directory:
@@ -197,11 +192,10 @@ def start_from_env() -> None:
 def start(directory: str | os.PathLike[str]) -> Recorder:
     """Trace every open and future communicator of this process into ``directory``.
 
-    Note on who owns tracing: ``ASYNCOMM_TRACE`` (``asyncomm run --trace DIR``)
-    does, for the whole run, so that the launcher finds every rank's file where
-    it merges them: a program that starts tracing into another directory goes on
-    into the run's (one warning says so). One that asks for two directories
-    itself gets a ``ValueError``.
+    Note on who owns tracing: ``ASYNCOMM_TRACE`` (``asyncomm run --trace DIR``) does, for
+    the whole run, so that the launcher finds every rank's file where it merges them: a
+    program that starts tracing into another directory goes on into the run's (one warning
+    says so). One that asks for two directories itself gets a ``ValueError``.
     """
     global _recorder
     with _lock:

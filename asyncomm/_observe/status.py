@@ -1,27 +1,23 @@
 """What every rank is doing, asked without the communicator that is stuck.
 
-When a collective times out, or any operation stalls, the error (or warning)
-says what the other ranks were doing at that moment: ``rank 1: broadcast #1
-pending for 10.0 s``, ``rank 2: finished (closed this communicator)``.
+When a collective times out, or any operation stalls, the error (or warning) says what the
+other ranks were doing at that moment: ``rank 1: broadcast #1 pending for 10.0 s``, ``rank
+2: finished (closed this communicator)``.
 
 Note on the side channel
 ------------------------
-Each process serves the state of its communicators on a small TCP server
-run by its own event loop: one listening socket, no thread, nothing done
-until a question comes. The addresses are gathered once, when a world is
-joined, on asyncomm's private twin communicator (so the user's is never
-involved). A question names a communicator by its label, the same on every
-member (``w1``, ``w1.2``: the second group split from the first world this
-process joined); the answer lists the operations it has pending, oldest
-first, and the last one it issued. What a rank's own router already knows
-is not asked: a peer that said goodbye has finished, a peer found dead has
-failed. A rank whose loop is blocked, or whose process is gone, does not
-answer within ``ANSWER_S``, and is said to.
-
-The server listens on the address the ranks reach each other by: the one of
-``GLOO_SOCKET_IFNAME`` when set, else the local address that routes to
-``MASTER_ADDR`` when that is not this host, else loopback
-(``ASYNCOMM_STATUS_HOST`` overrides).
+Each process serves the state of its communicators on a small TCP server run by its own
+event loop: one listening socket, no thread, nothing done until a question comes. The
+addresses are gathered once, when a world is joined, on asyncomm's private twin
+communicator (the user's is never involved). A question names a communicator by its label,
+the same on every member (``w1``, ``w1.2``: the second group split from the first world
+this process joined); the answer lists the operations it has pending, oldest first, and
+the last one it issued. What a rank's own router already knows is not asked: a peer that
+said goodbye has finished, a peer found dead has failed. A rank whose loop is blocked, or
+whose process is gone, does not answer within ``ANSWER_S``, and is said to. The server
+listens on the address the ranks reach each other by: the one of ``GLOO_SOCKET_IFNAME``
+when set, else the local address that routes to ``MASTER_ADDR`` when that is not this
+host, else loopback (``ASYNCOMM_STATUS_HOST`` overrides).
 """
 
 from __future__ import annotations
@@ -53,8 +49,7 @@ class Reporter(Protocol):
 
 
 _reporters: dict[str, weakref.ref[Reporter]] = {}
-_servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, str] = (
-    weakref.WeakKeyDictionary())
+_servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, str] = weakref.WeakKeyDictionary()
 
 
 def register(label: str, reporter: Reporter) -> None:
@@ -151,10 +146,8 @@ def _operation(op: str, seq: int, peer: int | None, tag: int | None) -> str:
 
 
 def summary(states: Iterable[tuple[int, str]]) -> str:
-    """Join ``(rank, words)`` pairs, ranks that say the same grouped: ``ranks 1, 2: ...``.
-
-    Words that differ only in their durations are the same: ``pending for 1.0-1.1 s``.
-    """
+    """Join ``(rank, words)`` pairs, ranks that say the same grouped: ``ranks 1, 2: ...``
+    (words that differ only in their durations are the same: ``pending for 1.0-1.1 s``)."""
     grouped: dict[str, tuple[list[int], list[list[float]]]] = {}
     for rank, words in sorted(states):
         ranks, times = grouped.setdefault(_DURATION.sub("{}", words.replace("{", "{{")

@@ -2,23 +2,17 @@
 
 Note on lanes
 -------------
-Trace viewers draw the complete ("X") events of one thread as a stack, so
-events of one thread must nest. Operations in flight together do not, so
-each rank's communication is spread over as few lanes (tids) as keep every
-lane free of overlaps, and so is compute (one lane with the default single
-worker thread). Compute lanes are tids 1, 2, ...; communication lanes start
-at tid 100.
+Trace viewers draw the complete ("X") events of one thread as a stack, so events of one
+thread must nest. Operations in flight together do not, so each rank's communication is
+spread over as few lanes (tids) as keep every lane free of overlaps, and so is compute.
+Compute lanes are tids 1, 2, ...; communication lanes start at tid 100.
 
 Note on the metrics
 -------------------
-Per rank, over its recorded spans (ops, channel messages, actor calls are
-"communication"; ``asyncomm.compute`` spans are "compute"):
-
-- communication: the length of the union of the communication spans, so
-  concurrent operations are not counted twice;
-- compute: the length of the union of the compute spans;
-- hidden: the length of the intersection of those two unions;
-- exposed: communication minus hidden, communication no compute ran under.
+Per rank (docs/tracing.md has the table): communication and compute are the lengths of the
+unions of their spans (ops, channel messages and actor calls; ``asyncomm.compute`` spans),
+so concurrent spans count once; hidden is the length of the intersection of the two
+unions; exposed is communication minus hidden.
 """
 
 from __future__ import annotations
@@ -122,11 +116,8 @@ def load(directory: str | Path) -> list[dict[str, Any]]:
 
 
 def _clock(ranks: Sequence[dict[str, Any]]) -> list[float]:
-    """Return, per rank, what to add to its perf_counter times to share one time base.
-
-    One host shares its monotonic clock: use it as is. Across hosts, go
-    through each rank's wall-clock anchor.
-    """
+    """Return, per rank, what to add to its perf_counter times to share one time base: one
+    host shares its monotonic clock, as is; across hosts, go through each rank's anchor."""
     if len({doc["host"] for doc in ranks}) == 1:
         return [0.0] * len(ranks)
     return [doc["anchor"]["wall_ns"] / 1e9 - doc["anchor"]["perf_counter"] for doc in ranks]
@@ -146,9 +137,9 @@ def _lanes(spans: list[dict[str, Any]], base: int) -> None:
 def merge(directory: str | Path) -> dict[str, Any]:
     """Merge a trace directory's rank files into one Chrome/Perfetto trace-event object.
 
-    Complete ("X") events, ``pid`` = rank, compute and communication on
-    separate lanes (``tid``); ``ts``/``dur`` in microseconds from the
-    earliest event. Operations that never completed are left out.
+    Complete ("X") events, ``pid`` = rank, compute and communication on separate lanes
+    (``tid``); ``ts``/``dur`` in microseconds from the earliest event. Operations that never
+    completed are left out.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`load`.
@@ -230,8 +221,8 @@ def report(metrics: dict[int, Overlap]) -> str:
 def draw(trace: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
     """Draw a PNG timeline of a merged trace: a lane per rank, compute above communication.
 
-    Each lane shows the union of the rank's compute spans in one colour and
-    of its communication spans (ops, channels, actors) in another. Returns ``path``.
+    Each lane shows the union of the rank's compute spans in one colour and of its
+    communication spans (ops, channels, actors) in another. Returns ``path``.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install 'asyncomm[plot]'``).

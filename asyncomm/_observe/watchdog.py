@@ -1,13 +1,10 @@
 """Debug mode: say where the event loop is stuck when a callback holds it too long.
 
-A blocked loop stalls every operation of its rank, and through them the other
-ranks. asyncio's own debug mode reports a slow callback once it has returned,
-without saying where it spent the time; the watchdog reports *while* the loop
-is blocked, with the loop thread's stack, once per stall.
-
-Note: the loop beats (a timer every quarter threshold); a thread checks the
-beat and prints to stderr when it is older than the threshold
-(``ASYNCOMM_BLOCKED_S``, default 0.25 s) while the loop is running.
+A blocked loop stalls every operation of its rank, and through them the other ranks.
+asyncio's own debug mode reports a slow callback once it has returned, without saying where
+it spent the time; the watchdog reports *while* the loop is blocked, with the loop thread's
+stack, once per stall. The loop beats (a timer every quarter threshold); a thread prints to
+stderr when the beat is older than ``ASYNCOMM_BLOCKED_S`` while the loop is running.
 """
 
 from __future__ import annotations

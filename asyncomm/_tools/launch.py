@@ -68,47 +68,27 @@ else:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the options of ``asyncomm run`` on its subparser."""
-    parser.add_argument(
-        "-n", "--nproc", type=int, required=True, metavar="N", help="ranks to start"
-    )
-    parser.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        help="mpi: start the ranks with mpiexec; gloo (default) or nccl: start them here",
-    )
-    parser.add_argument(
-        "--timeout", type=float, metavar="SECONDS", help="set ASYNCOMM_TIMEOUT for every rank"
-    )
-    parser.add_argument(
-        "--trace",
-        metavar="DIR",
-        help="trace every rank into DIR (ASYNCOMM_TRACE), then merge: DIR/trace.json, "
-        "DIR/timeline.png and the overlap metrics",
-    )
-    parser.add_argument(
-        "--hosts",
-        type=int,
-        metavar="K",
-        help="run on K emulated hosts (network namespaces, N/K ranks each; needs root): "
-        "gloo ranks as torchrun's would be, MPI through mpiexec with a host list",
-    )
-    parser.add_argument(
-        "--rate",
-        metavar="RATE",
-        help="with --hosts: each host's link speed, as tc writes it (1gbit, 100mbit)",
-    )
-    parser.add_argument(
-        "--delay",
-        metavar="TIME",
-        help="with --hosts: one-way link latency (5ms), where the kernel has netem",
-    )
-    parser.add_argument(
-        "-m", dest="module", action="store_true", help="SCRIPT names a module, as in python -m"
-    )
+    parser.add_argument("-n", "--nproc", type=int, required=True, metavar="N",
+                        help="ranks to start")
+    parser.add_argument("--backend", choices=BACKENDS, help="mpi: start the ranks with "
+                        "mpiexec; gloo (default) or nccl: start them here")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS",
+                        help="set ASYNCOMM_TIMEOUT for every rank")
+    parser.add_argument("--trace", metavar="DIR", help="trace every rank into DIR "
+                        "(ASYNCOMM_TRACE), then merge: DIR/trace.json, DIR/timeline.png and "
+                        "the overlap metrics")
+    parser.add_argument("--hosts", type=int, metavar="K", help="run on K emulated hosts "
+                        "(network namespaces, N/K ranks each; needs root): gloo ranks as "
+                        "torchrun's would be, MPI through mpiexec with a host list")
+    parser.add_argument("--rate", metavar="RATE", help="with --hosts: each host's link "
+                        "speed, as tc writes it (1gbit, 100mbit)")
+    parser.add_argument("--delay", metavar="TIME", help="with --hosts: one-way link latency "
+                        "(5ms), where the kernel has netem")
+    parser.add_argument("-m", dest="module", action="store_true",
+                        help="SCRIPT names a module, as in python -m")
     parser.add_argument("script", metavar="SCRIPT", help="the Python script every rank runs")
-    parser.add_argument(
-        "script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT"
-    )
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                        help="arguments for SCRIPT")
     parser.set_defaults(func=run_command)
 
 
@@ -147,26 +127,24 @@ def find_mpiexec() -> str | None:
     return str(beside) if os.access(beside, os.X_OK) else None
 
 
-def launch(
-    script_argv: list[str],
-    n: int,
-    backend: str | None = None,
-    env: Mapping[str, str] | None = None,
-    timeout: float | None = None,
-    trace: str | os.PathLike[str] | None = None,
-    hosts: int | None = None,
-    rate: str | None = None,
-    delay: str | None = None,
-) -> int:
+def launch(script_argv: list[str], n: int, backend: str | None = None,
+           env: Mapping[str, str] | None = None, timeout: float | None = None,
+           trace: str | os.PathLike[str] | None = None, hosts: int | None = None,
+           rate: str | None = None, delay: str | None = None) -> int:
     """Run ``python *script_argv`` (a script or ``-m module``, then its arguments) on n ranks.
 
     Blocks until every rank has exited and returns the world's exit code. ``backend`` is
     exported as ``ASYNCOMM_BACKEND`` when given (``"mpi"`` starts the ranks with mpiexec),
     ``env`` is added to every rank's environment and ``timeout`` becomes ``ASYNCOMM_TIMEOUT``.
     ``trace`` becomes ``ASYNCOMM_TRACE`` (the directory is made, and emptied of an earlier
-    run's rank files so that they cannot be merged with this run's). ``hosts``
-    spreads the ranks over that many emulated hosts (see ``network``), their
-    links shaped by ``rate`` and ``delay``.
+    run's rank files so that they cannot be merged with this run's). ``hosts`` spreads the
+    ranks over that many emulated hosts (see ``network``), their links shaped by ``rate``
+    and ``delay``.
+
+    Raises:
+        ValueError: a bad ``n``, ``hosts``, ``backend``, ``rate`` or ``delay``.
+        FileNotFoundError: ``backend="mpi"`` and no mpiexec is found.
+        PermissionError: ``hosts`` where network namespaces cannot be made (not root).
     """
     if n < 1:
         raise ValueError(f"-n must be at least 1, not {n}")
@@ -218,11 +196,8 @@ def _launch_local(script_argv: list[str], n: int, base: dict[str, str]) -> int:
 
 def _launch_hosts(script_argv: list[str], n: int, base: dict[str, str],
                   net: network.Network) -> int:
-    """Start n ranks spread over the hosts of ``net``, as torchrun on each host would.
-
-    Rank 0 hosts the store on the first host; nothing says which interface gloo
-    should use (asyncomm finds it, as it does under torchrun).
-    """
+    """Start n ranks spread over the hosts of ``net``, as torchrun on each host would: rank 0
+    hosts the store on the first host, and asyncomm finds gloo's interface, as under torchrun."""
     per_host = n // net.count
     for name in (*_MPI_RANK_VARS, "GLOO_SOCKET_IFNAME", "ASYNCOMM_STORE",
                  "TORCHELASTIC_USE_AGENT_STORE"):
@@ -250,11 +225,9 @@ def _ended(world: _World, n: int) -> int:
 
 def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
                 net: network.Network | None = None) -> int:
-    """Run the ranks under mpiexec, passing its rank-labelled output through.
-
-    With ``net``: mpiexec runs on its first host and reaches the others as it
-    would through ssh (Hydra's ssh launcher, with a stand-in for ssh), N/K ranks each.
-    """
+    """Run the ranks under mpiexec, passing its rank-labelled output through. With ``net``:
+    mpiexec runs on its first host and reaches the others as it would through ssh (Hydra's
+    ssh launcher, with a stand-in for ssh), N/K ranks each."""
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise FileNotFoundError("mpiexec not found; pip install 'asyncomm[mpi]' provides one")
@@ -293,11 +266,9 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
 
 
 def _dead_ranks(statuses: list[int]) -> str:
-    """Name the ranks whose wait status says they failed: an exit code first, else a signal.
-
-    Hydra kills the other ranks once one dies, so ranks killed by a signal
-    are named only when no rank exited with a code of its own.
-    """
+    """Name the ranks whose wait status says they failed: an exit code first, else a signal
+    (Hydra kills the other ranks once one dies, so those are named only when no rank exited
+    with a code of its own)."""
     exited = [(r, s >> 8) for r, s in enumerate(statuses) if s & 0x7F == 0 and s >> 8]
     if exited:
         return "; ".join(f"rank {r} exited with code {c}" for r, c in exited)
@@ -320,9 +291,8 @@ def host_store() -> tuple[object, int]:
 def _listen_on_loopback() -> socket.socket:
     """Return a socket listening on a free loopback port, for a store to adopt.
 
-    Binding to port 0 ourselves gets a free port without a probe-then-bind race and keeps
-    the store off every interface but loopback. Until a store adopts the socket, clients
-    that connect wait in its backlog.
+    Binding port 0 ourselves gets a free port without a probe-then-bind race and keeps the
+    store off every other interface; until a store adopts it, clients wait in its backlog.
     """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
@@ -344,15 +314,8 @@ def _serve_store(sock: socket.socket) -> object:
     # The libuv store adopts a listening fd from torch 2.8 on (pytorch#150215).
     use_libuv = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 8)
     try:
-        return TCPStore(
-            "127.0.0.1",
-            port,
-            world_size=None,
-            is_master=True,
-            wait_for_workers=False,
-            master_listen_fd=fd,
-            use_libuv=use_libuv,
-        )
+        return TCPStore("127.0.0.1", port, world_size=None, is_master=True,
+                        wait_for_workers=False, master_listen_fd=fd, use_libuv=use_libuv)
     except BaseException:
         os.close(fd)
         raise
@@ -377,8 +340,8 @@ def local_options(mpiexec: str) -> list[str]:
     """Return the options that let ``mpiexec`` start any number of ranks on this machine.
 
     MPICH's does so as it is; Open MPI's refuses more ranks than cores without
-    ``--oversubscribe`` (and, as root, runs only with ``OMPI_ALLOW_RUN_AS_ROOT=1``
-    and ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`` in the environment: see launching.md).
+    ``--oversubscribe`` (and, as root, needs ``OMPI_ALLOW_RUN_AS_ROOT=1`` and
+    ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``: see launching.md).
     """
     return ["--oversubscribe"] if _flavour(mpiexec) == "open mpi" else []
 
@@ -406,8 +369,7 @@ class _World:
     aborted: tuple[int, int] | None = None  # (rank, code) of an MPI_Abort
     served: object = None  # what ``serve`` returned, kept until the ranks are gone
     tails: defaultdict[int, deque[str]] = field(
-        default_factory=lambda: defaultdict(lambda: deque(maxlen=TAIL_LINES))
-    )
+        default_factory=lambda: defaultdict(lambda: deque(maxlen=TAIL_LINES)))
 
 
 async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled: bool,
@@ -415,8 +377,8 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
     """Run one process per command until all exit, stopping them all once one fails.
 
     ``serve``, when given, runs on a thread once the processes are spawned (the store they
-    connect to: torch loads here while it loads in the ranks); if it raises, they are
-    stopped and the error raised.
+    connect to: torch loads here while it loads in the ranks); if it raises, they are stopped
+    and the error raised.
     """
     world = _World(codes=[None] * len(cmds))
     procs: list[asyncio.subprocess.Process] = []
@@ -447,21 +409,13 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
             handled.append(signum)
     try:
         for cmd, env in zip(cmds, envs, strict=True):
-            proc = await asyncio.create_subprocess_exec(
-                *cmd,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
-            procs.append(proc)
-        pumps = [
-            asyncio.ensure_future(_pump(stream, kept, world, None if labeled else i))
-            for i, proc in enumerate(procs)
-            for stream, kept in ((proc.stdout, False), (proc.stderr, True))
-            if stream is not None
-        ]
+            procs.append(await asyncio.create_subprocess_exec(
+                *cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, start_new_session=True))
+        pumps = [asyncio.ensure_future(_pump(stream, kept, world, None if labeled else i))
+                 for i, proc in enumerate(procs)
+                 for stream, kept in ((proc.stdout, False), (proc.stderr, True))
+                 if stream is not None]
         served = None
         if serve is not None:
             served = asyncio.ensure_future(asyncio.to_thread(serve))
@@ -487,9 +441,8 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
     return world
 
 
-async def _pump(
-    stream: asyncio.StreamReader, is_err: bool, world: _World, rank: int | None
-) -> None:
+async def _pump(stream: asyncio.StreamReader, is_err: bool, world: _World,
+                rank: int | None) -> None:
     """Copy a rank's output line by line, labelled with ``rank`` unless already labelled."""
     prefix = b"" if rank is None else f"[{rank}] ".encode()
 
@@ -582,10 +535,8 @@ def _how(code: int) -> str:
 
 
 def _error(tail: deque[str]) -> str:
-    """Return ``": Kind: message"`` from the last traceback in ``tail`` ("" if there is none).
-
-    The traceback itself went by with the rank's output: the summary names it, once.
-    """
+    """Return ``": Kind: message"`` from the last traceback in ``tail`` ("" if there is none):
+    the traceback went by with the rank's output, the summary names it once."""
     lines = list(tail)
     starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK)]
     if not starts:
