@@ -47,8 +47,8 @@ class Comm:
     rank and tag checks here (``_quickly``), the tensor's in the backend, the
     operation posted before its handle is made, the handle numbered after.
     Everything else (arrays, a ``timeout=``, any source, tracing, debug mode,
-    a peer lost, the first all-reduce of an (op, dtype)) takes the usual
-    path, which checks and words the errors. MPI's quick sends and receives
+    a peer lost, a closed communicator, the first all-reduce of an (op, dtype))
+    takes the usual path, which checks and words the errors. MPI's quick sends and receives
     start persistent requests (see ``_backends.mpi_kept``).
     """
 
@@ -70,8 +70,10 @@ class Comm:
         self._args = Arguments(backend, timeout)
         # per op given, per dtype: the backend's own reduction, where all_reduce is quick
         self._quick_ops: dict[object, dict[torch.dtype, object]] = {}
-        # (the quick path's copies of the backend's facts)
-        self._size, self._max_tag = backend.size, backend.max_tag
+        # (the quick path's copies of the backend's facts: the ranks a point-to-point
+        # operation may name, the largest tag)
+        self._peers = frozenset(range(backend.size)) - {self._rank}
+        self._max_tag = backend.max_tag
         # Diagnostics (see _status): the same label on every member, each member's rank in
         # the world it was split from, and where each rank of that world answers.
         self._label = label
@@ -90,7 +92,8 @@ class Comm:
         if chosen.debug:
             self._checker = Checker(backend, loop)
             watchdog.watch(loop, f"rank {backend.rank}")
-        self._quick = backend.quick and self._checker is None  # see the note on quick operations
+        # see the note on quick operations (false once closed: the usual path says so)
+        self._quick = backend.quick and self._checker is None
         # Every communicator routes channel frames, so that closing is symmetric: each
         # router waits for every other's goodbye (see the note in _channels).
         recorder.start_from_env()  # before the probe: traced from the first operation
@@ -212,7 +215,7 @@ class Comm:
         """Reduce ``tensor`` over all ranks, in place; every rank gets the result."""
         if self._quick and timeout is None:  # see the note
             quick_ops = self._quick_ops.get(op)
-            if quick_ops is not None and not self._closed and self._probe.recording is None:
+            if quick_ops is not None and self._probe.recording is None:
                 seq = self._seq + 1
                 handle = self._backend.quick_all_reduce(
                     tensor, quick_ops, (self._rank, "all_reduce", seq, None, None))
@@ -355,9 +358,8 @@ class Comm:
     def _quickly(self, op: str, quick: Callable[..., Handle[Any] | None], tensor: object,
                  peer: int, tag: int) -> Handle[Any] | None:
         """``send``'s or ``recv``'s quick path (see the note); ``None``: take the usual one."""
-        if (type(peer) is int and type(tag) is int and 0 <= peer < self._size
-                and peer != self._rank and 0 <= tag <= self._max_tag and not self._closed
-                and self._probe.recording is None):
+        if (type(peer) is int and type(tag) is int and peer in self._peers
+                and 0 <= tag <= self._max_tag and self._probe.recording is None):
             seq = self._seq + 1
             handle = quick(tensor, peer, tag, (self._rank, op, seq, peer, tag))
             if handle is not None:
@@ -647,6 +649,7 @@ class Comm:
         if self._closed:
             return
         self._closed = True
+        self._quick = False
         closed = CommClosedError("the communicator was closed with this operation in flight")
         for handle, _ in self._deadlines.pending():  # the backend may still hold the buffers
             handle._abandon(CommClosedError, closed)

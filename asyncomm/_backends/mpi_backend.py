@@ -156,11 +156,9 @@ class MpiBackend(Backend):
         self._probe_first = PROBE_FIRST
         self._span = small.span  # where the tensor of a quick operation lies
         self._probing: list[_Probing] = []  # receives looking for their message, in order
-        # persistent requests of quick sends and receives, by
-        # (address, bytes, MPI datatype, peer, tag), with the handle of the last operation
-        # they did (see ``mpi_kept``)
-        self._sends: dict[tuple[Any, ...], list[Any]] = {}
-        self._recvs: dict[tuple[Any, ...], list[Any]] = {}
+        # persistent requests of quick sends and receives (see ``mpi_kept``)
+        self._sends = mpi_kept.Requests(comm.Send_init, comm.Isend)
+        self._recvs = mpi_kept.Requests(comm.Recv_init, comm.Irecv)
         # small all-reduces by persistent requests, and the collectives they hold back
         self._reductions = Reductions(comm, loop, self._poller, self._status, self._classify)
 
@@ -244,11 +242,24 @@ class MpiBackend(Backend):
         if where is None:
             return None
         try:  # (a persistent request kept for the buffer, peer and tag: ``mpi_kept``)
-            request, kept = mpi_kept.start(self._sends, (*where, dst, tag), self._comm.Send_init,
-                                           self._comm.Isend, lambda: spec(tensor), dst, tag)
+            request, kept = self._sends.start((where, dst, tag), tensor)
         except MPI.Exception:
             return None  # nothing issued: the usual path issues it again, words its error
-        return self._quickly(request, Handle(self._loop, what, None, tensor), kept)
+        # Its handle is made once it is posted; done after two tests (the commonest, a
+        # small send), it is made done; else the poller follows it, and ``kept`` notes it
+        # in flight.
+        try:
+            if _TEST(request, self._status) or _TEST(request, self._status):
+                return Handle(self._loop, what, None, None, True)  # (done: positional, quicker)
+        except MPI.Exception as exc:  # (the request is freed: only its error is left)
+            handle: Handle[Any] = Handle(self._loop, what, None)
+            handle._fail(self._classify(exc), exc)
+            return handle
+        handle = Handle(self._loop, what, None, tensor)
+        if kept is not None:
+            kept[1] = handle
+        self._poller.follow(request, handle, None)
+        return handle
 
     def quick_recv(self, tensor: Any, src: int, tag: int,
                    what: tuple[Any, ...]) -> Handle[Any] | None:
@@ -262,31 +273,12 @@ class MpiBackend(Backend):
             self._recv_probed(handle, tensor, src, tag)
             return handle
         try:  # (as ``quick_send``)
-            request, kept = mpi_kept.start(self._recvs, (*where, src, tag), self._comm.Recv_init,
-                                           self._comm.Irecv, lambda: spec(tensor), src, tag)
+            request, kept = self._recvs.start((where, src, tag), tensor)
         except MPI.Exception:
             return None
         if kept is not None:
             kept[1] = handle
         self._poller.watch(request, handle, None, False)
-        return handle
-
-    def _quickly(self, request: Any, handle: Handle[Any],
-                 kept: list[Any] | None = None) -> Handle[Any]:
-        """Settle the handle of a quick send, made once ``request`` was posted,
-        if two tests find it done, as ``watch`` tests (the commonest: no outcome asked for);
-        else the poller follows it, and ``kept`` (a persistent request's entry, see
-        ``mpi_kept``) notes it in flight."""
-        try:
-            if _TEST(request, self._status) or _TEST(request, self._status):
-                handle._succeed(None)
-                return handle
-        except MPI.Exception as exc:  # (the request is freed: only its error is left)
-            handle._fail(self._classify(exc), exc)
-            return handle
-        if kept is not None:
-            kept[1] = handle
-        self._poller.follow(request, handle, None)
         return handle
 
     @in_turn
@@ -485,10 +477,10 @@ class MpiBackend(Backend):
         self._probing.clear()
         self._reductions.close()
         self._drop_unreceived()
-        mpi_kept.free_idle(self._sends)  # (those in flight are the poller's orphans now)
-        mpi_kept.free_idle(self._recvs)
-        self._sends.clear()
-        self._recvs.clear()
+        self._sends.free_idle()  # (those in flight are the poller's orphans now)
+        self._recvs.free_idle()
+        self._sends.kept.clear()
+        self._recvs.kept.clear()
         self._comm.Free()
 
     def _drop_unreceived(self) -> None:

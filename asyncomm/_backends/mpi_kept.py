@@ -20,8 +20,8 @@ and those in flight are orphans like any other request.
 Small all-reduces are kept too, by their kind rather than their buffer (a
 persistent collective is made collectively: see ``mpi_reduce``).
 
-The backend keeps, per kind, a dict from key to ``[request, last handle]``
-(``start``).
+The backend keeps a ``Requests`` of each kind (sends, receives): a dict from
+key to ``[request, last handle]``, and how to make that kind's requests.
 """
 
 from __future__ import annotations
@@ -31,9 +31,12 @@ from typing import Any
 
 from mpi4py import MPI
 
+from asyncomm._backends.mpi_link import spec
+
 KEPT = 64  # buffers noted or kept per communicator, of sends and of receives
 
-Key = tuple[Any, ...]  # (address, bytes, MPI datatype's handle, peer, tag)
+# ((address, bytes, MPI datatype's handle): the buffer as ``small.span`` gives it, peer, tag)
+Key = tuple[tuple[int, int, Any], int, int]
 
 
 class _Mark:
@@ -50,52 +53,62 @@ IDLE = _Mark(None)  # a persistent request's last operation before its first: no
 SEEN: Any = (None, _Mark(True))  # a buffer, peer and tag seen once (no request made yet)
 
 
-def start(kept: dict[Key, list[Any]], key: Key, init: Callable[..., Any],
-          once: Callable[..., Any], spec: Callable[[], list[Any]], peer: int,
-          tag: int) -> tuple[Any, list[Any] | None]:
-    """Start the operation of ``key`` (``spec``: its buffer's, made only if needed): its
-    kept persistent request where that is idle, else as ``begin`` starts it. Return the
-    request and its entry in ``kept`` (``None``: not kept). Raises ``MPI.Exception`` with
-    nothing issued."""
-    last = kept.get(key)
-    if last is not None and last[1]._keep is None:  # the commonest: idle
-        last[0].Start()
-        return last[0], last
-    return begin(kept, key, last, init, once, spec(), peer, tag)
+class Requests:
+    """The persistent requests kept for one kind of operation (see the note).
 
+    Args:
+        init: makes that kind's persistent request (``Comm.Send_init``, ``Comm.Recv_init``).
+        once: posts a request of its own (``Comm.Isend``, ``Comm.Irecv``).
+    """
 
-def begin(kept: dict[Key, list[Any]], key: Key, last: list[Any] | None,
-          init: Callable[..., Any], once: Callable[..., Any], spec: list[Any], peer: int,
-          tag: int) -> tuple[Any, list[Any] | None]:
-    """Start an operation whose buffer, peer and tag have no idle persistent request: a
-    request of its own (``once``) the first time they come, or while the kept one is
-    in flight; a persistent one (``init``), kept, the second time. Return the request,
-    and its entry in ``kept`` (``None``: not kept)."""
-    if last is SEEN:
-        request = init(spec, peer, tag)
-        try:
-            request.Start()
-        except MPI.Exception:
-            request.Free()
-            raise
-        entry = kept[key] = [request, IDLE]
-        return request, entry
-    request = once(spec, peer, tag)
-    if last is None:  # new: noted, if there is room
-        if len(kept) >= KEPT:
-            free_idle(kept)
-        if len(kept) < KEPT:
-            kept[key] = SEEN
-    return request, None
+    __slots__ = ("_init", "_once", "kept")
 
+    def __init__(self, init: Callable[..., Any], once: Callable[..., Any]) -> None:
+        self._init, self._once = init, once
+        self.kept: dict[Key, list[Any]] = {}  # key: [request, the handle of its last operation]
 
-def free_idle(kept: dict[Key, list[Any]]) -> None:
-    """Forget what is kept of buffers that are not in flight, freeing their requests."""
-    for key, (request, last) in list(kept.items()):
-        if last._keep is None or request is None:
-            del kept[key]
-            if request is not None:
-                try:
-                    request.Free()
-                except MPI.Exception:
-                    pass
+    def start(self, key: Key, tensor: Any) -> tuple[Any, list[Any] | None]:
+        """Start the operation of ``key`` on ``tensor``'s memory: its kept persistent request
+        where that is idle, else as ``begin`` starts it. Return the request and its entry in
+        ``kept`` (``None``: not kept). Raises ``MPI.Exception`` with nothing issued."""
+        last = self.kept.get(key)
+        if last is not None and last[1]._keep is None:  # the commonest: idle
+            last[0].Start()
+            return last[0], last
+        return self.begin(key, last, spec(tensor))
+
+    def begin(self, key: Key, last: list[Any] | None,
+              buffer: list[Any]) -> tuple[Any, list[Any] | None]:
+        """Start an operation whose buffer, peer and tag have no idle persistent request: a
+        request of its own (``once``) the first time they come, or while the kept one is
+        in flight; a persistent one (``init``), kept, the second time. Return the request,
+        and its entry in ``kept`` (``None``: not kept)."""
+        _, peer, tag = key
+        if last is SEEN:
+            request = self._init(buffer, peer, tag)
+            try:
+                request.Start()
+            except MPI.Exception:
+                request.Free()
+                raise
+            entry = self.kept[key] = [request, IDLE]
+            return request, entry
+        request = self._once(buffer, peer, tag)
+        if last is None:  # new: noted, if there is room
+            if len(self.kept) >= KEPT:
+                self.free_idle()
+            if len(self.kept) < KEPT:
+                self.kept[key] = SEEN
+        return request, None
+
+    def free_idle(self) -> None:
+        """Forget what is kept of buffers that are not in flight, freeing their requests."""
+        kept = self.kept
+        for key, (request, last) in list(kept.items()):
+            if last._keep is None or request is None:
+                del kept[key]
+                if request is not None:
+                    try:
+                        request.Free()
+                    except MPI.Exception:
+                        pass
