@@ -2,8 +2,8 @@
 
 Every rank joins and all-reduces once; then the second host's ranks say
 ``ready`` (a file ``READY_DIR/ready-RANK``) and sleep (the test kills them),
-while the first host's ranks wait for them: rank 0 in an all-reduce, rank 1
-in a channel receive from rank 2.
+while the first host's ranks say ``waiting`` (``READY_DIR/waiting-RANK``) and
+wait for them: rank 0 in an all-reduce, rank 1 in a channel receive from rank 2.
 """
 
 import asyncio
@@ -24,6 +24,7 @@ async def main(comm: asyncomm.Comm) -> None:
         pathlib.Path(os.environ["READY_DIR"], f"ready-{comm.rank}").touch()
         time.sleep(600)  # killed here
     started = time.monotonic()
+    pathlib.Path(os.environ["READY_DIR"], f"waiting-{comm.rank}").touch()
     try:
         if comm.rank == 0:
             await comm.all_reduce(t)

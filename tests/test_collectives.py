@@ -308,10 +308,12 @@ async def check_small_all_reduces_kept_in_step(comm: Comm) -> list[object]:
             assert memory[0].item() == memory[3].item() == -1.0  # nothing beyond the view
         xs = [torch.full((2,), float(i + sub.rank)) for i in range(10)]
         other = torch.full((3,), float(sub.rank))
-        if sub.rank == 1:
-            await asyncio.sleep(0.05)  # rank 0's are in flight a while: its fifth is held
+        if sub.rank == 1:  # issued once rank 0's five are: those stay in flight till then,
+            await sub.recv(torch.zeros(1), 0, tag=77)  # so rank 0's fifth is held
         handles = [sub.all_reduce(x) for x in xs[:5]]  # more than a kind keeps requests for
         held.append(reductions is not None and reductions.held is not None)
+        if sub.rank == 0:
+            await sub.send(torch.zeros(1), 1, tag=77)
         handles += [sub.broadcast(other, src=1), sub.all_reduce(xs[5], "max"), sub.barrier()]
         handles += [sub.all_reduce(x) for x in xs[6:]]
         await asyncio.gather(*handles)
@@ -347,8 +349,9 @@ async def check_a_kept_all_reduce_that_timed_out(comm: Comm) -> list[float]:
         if sub.rank == 0:
             with pytest.raises(asyncomm.CommTimeoutError):
                 await sub.all_reduce(late, timeout=0.2)
+            await sub.send(torch.zeros(1), 1, tag=78)  # rank 1 joins once it timed out
         else:
-            await asyncio.sleep(0.4)
+            await sub.recv(torch.zeros(1), 0, tag=78)
             await sub.all_reduce(late)
         for i in range(6):
             t.fill_(i + sub.rank)
@@ -357,7 +360,7 @@ async def check_a_kept_all_reduce_that_timed_out(comm: Comm) -> list[float]:
         await sub.barrier()
         # The late one lands in its tensor when the backend is done with it: on gloo, whose
         # worker threads may finish it after later ones, maybe later still (bounded here).
-        deadline = time.monotonic() + 10.0
+        deadline = time.monotonic() + 30.0
         while late[0].item() != 3.0 and time.monotonic() < deadline:
             await asyncio.sleep(0.001)
         return [late[0].item(), *got]

@@ -151,7 +151,7 @@ async def test_the_loop_counts_its_computes_in_flight() -> None:
 
     def held() -> int:
         began.set()
-        release.wait(5)
+        release.wait(60)  # (bounded: a failing test must not keep the thread)
         return 1
 
     def fails() -> None:
@@ -161,7 +161,7 @@ async def test_the_loop_counts_its_computes_in_flight() -> None:
         tasks = [asyncio.ensure_future(asyncomm.compute(held)),
                  asyncio.ensure_future(asyncomm.compute(fails))]
         await asyncio.sleep(0)
-        assert await asyncio.to_thread(began.wait, 5)
+        assert await asyncio.to_thread(began.wait, 60)
         assert count[0] == 2  # one running, one queued behind it
         release.set()
         results = await asyncio.gather(*tasks, return_exceptions=True)

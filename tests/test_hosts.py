@@ -100,15 +100,15 @@ def test_a_dead_host_ends_the_other_hosts_ranks_within_seconds(net: network.Netw
     env = _env(READY_DIR=str(tmp_path))
     procs = [_torchrun(net, DYING, port, h, env) for h in range(2)]
     deadline = time.monotonic() + LIMIT_S / 2
-    while len(list(tmp_path.glob("ready-*"))) < 2:  # host 2's ranks are past the all-reduce
+    # host 2's ranks are past the all-reduce, host 1's about to wait for them
+    while len(list(tmp_path.glob("ready-*")) + list(tmp_path.glob("waiting-*"))) < 4:
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
             for proc in procs:
                 proc.kill()
             said = [proc.communicate()[0][-2000:] for proc in procs]
-            pytest.fail(f"host 2's ranks never got ready: host 1 said {said[0]!r}; "
+            pytest.fail(f"the ranks never got ready: host 1 said {said[0]!r}; "
                         f"host 2 said {said[1]!r}")
         time.sleep(0.1)
-    time.sleep(0.5)  # host 1's ranks are waiting for them by now
     killed = time.monotonic()
     for pid in subprocess.run(["ip", "netns", "pids", net.namespaces[1]], capture_output=True,
                               text=True, check=True).stdout.split():
@@ -118,7 +118,7 @@ def test_a_dead_host_ends_the_other_hosts_ranks_within_seconds(net: network.Netw
     out = procs[0].stdout.read() if procs[0].stdout else ""
     procs[1].wait(LIMIT_S)
     assert code != 0, out[-3000:]
-    assert took < 20, f"host 1 took {took:.1f} s to end"
+    assert took < LIMIT_S / 2, f"host 1 took {took:.1f} s to end"  # not at a deadline
     stops = re.findall(r"rank (\d) stopped after [\d.]+ s: (.*)", out)
     assert sorted(rank for rank, _ in stops) == ["0", "1"], out[-3000:]
     for _, why in stops:  # the failed ranks are named

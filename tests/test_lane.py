@@ -36,11 +36,14 @@ def lanes(request: pytest.FixtureRequest) -> Iterator[tuple[Lane, Lane]]:
     for lane in made:
         lane.close()
     for lane in made:
-        lane.join(5.0)
+        lane.join(60.0)
 
 
 def _rings() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("asyncomm-lane-")}
+    """The ring files of this process's lanes (named for the writer's process: those of
+    other processes, other tests' or other jobs', come and go as they please)."""
+    mine = f"asyncomm-lane-{os.getpid()}-"
+    return {name for name in os.listdir("/dev/shm") if name.startswith(mine)}
 
 
 def _send(lane: Lane, dst: int, tensor: torch.Tensor) -> Outcome:
@@ -95,7 +98,7 @@ def test_a_peer_that_goes_mid_buffer_fails_it_and_those_behind(
     behind = _recv(b, 0, [torch.empty(10)])
     a.send(1, torch.ones(100), lambda _: None)  # a part of what b waits for
     a.close()  # the writer ends after what it was given: the connection closes
-    a.join(5.0)  # (a direct writer's answers end too: b's reader closed as it failed)
+    a.join(60.0)  # (a direct writer's answers end too: b's reader closed as it failed)
     assert not [t.name for t in a._threads if t.is_alive()]
     for outcome in (half, behind):
         error = outcome.get(timeout=30)
@@ -121,7 +124,7 @@ def test_threads_end_when_closed() -> None:
     for lane in (a, b):
         lane.close()
     for lane in (a, b):
-        lane.join(5.0)
+        lane.join(60.0)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("asyncomm-lane")]
 
 
@@ -168,7 +171,7 @@ def test_each_way_falls_back_to_the_next(monkeypatch: pytest.MonkeyPatch,
     finally:
         for lane in (a, b):
             lane.close()
-            lane.join(5.0)
+            lane.join(60.0)
 
 
 def test_a_direct_buffer_is_done_once_its_reader_took_it() -> None:
@@ -188,7 +191,7 @@ def test_a_direct_buffer_is_done_once_its_reader_took_it() -> None:
         # a reader that goes fails what it did not take, and what is written after
         waiting = _send(a, 1, data)
         b.close()
-        b.join(5.0)
+        b.join(60.0)
         for outcome in (waiting, _send(a, 1, data)):
             error = outcome.get(timeout=30)
             assert isinstance(error, asyncomm.PeerFailedError), error
@@ -196,7 +199,7 @@ def test_a_direct_buffer_is_done_once_its_reader_took_it() -> None:
     finally:
         for lane in (a, b):
             lane.close()
-            lane.join(5.0)
+            lane.join(60.0)
 
 
 def test_a_direct_offer_of_another_process_is_declined(lanes: tuple[Lane, Lane]) -> None:

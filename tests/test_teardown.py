@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +21,7 @@ from asyncomm.testing import run_script
 HERE = Path(__file__).resolve().parent
 
 CYCLES = """
-import sys, threading, torch, asyncomm
+import asyncio, sys, threading, time, torch, asyncomm
 from asyncomm import CommTimeoutError, PeerFailedError
 
 class Leave(Exception):
@@ -62,7 +61,11 @@ async def cycle(number):
         # parked in a receive that nothing can reach any more. So may the thread of its
         # any-source receive: it asked a live peer to end it, but does not wait for that.
         parked = ["asyncomm-listener", "asyncomm-waiter-endless"]
-    left = [t for t in threads() if t not in parked]
+    # a thread told to end at close may take a moment to do so: what is left is what does
+    # not end within a generous while
+    deadline = time.monotonic() + 60
+    while (left := [t for t in threads() if t not in parked]) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
     assert left == [], (number, left)
     try:  # closing failed what was still in flight
         posted.result()
@@ -132,20 +135,33 @@ def test_a_release_for_a_rank_that_left_is_quiet(tmp_path: Path) -> None:
 
 
 NEVER_CLOSED = """
-import asyncio, time, torch, asyncomm
+import atexit, time
+
+ended = []
+
+def exited():  # registered before asyncomm is imported, so called after its exit work
+    if ended:
+        print("exit work took", time.monotonic() - ended[0], flush=True)
+
+atexit.register(exited)
+
+import asyncio, torch, asyncomm
 
 async def main():
     comm = await asyncomm.init()  # closing is left to the program, which never does
     ch = comm.channel(1)
-    group = await comm.group(range(comm.size))
+    groups = [await comm.group(range(comm.size)) for _ in range(6)]
     if comm.rank == 0:
         await ch.send(torch.ones(2), 1)
-        await group.channel(2).send("hello", 1)
+        for group in groups:
+            await group.channel(2).send("hello", 1)
     elif comm.rank == 1:
         assert (await ch.recv(0)).data.sum().item() == 2.0
-        assert (await group.channel(2).recv(0)).data == "hello"
+        for group in groups:
+            assert (await group.channel(2).recv(0)).data == "hello"
     await comm.barrier()
-    print("ended at", time.monotonic(), flush=True)
+    print("ended", flush=True)
+    ended.append(time.monotonic())
 
 asyncio.run(main())
 """
@@ -155,12 +171,18 @@ asyncio.run(main())
 def test_a_communicator_never_closed_ends_quietly(tmp_path: Path, backend: str) -> None:
     # MPI: each communicator's link keeps a receive posted (MPICH); those of communicators
     # never closed are cancelled at exit, before MPI finalizes (UCX warned of each left).
-    proc = run_script(NEVER_CLOSED, tmp_path, 2, backend, timeout=60)
+    proc = run_script(NEVER_CLOSED, tmp_path, 2, backend, timeout=100)
     said = proc.stdout + proc.stderr
     assert proc.returncode == 0, said
     assert proc.stdout.count("ended") == 2, said
-    # nothing in flight, nothing waited for at exit (gloo's reaper of eager sends counted as
-    # busy while its thread lived: each communicator's exit waited 5 s, ~10 s here)
-    ended = max(float(line.split()[-1]) for line in proc.stdout.splitlines() if "ended" in line)
-    assert time.monotonic() - ended < 5.0, said
+    # Nothing in flight, nothing waited for at exit. A communicator whose exit waits for
+    # something that never ends waits out its settling deadline (5 s, see
+    # ``TorchBackend._settle``), one communicator after another: gloo's reaper of eager
+    # sends, counted as busy while its thread lived, did so. Seven communicators would take
+    # over twice the bound, which is far above what the exit work itself takes, even on a
+    # loaded machine. (Timed in the ranks, from the end of main to the last exit handler:
+    # asyncomm's exit work alone, not the processes' start or teardown.)
+    took = [float(line.split()[-1]) for line in proc.stdout.splitlines()
+            if "exit work took" in line]
+    assert len(took) == 2 and max(took) < 15.0, said
     assert "WARN" not in said and "Traceback" not in said and "warning" not in said, said
