@@ -195,7 +195,8 @@ class Host:
             # its next request may be microseconds away: send its answers, then spin first
             if not items:
                 self._router.flush(waiting=True)
-                self._spin_until(inbox.nonempty)
+                if not self._spin_until(inbox.nonempty):
+                    self._router.link.expect()  # it parks: the poller watches closely
             message = items.popleft() if items else await inbox.get()
             data = message[2]
             method, kwargs, args = data[2], data[4], data[5:]
