@@ -62,7 +62,7 @@ CHANNEL_TESTS: dict[str, tuple[str, str, str, tuple[str, float] | None]] = {
 }
 # Targets that hold for one backend and size only: (test, size, backend) -> target.
 BACKEND_TARGETS: dict[tuple[str, int, str], tuple[str, float]] = {
-    ("pingpong", 8, "mpi"): ("<=", 4.0),
+    ("pingpong", 8, "mpi"): ("<=", 2.0),
     ("stream", STREAM_BYTES, "mpi"): (">=", 0.9),
 }
 _TAGS = {"pingpong": 1, "stream": 2, "rate": 3, "ack": 4, "one": 5, "burst": 6, "echo": 7,
