@@ -609,9 +609,9 @@ def test_quick_and_usual_paths_agree(world2: World) -> None:
 
 async def check_a_waiting_receive_leaves_the_poller_idle(comm: Comm) -> list[list[bool]]:
     """A quick receive still waiting for its message counts as passive for MPI's poller
-    (which polls closely for ``active_spin_s`` after sends and collectives, 0.1 s, but
-    ``spin_s`` after receives): an idle rank awaiting a message spent half of a 0.2 s
-    wait's CPU while its receive counted as active."""
+    (which polls at every loop turn for ``active_busy_s`` after sends and collectives,
+    0.1 s, but ``busy_s`` after receives): an idle rank awaiting a message must not spend
+    its wait's CPU as if its receive were active."""
     peer, seen = 1 - comm.rank, []
     for _ in range(2):  # (the second: a buffer, peer and tag seen before)
         if comm.rank == 0:

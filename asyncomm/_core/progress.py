@@ -4,7 +4,7 @@ Three engines, one per way a backend can report that a request is done:
 
 - ``FutureBridge``: the backend completes a future on one of its own threads
   (torch collectives); a task awaiting it first waits for it itself a while
-  (a bounded ``wait``, as ``Spin`` learns), else its callback hops to the loop
+  (a bounded ``wait``, as ``Spin`` says), else its callback hops to the loop
   through the ``Inbox``.
 - ``Waiters``: the request only completes inside a blocking ``wait()`` (gloo
   send/recv cannot be polled). Reusable threads block in ``wait()``, one per
@@ -137,12 +137,11 @@ class FutureBridge:
     ----------------
     The callback's hop costs two thread hand-offs (the backend's thread takes
     the GIL, the loop wakes): on a small machine they are most of a small
-    collective's time (an 8-byte gloo all_reduce awaited so: ~190 µs; the
-    blocking ``wait()`` in the loop's thread: ~105 µs). So a request watched
-    with a bounded ``wait`` is not given its callback when it is issued: a
-    task that awaits its handle waits for it itself, in one blocking call
-    that releases the GIL, for as long as ``Spin`` has learnt (waits that
-    came soon: the call's whole budget; long waits: a look without blocking).
+    collective's time. So a request watched with a bounded ``wait`` is not
+    given its callback when it is issued: a task that awaits its handle waits
+    for it itself, in one blocking call that releases the GIL, for up to
+    ``Spin.max_s`` (or only looks, after many waits that timed out: see
+    ``Spin``).
     The callback is given only to the requests still pending when the loop
     iteration that issued them ends, and to those whose task gave up.
 
@@ -182,7 +181,7 @@ class FutureBridge:
         self._call_back(future, sink, finish)
 
     def spin(self, sink: Any) -> bool:
-        """A task awaits ``sink``: wait for it as ``Spin`` has learnt; settle it if done.
+        """A task awaits ``sink``: wait for it a while (``Spin.block``); settle it if done.
 
         Return whether the loop's turn is due first (``Spin.allowed``): then look again.
         """

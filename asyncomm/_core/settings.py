@@ -35,7 +35,7 @@ class Settings:
     max_backoff_s: float = 1e-3  # ASYNCOMM_MAX_BACKOFF_US: the longest idle MPI poll interval
     tick_s: float = 200e-6  # ASYNCOMM_TICK_US: ... while waits are recent, a thread's (0: none)
     spin_tests: int = 32  # ASYNCOMM_SPIN_TESTS: an awaited MPI request is tested so often first
-    spin_max_s: float = 50e-6  # ASYNCOMM_SPIN_MAX_US: ... and at most this long, as learnt
+    spin_max_s: float = 50e-6  # ASYNCOMM_SPIN_MAX_US: ... then for at most this long
     gloo_spin_max_s: float = 1e-3  # ASYNCOMM_GLOO_SPIN_MAX_US: the same for gloo collectives
     lane_shm: bool = True  # ASYNCOMM_LANE_SHM: "0": gloo's data lane uses sockets on one host too
     lane_direct: bool = True  # ASYNCOMM_LANE_DIRECT: "0": ... rings, not direct reads
