@@ -258,11 +258,12 @@ class Host:
         future = self._loop.create_future()
         self._calls[call_id] = (rank, future, name, method)
         self._post(rank, self._requests, [call_id, name, method, True, kwargs or None, *args])
-        self._router.expect()
+        self._router.flush(waiting=True)  # the request leaves now: its answer may be quick
         if self._spin_until(future.done):  # an answer within microseconds: no loop turn, no timer
             del self._calls[call_id]
             ok, result = future.result()
         else:
+            self._router.link.expect()  # it parks: the poller watches closely
             ok, result = await self._answer_of(call_id, future, timeout)
         return self._result(rank, name, method, ok, result)
 
