@@ -49,7 +49,7 @@ class World:
         ValueError: ``size`` is below 1.
     """
 
-    def __init__(self, size: int, backend: str = "gloo", start_timeout: float = 60.0) -> None:
+    def __init__(self, size: int, backend: str = "gloo", start_timeout: float = 150.0) -> None:
         if size < 1:
             raise ValueError(f"a world needs at least one rank, not {size}")
         self.size = size
