@@ -250,7 +250,7 @@ class MpiBackend(Backend):
         # in flight.
         try:
             if _TEST(request, self._status) or _TEST(request, self._status):
-                return Handle(self._loop, what, None, None, True)  # (done: positional, quicker)
+                return Handle(self._loop, what, None, None, True)  # (made done)
         except MPI.Exception as exc:  # (the request is freed: only its error is left)
             handle: Handle[Any] = Handle(self._loop, what, None)
             handle._fail(self._classify(exc), exc)
@@ -477,10 +477,8 @@ class MpiBackend(Backend):
         self._probing.clear()
         self._reductions.close()
         self._drop_unreceived()
-        self._sends.free_idle()  # (those in flight are the poller's orphans now)
-        self._recvs.free_idle()
-        self._sends.kept.clear()
-        self._recvs.kept.clear()
+        self._sends.close()  # (those in flight are the poller's orphans now)
+        self._recvs.close()
         self._comm.Free()
 
     def _drop_unreceived(self) -> None:

@@ -61,17 +61,17 @@ class Requests:
         once: posts a request of its own (``Comm.Isend``, ``Comm.Irecv``).
     """
 
-    __slots__ = ("_init", "_once", "kept")
+    __slots__ = ("_init", "_kept", "_once")
 
     def __init__(self, init: Callable[..., Any], once: Callable[..., Any]) -> None:
         self._init, self._once = init, once
-        self.kept: dict[Key, list[Any]] = {}  # key: [request, the handle of its last operation]
+        self._kept: dict[Key, list[Any]] = {}  # key: [request, the handle of its last operation]
 
     def start(self, key: Key, tensor: Any) -> tuple[Any, list[Any] | None]:
         """Start the operation of ``key`` on ``tensor``'s memory: its kept persistent request
         where that is idle, else as ``begin`` starts it. Return the request and its entry in
-        ``kept`` (``None``: not kept). Raises ``MPI.Exception`` with nothing issued."""
-        last = self.kept.get(key)
+        ``_kept`` (``None``: not kept). Raises ``MPI.Exception`` with nothing issued."""
+        last = self._kept.get(key)
         if last is not None and last[1]._keep is None:  # the commonest: idle
             last[0].Start()
             return last[0], last
@@ -82,7 +82,7 @@ class Requests:
         """Start an operation whose buffer, peer and tag have no idle persistent request: a
         request of its own (``once``) the first time they come, or while the kept one is
         in flight; a persistent one (``init``), kept, the second time. Return the request,
-        and its entry in ``kept`` (``None``: not kept)."""
+        and its entry in ``_kept`` (``None``: not kept)."""
         _, peer, tag = key
         if last is SEEN:
             request = self._init(buffer, peer, tag)
@@ -91,19 +91,19 @@ class Requests:
             except MPI.Exception:
                 request.Free()
                 raise
-            entry = self.kept[key] = [request, IDLE]
+            entry = self._kept[key] = [request, IDLE]
             return request, entry
         request = self._once(buffer, peer, tag)
         if last is None:  # new: noted, if there is room
-            if len(self.kept) >= KEPT:
+            if len(self._kept) >= KEPT:
                 self.free_idle()
-            if len(self.kept) < KEPT:
-                self.kept[key] = SEEN
+            if len(self._kept) < KEPT:
+                self._kept[key] = SEEN
         return request, None
 
     def free_idle(self) -> None:
         """Forget what is kept of buffers that are not in flight, freeing their requests."""
-        kept = self.kept
+        kept = self._kept
         for key, (request, last) in list(kept.items()):
             if last._keep is None or request is None:
                 del kept[key]
@@ -112,3 +112,8 @@ class Requests:
                         request.Free()
                     except MPI.Exception:
                         pass
+
+    def close(self) -> None:
+        """Free the idle requests and forget every one (those in flight are left to finish)."""
+        self.free_idle()
+        self._kept.clear()

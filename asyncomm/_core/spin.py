@@ -76,7 +76,7 @@ class Spin:
     def run(self, poll: Callable[[], bool], done: Callable[[], bool] = lambda: True,
             then: Callable[[], bool] | None = None) -> bool:
         """Call ``poll()`` until it and then ``done()`` return true (return true), or the
-        spin ends: ``tests`` polls, then up to ``max_s`` (see the note on misses).
+        spin ends: after ``tests`` polls at least, and ``max_s`` (see the note on misses).
 
         ``done`` is asked only after a poll that found something; from then on ``then``
         polls, where given.
@@ -85,21 +85,15 @@ class Spin:
             self.refused = self.tests > 0
             return False
         self.refused = False
-        for _ in range(self.tests):
+        polls, spins, clock = 0, self._spins(), time.perf_counter
+        end = clock() + self.max_s if spins else 0.0
+        while polls < self.tests or (spins and clock() < end):
+            polls += 1
             if poll():
                 if done():
                     self.misses = 0
                     return True
                 poll = then or poll
-        if self._spins():
-            clock = time.perf_counter
-            end = clock() + self.max_s
-            while clock() < end:
-                if poll():
-                    if done():
-                        self.misses = 0
-                        return True
-                    poll = then or poll
         self.misses += 1
         return False
 

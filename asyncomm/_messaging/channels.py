@@ -44,7 +44,6 @@ class Channel:
         self._small_room = router.small_room if codec is Codec.DEFAULT else 0
         self._windows: dict[int, Window] = {}  # per destination, as the router keeps them
         self._window = router.window  # the most messages out per destination
-        self._batch_less_one = router.batch - 1  # messages taken before credit goes back
         self._post = router.link.post
         self._flush = router.flush
         self._spin_until = router.link.spin_until
@@ -165,10 +164,6 @@ class Channel:
                     if (type(first) is Message and (src is None or first[0] == src)
                             and self._small_room):  # the commonest: the first, a small message
                         frames.popleft()
-                        done = box.taken.get(first[0])  # (``_took``'s commonest case, inline)
-                        if done is not None and done[0] < self._batch_less_one:
-                            done[0] += 1
-                            return first
                         return self._took(first)
                     entry = box.take(src)
                     if entry is not None:
@@ -305,12 +300,8 @@ class Channel:
         return Message(entry.src, self.tag, self.opened(entry))  # type: ignore[union-attr]
 
     def _took(self, message: Message) -> Message:
-        """Count a small message taken (for credit: ``Router.took``, its commonest case inline)."""
-        done = self._box.taken.get(message[0])
-        if done is not None and done[0] < self._batch_less_one:
-            done[0] += 1
-        else:
-            self._router.took(message, self._box)
+        """Count a small message taken (for credit: ``Router.took``); return it."""
+        self._router.took(message, self._box)
         return message
 
     def listen(self, listener: Callable[[Entry], None]) -> None:
