@@ -438,9 +438,10 @@ class Comm:
 
     def flush(self) -> None:
         """Send the small channel messages and actor calls issued so far now (on gloo,
-        the heads of large messages too). They leave when the loop iteration ends, or
-        when a task of this rank begins to wait for a message; call this before blocking
-        the loop (a raw blocking call on ``comm.raw``) if a peer needs them meanwhile.
+        the heads of large messages too). The first to each rank leaves at once; those
+        after it, when the loop iteration ends or a task of this rank begins to wait for
+        a message. Call this before blocking the loop (a raw blocking call on
+        ``comm.raw``) after a burst of sends if a peer needs them meanwhile.
         """
         self._router.flush()
 

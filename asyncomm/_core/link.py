@@ -13,19 +13,21 @@ nothing, for a head beyond the room) and the buffers follow as *data messages* o
 ``tags.LINK_DATA`` from the same source, in order: the receiver posts their receives as
 soon as the message arrives, so frames from one source never mix.
 
-Small frames (see ``small``) issued to one rank within one loop iteration travel together
-as one *packet* (queued in ``small.Outbox``; preamble form ``PACKET``, one msgpack array
-decoded in one call), sent when the iteration ends (``flush``; no timer, so a lone frame
-waits for nothing). On links that batch (``batching``: gloo), the envelopes of large
-frames issued to one rank within one iteration travel together as one *batch* (form
-``BATCH``: each frame's preamble and head), sent when the iteration ends or once the next
-does not fit in the room; their data messages are issued at once, in order. (On MPI, data
-messages sent before their envelope would arrive unexpected, and be copied twice.) A frame
-sent another way first sends its destination's packet and batch, so frames leave in the
-order they were issued. The frame bytes are the same on every link; only how a message is
-found differs. gloo's receives must know their size: every message fits a fixed size, and
-a thread keeps any-source receives of that size posted (``gloo_link``). MPI finds
-messages by matched probe, or in a receive kept posted (``mpi_link``).
+Small frames (see ``small``) travel in *packets* (preamble form ``PACKET``, one msgpack
+array decoded in one call). The first frame to a rank since the last ``flush`` goes at
+once, in a packet of its own; those issued after it wait together in ``small.Outbox``
+until the next ``flush``: when the loop iteration ends, or a task begins to wait (no
+timer, so nothing waits for more than the rest of the iteration). On links that batch
+(``batching``: gloo), the envelopes of large frames issued to one rank within one
+iteration travel together as one *batch* (form ``BATCH``: each frame's preamble and head),
+sent when the iteration ends or once the next does not fit in the room; their data
+messages are issued at once, in order. (On MPI, data messages sent before their envelope
+would arrive unexpected, and be copied twice.) A frame sent another way first sends its
+destination's packet and batch, so frames leave in the order they were issued. The frame
+bytes are the same on every link; only how a message is found differs. gloo's receives
+must know their size: every message fits a fixed size, and a thread keeps any-source
+receives of that size posted (``gloo_link``). MPI finds messages by matched probe, or in a
+receive kept posted (``mpi_link``).
 
 Note on closing
 ---------------
@@ -150,6 +152,7 @@ class Link(ABC):
         self.batching = False  # whether large frames' envelopes go in batches (see the note)
         self._waiting = False  # whether frames wait (their flush in ``due``: see ``spin``)
         self._flush_asked = False  # whether the loop flushes at its iteration's end
+        self._went: set[int] = set()  # destinations of packets sent since the last flush
         self._due = due_at(loop)
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
@@ -235,7 +238,8 @@ class Link(ABC):
     def send_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
         """Queue a small frame (``body`` at most ``small_room`` bytes) for ``dst``'s packet.
 
-        The packet goes when the loop iteration ends, or once the frame does not fit in it:
+        The packet goes at once if it is the first since the last ``flush``, else at the next
+        ``flush`` (see ``_begun``), or once the frame does not fit in it:
         beyond the link's room, or its ``packet_frames`` frames (where the link sets that, a
         long burst reaches its receiver in pieces, decoded while later ones are issued). A
         failure to send it fails ``dst`` (``Arrivals.failed``). A ``DATA`` frame joins a run
@@ -267,17 +271,23 @@ class Link(ABC):
         if queued and self._begun(dst, queued):
             self._queue_data(dst, tag, seq, body)
 
-    def _begun(self, dst: int, queued: int = 1) -> bool:
+    def _begun(self, dst: int, queued: int = 1, packet: bool = True) -> bool:
         """Something for ``dst`` begun (``queued``, as ``Outbox.data`` answers: 1 a packet or
-        batch begun, -1 a full packet): ``flush`` when the loop iteration ends (once), or when
-        a task begins to spin first (the loop's ``due`` list). Return whether the packet was
-        full: it is sent now, and the caller queues its frame again."""
-        if not self._waiting:
-            self._waiting = True
-            self._due.append(self.flush)
+        batch begun, -1 a full packet). The first ``packet`` for ``dst`` since the last flush
+        leaves at once: a task that sent and then blocks the loop (a raw blocking call) has
+        not left its message behind. Later ones go together at the next ``flush``: when the
+        iteration ends (once), or a task begins to wait (the loop's ``due`` list). Return
+        whether the packet was full: it is sent now, and the caller queues its frame again."""
         if not self._flush_asked:
             self._flush_asked = True
             self._loop.call_soon(self._flush_at_turn_end)
+        if packet and queued > 0 and dst not in self._went:
+            self._went.add(dst)
+            self._flush_to(dst)
+            return False
+        if not self._waiting:
+            self._waiting = True
+            self._due.append(self.flush)
         if queued < 0:
             self._flush_to(dst)
             return True
@@ -285,12 +295,14 @@ class Link(ABC):
 
     def _flush_at_turn_end(self) -> None:
         self._flush_asked = False
+        self._went.clear()
         if self._waiting:
             self.flush()
 
     def flush(self) -> None:
         """Send every batch and packet queued (the loop calls this once an iteration ends,
-        a task about to spin before)."""
+        a task about to wait before): the next packet for any rank leaves at once."""
+        self._went.clear()
         if self._waiting:
             self._waiting = False
             try:
@@ -368,7 +380,7 @@ class Link(ABC):
             batch = None
         if batch is None:
             batch = self._batches[dst] = bytearray(_PREAMBLE_BYTES)  # laid when it goes
-            self._begun(dst)
+            self._begun(dst, packet=False)
         batch += PREAMBLE.pack(len(head), 0, follow, 0)
         batch += head
 
