@@ -5,10 +5,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import operator
 import pickle
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -61,7 +60,8 @@ class Comm:
         self._loop = loop
         self._timeout = timeout
         self._seq = 0
-        self._last_op = ""  # what ``_seq`` numbered
+        self._last_op = ""  # what ``_seq`` numbered, and its tensor (for ``_status``)
+        self._last_tensor: object = None
         self._closed = False
         self._children: list[Comm] = []  # open groups split from this one
         self._parent: Comm | None = None
@@ -79,7 +79,6 @@ class Comm:
         self._label = label
         self._world_ranks = list(range(backend.size) if world_ranks is None else world_ranks)
         self._addresses = list(addresses)
-        self._explaining: set[asyncio.Task[None]] = set()
         chosen = settings.read()
         self._timed_out: collections.deque[tuple[tuple[Any, ...], float]] = (
             collections.deque(maxlen=4))  # the last operations whose deadline passed
@@ -88,6 +87,7 @@ class Comm:
                                     self._stalled,
                                     chosen.probe_s if own.probes_peers else 0.0, self._check_peers)
         status.register(label, self)
+        status.on_failure(self._told)
         self._checker: Checker | None = None
         if chosen.debug:
             self._checker = Checker(backend, loop)
@@ -101,6 +101,7 @@ class Comm:
         self._router = Router(backend.rank, backend.size, own.link(), backend, self._probe,
                               chosen.probe_s)
         self._router.on_dead.append(self._peer_died)
+        self._router.stall_s, self._router.explain = self._stall_s, self._peers_say
         # Eager too: a call to an actor not served (yet) fails the same way on every rank.
         self._host = Host(self._router, self.rank, timeout)
         self._channels: dict[int, Channel] = {}
@@ -144,8 +145,6 @@ class Comm:
         """Whether ``close()`` was called."""
         return self._closed
 
-    # -- argument checks --------------------------------------------------------
-
     def _what(self, op: str) -> str:
         return f"rank {self.rank}: {op}"
 
@@ -163,7 +162,7 @@ class Comm:
             timeout = self._args.deadline(timeout, op)
         self._open(op)
         self._seq = seq = self._seq + 1
-        self._last_op = op
+        self._last_op, self._last_tensor = op, keep
         handle: Handle[Any] = Handle(self._loop, (self._rank, op, seq, peer, tag), result, keep)
         trace = self._probe.recording
         if trace is not None:  # before starting: an eager send may finish inside
@@ -220,7 +219,7 @@ class Comm:
                 handle = self._backend.quick_all_reduce(
                     tensor, quick_ops, (self._rank, "all_reduce", seq, None, None))
                 if handle is not None:  # numbered; its deadline set if it is in flight
-                    self._seq, self._last_op = seq, "all_reduce"
+                    self._seq, self._last_op, self._last_tensor = seq, "all_reduce", tensor
                     if not handle._state:
                         self._deadlines.add_default(handle)
                     return handle
@@ -363,7 +362,7 @@ class Comm:
             seq = self._seq + 1
             handle = quick(tensor, peer, tag, (self._rank, op, seq, peer, tag))
             if handle is not None:
-                self._seq, self._last_op = seq, op
+                self._seq, self._last_op, self._last_tensor = seq, op, tensor
                 if not handle._state:
                     self._deadlines.add_default(handle)
                 return handle
@@ -408,31 +407,30 @@ class Comm:
         self._chain = self._loop.create_task(run())
         return handle
 
-    def channel(self, tag: int, codec: str = "default", *,
-                timeout: float | None = None) -> Channel:
+    def channel(self, tag: int, codec: str = "default", *, timeout: float | None = None,
+                senders: Iterable[int] | None = None) -> Channel:
         """Return the channel ``tag`` of this communicator (any int >= 0; one object per tag).
 
         ``codec="default"`` carries tensors, arrays, bytes, str, numbers,
         ``None`` and lists/tuples/dicts of these, and never unpickles;
         ``codec="pickle"`` carries any picklable object (trusted peers only).
         ``timeout`` is the default deadline of its sends (for credit) and receives.
+        ``senders``: the ranks that send on it; a receive from any rank (``async for``)
+        ends once they have closed it (default: every other rank).
         """
-        if isinstance(tag, bool) or not isinstance(tag, (int, np.integer)):
-            raise TypeError(f"{self._what('channel')}: tag must be an int, "
-                            f"not {type(tag).__name__}")
-        tag = operator.index(tag)
-        if not 0 <= tag <= tags.MAX_CHANNEL:
-            raise ValueError(f"{self._what('channel')}: tag={tag} is outside 0..{tags.MAX_CHANNEL}")
+        tag = self._args.tag(tag, "channel", tags.MAX_CHANNEL)
         wanted = codec_of(codec)
+        who = None if senders is None else frozenset(
+            self._args.peer(r, "channel", "senders") for r in senders)
         self._open("channel")
         existing = self._channels.get(tag)
         if existing is not None:
-            if existing.codec is not wanted:
+            if existing.codec is not wanted or who not in (None, existing.senders):
                 raise ValueError(f"{self._what('channel')}: channel {tag} is open with codec "
-                                 f"{existing.codec.name.lower()}, not {codec}")
+                                 f"{existing.codec.name.lower()}, senders {existing.senders}")
             return existing
         made = Channel(self._router, tag, wanted, self._args.deadline(timeout, "channel"),
-                       traced=True)
+                       traced=True, senders=who)
         self._channels[tag] = made
         return made
 
@@ -552,10 +550,11 @@ class Comm:
         pending = self._deadlines.pending()
         now = time.monotonic()
         return {"state": "closed" if self._closed else "open",
-                "pending": [[*h._what[1:], now - issued] for h, issued in pending[:8]],
+                "pending": [[*h._what[1:], now - issued, status.shape(h._keep)]
+                            for h, issued in pending[:8]],
                 "more": max(0, len(pending) - 8),
                 "timed_out": [[*what[1:], now - when] for what, when in self._timed_out],
-                "last": [self._last_op, self._seq]}
+                "last": [self._last_op, self._seq, status.shape(self._last_tensor)]}
 
     async def _peers_say(self, peers: Sequence[int]) -> str:
         """Return what ``peers`` are doing on this communicator, asked without it."""
@@ -569,11 +568,6 @@ class Comm:
 
         return status.summary(await asyncio.gather(*(one(p) for p in peers)))
 
-    def _later(self, work: Coroutine[Any, Any, None]) -> None:
-        task: asyncio.Task[None] = self._loop.create_task(work)
-        self._explaining.add(task)
-        task.add_done_callback(self._explaining.discard)
-
     def _expired(self, handle: Handle[Any], timeout: float) -> None:
         """A deadline passed: fail ``handle``, with the peers' state if it is a collective."""
         self._timed_out.append((handle._what, time.monotonic()))
@@ -582,14 +576,15 @@ class Comm:
             return
 
         async def explain() -> None:
-            others = [r for r in range(self.size) if r != self.rank]
-            said = await self._peers_say(others)
+            said = await self._peers_say(self._router.others(None))
             hint = "" if self._checker is not None else (
                 " If the ranks' collectives differ, rerun with ASYNCOMM_DEBUG=1: every "
                 "collective is then checked across ranks first (fingerprints).")
-            handle._expire(timeout, f". Meanwhile {said}.{hint}")
+            mine = status.shape(handle._keep)
+            mine = f" (this rank's tensor: {mine})" if mine else ""
+            handle._expire(timeout, f"{mine}. Meanwhile {said}.{hint}")
 
-        self._later(explain())
+        self._router.aside(explain())
 
     def _needs(self, handle: Handle[Any]) -> list[int]:
         """Return the peers ``handle`` waits for: its peer, or every other rank."""
@@ -605,34 +600,50 @@ class Comm:
         """
         self._router.check_peers({peer for handle in waiting for peer in self._needs(handle)})
 
-    def _peer_died(self, peer: int) -> None:
-        """``peer`` is gone: fail the pending operations that need it (buffers kept), and the
-        later ones at once (``Backend.lost``)."""
-        lost = PeerFailedError(f"rank {peer} is gone: {self._router.dead[peer]}")
+    def _peer_died(self, peer: int, cause: BaseException | None = None) -> None:
+        """``peer`` is gone, or said it failed (``cause``): fail what needs it, now and later
+        (what is pending a moment later, where it said so: its part may be in, a barrier's)."""
+        cause = self._router.dead[peer] if cause is None else cause
+        lost = PeerFailedError(f"rank {peer} is gone: {cause}")
         for backend in (self._backend, self._own):
             if backend.lost is None:
                 backend.lost = lost
+        self._loop.call_later(0.0 if peer in self._router.dead else 0.25, self._fail_needing,
+                              peer, cause)
+
+    def _fail_needing(self, peer: int, cause: BaseException) -> None:
         for handle, _ in self._deadlines.pending():
             needs = self._needs(handle)
             if peer in needs and (handle.peer is not None or handle.op != "recv"
-                                  or all(p in self._router.dead for p in needs)):
-                cause = PeerFailedError(f"rank {peer} failed ({gist(self._router.dead[peer])})")
-                cause.__cause__ = self._router.dead[peer]
-                handle._abandon(PeerFailedError, cause)
+                                  or all(p in self._router.dead or p == peer for p in needs)):
+                error = PeerFailedError(f"rank {peer} failed ({gist(cause)})")
+                error.__cause__ = cause
+                handle._abandon(PeerFailedError, error)
+
+    def _told(self, world: str, rank: int, what: str, gone: bool) -> None:
+        """A notice (see ``status``): a process ``gone`` is news to the router, not a leaver."""
+        if not self._closed and self._label.split(".")[0] == world and rank in self._world_ranks:
+            peer, cause = self._world_ranks.index(rank), PeerFailedError(what)
+            if gone:
+                self._router.failed(peer, cause)  # (else it still says its goodbye)
+            else:
+                self._peer_died(peer, cause)
+
+    async def _tell(self, what: str, when: float | None = None) -> None:
+        """This rank failed (at ``when``, epoch s), having done ``what``: tell the launcher
+        and every other rank of the world, once; return once each has heard (or not)."""
+        world, me = self._label.split(".")[0], self._world_ranks[self.rank]
+        if (world, me) not in status.failures:
+            when = time.time() if when is None else when
+            status.failures[(world, me)] = (when, what)
+            status.to_launcher(f"{status.FAILED_AT}{when:.6f}")
+            await status.tell([a for r, a in enumerate(self._addresses) if r != me], world,
+                              me, what, when)
 
     def _stalled(self, stalled: list[tuple[Handle[Any], float]]) -> None:
         """Warn, once each, of operations pending for ``ASYNCOMM_STALL_S`` or longer."""
         for handle, waited in stalled:
-            peers = self._needs(handle)
-
-            async def warn(handle: Handle[Any] = handle, waited: float = waited,
-                           peers: list[int] = peers) -> None:
-                said = await self._peers_say(peers) if self.size > 1 else ""
-                _log.warning("asyncomm: %s has been pending for %.1f s (ASYNCOMM_STALL_S=%g); "
-                             "it goes on waiting.%s", describe(*handle._what), waited,
-                             self._stall_s, f" Meanwhile {said}." if said else "")
-
-            self._later(warn())
+            self._router.warn_stalled(describe(*handle._what), waited, self._needs(handle))
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -679,5 +690,6 @@ class Comm:
         return self._backend.ends_job_on_error
 
     def _abort_job(self, code: int) -> None:
+        watchdog.stand_down(self._loop)  # (the loop is held until the job ends)
         self._backend.abort_job(code)
 

@@ -7,7 +7,7 @@ import gc
 import sys
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from types import CodeType, TracebackType
+from types import CodeType, FrameType, TracebackType
 from typing import Any, TypeVar
 
 from asyncomm._backends import open_backend
@@ -20,8 +20,6 @@ from asyncomm._observe import status as _status
 from asyncomm._overlap import compute as _compute
 
 T = TypeVar("T")
-
-DEFAULT_TIMEOUT = 300.0
 
 
 def _settings(backend: str | None, timeout: float | None) -> tuple[str | None, float]:
@@ -48,6 +46,7 @@ async def _open(backend: str | None, timeout: float) -> Comm:
     if comm.size > 1:  # where each rank answers questions about its state (see _status)
         address = await _status.serve()
         comm._addresses = [a.decode() for a in await comm._exchange(address.encode(), "init")]
+        _status.to_launcher(f"{_status.SERVES_AT}{comm._label} {address}")
     return comm
 
 
@@ -83,6 +82,9 @@ class init:
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
                         tb: TracebackType | None) -> None:
+        if (self._comm is not None and self._comm.size > 1 and isinstance(error, Exception)
+                and not isinstance(error, PeerFailedError)):
+            await self._comm._tell(_deed(error))  # (where ``run`` did not already)
         if self._comm is not None:
             # Leaving on an error: the other ranks may never close, so do not wait for them.
             await self._comm._close(linger=30.0 if error is None else 0.0)
@@ -118,8 +120,9 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
             try:
                 return await main(comm)
             except BaseException as exc:
-                if comm.size > 1 and not isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                    _failed(comm, exc)
+                if comm.size > 1 and not isinstance(
+                        exc, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):
+                    await _failed(comm, exc)
                 raise
 
     # See the note on the garbage collector.
@@ -146,25 +149,66 @@ def _from_main(tb: TracebackType | None, body: CodeType) -> TracebackType | None
     return tb
 
 
-def _failed(comm: Comm, exc: BaseException) -> None:
-    """Report ``main``'s failure once (see the note); end the job where the backend must.
+async def _failed(comm: Comm, exc: BaseException) -> None:
+    """Report ``main``'s failure once (see the note), tell the other ranks, and end the job
+    where the backend must.
 
     Note on failure reports
     -----------------------
-    One failure, one traceback. The failing rank's error propagates and
-    Python prints it, once -- except where the backend ends the whole job
-    at once (MPI's abort), where it is printed here first. A rank that
-    fails only because a peer did (``PeerFailedError``) says so in one
-    line at exit instead of a traceback of its own: the launcher names the
-    rank that failed first.
+    One failure, one traceback. The failing rank tells every other rank first (``Comm._tell``:
+    their operations that need it fail with ``PeerFailedError``, naming it and what it
+    raised), and ``asyncomm run`` when it failed. Its error then propagates and Python prints
+    it, once -- except where the backend ends the whole job (MPI's abort): there it is printed
+    here, and the job is ended once every other rank has ended its program, or after
+    ``ASYNCOMM_GRACE_S``. A rank that fails only because a peer did (``PeerFailedError``)
+    says so in one line instead of a traceback of its own; under MPI it then waits for the
+    failing rank to end the job. The launcher names the rank that failed first.
     """
-    if comm._ends_job_on_error:
-        tb = exc.__traceback__  # from the frame that called main: show main's on
-        traceback.print_exception(type(exc), exc, tb.tb_next if tb is not None else None)
-        sys.stderr.flush()
+    grace, ends_job = settings.read().grace_s, comm._ends_job_on_error
+    if isinstance(exc, PeerFailedError):
+        prefix = f"asyncomm: rank {comm.rank} stopped: "
+        if not ends_job:
+            _quietly(exc, prefix)
+            return
+        print(prefix + _said(exc), file=sys.stderr, flush=True)
+        _status.ending = True
+        await asyncio.sleep(grace + 2 * _status.ANSWER_S)  # (ended meanwhile by the failing rank)
         comm._abort_job(1)
-    elif isinstance(exc, PeerFailedError):
-        _quietly(exc, f"asyncomm: rank {comm.rank} stopped: ")
+        return
+    await comm._tell(_deed(exc))
+    if ends_job:
+        tb = exc.__traceback__  # from the frame that called main: show main's on
+        traceback.print_exception(type(exc), exc, _as_uncaught(tb))
+        sys.stderr.flush()
+        _status.ending = True
+        others = [a for r, a in enumerate(comm._addresses) if r != comm.rank]  # (the world)
+        await _status.ended(others, comm._label, grace)
+        comm._abort_job(1)
+
+
+def _as_uncaught(tb: TracebackType | None) -> TracebackType | None:
+    """Return ``tb`` (from the frame that called main) as Python shows it uncaught: from
+    main's frame on, under the frames that called ``run`` up to the script's ``<module>``
+    (not a runner's above it: ``runpy``'s and the launcher's)."""
+    tb = tb.tb_next if tb is not None else None
+    frame: FrameType | None = sys._getframe()
+    while frame is not None and frame.f_code is not run.__code__:
+        frame = frame.f_back
+    frame = frame.f_back if frame is not None else None
+    while frame is not None and frame.f_globals.get("__name__") != "runpy":
+        tb = TracebackType(tb, frame, frame.f_lasti, frame.f_lineno)
+        frame = frame.f_back
+    return tb
+
+
+def _deed(exc: BaseException) -> str:
+    """What a rank that failed with ``exc`` did, as its peers are told."""
+    return f"it raised {_said(exc)}"
+
+
+def _said(exc: BaseException) -> str:
+    """``exc`` in one line, as Python words it."""
+    return traceback.format_exception_only(type(exc), exc)[-1].strip()
 
 
 _previous_hook: Callable[..., Any] | None = None
@@ -185,8 +229,7 @@ def _one_line(kind: type[BaseException], value: BaseException, tb: TracebackType
         assert _previous_hook is not None
         _previous_hook(kind, value, tb)
         return
-    said = traceback.format_exception_only(kind, value)[-1].strip()  # as Python words it
-    print(f"{prefix}{said}", file=sys.stderr, flush=True)
+    print(f"{prefix}{_said(value)}", file=sys.stderr, flush=True)
 
 
 def run_loop(coro: Coroutine[Any, Any, T]) -> T:

@@ -29,24 +29,8 @@ from asyncomm._observe.timeline import (
     union,
 )
 
-__all__ = [
-    "Overlap",
-    "directory",
-    "draw",
-    "enabled",
-    "intersect",
-    "length",
-    "load",
-    "measure",
-    "merge",
-    "overlap",
-    "report",
-    "span",
-    "start",
-    "stop",
-    "summarise",
-    "union",
-]
+__all__ = ["Overlap", "directory", "draw", "enabled", "intersect", "length", "load", "measure",
+           "merge", "overlap", "report", "span", "start", "stop", "summarise", "union"]
 
 
 def start(directory: str | os.PathLike[str]) -> None:

@@ -874,6 +874,34 @@ def test_iteration_ends_after_every_rank_closed(world: World) -> None:
     world.run(check_end_of_stream, 30)
 
 
+async def check_known_senders(comm: Comm) -> list[Any]:
+    # Producer and consumer: rank 1 sends, rank 0 iterates; rank 2 has nothing to do with
+    # the channel and never closes it. Named as the only sender, rank 1's close ends the
+    # iteration; close() returns at once and still lets its rank receive.
+    async with fresh(comm) as sub:
+        ch = sub.channel(917, senders=[1])
+        got: list[Any] = []
+        if sub.rank == 0:
+            got = [msg.data async for msg in ch]
+            with pytest.raises(asyncomm.CommClosedError):
+                await ch.recv(timeout=5.0)
+            await ch.send("thanks", 1)
+        elif sub.rank == 1:
+            for i in range(3):
+                await ch.send(i, 0)
+            await ch.close()  # (a half-close: what comes back is still received)
+            got = [(await ch.recv(0, timeout=30.0)).data]
+        with pytest.raises(ValueError, match="senders"):
+            sub.channel(917, senders=[2])
+        await sub.barrier()
+        return got
+
+
+def test_a_channel_that_knows_its_senders_ends_with_them(world: World) -> None:
+    got = world.run(check_known_senders)
+    assert got[:2] == [[0, 1, 2], ["thanks"]], got
+
+
 # -- 9. many channels ---------------------------------------------------------------
 
 
@@ -918,6 +946,11 @@ async def check_bad_arguments(comm: Comm) -> None:
     for src in (-1, comm.size, True, "1", 1.0):
         with pytest.raises((ValueError, TypeError)):
             await ch.recv(src)  # type: ignore[arg-type]
+    right = (comm.rank + 1) % comm.size
+    for refused in (object(), {"a": [1, object()]}):  # before anything is sent, named
+        with pytest.raises(TypeError, match=f"^rank {comm.rank}: channel 900 send to "
+                                            f"{right}: the default codec cannot carry"):
+            await ch.send(refused, right)
     # The communicator and the channel still work.
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     await ch.send(comm.rank, right)

@@ -65,7 +65,7 @@ async def check_op_mismatch(comm: Comm) -> str:
 
 def test_a_different_op_fails_on_every_rank_naming_both(world: World) -> None:
     for rank, text in enumerate(world.run(check_op_mismatch)):
-        assert f"rank {rank}" in text
+        assert text.startswith(f"rank {rank}: ") and f": rank {rank}: " not in text, text
         assert "ranks 0, 2: #1 all_reduce float32[4] sum" in text, text
         assert "rank 1: #1 broadcast float32[4] src=0" in text, text
 
@@ -144,6 +144,39 @@ def test_a_blocked_loop_is_reported_with_its_stack(backend: str, tmp_path: Path)
     assert "rank 1: the event loop has been blocked for" in proc.stderr, proc.stderr
     assert proc.stderr.count("reported.wait(30.0)") == 1, proc.stderr
     assert "time.sleep(0.8)" not in proc.stderr, proc.stderr
+
+
+UNCAUGHT = """
+import torch, asyncomm
+
+async def main(comm):
+    t = torch.ones(4)
+    await comm.broadcast(t, 0)
+    if comm.rank == 0:
+        await comm.broadcast(t, 0)
+    else:
+        await comm.all_reduce(t)
+
+asyncomm.run(main)
+"""
+
+
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_an_uncaught_mismatch_is_said_once_and_the_ending_is_no_stall(
+        backend: str, tmp_path: Path) -> None:
+    # Each rank prints its error once (not again as the cause of itself), and the pause
+    # while a rank ends the job (MPI's abort) is not reported as a blocked loop.
+    proc = run_script(UNCAUGHT, tmp_path, 2, backend, env={"ASYNCOMM_DEBUG": "1"})
+    assert proc.returncode != 0, proc.stderr
+    for rank, op in ((0, "broadcast #2"), (1, "all_reduce #2")):
+        said = [line for line in proc.stderr.splitlines()
+                if line.startswith(f"[{rank}] asyncomm.MismatchError")]
+        assert len(said) <= 1, proc.stderr  # (a rank ended by its peer's abort may say none)
+        for line in said:
+            assert line.startswith(f"[{rank}] asyncomm.MismatchError: rank {rank}: {op}: "
+                                   "collectives differ"), proc.stderr
+    assert "The above exception was the direct cause" not in proc.stderr, proc.stderr
+    assert "abort_job" not in proc.stderr, proc.stderr
 
 
 def test_debug_flag(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -92,7 +92,7 @@ def test_a_raising_rank_stops_the_world_and_is_named(tmp_path: Path) -> None:
         time.sleep(60)
         """,
     )
-    done, took = asyncomm_run(tmp_path, "-n", "3", script.name)
+    done, took = asyncomm_run(tmp_path, "-n", "3", "--grace", "1", script.name)
     assert done.returncode == 1
     assert took < 45  # the others were stopped: they would sleep 60 s
     assert summary(done.stderr) == ("asyncomm run: rank 1 failed first: ValueError: boom from "
@@ -112,7 +112,7 @@ def test_a_killed_rank_is_named(tmp_path: Path) -> None:
         time.sleep(60)
         """,
     )
-    done, took = asyncomm_run(tmp_path, "-n", "3", script.name)
+    done, took = asyncomm_run(tmp_path, "-n", "3", "--grace", "1", script.name)
     assert done.returncode != 0
     assert took < 45  # the others were stopped: they would sleep 60 s
     assert summary(done.stderr).startswith("asyncomm run: rank 2 failed first (killed by SIGKILL)")

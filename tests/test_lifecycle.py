@@ -200,12 +200,17 @@ async def check_bad_arguments(comm: Comm) -> None:
         (TypeError, lambda: comm.broadcast_object(lambda: 0, 0)
          if comm.rank == 0 else comm.broadcast(t, "0")),
     ]
+    meta = torch.ones(4, device="meta")  # memory nowhere: refused, not moved
+    bad += [(TypeError, lambda: comm.all_reduce(meta)),
+            (TypeError, lambda: comm.send(meta, (comm.rank + 1) % comm.size)),
+            (TypeError, lambda: comm.recv(meta, (comm.rank + 1) % comm.size))]
     if torch.cuda.is_available() and comm.backend != "nccl":
         bad.append((TypeError, lambda: comm.all_reduce(torch.ones(1, device="cuda"))))
     for i, (kind, call) in enumerate(bad):
         try:
             call()
-        except kind:
+        except kind as exc:  # named: who, doing what
+            assert str(exc).startswith(f"rank {comm.rank}: "), f"case {i}: {exc}"
             continue
         except Exception as exc:
             raise AssertionError(f"case {i}: expected {kind.__name__}, got {exc!r}") from exc

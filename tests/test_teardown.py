@@ -67,9 +67,9 @@ async def cycle(number):
     while (left := [t for t in threads() if t not in parked]) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
     assert left == [], (number, left)
-    try:  # closing failed what was still in flight
+    try:  # closing failed what was still in flight (or rank 1 said it failed, first)
         posted.result()
-    except asyncomm.CommClosedError:
+    except (asyncomm.CommClosedError, PeerFailedError):
         pass
     else:
         raise AssertionError("a receive in flight at close did not fail")

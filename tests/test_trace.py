@@ -105,7 +105,7 @@ async def check_start_records_until_stop(comm: Comm, directory: str) -> int:
     peer = 1 - comm.rank
     # Without ASYNCOMM_TRACE (the test worlds have none) nothing records.
     assert comm._probe.recording is None and not asyncomm.trace.enabled()
-    assert instrument.current() is None
+    assert instrument._current is None
     asyncomm.trace.start(directory)
     try:
         assert asyncomm.trace.enabled() and comm._probe.recording is not None
@@ -139,7 +139,7 @@ async def check_start_records_until_stop(comm: Comm, directory: str) -> int:
     assert all(e["start"] <= e["end"] for e in doc["events"])
     # Off again: nothing more is recorded or written, and the hook is gone.
     assert comm._probe.recording is None and not asyncomm.trace.enabled()
-    assert instrument.current() is None
+    assert instrument._current is None
     before = path.read_bytes()
     await comm.all_reduce(t)
     await asyncomm.compute(torch.mm, torch.ones(8, 8), torch.ones(8, 8))

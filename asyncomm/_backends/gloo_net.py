@@ -2,26 +2,16 @@
 
 Note on interfaces
 ------------------
-gloo binds every rank's device to one address and tells its peers that
-address. Unless ``GLOO_SOCKET_IFNAME`` names an interface, torch takes the
-address the machine's hostname resolves to -- which on many machines
-(``/etc/hosts`` mapping the hostname to 127.0.0.1 or 127.0.1.1) is a
-loopback address. On one host that is right; across hosts each rank then
-advertises a loopback address, its peers on other hosts dial themselves,
-and the job fails (or waits out its timeout) in ``connectFullMesh``.
-
-So before it creates a gloo group, asyncomm checks: when
-``GLOO_SOCKET_IFNAME`` is unset, the hostname resolves only to loopback
-addresses (or not at all), and the world spans several hosts (``MASTER_ADDR``
-is not this host's, or the launcher says so: torchrun's ``LOCAL_WORLD_SIZE``
-below ``WORLD_SIZE``, Slurm's node count), it picks the interface whose
-address routes to ``MASTER_ADDR`` (the address the kernel would send from; on
-``MASTER_ADDR``'s own host, the interface that holds it) and sets
-``GLOO_SOCKET_IFNAME`` to it for this process, so its own groups and torch's
-default group both use it.
-An explicit ``GLOO_SOCKET_IFNAME`` always wins; ``ASYNCOMM_GLOO_IFNAME=0``
-turns the choice off. A connection that fails anyway is explained by
-``explain``: the address dialed, and what to set.
+docs/several-hosts.md ("gloo's interface") says why and when in full. Unless
+``GLOO_SOCKET_IFNAME`` names an interface, torch binds gloo to the address the hostname
+resolves to, often loopback: across hosts each rank would advertise a loopback address. So
+when ``GLOO_SOCKET_IFNAME`` is unset, the hostname resolves only to loopback (or not at
+all) and the world spans several hosts (``MASTER_ADDR`` is not this host's, or the launcher
+says so), ``choose`` picks the interface whose address routes to ``MASTER_ADDR`` (the
+address the kernel would send from; on its own host, the interface that holds it) and
+``apply`` sets ``GLOO_SOCKET_IFNAME`` to it for this process, for torch's default group and
+asyncomm's own. ``ASYNCOMM_GLOO_IFNAME=0`` turns the choice off; ``explain`` words a
+connection that fails anyway.
 """
 
 from __future__ import annotations

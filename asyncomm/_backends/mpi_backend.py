@@ -12,6 +12,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -74,10 +75,26 @@ PROBE_FIRST = "open mpi" in MPI.Get_library_version().lower()
 _Probing = tuple[Sink, torch.Tensor, int, int]  # a receive probing: sink, buffer, source, tag
 
 
+# MPICH's detail of a truncated receive, the last line of its error stack. Which size it
+# calls received and which the buffer's varies with the path: the larger was sent.
+_TRUNCATION = re.compile(r"rank (\d+) and tag \d+ truncated; (\d+) bytes received but "
+                         r"buffer size is (\d+)")
+
+
 def classify(exc: BaseException) -> type[CommError]:
-    """Map an MPI exception to the asyncomm error it means."""
+    """Map an MPI exception to the asyncomm error it means (a truncated receive: its sizes
+    noted as ``gist`` reads them)."""
     text = str(exc).lower()
     if "truncat" in text:
+        found = _TRUNCATION.search(str(exc))
+        if getattr(exc, "__notes__", None):
+            pass  # (noted before)
+        elif found:
+            sender, one, other = map(int, found.groups())
+            exc.add_note(str(truncated(sender, max(one, other), min(one, other))))
+        else:  # (MPICH's large messages: the sizes are not said)
+            exc.add_note("the message was larger than the buffer (truncated; MPI does not say "
+                         "by how much)")
         return MismatchError
     if any(sign in text for sign in _PEER_GONE):
         return PeerFailedError

@@ -62,15 +62,9 @@ _OPS = {
     ReduceOp.BXOR: MPI.BXOR,
 }
 
-_BOOL_OPS = {
-    ReduceOp.SUM: MPI.LOR,
-    ReduceOp.MAX: MPI.LOR,
-    ReduceOp.BOR: MPI.LOR,
-    ReduceOp.PRODUCT: MPI.LAND,
-    ReduceOp.MIN: MPI.LAND,
-    ReduceOp.BAND: MPI.LAND,
-    ReduceOp.BXOR: MPI.LXOR,
-}
+_BOOL_OPS = {**dict.fromkeys((ReduceOp.SUM, ReduceOp.MAX, ReduceOp.BOR), MPI.LOR),
+             **dict.fromkeys((ReduceOp.PRODUCT, ReduceOp.MIN, ReduceOp.BAND), MPI.LAND),
+             ReduceOp.BXOR: MPI.LXOR}  # logical or, and, xor (see ``ReduceOp``)
 
 _BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = {
     ReduceOp.SUM: lambda acc, x: acc.add_(x),

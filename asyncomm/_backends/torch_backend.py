@@ -19,17 +19,12 @@ raise that error (a failed send to one peer does not fail sends to others).
 
 Note on CUDA (nccl)
 -------------------
-An nccl work is done, as far as the host goes, once its operation is
-enqueued: its future is complete at once, and asking for the future costs
-as much as the operation. So no
-future is asked for: as an operation is issued, the loop thread calls
-``work.wait()``, which makes the *current stream* wait for nccl's stream
-without blocking the host, and its handle is done. After ``await`` the
-result is ready for kernels on the current stream, as with torch's own
-``async_op`` works. ``Handle.wait()`` adds nothing more; synchronize the
-stream for host reads. A barrier is the exception: its ``wait()`` blocks the
-host until every rank is in, so a waiter thread calls it; so it does every
-``wait()`` under ``TORCH_NCCL_BLOCKING_WAIT`` (each then blocks the host).
+An nccl work is done, as far as the host goes, once enqueued, and asking for its future
+costs as much as the operation: so none is asked for. As an operation is issued, the loop
+thread calls ``work.wait()`` (the *current stream* waits for nccl's; the host does not) and
+its handle is done (docs/api.md, "Backends", says what ``await`` then means). A barrier's
+``wait()`` blocks the host until every rank is in, so a waiter thread calls it; so it does
+every ``wait()`` under ``TORCH_NCCL_BLOCKING_WAIT`` (each then blocks the host).
 """
 
 from __future__ import annotations
@@ -66,16 +61,7 @@ from asyncomm._core.spin import Spin
 
 T = TypeVar("T")
 
-_TORCH_OPS = {
-    ReduceOp.SUM: dist.ReduceOp.SUM,
-    ReduceOp.AVG: dist.ReduceOp.AVG,
-    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
-    ReduceOp.MIN: dist.ReduceOp.MIN,
-    ReduceOp.MAX: dist.ReduceOp.MAX,
-    ReduceOp.BAND: dist.ReduceOp.BAND,
-    ReduceOp.BOR: dist.ReduceOp.BOR,
-    ReduceOp.BXOR: dist.ReduceOp.BXOR,
-}
+_TORCH_OPS = {op: getattr(dist.ReduceOp, op.name) for op in ReduceOp}  # torch's, named alike
 
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connection refused",
               "socket closed", "peer", "remote process exited")
@@ -216,8 +202,6 @@ class TorchBackend(Backend):
         self._any_source: collections.Counter[int] = collections.Counter()  # tags pending
         self._closed = False
         _open.add(self)
-
-    # -- checks ---------------------------------------------------------------
 
     # -- collectives ------------------------------------------------------------
 

@@ -45,7 +45,7 @@ class Arguments:
             raise ValueError(f"{self.what(op)}: {name} is a {kind} view, whose memory does not "
                              f"hold its values (call .{call}() and use the copy)")
         backend = self._backend
-        if tensor.is_cuda != backend.cuda:
+        if not (tensor.is_cuda if backend.cuda else tensor.is_cpu):  # (meta, mps, ...: no)
             raise TypeError(f"{self.what(op)}: the {backend.name} backend moves "
                             f"{'cuda' if backend.cuda else 'cpu'} tensors, "
                             f"{name} is on {tensor.device}")
@@ -101,14 +101,15 @@ class Arguments:
             raise ValueError(f"{self.what(op)}: {name}={rank} is this rank itself")
         return rank
 
-    def tag(self, value: object, op: str) -> int:
-        if type(value) is int and 0 <= value <= self._backend.max_tag:
+    def tag(self, value: object, op: str, most: int | None = None) -> int:
+        most = self._backend.max_tag if most is None else most
+        if type(value) is int and 0 <= value <= most:
             return value  # the commonest: a plain int in range
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise TypeError(f"{self.what(op)}: tag must be an int, not {type(value).__name__}")
         tag = operator.index(value)
-        if not 0 <= tag <= self._backend.max_tag:
-            raise ValueError(f"{self.what(op)}: tag={tag} is outside 0..{self._backend.max_tag}")
+        if not 0 <= tag <= most:
+            raise ValueError(f"{self.what(op)}: tag={tag} is outside 0..{most}")
         return tag
 
     def deadline(self, timeout: float | None, op: str) -> float:
@@ -126,7 +127,10 @@ class Arguments:
         key = (op, dtype)
         parsed = self._checked_ops.get(key)
         if parsed is None:  # checked once per (op, dtype): reductions are a hot path
-            parsed = ReduceOp.parse(op)
+            try:
+                parsed = ReduceOp.parse(op)
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{self.what(what)}: {exc}") from None
             check_reduce(dtype, parsed, self.what(what))
             self._backend.check_reduce(dtype, parsed, self.what(what))
             self._checked_ops[key] = parsed

@@ -2,21 +2,15 @@
 
 Note on recycling
 -----------------
-A frame's buffers become the tensors of the message received (its memory: no
-copy), so they cannot be taken back when the message is consumed. But fresh
-memory costs a page fault per page as it is first written, and whether the
-allocator hands freed memory back depends on what else lies in its heap: a
-stream of large messages would pay those faults or not by chance.
-
-So a large buffer is a ``bytearray`` lent here, and the tensor a view of it
-(``torch.frombuffer``). Every tensor, view or array over it holds a
-reference to the bytearray through its storage, so a bytearray whose only
-references are this pool's is free again (``sys.getrefcount``), and is lent
-again to a frame buffer of its size. At most ``limit`` bytes are kept, lent
-and free: beyond that a buffer is fresh memory nobody keeps, so a rank that
-stops receiving leaves at most ``limit`` bytes behind until its link closes.
-Tensors over a lent buffer cannot be resized (``resize_``): their storage
-is the buffer's.
+A frame's buffers become the received tensors (no copy), and fresh memory costs a page
+fault per page whether or not the allocator hands freed memory back
+(docs/channels-and-actors.md, "Large messages' memory"). So a large buffer is a
+``bytearray`` lent here, the tensor a view of it (``torch.frombuffer``). Every tensor, view
+or array over it holds a reference to the bytearray through its storage, so one whose only
+references are this pool's is free again (``sys.getrefcount``) and is lent again to a frame
+buffer of its size. At most ``limit`` bytes are kept, lent and free (beyond that a buffer is
+fresh memory nobody keeps): a rank that stops receiving leaves at most ``limit`` bytes
+behind until its link closes.
 
 Note on reuse
 -------------

@@ -61,14 +61,40 @@ class RemoteError(CommError):
         self.remote_traceback = remote_traceback
 
 
-_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\] ")  # "[.../pair.cc:553] "
+# A C++ source location, "[.../pair.cc:553] " or "[enforce fail at .../pair.cc:446] ": at
+# the start of a backend's message, or inside what repeats it ("it raised RuntimeError: [...").
+_SOURCE = re.compile(r"\[[^\[\]]*\.(?:cc|cpp|h|hpp):\d+\] ")
 
 
 def gist(exc: BaseException) -> str:
-    """Return the gist of an error: its first line, without a C++ source location or gloo's
-    advice (the whole error stays in ``__cause__``)."""
-    text = _SOURCE.sub("", str(exc).split("\n")[0])
-    return text.split(". This is typically")[0]
+    """Return the gist of an error: the note a backend added to say it better (``add_note``),
+    else its first line, without a C++ source location or gloo's advice (the whole error
+    stays in ``__cause__``)."""
+    notes = getattr(exc, "__notes__", None)
+    if notes:
+        return str(notes[0])
+    return plain(str(exc).split("\n")[0])
+
+
+def plain(text: str) -> str:
+    """Return ``text`` without C++ source locations or gloo's advice."""
+    return _SOURCE.sub("", text).split(". This is typically")[0]
+
+
+_RANK = re.compile(r"^rank \d+: ")
+
+
+def restated(kind: type[CommError], where: str, cause: BaseException) -> CommError:
+    """Return ``kind`` saying ``cause`` for ``where`` (``describe``'s prefix): a backend's
+    error by its gist, chained; asyncomm's own in its words, said once (its rank prefix
+    dropped, not chained: one failure, one message)."""
+    if isinstance(cause, CommError):
+        error = kind(f"{where}: {_RANK.sub('', str(cause), count=1)}")
+        error.__cause__ = cause.__cause__
+    else:
+        error = kind(f"{where}: {gist(cause)}")
+        error.__cause__ = cause
+    return error
 
 
 def describe(rank: int, op: str, seq: int | None = None, peer: int | None = None,

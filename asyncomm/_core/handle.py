@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
-from asyncomm._core.errors import CommError, CommTimeoutError, describe, gist
+from asyncomm._core.errors import CommError, CommTimeoutError, describe, restated
 
 T = TypeVar("T")
 
@@ -197,9 +197,8 @@ class Handle(Generic[T]):
         if self._state != _PENDING:
             self._keep = None
             return
-        error = kind(f"{describe(*self._what)}: {gist(cause)}")
-        error.__cause__ = cause.with_traceback(None)  # where the backend raised says nothing
-        self._settle(_FAILED, error)
+        # (where the backend raised says nothing: no traceback)
+        self._settle(_FAILED, restated(kind, describe(*self._what), cause.with_traceback(None)))
 
     def _expire(self, timeout: float, detail: str = "") -> None:
         if self._state == _PENDING:
@@ -209,9 +208,7 @@ class Handle(Generic[T]):
 
     def _abandon(self, kind: type[CommError], cause: BaseException) -> None:
         if self._state == _PENDING:
-            error = kind(f"{describe(*self._what)}: {gist(cause)}")
-            error.__cause__ = cause
-            self._give_up(error)
+            self._give_up(restated(kind, describe(*self._what), cause))
 
     def _give_up(self, error: CommError) -> None:
         self._state = _FAILED

@@ -84,11 +84,6 @@ def uninstall(recording: Recording) -> None:
             probe.recording = None
 
 
-def current() -> Recording | None:
-    """Return what probes report to now (None: nobody records)."""
-    return _current
-
-
 def span(name: str, start: float, end: float) -> None:
     """Report a compute span, if anyone records."""
     recording = _current

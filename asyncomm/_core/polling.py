@@ -146,34 +146,26 @@ class Poller:
 
     Note on busy polling
     --------------------
-    A request is tested once when it is issued (an eager send is often done
-    at once: its ``await`` then never suspends). After that the loop polls
-    with ``call_soon`` for a while after the last issue or completion, then
-    backs off exponentially. *Active* requests -- collectives and sends, which
-    MPI only advances inside MPI calls -- keep the loop polling for
-    ``active_busy_s`` so that large transfers are not slowed by back-off;
-    a rank with only receives waiting backs off after ``busy_s`` and polls at
-    most every ``max_backoff_s``, so waiting costs little CPU. *Probes*
-    (``probe``) are called at every poll, with or without requests in
-    flight: the MPI channel link finds its messages so. ``kick`` resets the
-    back-off when something is expected soon. While a compute runs on the
-    loop's threads (``asyncomm.compute``, counted by ``computing``) and the
-    ticker wakes the poller, it does not poll busily for receives: a busy
-    loop takes the core and the GIL the compute needs, and the ticker sees
-    their messages within ``tick_s``.
+    (docs/api.md, "How completion reaches the loop", gives the defaults.) After the last
+    issue or completion the loop polls with ``call_soon`` for a while, then backs off
+    exponentially: for ``active_busy_s`` while *active* requests (collectives and sends,
+    which MPI advances only inside MPI calls) are in flight, so that large transfers are
+    not slowed, else for ``busy_s``, then polling at most every ``max_backoff_s``.
+    *Probes* (``probe``) are called at every poll, with or without requests in flight: the
+    MPI channel link finds its messages so. ``kick`` resets the back-off. While a compute
+    runs on the loop's threads (counted by ``computing``) and the ticker wakes the poller,
+    it does not poll busily for receives: a busy loop takes the core and the GIL the
+    compute needs, and the ticker sees their messages within ``tick_s``.
 
     Note on spinning
     ----------------
-    A task that awaits a request first tests it ``spin_tests`` times itself
-    (``spin``, from ``Handle.__await__``): a request that completes within
-    microseconds (a collective its peers have entered, a reply on its way)
-    then costs no loop iteration, as in a busy-poll loop, while one that
-    takes longer parks the task and leaves the loop to others. ``watch``
-    tests a request twice as it is issued: MPICH's first test of a small
-    collective often only starts it, and the second finds it done. A
-    channel receive, an actor call or an idle actor about to wait spins
-    (``spin_until``: the requests and the probes, so the MPI link finds its
-    messages) as ``Spin`` says.
+    ``watch`` tests a request twice as it is issued (an eager send is often done at once;
+    MPICH's first test of a small collective often only starts it). A task that awaits a
+    request first tests it ``spin_tests`` times itself (``spin``, from
+    ``Handle.__await__``): one that completes within microseconds then costs no loop
+    iteration, one that takes longer parks the task. A channel receive, an actor call or
+    an idle actor about to wait spins (``spin_until``: the requests and the probes) as
+    ``Spin`` says.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop,

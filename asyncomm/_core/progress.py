@@ -10,11 +10,7 @@ Three engines, one per way a backend can report that a request is done:
   send/recv cannot be polled). Reusable threads block in ``wait()``, one per
   request *in flight*, so a receive that waits long never delays another
   request's completion. Idle threads are kept for reuse and retire after a while.
-- ``Poller`` (in ``polling``): the request must be tested (MPI). The loop
-  calls the backend's ``testsome`` — polling with ``call_soon`` while
-  completions are expected, backing off exponentially to ``max_backoff_s``
-  when idle, so a rank waiting for a message that does not come uses little
-  CPU; a ``Ticker`` thread wakes it sooner while waits are recent.
+- ``Poller`` (in ``polling``): the request must be tested (MPI), from the loop.
 
 Every engine calls the backend's ``finish(outcome)`` on the loop thread (copy
 results out, read a source rank) and then settles a ``Sink`` (the ``Handle``).

@@ -27,6 +27,8 @@ class Settings:
     blocked_s: float = 0.25  # ASYNCOMM_BLOCKED_S: debug mode reports a loop held this long
     stall_s: float = 60.0  # ASYNCOMM_STALL_S: warn of an operation pending this long (0: off)
     probe_s: float = 0.5  # ASYNCOMM_PROBE_S: a waiter checks its peers after this long
+    grace_s: float = 10.0  # ASYNCOMM_GRACE_S: after a rank fails, how long the others may end
+    launched: bool = False  # ASYNCOMM_LAUNCHED: ``asyncomm run`` started this rank
     status_host: str | None = None  # ASYNCOMM_STATUS_HOST: where the status server listens
     max_message_bytes: int | None = None  # ASYNCOMM_MAX_MESSAGE_BYTES: the largest frame
     eager_bytes: int = 64 << 10  # ASYNCOMM_EAGER_BYTES: gloo sends a copy at most this big
@@ -89,6 +91,8 @@ def read(environ: Mapping[str, str] | None = None) -> Settings:
         blocked_s=number("BLOCKED_S", 0.25, minimum=1e-3),
         stall_s=number("STALL_S", 60.0),
         probe_s=number("PROBE_S", 0.5, minimum=1e-3),
+        grace_s=number("GRACE_S", 10.0),
+        launched=text("LAUNCHED") == "1",
         status_host=text("STATUS_HOST"),
         max_message_bytes=count("MAX_MESSAGE_BYTES", None, 1),
         eager_bytes=count("EAGER_BYTES", 64 << 10, 0) or 0,

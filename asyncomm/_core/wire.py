@@ -326,9 +326,6 @@ class _Packers(threading.local):
 
     def __init__(self) -> None:
         self.packer = msgpack.Packer(use_bin_type=True)
-        # Refuses all but exact scalars, lists and dicts (tuples, subclasses, buffers): what
-        # it packs is its own lowering, as for ``_plain``.
-        self.strict = msgpack.Packer(use_bin_type=True, strict_types=True)
 
 
 _packers = _Packers()

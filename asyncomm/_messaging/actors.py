@@ -93,6 +93,7 @@ class Host:
         self._actors: dict[str, _Inbox] = {}
         self._workers: list[asyncio.Task[None]] = []
         self._calls: dict[int, tuple[int, asyncio.Future[Any], str, str]] = {}
+        self._since: dict[int, float] = {}  # when each parked call began (inf: stall said)
         # calls with a deadline too far for a timer of their own, a heap of
         # (deadline, call id, timeout): the reply loop expires them (``_expire_calls``)
         self._deadlines: list[tuple[float, int, float]] = []
@@ -281,6 +282,7 @@ class Host:
         """Wait for call ``call_id``'s reply (up to its deadline); forget the call then."""
         limit = self._timeout if timeout is None else timeout
         timer = None
+        self._since[call_id] = time.monotonic()
         if limit <= _TIMER_S:
             timer = self._loop.call_later(limit, self._expire, call_id, limit)
         elif limit != math.inf:  # the reply loop expires it (a timer costs as much as a message)
@@ -291,6 +293,7 @@ class Host:
             if timer is not None:
                 timer.cancel()
             self._calls.pop(call_id, None)
+            self._since.pop(call_id, None)
 
     def tell(self, rank: int, name: str, method: str, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> None:
@@ -349,6 +352,7 @@ class Host:
             except CommTimeoutError:
                 self._fail_closed()
                 self._expire_calls()
+                self._warn_stalled()
                 waited += _POLL_S
                 if waited >= self._router.probe_s:  # no reply for a while: are the callees there?
                     waited = 0.0
@@ -374,14 +378,30 @@ class Host:
             deadlines[:] = [entry for entry in deadlines if entry[1] in self._calls]
             heapq.heapify(deadlines)
 
+    def _warn_stalled(self) -> None:
+        """Warn, once each, of calls parked for ``stall_s`` or longer (see ``Router``)."""
+        stall_s, now = self._router.stall_s, time.monotonic()
+        for call_id, since in self._since.items():
+            if stall_s and now - since >= stall_s and call_id in self._calls:
+                rank, _, name, method = self._calls[call_id]
+                self._router.warn_stalled(f"rank {self.rank}: call {name}.{method} on rank "
+                                          f"{rank}", now - since, [rank])
+                self._since[call_id] = math.inf
+
     def _expire(self, call_id: int, timeout: float) -> None:
-        """Fail call ``call_id``, if still in flight: its ``timeout`` passed."""
+        """Fail call ``call_id``, if still in flight: its ``timeout`` passed (the error says
+        what the callee was doing)."""
         pending = self._calls.get(call_id)
         if pending is not None and not pending[1].done():
             rank, future, name, method = pending
-            future.set_exception(CommTimeoutError(
-                f"rank {self.rank}: call {name}.{method} on rank {rank} timed out after "
-                f"{timeout:g} s"))
+
+            async def fail() -> None:
+                error = await self._router.timed_out(f"call {name}.{method} on rank {rank}",
+                                                     timeout, [rank])
+                if not future.done():
+                    future.set_exception(error)
+
+            self._router.aside(fail())
 
     def _fail_dead(self, rank: int) -> None:
         """``rank`` is gone: fail the calls in flight to it."""

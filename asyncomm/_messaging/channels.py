@@ -7,7 +7,7 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from asyncomm._core import wire
 from asyncomm._core.errors import CommClosedError, CommTimeoutError, ProtocolError
@@ -30,8 +30,11 @@ class Channel:
     """
 
     def __init__(self, router: Router, tag: int, codec: Codec, timeout: float,
-                 traced: bool = False, probe: bool = True) -> None:
+                 traced: bool = False, probe: bool = True,
+                 senders: frozenset[int] | None = None) -> None:
         self._router = router
+        # the ranks that send on it (None: every rank): a receive from any ends with them
+        self.senders = senders
         self.tag = tag
         self.codec = codec
         self._timeout = timeout
@@ -74,12 +77,18 @@ class Channel:
             PeerFailedError: ``dst`` is known dead.
         """
         window = self._windows.get(dst) if type(dst) is int else None
-        if window is None:  # another codec, or a rank not checked before
-            await self._send_slowly(obj, dst, timeout)
-        elif ((self._traced and self._probe_of.recording is not None)
-              or not self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
-                                self._window)):  # (the commonest: queued, sent at turn's end)
-            await self._send(self._router.encode(self.tag, obj, self.codec), dst, timeout)
+        try:
+            if window is None:  # another codec, or a rank not checked before
+                await self._send_slowly(obj, dst, timeout)
+            elif ((self._traced and self._probe_of.recording is not None)
+                  or not self._post(window, dst, self.tag, obj, self._small_room,
+                                    self._max_ndim, self._window)):  # (commonest: queued)
+                await self._send(self._router.encode(self.tag, obj, self.codec), dst, timeout)
+        except TypeError as exc:  # the codec's: say who refused it
+            if str(exc).startswith("rank "):
+                raise
+            raise TypeError(f"rank {self._router.rank}: channel {self.tag} send to {dst}: "
+                            f"{exc}") from None
 
     def post(self, obj: object, dst: int) -> bool:
         """Send ``obj`` now if it is a small message and ``dst``'s window has credit; return
@@ -214,7 +223,9 @@ class Channel:
         ``spun``: the caller spun for it already (``recv``), and found none."""
         router, box = self._router, self._box
         loop = asyncio.get_running_loop()
-        deadline = time.monotonic() + limit
+        started = time.monotonic()  # (the user's channels say a stall, and the peers' state)
+        deadline = started + limit
+        stall_at = started + (router.stall_s or math.inf) if self._traced else math.inf
         while True:  # ``recv`` found nothing just now: check, wait, then spin again
             if box.ended and self._ended(src):
                 who = "every other rank" if src is None else f"rank {src}"
@@ -227,10 +238,15 @@ class Channel:
                 peer = "any" if src is None else src
                 raise router._gone(f"channel {self.tag} recv from peer {peer}", *gone)
             now = time.monotonic()
-            if now >= deadline:
-                peer = "any" if src is None else src
-                raise CommTimeoutError(f"rank {router.rank}: channel {self.tag} recv from peer "
-                                       f"{peer} timed out after {limit:g} s")
+            if now >= deadline or now >= stall_at:  # (a stall is said once, while it waits)
+                what = f"channel {self.tag} recv from peer {'any' if src is None else src}"
+                if now >= deadline:
+                    raise (await router.timed_out(what, limit, router.others(src)) if self._traced
+                           else CommTimeoutError(f"rank {router.rank}: {what} timed out after "
+                                                 f"{limit:g} s"))
+                stall_at = math.inf
+                router.warn_stalled(f"rank {router.rank}: {what}", now - started,
+                                    router.others(src))
             router.expect()  # what this rank issued leaves now: then spin a while
             if spun:  # (``recv`` spun just now)
                 spun = False
@@ -272,7 +288,11 @@ class Channel:
     def _expected(self, src: int | None) -> list[int]:
         """The peers a recv from ``src`` may still get a message from."""
         router, ended = self._router, self._box.ended
-        peers = range(router.size) if src is None else (src,)
+        peers: Iterable[int]
+        if src is not None:
+            peers = (src,)
+        else:
+            peers = range(router.size) if self.senders is None else self.senders
         return [p for p in peers if p != router.rank and p not in ended]
 
     def _gone(self, src: int | None) -> list[int]:
@@ -289,6 +309,8 @@ class Channel:
         ended = self._box.ended
         if src is not None:
             return src in ended
+        if self.senders is not None:
+            return self.senders - {self._router.rank} <= ended
         return len(ended - {self._router.rank}) >= self._router.size - 1
 
     def _open(self, entry: Entry) -> Message:
@@ -350,7 +372,9 @@ class Channel:
                 return
 
     async def close(self) -> None:
-        """Close this rank's end: every other rank's iteration ends after our last message."""
+        """Close this rank's sending end, at once (a half-close: it still receives). Each
+        other rank's receive from this one ends after its last message, and a receive from
+        any rank once every sender has closed (every other rank, or ``senders``)."""
         if self._closed:
             return
         self._closed = True

@@ -37,10 +37,11 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import logging
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -67,6 +68,7 @@ from asyncomm._messaging.mailbox import (
     wake,
 )
 
+_log = logging.getLogger("asyncomm")
 _DATA_KIND = int(Kind.DATA)
 
 
@@ -157,6 +159,11 @@ class Router(Delivery):
         self._released = False  # whether a peer was asked to release stuck receives
         self._probed: dict[int, float] = {}  # when each peer was last probed
         self.on_dead: list[Callable[[int], None]] = []  # called with a rank once it is gone
+        # What the communicator says of a wait: (what, waited s, peers) -> warned of a stall
+        # (after ``stall_s``; 0: never), or the peers' state for a timeout's error
+        self.stall_s = 0.0
+        self.explain: Callable[[Sequence[int]], Awaitable[str]] | None = None
+        self._explaining: set[asyncio.Task[None]] = set()  # (``aside``)
         self.link = link  # (channels send their small frames straight to it)
         self._patrol: asyncio.TimerHandle | None = None
         if self.size > 1:
@@ -271,6 +278,32 @@ class Router(Delivery):
                                 f"{ranks} failed ({causes})")
         error.__cause__ = self.dead.get(peers[0])
         return error
+
+    async def timed_out(self, what: str, limit: float, peers: Sequence[int]) -> CommTimeoutError:
+        """The error of ``what``, waiting for ``peers``, after ``limit`` s: with their state."""
+        said = await self.explain(peers) if self.explain is not None and peers else ""
+        return CommTimeoutError(f"rank {self.rank}: {what} timed out after {limit:g} s"
+                                + (f". Meanwhile {said}." if said else ""))
+
+    def aside(self, work: Coroutine[Any, Any, None]) -> None:
+        """Run ``work`` (saying what peers do: it asks them) as a task kept until done."""
+        task = self._loop.create_task(work)
+        self._explaining.add(task)
+        task.add_done_callback(self._explaining.discard)
+
+    def warn_stalled(self, what: str, waited: float, peers: Sequence[int]) -> None:
+        """Warn that ``what`` has waited ``waited`` s for ``peers``, with their state."""
+        async def warn() -> None:
+            said = await self.explain(peers) if self.explain is not None and peers else ""
+            _log.warning("asyncomm: %s has been pending for %.1f s (ASYNCOMM_STALL_S=%g); "
+                         "it goes on waiting.%s", what, waited, self.stall_s,
+                         f" Meanwhile {said}." if said else "")
+
+        self.aside(warn())
+
+    def others(self, src: int | None) -> list[int]:
+        """The ranks a wait on ``src`` (``None``: any) waits for."""
+        return [r for r in range(self.size) if r != self.rank] if src is None else [src]
 
     def known(self, peer: int) -> str | None:
         """Say what this rank already knows of ``peer``'s end: failed, or finished; else None."""

@@ -13,11 +13,9 @@ collection walk them; an operation's completion is a tuple of its own, joined on
 
 Note on clocks
 --------------
-Times are ``time.perf_counter()`` seconds, the clock compute spans use too. On Linux it is
-CLOCK_MONOTONIC, shared by every process of a host, so ranks of one host line up exactly.
-The file also keeps an anchor, a ``(perf_counter, time.time_ns())`` pair read back to back
-at start, so ranks of different hosts can be put on one wall-clock timeline (as good as the
-hosts' clock synchronisation).
+Times are ``time.perf_counter()`` seconds, as compute spans' (CLOCK_MONOTONIC on Linux,
+shared by every process of a host); the file's anchor, a ``(perf_counter, time.time_ns())``
+pair read back to back at start, puts ranks of different hosts on one wall-clock timeline.
 """
 
 from __future__ import annotations

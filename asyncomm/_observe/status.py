@@ -18,6 +18,15 @@ whose process is gone, does not answer within ``ANSWER_S``, and is said to. The 
 listens on the address the ranks reach each other by: the one of ``GLOO_SOCKET_IFNAME``
 when set, else the local address that routes to ``MASTER_ADDR`` when that is not this
 host, else loopback (``ASYNCOMM_STATUS_HOST`` overrides).
+
+Note on failure notices
+-----------------------
+The same server hears who failed. A rank whose program raised tells every other rank of
+its world before it leaves (``tell``: the rank, what it raised, when), and so does the
+launcher of a rank whose process died; each listener (``on_failure``: the communicators)
+then fails what needs that rank, naming it and why, long before a broken connection or a
+probe would have said less. A notice is answered once it was heard, so a rank that waits
+for the answers leaves only after its peers know. ``failures`` keeps what was heard.
 """
 
 from __future__ import annotations
@@ -30,14 +39,21 @@ import os
 import re
 import socket
 import struct
+import sys
+import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
 from asyncomm._core import settings
 
 ANSWER_S = 1.0  # how long a rank has to answer
 _REQUEST = b"asyncomm-status 1 "
+# then JSON: [world label, rank, what it did, when (epoch s), whether its process is gone]
+_NOTICE = b"asyncomm-failed 1 "
+# A rank's lines to ``asyncomm run`` (which shows none of them): when it failed (epoch s),
+# where it answers (world label, host:port)
+FAILED_AT, SERVES_AT = "asyncomm-failed-at ", "asyncomm-serves-at "
 _SHOWN = 3  # pending operations named per rank
 
 
@@ -50,6 +66,10 @@ class Reporter(Protocol):
 
 _reporters: dict[str, weakref.ref[Reporter]] = {}
 _servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, str] = weakref.WeakKeyDictionary()
+_listeners: list[weakref.WeakMethod[Callable[[str, int, str, bool], None]]] = []
+# (world label, rank) -> (when it failed, in epoch seconds; what it did), as told
+failures: dict[tuple[str, int], tuple[float, str]] = {}
+ending = False  # this process's program ended after a peer's failure; it waits to be ended
 
 
 def register(label: str, reporter: Reporter) -> None:
@@ -74,25 +94,77 @@ async def serve() -> str:
     return address
 
 
+def to_launcher(line: str) -> None:
+    """Tell ``asyncomm run``, where it started this rank, ``line`` (on stderr)."""
+    if settings.read().launched:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+
+
+def on_failure(listener: Callable[[str, int, str, bool], None]) -> None:
+    """Call ``listener(world, rank, what, gone)`` (a bound method, held weakly) for each
+    notice."""
+    _listeners.append(weakref.WeakMethod(listener))
+
+
+def heard(world: str, rank: int, what: str, when: float, gone: bool) -> None:
+    """Take a failure notice: keep the first of each rank, and tell the listeners."""
+    failures.setdefault((world, rank), (when, what))
+    for ref in list(_listeners):
+        listener = ref()
+        if listener is None:
+            _listeners.remove(ref)
+        else:
+            listener(world, rank, what, gone)
+
+
+async def tell(addresses: Iterable[str], world: str, rank: int, what: str, when: float,
+               gone: bool = False) -> None:
+    """Tell every rank at ``addresses`` that ``rank`` of ``world`` failed (its process
+    ``gone``, or still leaving); return once each has heard (or not within ``ANSWER_S``)."""
+    notice = _NOTICE + json.dumps([world, rank, what, when, gone]).encode() + b"\n"
+    await asyncio.gather(*(_exchange(address, notice) for address in addresses))
+
+
+async def ended(addresses: Iterable[str], world: str, limit: float) -> None:
+    """Return once the rank at each of ``addresses`` has ended its program (its world
+    closed, its process gone, or ending after a failure), or after ``limit`` seconds."""
+    waiting, deadline = list(addresses), time.monotonic() + limit
+    while waiting and time.monotonic() < deadline:
+        states = await asyncio.gather(*(ask(a, world) for a in waiting))
+        waiting = [a for a, state in zip(waiting, states, strict=True) if state is not None
+                   and state.get("state") == "open" and not state.get("ending")]
+        if waiting:
+            await asyncio.sleep(0.1)
+
+
 async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     try:
         line = await asyncio.wait_for(reader.readline(), ANSWER_S)
-        state: dict[str, Any] = {"state": "unknown"}
-        if line.startswith(_REQUEST):
+        state: dict[str, Any] = {"state": "unknown", "ending": ending}
+        if line.startswith(_NOTICE):
+            world, rank, what, when, gone = json.loads(line[len(_NOTICE):])
+            heard(str(world), int(rank), str(what), float(when), bool(gone))
+        elif line.startswith(_REQUEST):
             ref = _reporters.get(line[len(_REQUEST):].strip().decode(errors="replace"))
             reporter = ref() if ref is not None else None
             if reporter is not None:
-                state = reporter._status()
+                state = {**reporter._status(), "ending": ending}
         writer.write(json.dumps(state).encode() + b"\n")
         await writer.drain()
-    except (OSError, asyncio.TimeoutError, ValueError):
-        pass  # a question cut short: nobody waits for the answer
+    except (OSError, asyncio.TimeoutError, asyncio.CancelledError, ValueError):
+        pass  # a question cut short (or the loop ends): nobody waits for the answer
     finally:
         writer.close()
 
 
 async def ask(address: str, label: str) -> dict[str, Any] | None:
     """Return the state of communicator ``label`` at ``address``; None without an answer."""
+    return await _exchange(address, _REQUEST + label.encode() + b"\n")
+
+
+async def _exchange(address: str, line: bytes) -> dict[str, Any] | None:
+    """Send ``line`` to the server at ``address``; return its answer, None without one."""
     if ":" not in address:
         return None
     host, port = address.rsplit(":", 1)
@@ -101,7 +173,7 @@ async def ask(address: str, label: str) -> dict[str, Any] | None:
     async def question() -> dict[str, Any]:
         reader, writer = await asyncio.open_connection(host, int(port))
         opened.append(writer)
-        writer.write(_REQUEST + label.encode() + b"\n")
+        writer.write(line)
         await writer.drain()
         answer: dict[str, Any] = json.loads(await reader.readline())
         return answer
@@ -125,7 +197,7 @@ def word(state: dict[str, Any] | None, now_op: tuple[str, int] | None = None) ->
         return "not started (has not made this communicator)"
     pending = state.get("pending", [])
     if pending:
-        said = "; ".join(f"{_operation(*entry[:4])} pending for {entry[4]:.1f} s"
+        said = "; ".join(f"{_operation(*entry[:4], *entry[5:6])} pending for {entry[4]:.1f} s"
                          for entry in pending[:_SHOWN])
         more = len(pending) - _SHOWN + int(state.get("more", 0))
         return said + (f"; and {more} more" if more > 0 else "")
@@ -133,16 +205,24 @@ def word(state: dict[str, Any] | None, now_op: tuple[str, int] | None = None) ->
     if timed_out:  # its own deadline passed too (the same timeout, as often)
         entry = timed_out[-1]
         return f"{_operation(*entry[:4])} timed out {entry[4]:.1f} s ago, nothing else in flight"
-    op, seq = state.get("last", (None, 0))
+    op, seq, *tensor = state.get("last", (None, 0))
     if not op:
         return "nothing issued on this communicator yet"
-    return f"nothing in flight (last issued: {op} #{seq})"
+    return f"nothing in flight (last issued: {_operation(op, seq, None, None, *tensor)})"
 
 
-def _operation(op: str, seq: int, peer: int | None, tag: int | None) -> str:
+def _operation(op: str, seq: int, peer: int | None, tag: int | None, tensor: str = "") -> str:
     where = "" if peer is None else f" peer {peer}"
     where += "" if tag is None else f" tag {tag}"
-    return f"{op} #{seq}{where}"
+    return f"{op} #{seq}{where}" + (f" of {tensor}" if tensor else "")
+
+
+def shape(kept: object) -> str:
+    """Say what an operation moves, where it is one tensor: ``float32[10]`` (else "")."""
+    dtype, dims = getattr(kept, "dtype", None), getattr(kept, "shape", None)
+    if dtype is None or dims is None:  # (not imported: the launcher uses this module)
+        return ""
+    return f"{str(dtype).removeprefix('torch.')}[{', '.join(map(str, dims))}]"
 
 
 def summary(states: Iterable[tuple[int, str]]) -> str:

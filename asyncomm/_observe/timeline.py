@@ -9,10 +9,8 @@ Compute lanes are tids 1, 2, ...; communication lanes start at tid 100.
 
 Note on the metrics
 -------------------
-Per rank (docs/tracing.md has the table): communication and compute are the lengths of the
-unions of their spans (ops, channel messages and actor calls; ``asyncomm.compute`` spans),
-so concurrent spans count once; hidden is the length of the intersection of the two
-unions; exposed is communication minus hidden.
+Per rank, as docs/tracing.md defines them: lengths of unions of spans (concurrent spans
+count once) and of the intersection of the communication and compute unions (hidden).
 """
 
 from __future__ import annotations
@@ -191,18 +189,25 @@ def _event(pid: int, span: dict[str, Any], zero: float) -> dict[str, Any]:
             "args": args}
 
 
-def overlap(trace: dict[str, Any]) -> dict[int, Overlap]:
-    """Return each rank's overlap metrics (seconds) from a merged trace."""
+def _spans(trace: dict[str, Any], us_per_unit: float
+           ) -> tuple[dict[int, list[Interval]], dict[int, list[Interval]]]:
+    """Return each rank's communication and compute spans of a merged trace, in units of
+    ``us_per_unit`` microseconds."""
     comm: dict[int, list[Interval]] = {}
     work: dict[int, list[Interval]] = {}
     for event in trace["traceEvents"]:
         if event.get("ph") != "X":
             continue
         into = work if event["cat"] == "compute" else comm if event["cat"] in _COMM_CATS else None
-        if into is None:
-            continue
-        start = event["ts"] / 1e6
-        into.setdefault(event["pid"], []).append((start, start + event["dur"] / 1e6))
+        if into is not None:
+            start = event["ts"] / us_per_unit
+            into.setdefault(event["pid"], []).append((start, start + event["dur"] / us_per_unit))
+    return comm, work
+
+
+def overlap(trace: dict[str, Any]) -> dict[int, Overlap]:
+    """Return each rank's overlap metrics (seconds) from a merged trace."""
+    comm, work = _spans(trace, 1e6)
     return {pid: measure(comm.get(pid, []), work.get(pid, []))
             for pid in sorted(comm.keys() | work.keys())}
 
@@ -232,14 +237,7 @@ def draw(trace: dict[str, Any], path: str | Path, title: str | None = None) -> P
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
-    comm: dict[int, list[Interval]] = {}
-    work: dict[int, list[Interval]] = {}
-    for event in trace["traceEvents"]:
-        if event.get("ph") != "X":
-            continue
-        into = work if event["cat"] == "compute" else comm
-        start = event["ts"] / 1e3
-        into.setdefault(event["pid"], []).append((start, start + event["dur"] / 1e3))
+    comm, work = _spans(trace, 1e3)
     ranks = sorted(comm.keys() | work.keys())
     figure, axes = plt.subplots(figsize=(12, 1.0 + 0.7 * max(1, len(ranks))))
     for row, rank in enumerate(ranks):

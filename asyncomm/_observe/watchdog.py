@@ -18,7 +18,8 @@ import weakref
 
 from asyncomm._core import settings
 
-_watched: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+_watched: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watchdog] = (
+    weakref.WeakKeyDictionary())
 
 
 def threshold_s() -> float:
@@ -30,8 +31,15 @@ def watch(loop: asyncio.AbstractEventLoop, label: str) -> None:
     """Watch ``loop`` (the running one) until it closes; once per loop, later calls do nothing."""
     if loop in _watched:
         return
-    _watched.add(loop)
-    _Watchdog(loop, label, threshold_s()).start()
+    dog = _watched[loop] = _Watchdog(loop, label, threshold_s())
+    dog.start()
+
+
+def stand_down(loop: asyncio.AbstractEventLoop) -> None:
+    """Say nothing more of ``loop``: its rank is ending the job, and blocks it on purpose."""
+    dog = _watched.get(loop)
+    if dog is not None:
+        dog.quiet = True
 
 
 class _Watchdog:
@@ -41,6 +49,7 @@ class _Watchdog:
         self._threshold = threshold
         self._beat = time.monotonic()
         self._loop_thread = threading.get_ident()
+        self.quiet = False  # (``stand_down``)
 
     def start(self) -> None:
         self._tick()
@@ -52,11 +61,12 @@ class _Watchdog:
 
     def _watch(self) -> None:
         reported = 0.0
-        while not self._loop.is_closed():
+        while not self._loop.is_closed() and not self.quiet:
             time.sleep(self._threshold / 4)
             beat = self._beat
             held = time.monotonic() - beat
-            if held > self._threshold and beat != reported and self._loop.is_running():
+            if (held > self._threshold and beat != reported and self._loop.is_running()
+                    and not self.quiet):
                 reported = beat
                 frame = sys._current_frames().get(self._loop_thread)
                 stack = "".join(traceback.format_stack(frame)) if frame else "  (unknown)\n"

@@ -2,21 +2,12 @@
 
 Note on why
 -----------
-Communication completes on the event loop (futures, pollers, routers). A
-forward or backward pass run *on* the loop stops every one of those for its
-whole duration, so nothing issued before it progresses under it. Run on a
-worker thread instead (torch releases the GIL inside its kernels), the loop
-keeps turning: completions are seen, receives posted, the next bucket sent.
-
-Each event loop gets one worker thread by default (``ASYNCOMM_COMPUTE_THREADS``):
-computes run one at a time, in call order, so a rank does not oversubscribe
-the cores its peers and torch's own intra-op threads also use. The worker is
-made on first use and stopped by ``shutdown`` (``init`` calls it on leaving, so
-``asyncomm.run`` does too), leaving no thread behind.
-
-On CUDA, each worker runs its computes on a side stream of its own and
-synchronises that stream before the await resumes, so the result is ready
-on every stream.
+A pass run *on* the event loop stops everything that completes there for its whole
+duration; on a worker thread (torch releases the GIL inside its kernels) the loop keeps
+turning (docs/overlap.md). Each loop gets ``ASYNCOMM_COMPUTE_THREADS`` workers (one by
+default: computes in call order, not oversubscribing the cores), made on first use and
+stopped by ``shutdown`` (``init`` calls it on leaving): no thread is left behind. On CUDA
+a worker computes on a side stream of its own, synchronised before the await resumes.
 
 Note on the hand-over
 ---------------------

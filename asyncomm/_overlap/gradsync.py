@@ -1,38 +1,21 @@
 """``GradSync``: average gradients over a communicator while backward still runs (DDP-style).
 
+docs/overlap.md ("GradSync") describes buckets, hooks, ``wait()`` and unused parameters in
+full; this note keeps what the code relies on.
+
 Note on how a step goes
 -----------------------
-Parameters that need a gradient are split into buckets of about ``bucket_mb``,
-walking them in reverse order (backward produces the last layers' gradients
-first) and keeping one dtype and device per bucket, as DDP does. A parameter
-whose gradient takes 1 MiB or more gets a bucket of its own: it gains nothing
-from sharing a collective, and a bucket of one parameter is all-reduced in
-place, in the parameter's ``.grad``, with no copy in or out (DDP copies every
-gradient into its bucket and back). A bucket of several parameters owns one
-flat buffer. A hook (``register_post_accumulate_grad_hook``) fires as each
-gradient is accumulated: it divides the gradient by the number of ranks, in
-place or on its way into the flat buffer, on the thread that runs backward. The
-bucket's turn is then taken on the event loop, which is the only thread that
-may call the communicator: directly when backward runs on the loop, through
-``loop.call_soon_threadsafe`` from a compute worker or an autograd thread.
-Buckets are summed with ``all_reduce`` strictly in bucket order, so every rank
-issues the same collectives in the same order whatever order its gradients
-come in: a bucket that fills early waits for the ones before it; buckets go in
-the order their last parameter is expected. ``wait()`` awaits each bucket and
-copies the averages of flat buffers back into ``.grad``.
-
-Parameters that get no gradient in a step count, with
-``find_unused_parameters=True``, as DDP counts them: each contributes its
-current ``.grad`` (zeros when it has none) to its bucket; whether any rank used
-a parameter since the last synchronised step is summed over ranks in one more
-small all-reduce, and a parameter no rank used keeps its ``.grad`` untouched
-(``None`` stays ``None``). As DDP does, a forward hook on the model walks the
-autograd graph of its output to find the parameters it does not reach; the
-first gradient hook of the step puts those in their buckets, so that buckets
-holding them go during backward too. Parameters the hook could not foresee
-(the model was not called as a whole) are put in by ``wait()``. Without the
-option an unused parameter leaves its bucket incomplete, and ``wait()`` raises
-instead of waiting for it forever.
+Buckets are filled walking the parameters in reverse order (backward produces the last
+layers' gradients first), one dtype and device each; a gradient of 1 MiB or more is a
+bucket of its own, all-reduced in place in its ``.grad``. A hook fires as each gradient is
+accumulated, on the thread that runs backward, divides it by the number of ranks (in place,
+or on its way into its bucket's flat buffer) and hands the bucket's turn to the event loop,
+the only thread that may call the communicator. Buckets are all-reduced strictly in bucket
+order, so every rank issues the same collectives in the same order whatever order its
+gradients come in. With ``find_unused_parameters`` a forward hook finds the parameters the
+output's graph does not reach (the first gradient hook puts them in), ``wait()`` puts in
+those it could not foresee, and whether any rank used each parameter is summed in one more
+small all-reduce.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from asyncomm._core.env import _MPI_RANK_VARS
+from asyncomm._core.errors import plain
 from asyncomm._core.settings import BACKENDS
 from asyncomm._tools import network
 
@@ -50,19 +52,51 @@ _OPEN_MPI_NAME = re.compile(rb"^\s*Process name: \[[^\]]*,(\d+)\]\s*$")
 _OPEN_MPI_CODE = re.compile(rb"^\s*Exit code:\s*(\d+)\s*$")
 _OPEN_MPI_SIGNALLED = re.compile(rb"process rank (\d+) with PID \d+ on node \S+ exited on")
 _OPEN_MPI_SIGNAL = re.compile(rb"(?:^|exited on )\s*signal (\d+)")
+# MPICH's banner when a rank ends badly, and its words on Ctrl-C: the summary says how the
+# job ended (a rank's own lines, blank ones too, come labelled).
+_MPICH_SAID = re.compile(rb"^(?:=+|=   .*|YOUR APPLICATION TERMINATED WITH THE EXIT STRING: .*"
+                         rb"|This typically refers to a problem with your application\."
+                         rb"|Please see the FAQ page for debugging suggestions"
+                         rb"|\[mpiexec@[^\]]*\] (?:Sending Ctrl-C|Press Ctrl-C again).*|)$")
+# Every rank runs its script as python would (its folder first on sys.path, its frames alone
+# in a traceback, its path absolute there), except that Ctrl-C ends a rank quietly with 130:
+# the launcher says once that the world was interrupted. The signal wakeup fd tells a Ctrl-C
+# that a library turned into another error (numpy's import, say) from a failure.
+_RUNNER = """\
+try:
+    import os, runpy, signal, sys
+    heard, told = os.pipe()
+    os.set_blocking(heard, False)
+    os.set_blocking(told, False)
+    signal.set_wakeup_fd(told, warn_on_full_buffer=False)
+    del sys.argv[0]
+    if sys.argv[0] == "-m":
+        del sys.argv[0]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+        runpy.run_path(os.path.abspath(sys.argv[0]), run_name="__main__")
+except KeyboardInterrupt:
+    raise SystemExit(130) from None
+except Exception as error:
+    try:
+        interrupted = signal.SIGINT in os.read(heard, 1 << 16)
+    except BlockingIOError:
+        interrupted = False
+    if interrupted:
+        raise SystemExit(130) from None
+    tb = error.__traceback__.tb_next
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") == "runpy":
+        tb = tb.tb_next
+    sys.excepthook(type(error), error.with_traceback(tb), tb)
+    raise SystemExit(1) from None
+"""
 # mpiexec labels each chunk a rank writes rather than each line, so make every rank write
-# whole lines: line-buffer both streams (even under PYTHONUNBUFFERED), then run as python does.
-_LINE_BUFFERED_MAIN = """\
-import os, runpy, sys
+# whole lines: line-buffer both streams (even under PYTHONUNBUFFERED).
+_LINE_BUFFERED = """\
+import sys
 for stream in (sys.stdout, sys.stderr):
     stream.reconfigure(line_buffering=True, write_through=False)
-del sys.argv[0]
-if sys.argv[0] == "-m":
-    del sys.argv[0]
-    runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
-else:
-    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
-    runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
@@ -74,6 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "mpiexec; gloo (default) or nccl: start them here")
     parser.add_argument("--timeout", type=float, metavar="SECONDS",
                         help="set ASYNCOMM_TIMEOUT for every rank")
+    parser.add_argument("--grace", type=float, metavar="SECONDS",
+                        help="after a rank fails, how long the others have to end on their "
+                        "own before they are stopped (ASYNCOMM_GRACE_S, default 10)")
     parser.add_argument("--trace", metavar="DIR", help="trace every rank into DIR "
                         "(ASYNCOMM_TRACE), then merge: DIR/trace.json, DIR/timeline.png and "
                         "the overlap metrics")
@@ -104,7 +141,7 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         code = launch([*argv, *args.script_args], args.nproc, args.backend,
                       timeout=args.timeout, trace=args.trace, hosts=args.hosts,
-                      rate=args.rate, delay=args.delay)
+                      rate=args.rate, delay=args.delay, grace=args.grace)
     except (ValueError, FileNotFoundError, PermissionError) as err:
         print(f"asyncomm run: {err}", file=sys.stderr)
         return 2
@@ -130,12 +167,14 @@ def find_mpiexec() -> str | None:
 def launch(script_argv: list[str], n: int, backend: str | None = None,
            env: Mapping[str, str] | None = None, timeout: float | None = None,
            trace: str | os.PathLike[str] | None = None, hosts: int | None = None,
-           rate: str | None = None, delay: str | None = None) -> int:
+           rate: str | None = None, delay: str | None = None,
+           grace: float | None = None) -> int:
     """Run ``python *script_argv`` (a script or ``-m module``, then its arguments) on n ranks.
 
     Blocks until every rank has exited and returns the world's exit code. ``backend`` is
     exported as ``ASYNCOMM_BACKEND`` when given (``"mpi"`` starts the ranks with mpiexec),
-    ``env`` is added to every rank's environment and ``timeout`` becomes ``ASYNCOMM_TIMEOUT``.
+    ``env`` is added to every rank's environment and ``timeout`` becomes ``ASYNCOMM_TIMEOUT``,
+    ``grace`` ``ASYNCOMM_GRACE_S`` (after a rank fails, the others' time to end).
     ``trace`` becomes ``ASYNCOMM_TRACE`` (the directory is made, and emptied of an earlier
     run's rank files so that they cannot be merged with this run's). ``hosts`` spreads the
     ranks over that many emulated hosts (see ``network``), their links shaped by ``rate``
@@ -148,11 +187,15 @@ def launch(script_argv: list[str], n: int, backend: str | None = None,
     """
     if n < 1:
         raise ValueError(f"-n must be at least 1, not {n}")
+    if grace is not None and not grace >= 0:
+        raise ValueError(f"--grace must be >= 0 seconds, not {grace}")
     if hosts is not None and (hosts < 1 or n % hosts):
         raise ValueError(f"--hosts {hosts}: -n {n} ranks must split evenly over the hosts")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)}")
-    base = dict(os.environ)
+    base = {**os.environ, "ASYNCOMM_LAUNCHED": "1"}
+    if grace is not None:
+        base["ASYNCOMM_GRACE_S"] = f"{grace:g}"
     if backend is not None:
         base["ASYNCOMM_BACKEND"] = backend
     if timeout is not None:
@@ -189,8 +232,8 @@ def _launch_local(script_argv: list[str], n: int, base: dict[str, str]) -> int:
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # plain torch scripts connect as clients too
     }
     envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
-    world = asyncio.run(_supervise([[sys.executable, *script_argv]] * n, envs, labeled=False,
-                                   serve=lambda: _serve_store(listening)))
+    world = asyncio.run(_supervise([[sys.executable, "-c", _RUNNER, *script_argv]] * n, envs,
+                                   labeled=False, serve=lambda: _serve_store(listening)))
     return _ended(world, n)
 
 
@@ -206,7 +249,8 @@ def _launch_hosts(script_argv: list[str], n: int, base: dict[str, str],
               "MASTER_ADDR": net.addresses[0], "MASTER_PORT": "29500", "PYTHONUNBUFFERED": "1"}
     envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r % per_host)}
             for r in range(n)]
-    cmds = [net.command(r // per_host, [sys.executable, *script_argv]) for r in range(n)]
+    cmds = [net.command(r // per_host, [sys.executable, "-c", _RUNNER, *script_argv])
+            for r in range(n)]
     return _ended(asyncio.run(_supervise(cmds, envs, labeled=False)), n)
 
 
@@ -217,10 +261,12 @@ def _ended(world: _World, n: int) -> int:
         return 128 + world.signal
     if world.first_failed is None:
         return 0
-    rank, code = world.first_failed, world.codes[world.first_failed] or 1
+    rank = world.first()
+    code = world.codes[rank] or 1
     _say(f"rank {rank} failed first{_error(world.tails[rank])} ({_how(code)}); "
          "stopped the other ranks")
-    return code if code > 0 else 1
+    first_code = world.codes[world.first_failed] or 1
+    return first_code if first_code > 0 else 1
 
 
 def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
@@ -231,7 +277,7 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
     mpiexec = find_mpiexec()
     if mpiexec is None:
         raise FileNotFoundError("mpiexec not found; pip install 'asyncomm[mpi]' provides one")
-    python = [sys.executable, "-c", _LINE_BUFFERED_MAIN, *script_argv]
+    python = [sys.executable, "-c", _LINE_BUFFERED + _RUNNER, *script_argv]
     with tempfile.TemporaryDirectory() as folder:
         spread: list[str] = []
         if net is not None:
@@ -255,8 +301,9 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
     if world.aborted is not None:
         rank, abort_code = world.aborted
         ended = f"rank {rank} ended the job with MPI_Abort({abort_code}); {ended}"
-    if world.tracebacks:  # the first rank to raise is the likeliest culprit
-        rank = world.tracebacks[0]
+    if world.failed_at or world.tracebacks:  # the first rank to raise is the likeliest culprit
+        rank = min(world.failed_at, key=world.failed_at.__getitem__) if world.failed_at else (
+            world.tracebacks[0])
         _say(f"rank {rank} failed first{_error(world.tails[rank])} ({ended})")
     elif (dead := _dead_ranks(world.statuses)):  # died without a word: Hydra says who
         _say(f"{dead} ({ended})")
@@ -368,19 +415,36 @@ class _World:
     open_mpi_failed: int | None = None  # the rank Open MPI's report names, its code to come
     aborted: tuple[int, int] | None = None  # (rank, code) of an MPI_Abort
     served: object = None  # what ``serve`` returned, kept until the ranks are gone
+    failed_at: dict[int, float] = field(default_factory=dict)  # when a rank said it failed
+    exited_at: dict[int, float] = field(default_factory=dict)  # when a process was seen exit
+    serves: dict[int, tuple[str, str]] = field(default_factory=dict)  # (world, address)
     tails: defaultdict[int, deque[str]] = field(
         default_factory=lambda: defaultdict(lambda: deque(maxlen=TAIL_LINES)))
 
 
+    def first(self) -> int:
+        """The rank that failed first: by when it said so, else by when it exited (a process
+        that died without a word; one that failed because another did exits after it)."""
+        when = {**{r: t for r, t in self.exited_at.items() if self.codes[r]}, **self.failed_at}
+        return min(when, key=when.__getitem__) if when else self.first_failed or 0
+
+
 async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled: bool,
                      serve: Callable[[], object] | None = None) -> _World:
-    """Run one process per command until all exit, stopping them all once one fails.
+    """Run one process per command until all exit; once one fails, give the others
+    ``ASYNCOMM_GRACE_S`` to end on their own, then stop them.
 
-    ``serve``, when given, runs on a thread once the processes are spawned (the store they
-    connect to: torch loads here while it loads in the ranks); if it raises, they are stopped
-    and the error raised.
+    A rank process that dies without saying it failed (a signal, ``os._exit``) is said dead
+    to the others (see ``status``' note on failure notices). ``serve``, when given, runs on
+    a thread once the processes are spawned (the store they connect to: torch loads here
+    while it loads in the ranks); if it raises, they are stopped and the error raised.
     """
+    from asyncomm._core import settings
+    from asyncomm._observe import status
+
     world = _World(codes=[None] * len(cmds))
+    grace = settings.read(envs[0]).grace_s if envs else 0.0
+    pumped: dict[int, list[asyncio.Future[None]]] = defaultdict(list)
     procs: list[asyncio.subprocess.Process] = []
     stop = asyncio.Event()  # set when all exited, one failed, or the launcher got a signal
 
@@ -393,8 +457,15 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
 
     async def watch(index: int, proc: asyncio.subprocess.Process) -> None:
         world.codes[index] = code = await proc.wait()
+        world.exited_at[index] = time.time()
         if code != 0 and world.first_failed is None:
             world.first_failed = index
+            await asyncio.wait(pumped[index], timeout=1.0)  # its last words, if any
+            if not labeled and index not in world.failed_at and index in world.serves:
+                label, _ = world.serves[index]
+                await status.tell([a for r, (_, a) in world.serves.items() if r != index],
+                                  label, index, f"its process {'was ' * (code < 0)}"
+                                  f"{_how(code)}", time.time(), gone=True)
             stop.set()
 
     def stop_if_failed(done: asyncio.Future[object]) -> None:
@@ -412,10 +483,13 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
             procs.append(await asyncio.create_subprocess_exec(
                 *cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE, start_new_session=True))
-        pumps = [asyncio.ensure_future(_pump(stream, kept, world, None if labeled else i))
-                 for i, proc in enumerate(procs)
-                 for stream, kept in ((proc.stdout, False), (proc.stderr, True))
-                 if stream is not None]
+        pumps = []
+        for i, proc in enumerate(procs):
+            for stream, kept in ((proc.stdout, False), (proc.stderr, True)):
+                if stream is not None:
+                    pumps.append(asyncio.ensure_future(
+                        _pump(stream, kept, world, None if labeled else i)))
+                    pumped[i].append(pumps[-1])
         served = None
         if serve is not None:
             served = asyncio.ensure_future(asyncio.to_thread(serve))
@@ -423,6 +497,8 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
         exits = asyncio.gather(*(watch(i, proc) for i, proc in enumerate(procs)))
         exits.add_done_callback(lambda _: stop.set())
         await stop.wait()
+        if not exits.done() and world.signal is None and world.first_failed is not None:
+            await asyncio.wait({exits}, timeout=grace)  # the others may end on their own
         if not exits.done():
             if world.signal is None:
                 _kill(procs, signal.SIGTERM)
@@ -456,6 +532,8 @@ async def _pump(stream: asyncio.StreamReader, is_err: bool, world: _World,
             world.statuses += [int(s) for s in re.findall(rb"\d+", re.sub(
                 rb"\[[^\]]*\]", b" ", statuses[1]))]
             return
+        if rank is None and _MPICH_SAID.match(line):
+            return
         if rank is None and is_err and not world.statuses:
             _open_mpi_report(world, line)
         if rank is None and is_err:
@@ -464,6 +542,8 @@ async def _pump(stream: asyncio.StreamReader, is_err: bool, world: _World,
             if aborted is not None:  # said once, in the summary
                 world.aborted = (int(aborted[2]), int(aborted[1]))
                 return
+        if is_err and _said_to_us(world, line, rank):
+            return
         _write(sys.stderr if is_err else sys.stdout, prefix + line + b"\n")
         if is_err:
             _keep(world, line, rank)
@@ -488,6 +568,25 @@ def _open_mpi_report(world: _World, line: bytes) -> None:
         world.statuses = [0] * world.open_mpi_failed + [int(code[1]) << 8]
     elif (signal_number := _OPEN_MPI_SIGNAL.search(line)) is not None:
         world.statuses = [0] * world.open_mpi_failed + [int(signal_number[1])]
+
+
+def _said_to_us(world: _World, line: bytes, rank: int | None) -> bool:
+    """Take a rank's line to the launcher (see ``status.to_launcher``); return whether it was
+    one (it is not shown)."""
+    from asyncomm._observe import status
+
+    if rank is None and (label := _LABEL.match(line)) is not None:
+        rank, line = int(label[1]), line[label.end():]
+    text = line.decode(errors="replace").strip()
+    if rank is None or not text.startswith((status.FAILED_AT, status.SERVES_AT)):
+        return False
+    with contextlib.suppress(ValueError):
+        if text.startswith(status.FAILED_AT):
+            world.failed_at.setdefault(rank, float(text[len(status.FAILED_AT):]))
+        else:
+            world_label, address = text[len(status.SERVES_AT):].split()
+            world.serves[rank] = (world_label, address)
+    return True
 
 
 def _keep(world: _World, line: bytes, rank: int | None) -> None:
@@ -535,15 +634,16 @@ def _how(code: int) -> str:
 
 
 def _error(tail: deque[str]) -> str:
-    """Return ``": Kind: message"`` from the last traceback in ``tail`` ("" if there is none):
-    the traceback went by with the rank's output, the summary names it once."""
+    """Return ``": Kind: message"`` from the last traceback in ``tail`` ("" if there is none;
+    no C++ source locations): the traceback went by with the rank's output, the summary
+    names it once."""
     lines = list(tail)
     starts = [i for i, line in enumerate(lines) if line.startswith(_TRACEBACK)]
     if not starts:
         return ""
     for line in lines[starts[-1] + 1:]:
         if line.strip() and not line[0].isspace():
-            return f": {line.strip()}"
+            return f": {plain(line.strip())}"
     return ""
 
 

@@ -1,33 +1,24 @@
 """Emulated hosts on one machine: network namespaces joined by a switch, links shaped by ``tc``.
 
-``with Network(2, rate="1gbit") as net: net.run(1, ["python", "x.py"])``: each
-host is a network namespace with its own address (10.R.S.k on one /24,
-``R.S`` drawn per network so that networks made at once never collide), its
-own hostname (``host1`` ... ``hostK``, set in a UTS namespace of its own by
-``command``) and its own ``/etc/hosts``, in which -- as on many real
-machines -- its own name resolves to 127.0.0.1 and the other hosts' names to
-their addresses. A bridge in a switch namespace joins the hosts' links.
-
-Note on shaping
----------------
-``rate`` limits what each host sends (a token bucket, ``tbf``, on its link),
-so every host has a NIC of that speed in each direction. ``delay`` adds one-way
-latency with ``netem`` where the kernel has it; where it has not, making the
-network fails with a ``ValueError`` that says so (no delay is ever silently
+``with Network(2, rate="1gbit") as net: net.run(1, ["python", "x.py"])``; docs/several-hosts.md
+("Emulated hosts") says what they are for. Each host is a network namespace with its own
+address (10.R.S.k on one /24, ``R.S`` drawn per network so that networks made at once never
+collide), its own hostname (``host1`` ... ``hostK``, set in a UTS namespace of its own by
+``command``) and its own ``/etc/hosts``, in which -- as on many real machines -- its own
+name resolves to 127.0.0.1. A bridge in a switch namespace joins the hosts' links. ``rate``
+limits what each host sends (``tbf`` on its link); ``delay`` needs ``netem``, and where the
+kernel lacks it making the network fails with a ``ValueError`` (no delay is ever silently
 dropped).
 
 Note on MPI
 -----------
-The hosts share one kernel and its memory. MPICH's default network module
-(UCX) finds that out and moves data between ranks of different hosts through
-shared memory, so next to nothing crosses the emulated link. Ranks on
-emulated hosts therefore use MPICH's OFI module with its tcp provider
-(``MPI_OVER_THE_LINK``), which goes over the link as between machines (UCX's
-own tcp transport, ``UCX_TLS=tcp``, hangs connecting between emulated
-hosts). Real hosts need neither.
+The hosts share one kernel: MPICH's default network module (UCX) moves data between them
+through shared memory, so next to nothing would cross the emulated link, and UCX's own tcp
+transport (``UCX_TLS=tcp``) hangs connecting between emulated hosts. Ranks on emulated hosts
+therefore use MPICH's OFI module with its tcp provider (``MPI_OVER_THE_LINK``).
 
-Needs root, ``ip`` (iproute2), ``tc`` and ``unshare``: ``missing()``
-says what is lacking, and ``Network`` raises ``PermissionError`` then.
+Needs root, ``ip`` (iproute2), ``tc`` and ``unshare``: ``missing()`` says what is lacking,
+and ``Network`` raises ``PermissionError`` then.
 """
 
 from __future__ import annotations

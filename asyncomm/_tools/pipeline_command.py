@@ -16,37 +16,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare ``asyncomm pipeline`` and its ``show`` command on ``parser``."""
     commands = parser.add_subparsers(dest="pipeline_command", required=True)
     show = commands.add_parser(
-        "show",
-        help="print a schedule's step x rank grid, bubble and peak activations",
-        description=(
-            "Validate a pipeline schedule, simulate it, and print its step x rank grid "
-            "(rows: time steps; cells: F3 / B3 = forward / backward of microbatch 3, with "
-            "@sN naming the stage when ranks host several; blank: idle), its bubble "
-            "fraction and its peak activations per rank."
-        ),
-    )
-    show.add_argument(
-        "name",
-        metavar="NAME",
-        help=f"a schedule ({', '.join(SCHEDULES)}) or a file holding one in text form "
-        "(one line per rank, e.g. 'F0@s0 SEND_F0@s0 RECV_B0@s0 B0@s0')",
-    )
-    show.add_argument(
-        "--stages",
-        type=int,
-        metavar="S",
-        help="pipeline ranks (default 4); for gpipe, 1f1b and zbh1 also the stages (one per "
-        "rank); for interleaved the ranks, each hosting --stages-per-rank virtual stages; "
-        "zbv puts two stages on each rank, in a V",
-    )
+        "show", help="print a schedule's step x rank grid, bubble and peak activations",
+        description="Validate a pipeline schedule, simulate it, and print its step x rank grid "
+        "(rows: time steps; cells: F3 / B3 = forward / backward of microbatch 3, with @sN "
+        "naming the stage when ranks host several; blank: idle), its bubble fraction and its "
+        "peak activations per rank.")
+    show.add_argument("name", metavar="NAME",
+                      help=f"a schedule ({', '.join(SCHEDULES)}) or a file holding one in text "
+                      "form (one line per rank, e.g. 'F0@s0 SEND_F0@s0 RECV_B0@s0 B0@s0')")
+    show.add_argument("--stages", type=int, metavar="S",
+                      help="pipeline ranks (default 4); for gpipe, 1f1b and zbh1 also the "
+                      "stages (one per rank); for interleaved the ranks, each hosting "
+                      "--stages-per-rank virtual stages; zbv puts two stages on each rank, in a V")
     show.add_argument("--microbatches", type=int, metavar="M",
                       help="microbatches per step (default 8)")
-    show.add_argument(
-        "--stages-per-rank",
-        type=int,
-        metavar="V",
-        help="interleaved only: virtual stages per rank (default 2)",
-    )
+    show.add_argument("--stages-per-rank", type=int, metavar="V",
+                      help="interleaved only: virtual stages per rank (default 2)")
     show.add_argument("--f-cost", type=float, default=1.0, help="time of a forward (1)")
     show.add_argument("--b-cost", type=float, default=1.0,
                       help="time of a B, the input-gradient half of a backward (1)")

@@ -25,29 +25,7 @@ from asyncomm.pipeline._show import plot, render
 from asyncomm.pipeline._simulate import Interval, ScheduleError, Simulation, simulate, validate
 from asyncomm.pipeline._zero_bubble import v_placement, zbh1, zbv
 
-__all__ = [
-    "Action",
-    "GradSyncLike",
-    "Interval",
-    "Op",
-    "Pipeline",
-    "SCHEDULES",
-    "Schedule",
-    "ScheduleError",
-    "Simulation",
-    "StepStats",
-    "from_compute",
-    "get",
-    "gpipe",
-    "interleaved_1f1b",
-    "one_f_one_b",
-    "parse",
-    "plot",
-    "render",
-    "simulate",
-    "split",
-    "v_placement",
-    "validate",
-    "zbh1",
-    "zbv",
-]
+__all__ = ["Action", "GradSyncLike", "Interval", "Op", "Pipeline", "SCHEDULES", "Schedule",
+           "ScheduleError", "Simulation", "StepStats", "from_compute", "get", "gpipe",
+           "interleaved_1f1b", "one_f_one_b", "parse", "plot", "render", "simulate", "split",
+           "v_placement", "validate", "zbh1", "zbv"]

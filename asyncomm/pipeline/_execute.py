@@ -1,56 +1,39 @@
 """Run a pipeline schedule on real ranks: ``loss = await Pipeline(...).step(x, y)``.
 
+docs/pipelines.md ("Running a schedule") says in full how a step runs, how its messages
+travel, what a failure does and how the loss is scaled; the notes keep what the code needs.
+
 Note on how a step runs
 -----------------------
-Each rank executes its own action list of the ``Schedule`` in order. Every receive of the
-step is posted when the step starts (a channel receive costs a task, and the router buffers
-what arrives anyway), and awaited only by the F or B that needs its tensor. Sends are issued
-as tasks and not awaited until the end of the step: their tensors (a stage's output, the
-gradient of its input) are never written again. Forward and backward passes run through
-``asyncomm.compute``, on the loop's compute thread, so messages keep moving while a stage
-computes -- except where nothing needs the loop to move them. Once messages are
-point-to-point operations (the second step on), passes run on the loop thread itself on a
-backend whose operations progress on its own threads (gloo, nccl), and on MPI, whose
-requests move only when polled, from the step after one whose every send was done when
-issued (eager: small messages) and without ``grad_sync`` (its reductions need the polls); a
-send found pending hands the step's later passes back to the compute thread. The hop there
-and back is two thread hand-offs a pass, which a schedule of many short passes against a
-small bubble (ZB-V) cannot hide.
+Each rank executes its own action list in order. Every receive of the step is posted when
+it starts (the router buffers what arrives anyway) and awaited only by the F or B that
+needs its tensor; sends are awaited at the step's end (their tensors are never written
+again). Passes run through ``asyncomm.compute``, or on the loop thread itself (``_inline``)
+once nothing needs the loop to move the messages: from the second step on, on a backend
+whose operations progress on their own threads (gloo, nccl); on MPI, from the step after
+one whose every send was done when issued, and not with ``grad_sync`` (its reductions need
+the polls). A send found pending hands the step's later passes back to the compute thread.
 
 Note on messages
 ----------------
-In the first step, activations and gradients travel on channels of ``comm`` (any shape and
-dtype of tensor), one channel per (direction, stage boundary, microbatch), from ``tag_base``
-up: ``3 * n_stages * n_microbatches`` virtual tags (the third direction is ``forward``'s,
-for evaluation). A channel delivers in order per sender, so step k+1's message on a tag
-never passes step k's. Both ends note each message's shape and dtype. From the second step
-on, with ``fixed_shapes`` (the default), every message is one point-to-point send into a
-receive posted at the step's start with that shape, on a communicator of the pipeline's own
-(``comm.group`` over every rank, made at the start of the first step, closed with ``comm``),
-tag = the channel's offset from ``tag_base``: no envelope, no listener thread, no decoding,
-which on gloo is most of a small message's cost. That needs every message to keep its first
-step's shape and dtype, as ``torch.distributed.pipelining`` does; a sender checks before
-sending. A boundary inside one rank (a world of one) hands the tensor over locally.
+In the first step messages travel on channels of ``comm``, one per (direction, stage
+boundary, microbatch), from ``tag_base`` up: ``3 * n_stages * n_microbatches`` virtual tags
+(the third direction is ``forward``'s). A channel delivers in order per sender, so step
+k+1's message on a tag never passes step k's. From the second step on (``fixed_shapes``),
+each is one point-to-point send into a receive of its first step's shape and dtype, posted
+at the step's start on the pipeline's own communicator (made at the start of the first
+step), tag = the channel's offset from ``tag_base``. A boundary inside one rank hands the
+tensor over locally.
 
 Note on failure
 ---------------
-A rank whose step (or ``forward``) raises once it has started (a bad argument raises before:
-nothing is sent, nothing told) tells every other rank of the pipeline, on one more channel
-(``tag_base + 3 * n_stages * n_microbatches``): its rank and error. Every step watches that
-channel while it runs, and one that hears of a failure stops (what it posted stays posted)
-and raises ``RemoteError`` naming the failed rank, at once instead of at a receive's
-timeout; so does the next step of a rank that had finished its own (the error names the step
-it stops). A notice names the pipeline it comes from (the how-manieth made on ``comm`` with
-this ``tag_base``, counted alike on every rank), so one from a pipeline given up does not
-stop its successor. After a failure, a pipeline's later steps raise ``RuntimeError``: make a
-new one.
-
-Note on scaling
----------------
-The loss of a step is the mean of the microbatches' losses; each microbatch's backward
-starts from ``loss_fn(output, target) / n_microbatches``, so the gradients that accumulate
-in the stage modules' parameters are those of that mean. With microbatches of equal size and
-a mean-reducing ``loss_fn``, that is single-process training on the whole batch.
+A rank whose step (or ``forward``) raises once started tells every other rank on one more
+channel (``tag_base + 3 * n_stages * n_microbatches``); every step watches that channel and
+stops with ``RemoteError`` (what it posted stays posted), as does the next step of a rank
+that had finished its own. A notice names the pipeline it comes from (the how-manieth made
+on ``comm`` with this ``tag_base``, counted alike on every rank), so one from a pipeline
+given up does not stop its successor. Later steps of a failed pipeline raise
+``RuntimeError``: its messages may still arrive.
 """
 
 from __future__ import annotations
@@ -198,12 +181,10 @@ class Pipeline:
             if sorted(stages) != sorted(mine):
                 raise ValueError(f"rank {comm.rank}: Pipeline: stages {sorted(stages)} given, "
                                  f"schedule {schedule.name!r} puts stages {list(mine)} here")
-            modules = {s: stages[s] for s in mine}
-        else:
-            if isinstance(stages, nn.Module) or len(stages) != schedule.n_stages:
-                raise ValueError(f"rank {comm.rank}: Pipeline: give all {schedule.n_stages} "
-                                 "stages in order (or a mapping stage -> module)")
-            modules = {s: stages[s] for s in mine}
+        elif isinstance(stages, nn.Module) or len(stages) != schedule.n_stages:
+            raise ValueError(f"rank {comm.rank}: Pipeline: give all {schedule.n_stages} "
+                             "stages in order (or a mapping stage -> module)")
+        modules = {s: stages[s] for s in mine}
         for s, module in modules.items():
             if not isinstance(module, nn.Module):
                 raise TypeError(f"rank {comm.rank}: Pipeline: stage {s} is a "

@@ -8,17 +8,14 @@ whole backward.
 
 Note on splitting
 -----------------
-Done naively, W would backpropagate from the stage's output again, through every layer,
-repeating B's work on the activations' gradients. torch's pipelining has the better
-split (``stage_backward_input``/``stage_backward_weight``, private in
-``torch.distributed.pipelining._backward``): B keeps the gradients at the nodes the
-weights hang from, and W starts from those. asyncomm uses it where it exists and the
-stage has an input to differentiate, and no gradient hooks must fire (its W sets
-``.grad`` itself: ``GradSync``'s hooks would not see it, so with a ``grad_sync`` the
-plain split is used). Stage 0 has none (its input is data): its B has
-nothing to compute, and its W runs the whole backward to the weights
-(``torch.autograd.backward(..., inputs=weights)``) from the graph B kept -- as it does
-everywhere on a torch without those functions.
+A naive W would backpropagate from the stage's output again, repeating B's work. torch's
+pipelining splits better (``stage_backward_input``/``stage_backward_weight``, private in
+``torch.distributed.pipelining._backward``): B keeps the gradients at the nodes the weights
+hang from, and W starts from those. It is used where it exists, the stage has an input to
+differentiate, and no gradient hooks must fire (it sets ``.grad`` itself, unseen by
+``GradSync``'s hooks). Elsewhere, and on stage 0 (its input is data: its B has nothing to
+compute), W runs the backward to the weights (``torch.autograd.backward(...,
+inputs=weights)``) from the graph B kept.
 """
 
 from __future__ import annotations

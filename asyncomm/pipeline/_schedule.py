@@ -82,10 +82,9 @@ class Action:
         """
         match = _ACTION.fullmatch(text.strip())
         if match is None:
-            raise ValueError(
-                f"cannot parse action {text!r}: expected <OP><microbatch>@s<stage> with OP "
-                f"one of {', '.join(op.value for op in Op)}, e.g. 'F3@s1' or 'RECV_B2@s0'"
-            )
+            raise ValueError(f"cannot parse action {text!r}: expected <OP><microbatch>@s<stage> "
+                             f"with OP one of {', '.join(op.value for op in Op)}, e.g. 'F3@s1' "
+                             "or 'RECV_B2@s0'")
         op, microbatch, stage = match.groups()
         return cls(Op(op), int(stage), int(microbatch))
 
@@ -111,27 +110,21 @@ class Schedule:
     placement: tuple[int, ...] | None = None  # stage -> rank; None: s % n_ranks
 
     def __post_init__(self) -> None:
-        _check_count("n_ranks", self.n_ranks)
-        _check_count("n_stages", self.n_stages)
-        _check_count("n_microbatches", self.n_microbatches)
+        _check_counts(n_ranks=self.n_ranks, n_stages=self.n_stages,
+                      n_microbatches=self.n_microbatches)
         if self.n_stages % self.n_ranks:
-            raise ValueError(
-                f"schedule {self.name!r}: n_stages ({self.n_stages}) must be a multiple of "
-                f"n_ranks ({self.n_ranks})"
-            )
+            raise ValueError(f"schedule {self.name!r}: n_stages ({self.n_stages}) must be a "
+                             f"multiple of n_ranks ({self.n_ranks})")
         # Accept lists too, and store tuples so that the schedule is hashable and frozen.
         actions = tuple(tuple(rank_actions) for rank_actions in self.actions)
         if len(actions) != self.n_ranks:
-            raise ValueError(
-                f"schedule {self.name!r}: {len(actions)} action lists for {self.n_ranks} ranks"
-            )
+            raise ValueError(f"schedule {self.name!r}: {len(actions)} action lists for "
+                             f"{self.n_ranks} ranks")
         for rank, rank_actions in enumerate(actions):
             for index, action in enumerate(rank_actions):
                 if not isinstance(action, Action):
-                    raise TypeError(
-                        f"schedule {self.name!r}: rank {rank} index {index}: expected an "
-                        f"Action, got {action!r}"
-                    )
+                    raise TypeError(f"schedule {self.name!r}: rank {rank} index {index}: "
+                                    f"expected an Action, got {action!r}")
         object.__setattr__(self, "actions", actions)
         if self.placement is not None:
             placement = tuple(self.placement)
@@ -175,11 +168,12 @@ class Schedule:
         return "\n".join(" ".join(map(str, rank_actions)) for rank_actions in self.actions)
 
 
-def _check_count(what: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise TypeError(f"{what} must be an int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{what} must be >= 1, got {value}")
+def _check_counts(**counts: object) -> None:
+    for what, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{what} must be an int, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{what} must be >= 1, got {value}")
 
 
 def _as_action(item: Action | str) -> Action:
@@ -190,14 +184,8 @@ def _as_action(item: Action | str) -> Action:
     raise TypeError(f"expected an Action or its text form, got {item!r}")
 
 
-def parse(
-    text: str,
-    *,
-    name: str = "custom",
-    n_stages: int | None = None,
-    n_microbatches: int | None = None,
-    placement: Sequence[int] | None = None,
-) -> Schedule:
+def parse(text: str, *, name: str = "custom", n_stages: int | None = None,
+          n_microbatches: int | None = None, placement: Sequence[int] | None = None) -> Schedule:
     """Parse a schedule from its compact text form, one line per rank.
 
     Each non-empty line lists a rank's actions in order, separated by spaces, e.g.
@@ -228,14 +216,9 @@ def parse(
     return _assemble(name, actions, n_stages, n_microbatches, placement)
 
 
-def from_compute(
-    compute: Sequence[Iterable[Action | str]],
-    *,
-    name: str = "custom",
-    n_stages: int | None = None,
-    n_microbatches: int | None = None,
-    placement: Sequence[int] | None = None,
-) -> Schedule:
+def from_compute(compute: Sequence[Iterable[Action | str]], *, name: str = "custom",
+                 n_stages: int | None = None, n_microbatches: int | None = None,
+                 placement: Sequence[int] | None = None) -> Schedule:
     """Build a schedule from the order of forwards and backwards on each rank.
 
     This is the easy way to write a schedule by hand: give each rank's F and B (and W)
@@ -259,10 +242,9 @@ def from_compute(
     for rank, rank_items in enumerate(compute_actions):
         for index, action in enumerate(rank_items):
             if not action.op.is_compute:
-                raise ValueError(
-                    f"from_compute: rank {rank} index {index}: {action} is not a forward "
-                    "or backward (sends and receives are placed automatically)"
-                )
+                raise ValueError(f"from_compute: rank {rank} index {index}: {action} is not a "
+                                 "forward or backward (sends and receives are placed "
+                                 "automatically)")
     stages = n_stages if n_stages is not None else _default_stages(compute_actions)
     actions = [_with_communication(rank_items, stages) for rank_items in compute_actions]
     return _assemble(name, actions, stages, n_microbatches, placement)
@@ -274,19 +256,13 @@ def _default_stages(actions: Sequence[Sequence[Action]]) -> int:
     return -(-(highest + 1) // n_ranks) * n_ranks
 
 
-def _assemble(
-    name: str,
-    actions: Sequence[Sequence[Action]],
-    n_stages: int | None,
-    n_microbatches: int | None,
-    placement: Sequence[int] | None = None,
-) -> Schedule:
+def _assemble(name: str, actions: Sequence[Sequence[Action]], n_stages: int | None,
+              n_microbatches: int | None, placement: Sequence[int] | None = None) -> Schedule:
     if n_stages is None:
         n_stages = _default_stages(actions)
     if n_microbatches is None:
-        n_microbatches = 1 + max(
-            (a.microbatch for rank_actions in actions for a in rank_actions), default=0
-        )
+        n_microbatches = 1 + max((a.microbatch for rank_actions in actions for a in rank_actions),
+                                 default=0)
     return Schedule(name, len(actions), n_stages, n_microbatches, tuple(tuple(a) for a in actions),
                     None if placement is None else tuple(placement))
 
@@ -327,14 +303,10 @@ def gpipe(n_ranks: int, n_microbatches: int) -> Schedule:
     Raises:
         TypeError, ValueError: a count is not an int >= 1.
     """
-    _check_count("n_ranks", n_ranks)
-    _check_count("n_microbatches", n_microbatches)
+    _check_counts(n_ranks=n_ranks, n_microbatches=n_microbatches)
     microbatches = range(n_microbatches)
-    compute = [
-        [Action(Op.F, rank, m) for m in microbatches]
-        + [Action(Op.B, rank, m) for m in microbatches]
-        for rank in range(n_ranks)
-    ]
+    compute = [[Action(Op.F, rank, m) for m in microbatches]
+               + [Action(Op.B, rank, m) for m in microbatches] for rank in range(n_ranks)]
     return from_compute(compute, name="gpipe", n_stages=n_ranks, n_microbatches=n_microbatches)
 
 
@@ -345,8 +317,7 @@ def one_f_one_b(n_ranks: int, n_microbatches: int) -> Schedule:
     at most ``min(n_microbatches, n_ranks - r)`` activations instead of GPipe's all.
     Arguments and errors as :func:`gpipe`'s.
     """
-    _check_count("n_ranks", n_ranks)
-    _check_count("n_microbatches", n_microbatches)
+    _check_counts(n_ranks=n_ranks, n_microbatches=n_microbatches)
     compute = []
     for rank in range(n_ranks):
         warmup = min(n_ranks - rank - 1, n_microbatches)
@@ -380,14 +351,11 @@ def interleaved_1f1b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 2
             needs whole groups), or a count is below 1.
         TypeError: a count is not an int.
     """
-    _check_count("n_ranks", n_ranks)
-    _check_count("n_microbatches", n_microbatches)
-    _check_count("stages_per_rank", stages_per_rank)
+    _check_counts(n_ranks=n_ranks, n_microbatches=n_microbatches,
+                  stages_per_rank=stages_per_rank)
     if n_microbatches % n_ranks:
-        raise ValueError(
-            f"interleaved 1F1B needs n_microbatches ({n_microbatches}) to be a multiple of "
-            f"n_ranks ({n_ranks})"
-        )
+        raise ValueError(f"interleaved 1F1B needs n_microbatches ({n_microbatches}) to be a "
+                         f"multiple of n_ranks ({n_ranks})")
     p, v = n_ranks, stages_per_rank
     total = n_microbatches * v
 
@@ -410,9 +378,8 @@ def interleaved_1f1b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 2
     return from_compute(compute, name="interleaved", n_stages=p * v, n_microbatches=n_microbatches)
 
 
-def _one_f_one_b_order(
-    forwards: Sequence[Action], backwards: Sequence[Action], warmup: int
-) -> list[Action]:
+def _one_f_one_b_order(forwards: Sequence[Action], backwards: Sequence[Action],
+                       warmup: int) -> list[Action]:
     """Interleave: ``warmup`` forwards, then one forward one backward, then the backwards left."""
     total = len(forwards)
     order = list(forwards[:warmup])

@@ -34,20 +34,16 @@ def render(simulation: Simulation, step: float | None = None) -> str:
     header = ["step", *(f"rank {rank}" for rank in range(schedule.n_ranks))]
     table = [header, *([str(index), *cells] for index, cells in enumerate(rows))]
     widths = [max(len(line[column]) for line in table) for column in range(len(header))]
-    lines = [
-        f"{schedule.name}: {schedule.n_ranks} ranks, {schedule.n_stages} stages, "
-        f"{schedule.n_microbatches} microbatches; costs F={_number(simulation.f_cost)} "
-        f"{_backward_costs(simulation)} message={_number(simulation.comm_cost)}; "
-        f"one row per {_number(step)} time"
-    ]
+    lines = [f"{schedule.name}: {schedule.n_ranks} ranks, {schedule.n_stages} stages, "
+             f"{schedule.n_microbatches} microbatches; costs F={_number(simulation.f_cost)} "
+             f"{_backward_costs(simulation)} message={_number(simulation.comm_cost)}; "
+             f"one row per {_number(step)} time"]
     for line in table:
         cells = [line[0].rjust(widths[0])]
         cells += [cell.ljust(width) for cell, width in zip(line[1:], widths[1:], strict=True)]
         lines.append("  ".join(cells).rstrip())
-    lines.append(
-        f"bubble: {simulation.bubble:.1%} of rank time idle "
-        f"(makespan {_number(simulation.makespan)})"
-    )
+    lines.append(f"bubble: {simulation.bubble:.1%} of rank time idle "
+                 f"(makespan {_number(simulation.makespan)})")
     peaks = " ".join(str(peak) for peak in simulation.peak_activations)
     lines.append(f"peak activations per rank: {peaks}")
     return "\n".join(lines)
@@ -78,41 +74,22 @@ def plot(simulation: Simulation, path: str | os.PathLike[str]) -> None:
             # Later virtual stages of a rank in lighter shades.
             chunk = schedule.stages_of(rank).index(action.stage)
             alpha = 1.0 - 0.5 * chunk / max(per_rank - 1, 1)
-            axes.broken_barh(
-                [(span.start, span.end - span.start)],
-                (rank - 0.4, 0.8),
-                facecolors=colors[action.op],
-                edgecolor="white",
-                alpha=alpha,
-            )
-            label = (
-                str(action.microbatch) if per_rank == 1 else f"{action.microbatch}@s{action.stage}"
-            )
-            axes.text(
-                (span.start + span.end) / 2,
-                rank,
-                label,
-                ha="center",
-                va="center",
-                fontsize=7,
-                color="black",
-            )
+            axes.broken_barh([(span.start, span.end - span.start)], (rank - 0.4, 0.8),
+                             facecolors=colors[action.op], edgecolor="white", alpha=alpha)
+            label = str(action.microbatch) if per_rank == 1 else (
+                f"{action.microbatch}@s{action.stage}")
+            axes.text((span.start + span.end) / 2, rank, label, ha="center", va="center",
+                      fontsize=7, color="black")
     axes.set_yticks(range(n_ranks), [f"rank {rank}" for rank in range(n_ranks)])
     axes.set_ylim(n_ranks - 0.5, -0.5)
     axes.set_xlim(0, simulation.makespan)
     axes.set_xlabel("time")
-    axes.set_title(
-        f"{schedule.name}: {n_ranks} ranks, {schedule.n_stages} stages, "
-        f"{schedule.n_microbatches} microbatches; bubble {simulation.bubble:.1%}"
-    )
+    axes.set_title(f"{schedule.name}: {n_ranks} ranks, {schedule.n_stages} stages, "
+                   f"{schedule.n_microbatches} microbatches; bubble {simulation.bubble:.1%}")
     kinds = [(Op.F, "forward"), (Op.B, "backward")]
     if schedule.splits_backward:
         kinds = [(Op.F, "forward"), (Op.B, "B: input gradient"), (Op.W, "W: weight gradient")]
-    axes.legend(
-        handles=[Patch(color=colors[op], label=label) for op, label in kinds],
-        loc="upper left",
-        bbox_to_anchor=(1.0, 1.0),
-        fontsize=7,
-    )
+    axes.legend(handles=[Patch(color=colors[op], label=label) for op, label in kinds],
+                loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     figure.tight_layout()
     figure.savefig(os.fspath(path), format="png", dpi=100)

@@ -37,13 +37,8 @@ class ScheduleError(ValueError):
         action: the offending (or missing) action.
     """
 
-    def __init__(
-        self,
-        message: str,
-        rank: int | None = None,
-        index: int | None = None,
-        action: Action | None = None,
-    ) -> None:
+    def __init__(self, message: str, rank: int | None = None, index: int | None = None,
+                 action: Action | None = None) -> None:
         super().__init__(message)
         self.rank = rank
         self.index = index
@@ -76,26 +71,17 @@ def _check_actions(schedule: Schedule) -> dict[Action, tuple[int, int]]:
             if stage > last:
                 raise _fail(schedule, rank, index, f"stage {stage} out of range 0..{last}")
             if action.microbatch >= schedule.n_microbatches:
-                raise _fail(
-                    schedule,
-                    rank,
-                    index,
-                    f"microbatch {action.microbatch} out of range 0..{schedule.n_microbatches - 1}",
-                )
+                raise _fail(schedule, rank, index, f"microbatch {action.microbatch} out of "
+                            f"range 0..{schedule.n_microbatches - 1}")
             home = schedule.rank_of(stage)
             if home != rank:
-                raise _fail(
-                    schedule, rank, index, f"stage {stage} lives on rank {home}, not {rank}"
-                )
+                raise _fail(schedule, rank, index,
+                            f"stage {stage} lives on rank {home}, not {rank}")
             if action.op in (Op.RECV_F, Op.SEND_B) and stage == 0:
                 raise _fail(schedule, rank, index, "stage 0 has no previous stage")
             if action.op in (Op.SEND_F, Op.RECV_B) and stage == last:
-                raise _fail(
-                    schedule,
-                    rank,
-                    index,
-                    "the last stage has no next stage (its backward starts from the loss)",
-                )
+                raise _fail(schedule, rank, index,
+                            "the last stage has no next stage (its backward starts from the loss)")
             if action in position:
                 raise _fail(schedule, rank, index, f"duplicate of index {position[action][1]}")
             position[action] = (rank, index)
@@ -110,16 +96,10 @@ def _check_pairs(schedule: Schedule, position: dict[Action, tuple[int, int]]) ->
                 continue
             peer = _matching(action)
             if peer not in position:
-                receive = action.op in (Op.RECV_F, Op.RECV_B)
-                kind = (
-                    "receive with no matching send" if receive else "send with no matching receive"
-                )
-                raise _fail(
-                    schedule,
-                    rank,
-                    index,
-                    f"{kind}: no {peer} on rank {schedule.rank_of(peer.stage)}",
-                )
+                kind = ("receive with no matching send" if action.op in (Op.RECV_F, Op.RECV_B)
+                        else "send with no matching receive")
+                raise _fail(schedule, rank, index,
+                            f"{kind}: no {peer} on rank {schedule.rank_of(peer.stage)}")
 
 
 def _check_complete(schedule: Schedule, position: dict[Action, tuple[int, int]]) -> None:
@@ -137,15 +117,11 @@ def _check_complete(schedule: Schedule, position: dict[Action, tuple[int, int]])
                         raise ScheduleError(
                             f"{schedule.name}: rank {rank} has no {needed} (every stage "
                             "needs one forward and one backward of every microbatch)",
-                            rank,
-                            None,
-                            needed,
-                        )
+                            rank, None, needed)
                 f_index, b_index = position[forward][1], position[backward][1]
                 if b_index < f_index:
-                    raise _fail(
-                        schedule, rank, b_index, f"backward before its forward (index {f_index})"
-                    )
+                    raise _fail(schedule, rank, b_index,
+                                f"backward before its forward (index {f_index})")
                 if split:
                     weights = Action(Op.W, stage, microbatch)
                     if weights not in position:
@@ -162,15 +138,8 @@ def _check_complete(schedule: Schedule, position: dict[Action, tuple[int, int]])
                 _check_order(schedule, rank, position, Op.SEND_B, backward, stage > 0, False)
 
 
-def _check_order(
-    schedule: Schedule,
-    rank: int,
-    position: dict[Action, tuple[int, int]],
-    op: Op,
-    compute: Action,
-    needed: bool,
-    before: bool,
-) -> None:
+def _check_order(schedule: Schedule, rank: int, position: dict[Action, tuple[int, int]], op: Op,
+                 compute: Action, needed: bool, before: bool) -> None:
     """Check that ``compute`` has its message ``op`` on its side (``before`` or after it)."""
     if not needed:
         return
@@ -181,16 +150,11 @@ def _check_order(
         raise _fail(schedule, rank, index, f"no {message} {where} it")
     message_index = position[message][1]
     if before and message_index > index:
-        raise _fail(
-            schedule, rank, index, f"needs {message}, which comes later (index {message_index})"
-        )
+        raise _fail(schedule, rank, index,
+                    f"needs {message}, which comes later (index {message_index})")
     if not before and message_index < index:
-        raise _fail(
-            schedule,
-            rank,
-            message_index,
-            f"sends before {compute} (index {index}) has produced it",
-        )
+        raise _fail(schedule, rank, message_index,
+                    f"sends before {compute} (index {index}) has produced it")
 
 
 @dataclass(frozen=True)
@@ -236,10 +200,9 @@ class Simulation:
         costs = (self.f_cost, self.b_cost, self.comm_cost, self.w_cost)
         step = Fraction(0)
         for cost in (Fraction(c).limit_denominator(1000) for c in costs):
-            step = Fraction(
-                math.gcd(step.numerator * cost.denominator, cost.numerator * step.denominator),
-                step.denominator * cost.denominator,
-            )
+            step = Fraction(math.gcd(step.numerator * cost.denominator,
+                                     cost.numerator * step.denominator),
+                            step.denominator * cost.denominator)
         if step > 0 and self.makespan / float(step) <= _MAX_ROWS:
             return float(step)
         return min(c for c in (self.f_cost, self.b_cost, self.w_cost) if c > 0)
@@ -297,10 +260,8 @@ def validate(schedule: Schedule) -> None:
     _run(schedule, 1.0, 1.0, 0.0, 1.0)
 
 
-def simulate(
-    schedule: Schedule, f_cost: float = 1.0, b_cost: float = 1.0, comm_cost: float = 0.0,
-    w_cost: float = 1.0,
-) -> Simulation:
+def simulate(schedule: Schedule, f_cost: float = 1.0, b_cost: float = 1.0,
+             comm_cost: float = 0.0, w_cost: float = 1.0) -> Simulation:
     """Validate ``schedule`` and time it with the given costs per forward, B, message and W.
 
     A backward that is not split (a schedule without W actions) costs ``b_cost +
@@ -366,21 +327,12 @@ def _run(schedule: Schedule, f_cost: float, b_cost: float, comm_cost: float,
         raise _deadlock(schedule, cursor, position, blocked[0])
 
     makespan = max(clock)
-    busy = sum(
-        span.end - span.start for line in timelines for span in line if span.action.op.is_compute
-    )
+    busy = sum(span.end - span.start for line in timelines for span in line
+               if span.action.op.is_compute)
     bubble = 1.0 - busy / (n_ranks * makespan) if makespan > 0 else 0.0
-    return Simulation(
-        schedule,
-        f_cost,
-        b_cost,
-        comm_cost,
-        tuple(tuple(line) for line in timelines),
-        makespan,
-        bubble,
-        tuple(_peak(line, Op.W if split else Op.B) for line in actions),
-        w_cost,
-    )
+    return Simulation(schedule, f_cost, b_cost, comm_cost, tuple(tuple(line) for line in timelines),
+                      makespan, bubble, tuple(_peak(line, Op.W if split else Op.B)
+                                              for line in actions), w_cost)
 
 
 def _peak(actions: tuple[Action, ...], frees: Op) -> int:
@@ -395,12 +347,8 @@ def _peak(actions: tuple[Action, ...], frees: Op) -> int:
     return peak
 
 
-def _deadlock(
-    schedule: Schedule,
-    cursor: list[int],
-    position: dict[Action, tuple[int, int]],
-    rank: int,
-) -> ScheduleError:
+def _deadlock(schedule: Schedule, cursor: list[int], position: dict[Action, tuple[int, int]],
+              rank: int) -> ScheduleError:
     """Describe the cycle of ranks waiting on each other that ``rank`` is caught in."""
     chain: list[int] = []
     while rank not in chain:
@@ -413,14 +361,8 @@ def _deadlock(
         waiting = schedule.actions[waiter][cursor[waiter]]
         send = _matching(waiting)
         sender, send_index = position[send]
-        waits.append(
-            f"rank {waiter} index {cursor[waiter]} ({waiting}) waits for {send} "
-            f"(rank {sender} index {send_index})"
-        )
+        waits.append(f"rank {waiter} index {cursor[waiter]} ({waiting}) waits for {send} "
+                     f"(rank {sender} index {send_index})")
     first = cycle[0]
-    return ScheduleError(
-        f"{schedule.name}: deadlock: " + "; ".join(waits),
-        first,
-        cursor[first],
-        schedule.actions[first][cursor[first]],
-    )
+    return ScheduleError(f"{schedule.name}: deadlock: " + "; ".join(waits), first, cursor[first],
+                         schedule.actions[first][cursor[first]])

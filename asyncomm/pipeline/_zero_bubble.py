@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from asyncomm.pipeline._schedule import Action, Op, Schedule, _check_count, from_compute
+from asyncomm.pipeline._schedule import Action, Op, Schedule, _check_counts, from_compute
 
 
 def zbh1(n_ranks: int, n_microbatches: int) -> Schedule:
@@ -35,8 +35,7 @@ def zbh1(n_ranks: int, n_microbatches: int) -> Schedule:
     ``3 m + (p - 1)`` against 1F1B's ``3 m + 3 (p - 1)``: a third of the bubble.
     Arguments and errors as :func:`~asyncomm.pipeline.gpipe`'s.
     """
-    _check_count("n_ranks", n_ranks)
-    _check_count("n_microbatches", n_microbatches)
+    _check_counts(n_ranks=n_ranks, n_microbatches=n_microbatches)
     orders = [_zbh1_order(rank, n_ranks, n_microbatches) for rank in range(n_ranks)]
     return from_compute(orders, name="zbh1", n_stages=n_ranks, n_microbatches=n_microbatches)
 
@@ -62,7 +61,7 @@ def v_placement(n_ranks: int) -> tuple[int, ...]:
     Raises:
         TypeError, ValueError: ``n_ranks`` is not an int >= 1.
     """
-    _check_count("n_ranks", n_ranks)
+    _check_counts(n_ranks=n_ranks)
     return tuple(s if s < n_ranks else 2 * n_ranks - 1 - s for s in range(2 * n_ranks))
 
 
@@ -71,8 +70,7 @@ def zbv(n_ranks: int, n_microbatches: int) -> Schedule:
 
     Arguments and errors as :func:`~asyncomm.pipeline.gpipe`'s (but two stages a rank).
     """
-    _check_count("n_ranks", n_ranks)
-    _check_count("n_microbatches", n_microbatches)
+    _check_counts(n_ranks=n_ranks, n_microbatches=n_microbatches)
     placement = v_placement(n_ranks)
     orders = _greedy(n_ranks, n_microbatches, placement, 2 * n_ranks)
     return from_compute(orders, name="zbv", n_stages=2 * n_ranks,

@@ -24,6 +24,7 @@ from typing import Any
 
 import asyncomm
 from asyncomm._core import settings
+from asyncomm.testing import fresh
 
 _modules: dict[str, ModuleType] = {}
 
@@ -75,15 +76,8 @@ async def _isolated(check: Callable[..., Any], comm: asyncomm.Comm, args: tuple[
     What a check leaves (operations in flight, channels, actors, groups) closes with
     it, so the next check starts clean. A check that raised leaves without waiting.
     """
-    mine = await comm.group(range(comm.size))
-    assert mine is not None
-    try:
-        result = await check(mine, *args)
-    except BaseException:
-        await mine._close(linger=0.0)
-        raise
-    await mine.close()
-    return result
+    async with fresh(comm) as mine:
+        return await check(mine, *args)
 
 
 def _print_tasks() -> None:

@@ -1,24 +1,12 @@
 """The asyncomm pytest plugin: ``async def test_x(comm)`` runs on every rank of a real world.
 
-Registered for pytest (entry point ``pytest11``) when asyncomm is installed::
-
-    import pytest, torch
-
-    @pytest.mark.asyncomm(ranks=3, backends=("gloo", "mpi"))
-    async def test_sum(comm):
-        t = torch.ones(1)
-        await comm.all_reduce(t)
-        assert t.item() == comm.size
-
-A coroutine test function whose only parameter is ``comm`` is collected as
-one test per backend (``test_sum[gloo]``, ``test_sum[mpi]``), run on every
-rank of a pooled world of that many processes (started once per session and
-reused). It passes when every rank returns; if one raises or hangs, the test
-fails with every failing rank's traceback (and, on a hang, every rank's
-stack). The marker's defaults: ``ranks=2``, ``backends=("gloo",)``,
-``timeout=60`` seconds. MPI tests are skipped where no ``mpiexec`` exists.
-The session fixture ``asyncomm_worlds`` gives the pool itself, for checks run
-by hand (``asyncomm_worlds.get("gloo", 2).run(check)``).
+Registered for pytest (entry point ``pytest11``) when asyncomm is installed; docs/testing.md
+("Testing your own code") shows it at work. A coroutine test function whose only parameter
+is ``comm`` is collected as one test per backend of its ``asyncomm`` marker (``test_x[gloo]``;
+defaults ``ranks=2``, ``backends=("gloo",)``, ``timeout=60``), run on every rank of a pooled
+world (``WorldPool``, started once per session); it fails with every failing rank's
+traceback, or every rank's stack on a hang. MPI tests are skipped where no ``mpiexec``
+exists. The session fixture ``asyncomm_worlds`` gives the pool itself.
 """
 
 from __future__ import annotations

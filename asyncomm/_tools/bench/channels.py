@@ -1,22 +1,10 @@
 """``asyncomm bench channels``: channels between ranks 0 and 1 beside the raw backend.
 
-Each row against a baseline, with the ratio and its target (``CHANNEL_TESTS``, where
-one backend differs ``BACKEND_TARGETS``):
-
-- ``pingpong``: one-way latency of an 8 B and a 1 MiB tensor, vs the raw blocking
-  send/recv of the same bytes;
-- ``awaited``: the raw backend's send and receive of the smallest message, each awaited
-  through a plain loop-callback bridge (``_awaited``): a reference for the ping-pong row;
-- ``stream``: bandwidth of 1 MiB messages with 64 in flight (the sender gathers 64
-  ``send``s, the receiver consumes them, then acknowledges), vs 64 raw isend/irecv in
-  flight (into 64 buffers), wait all, ack (as osu_bw);
-- ``rate``: small dicts per second, sent one after the other, vs the backend's pickle path
-  (mpi4py ``comm.send``/``recv``; gloo: torch's ``send_object_list``);
-- ``burst``: 8 B tensors per second, sent one after the other then acknowledged (they
-  travel together: see the note on the layout in ``_core.link``), vs raw blocking sends
-  of the same bytes one after the other;
-- ``actor``: the round trip of an actor call (an echo) vs a channel's of the same message;
-- ``channels``: ping-pong latency over 1000 open channels in turn, vs all on one channel.
+One row per test of ``CHANNEL_TESTS`` (the variant compared, its baseline, the unit, and the
+target on their ratio; ``BACKEND_TARGETS`` where one backend differs): ``pingpong``,
+``awaited`` (raw sends and receives each awaited through a plain bridge, ``_awaited``: a
+reference for the ping-pong row), ``stream``, ``rate``, ``burst``, ``actor`` and
+``channels``. docs/benchmarks.md ("Channels") says what each row measures against what.
 """
 
 from __future__ import annotations
@@ -26,11 +14,11 @@ import functools
 import itertools
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncomm._tools.bench.core import TAG, Calls, timed, variants
+from asyncomm._tools.bench.core import TAG, Calls, pair, timed, variants
 from asyncomm._tools.bench.harness import (
     MIB,
     Record,
@@ -118,27 +106,30 @@ class Case:
 
 def _exchange(rank: int, send: Callable[[], Any], recv: Callable[[], Any],
               blocking: bool) -> Timed:
-    """A ping-pong between ranks 0 and 1 (the core bench's ``step``)."""
-    return timed("pingpong", Calls(send, recv, _no_allreduce, blocking), rank)
+    """A ping-pong between ranks 0 and 1 (the core bench's)."""
+    return pair(rank, send, recv, send, recv, blocking)
 
 
 def _no_allreduce() -> None:
     raise AssertionError("bench channels measures no all-reduce")
 
 
-def _burst(rank: int, send: Callable[[], Any], recv: Callable[[], Any],
-           ack_send: Callable[[], Any], ack_recv: Callable[[], Any], blocking: bool) -> Timed:
-    """One call: rank 0 runs ``send`` and rank 1 ``recv``, then rank 1 acknowledges."""
-    if rank > 1:
-        return Timed(None, blocking)
-    first, second = (send, ack_recv) if rank == 0 else (recv, ack_send)
-    if blocking:
-        def step() -> None:
-            first()
-            second()
+def _repeat(call: Callable[[], Any]) -> Callable[[], None]:
+    """``IN_FLIGHT`` blocking calls of ``call``, one after the other."""
+    def calls() -> None:
+        for _ in range(IN_FLIGHT):
+            call()
 
-        return Timed(step, True)
-    return Timed(first, False, then=second)
+    return calls
+
+
+def _repeat_awaited(call: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[None]]:
+    """``IN_FLIGHT`` calls of ``call``, each awaited before the next."""
+    async def calls() -> None:
+        for _ in range(IN_FLIGHT):
+            await call()
+
+    return calls
 
 
 def _raw_stream(comm: Comm, t: torch.Tensor, peer: int) -> Timed:
@@ -158,7 +149,7 @@ def _raw_stream(comm: Comm, t: torch.Tensor, peer: int) -> Timed:
 
         out, ack = [t.numpy(), MPI.FLOAT], [flag.numpy(), MPI.FLOAT]
         into = [[b.numpy(), MPI.FLOAT] for b in inbox]
-        return _burst(
+        return pair(
             comm.rank,
             lambda: MPI.Request.Waitall([raw.Isend(out, peer, TAG) for _ in range(n)]),
             lambda: MPI.Request.Waitall([raw.Irecv(b, peer, TAG) for b in into]),
@@ -169,7 +160,7 @@ def _raw_stream(comm: Comm, t: torch.Tensor, peer: int) -> Timed:
         for work in works:
             work.wait()
 
-    return _burst(
+    return pair(
         comm.rank,
         lambda: wait_all([raw.send([t], peer, TAG) for _ in range(n)]),
         lambda: wait_all([raw.recv([b], peer, TAG) for b in inbox]),
@@ -182,34 +173,20 @@ def _pickled(comm: Comm, peer: int) -> Timed:
 
     MPI: mpi4py's ``comm.send``/``comm.recv``; gloo: torch's ``send_object_list``.
     """
-    n, msg = IN_FLIGHT, SMALL_MESSAGE
+    msg = SMALL_MESSAGE
     if comm.backend == "mpi":
         raw = comm.raw
-
-        def send_mpi() -> None:
-            for _ in range(n):
-                raw.send(msg, peer, TAG)
-
-        def recv_mpi() -> None:
-            for _ in range(n):
-                raw.recv(source=peer, tag=TAG)
-
-        return _burst(comm.rank, send_mpi, recv_mpi, lambda: raw.send(None, peer, TAG + 1),
-                      lambda: raw.recv(source=peer, tag=TAG + 1), blocking=True)
+        return pair(comm.rank, _repeat(functools.partial(raw.send, msg, peer, TAG)),
+                    _repeat(functools.partial(raw.recv, source=peer, tag=TAG)),
+                    lambda: raw.send(None, peer, TAG + 1),
+                    lambda: raw.recv(source=peer, tag=TAG + 1), blocking=True)
     import torch.distributed as dist
 
     box: list[Any] = [None]
-
-    def send_torch() -> None:
-        for _ in range(n):
-            dist.send_object_list([msg], peer)
-
-    def recv_torch() -> None:
-        for _ in range(n):
-            dist.recv_object_list(box, peer)
-
-    return _burst(comm.rank, send_torch, recv_torch, lambda: dist.send_object_list([0], peer),
-                  lambda: dist.recv_object_list(box, peer), blocking=True)
+    return pair(comm.rank, _repeat(lambda: dist.send_object_list([msg], peer)),
+                _repeat(functools.partial(dist.recv_object_list, box, peer)),
+                lambda: dist.send_object_list([0], peer),
+                lambda: dist.recv_object_list(box, peer), blocking=True)
 
 
 def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
@@ -254,30 +231,20 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
     async def stream_send() -> None:
         await asyncio.gather(*(stream.send(big, peer) for _ in range(IN_FLIGHT)))
 
-    async def stream_recv() -> None:
-        for _ in range(IN_FLIGHT):
-            await stream.recv(peer)
-
     cases.append(Case("stream", STREAM_BYTES, {
         "raw": _raw_stream(comm, big, peer),
-        "asyncomm": _burst(rank, stream_send, stream_recv, ack_send, ack_recv, blocking=False),
+        "asyncomm": pair(rank, stream_send, _repeat_awaited(functools.partial(stream.recv, peer)),
+                         ack_send, ack_recv, blocking=False),
     }, 1, 2 if quick else 8, STREAM_BYTES * IN_FLIGHT / MIB))
 
     small = comm.channel(_TAGS["rate"])  # rate: small dicts one after the other, then an ack
-
-    async def small_send() -> None:
-        for _ in range(IN_FLIGHT):
-            await small.send(SMALL_MESSAGE, peer)
-
-    async def small_recv() -> None:
-        for _ in range(IN_FLIGHT):
-            await small.recv(peer)
-
     frame = len(wire.encode(wire.Kind.DATA, _TAGS["rate"], 0, SMALL_MESSAGE)[0])
     iters = 2 if quick else 40
     cases.append(Case("rate", frame, {
         "pickle": _pickled(comm, peer),
-        "asyncomm": _burst(rank, small_send, small_recv, ack_send, ack_recv, blocking=False),
+        "asyncomm": pair(rank, _repeat_awaited(functools.partial(small.send, SMALL_MESSAGE, peer)),
+                         _repeat_awaited(functools.partial(small.recv, peer)), ack_send, ack_recv,
+                         blocking=False),
     }, max(1, iters // 10), iters, IN_FLIGHT))
 
     cases.append(_burst_case(comm, rank, peer, ack_send, ack_recv, quick))
@@ -317,28 +284,14 @@ def _burst_case(comm: Comm, rank: int, peer: int, ack_send: Callable[[], Any],
     t = torch.zeros(2)
     burst = comm.channel(_TAGS["burst"])
     raw = variants(comm, t, peer)["raw"]
-
-    def raw_send() -> None:
-        for _ in range(IN_FLIGHT):
-            raw.send()
-
-    def raw_recv() -> None:
-        for _ in range(IN_FLIGHT):
-            raw.recv()
-
-    async def ours_send() -> None:
-        for _ in range(IN_FLIGHT):
-            await burst.send(t, peer)
-
-    async def ours_recv() -> None:
-        for _ in range(IN_FLIGHT):
-            await burst.recv(peer)
-
     raw_ack = variants(comm, torch.zeros(1), peer)["raw"]
     iters = 2 if quick else 40
     return Case("burst", t.nbytes, {
-        "raw": _burst(rank, raw_send, raw_recv, raw_ack.send, raw_ack.recv, blocking=True),
-        "asyncomm": _burst(rank, ours_send, ours_recv, ack_send, ack_recv, blocking=False),
+        "raw": pair(rank, _repeat(raw.send), _repeat(raw.recv), raw_ack.send, raw_ack.recv,
+                    blocking=True),
+        "asyncomm": pair(rank, _repeat_awaited(functools.partial(burst.send, t, peer)),
+                         _repeat_awaited(functools.partial(burst.recv, peer)), ack_send, ack_recv,
+                         blocking=False),
     }, max(1, iters // 10), iters, IN_FLIGHT)
 
 

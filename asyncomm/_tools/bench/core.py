@@ -1,17 +1,11 @@
 """``asyncomm bench pingpong|allreduce|all|idle``: latency and idle CPU beside the raw backend.
 
-For each operation and message size every rank runs three variants of the same
-exchange on the same communicator:
-
-- ``raw``: the backend's blocking call on ``comm.raw`` (the floor to compare with);
-- ``asyncomm``: ``await comm.send(...)``, ``await comm.all_reduce(...)``;
-- ``naive``: the bridge people write by hand: the blocking ``wait()`` in the loop's
-  thread pool (gloo), or ``Test()`` in a ``sleep(0)`` loop (MPI).
-
-The variants alternate round by round (``harness.alternate``); the table gives the
-median over rounds of the time per iteration. Ping-pong reports the one-way latency
-(half a round trip), allreduce the time per call. ``idle`` measures the CPU time a
-rank spends while it awaits a message that only comes after a while.
+Every rank runs three variants of each exchange on the same communicator, alternated round
+by round (``harness.alternate``): ``raw`` (the backend's blocking call on ``comm.raw``: the
+floor), ``asyncomm``, and ``naive`` (the bridge people write by hand: the blocking ``wait()``
+in the loop's thread pool on gloo, ``Test()`` in a ``sleep(0)`` loop on MPI). Ping-pong
+reports the one-way latency, allreduce the time per call, ``idle`` the CPU time of a rank
+awaiting a late message; docs/benchmarks.md ("Core operations") reads the tables.
 """
 
 from __future__ import annotations
@@ -100,10 +94,17 @@ def timed(op: str, calls: Calls, rank: int) -> Timed:
     """One iteration of ``op`` on this rank (a step of ``None``: this rank sits it out)."""
     if op == "allreduce":
         return Timed(calls.allreduce, calls.blocking)
+    return pair(rank, calls.send, calls.recv, calls.send, calls.recv, calls.blocking)
+
+
+def pair(rank: int, send: Callable[[], Any], recv: Callable[[], Any],
+         answer: Callable[[], Any], hear: Callable[[], Any], blocking: bool) -> Timed:
+    """One call between ranks 0 and 1: rank 0 runs ``send`` then ``hear``, rank 1 ``recv``
+    then ``answer`` (a ping-pong: the same send and receive; a burst: then an ack)."""
     if rank > 1:
-        return Timed(None, calls.blocking)
-    first, second = (calls.send, calls.recv) if rank == 0 else (calls.recv, calls.send)
-    if calls.blocking:
+        return Timed(None, blocking)
+    first, second = (send, hear) if rank == 0 else (recv, answer)
+    if blocking:
         def both() -> None:
             first()
             second()

@@ -1,20 +1,13 @@
 """``asyncomm bench gradsync``: GradSync beside DDP, and when ``asyncomm.compute`` helps.
 
 Two sections, each alternating its variants step by step (``harness.alternate`` with one
-timed call per round, the order rotating from round to round) on the same ranks, model and
-data:
-
-- ``step``: one data-parallel training step (forward, backward, gradients averaged) of an
-  MLP of eight 1024x1024 layers (``WIDTHS``: 32 MiB of float32 parameters): ``local`` (no
-  communication: the compute floor), ``ddp`` (``DistributedDataParallel``, gloo only),
-  ``gradsync`` (backward on the loop thread, then ``await sync.wait()``) and
-  ``gradsync+compute`` (``await asyncomm.compute(loss.backward)``, then ``sync.wait()``).
-  Reported: the step time, its ratio to DDP's (target <= 1.0) and the exposed
-  communication: step time minus the local step's, and for GradSync also the time from
-  the end of backward to the averaged gradients (median over calls).
-- ``compute``: a 16 MiB all-reduce issued just before a forward pass of the same MLP, the
-  forward run on the loop thread (``loop``) or through ``asyncomm.compute`` (``compute``),
-  beside each alone: does the all-reduce progress under the forward?
+timed call per round) on the same ranks, model (``WIDTHS``) and data: ``step``, a
+data-parallel training step under ``local`` (no communication: the floor), ``ddp`` (gloo
+only), ``gradsync`` and ``gradsync+compute`` (backward through ``asyncomm.compute``),
+with the exposed communication (step minus the local step; for GradSync also the end of
+backward to the averaged gradients); and ``compute``, an all-reduce issued before a forward
+run on the loop or through ``compute``, beside each alone. docs/benchmarks.md ("GradSync
+and compute") has the rest.
 """
 
 from __future__ import annotations

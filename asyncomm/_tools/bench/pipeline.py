@@ -1,19 +1,12 @@
 """``asyncomm bench pipeline``: the pipeline executor against torch's, and against theory.
 
-Two measurements, each rank running one stage (``measure``, run on every rank by
-``asyncomm bench``'s worker, like the other sections):
-
-- ``vs torch`` (gloo only: torch.distributed.pipelining needs torch's process group):
-  one training step of the same MLP (``mlp``) and microbatches under
-  ``torch.distributed.pipelining`` (``TORCH_SCHEDULES``) and under
-  ``asyncomm.pipeline.Pipeline`` with the matching schedule, alternated round by round
-  (each round: a barrier, a warm-up step, then timed steps); a step's time is the slowest
-  rank's, the result the median over rounds and the ratio asyncomm / torch (target <= 1.0).
-- ``bubble``: stages of fixed cost (``FixedCost``) under every schedule. The measured
-  bubble of a step is the simulator's definition, ``1 - sum(busy) / (ranks x makespan)``,
-  from every rank's compute time and the first start and last end of the step
-  (``Pipeline.last``; the ranks share a host, so their ``perf_counter`` readings compare),
-  against ``simulate(schedule).bubble`` (target: measured / theory <= ``BUBBLE_TARGET``).
+Two measurements, each rank running its stages (docs/benchmarks.md, "Pipeline"): ``vs
+torch`` (gloo only), a training step of the same MLP under ``torch.distributed.pipelining``
+(``TORCH_SCHEDULES``) and under ``Pipeline``, alternated round by round, a step's time the
+slowest rank's; and ``bubble``, stages of fixed cost (``FixedCost``) under every schedule,
+measured as the simulator defines it, ``1 - sum(busy) / (ranks x makespan)``, from every
+rank's ``Pipeline.last`` (the ranks share a host, so their ``perf_counter`` readings
+compare), against ``simulate(schedule).bubble``.
 """
 
 from __future__ import annotations
@@ -29,8 +22,8 @@ from torch import nn
 
 from asyncomm import pipeline
 from asyncomm._comm import Comm
+from asyncomm._tools.bench.harness import Record
 
-Record = dict[str, Any]
 # asyncomm's schedule -> torch.distributed.pipelining's counterpart (for zbh1: torch's
 # interleaved zero-bubble schedule with one stage per rank, the same F/B/W split)
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
