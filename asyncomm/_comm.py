@@ -627,6 +627,7 @@ class Comm:
             if gone:
                 self._router.failed(peer, cause)  # (else it still says its goodbye)
             else:
+                self._router.told[peer] = cause
                 self._peer_died(peer, cause)
 
     async def _tell(self, what: str, when: float | None = None) -> None:

@@ -63,7 +63,7 @@ asyncomm.run(main)
 def test_ctrl_c_stops_the_world_in_a_line(tmp_path: Path, backend: str, phase: str,
                                           request: pytest.FixtureRequest) -> None:
     n = 3
-    for _ in range(3):  # where each Ctrl-C lands varies
+    for _ in range(2):  # where each Ctrl-C lands varies
         proc = start(tmp_path, SLEEPER, n, backend)
         assert proc.stdout is not None
         seen = 0
@@ -179,7 +179,7 @@ asyncomm.run(main)
 
 @pytest.mark.timeout(600)
 def test_a_gloo_failure_is_said_without_cpp_source_locations(tmp_path: Path) -> None:
-    for _ in range(3):  # whether the peers hear of rank 1 or find it gone first varies
+    for _ in range(2):  # whether the peers hear of rank 1 or find it gone first varies
         code, err = run(tmp_path, RAW_FAILING, 3, "gloo")
         assert code == 1, err
         said = [line for line in err.splitlines() if not line.startswith("[1] ")]

@@ -227,7 +227,9 @@ class Channel:
         deadline = started + limit
         stall_at = started + (router.stall_s or math.inf) if self._traced else math.inf
         while True:  # ``recv`` found nothing just now: check, wait, then spin again
-            if box.ended and self._ended(src):
+            if (box.ended or router.byes) and self._ended(src):
+                if src in router.told:  # it left on an error: say which
+                    raise router._gone(f"channel {self.tag} recv from peer {src}", src)
                 who = "every other rank" if src is None else f"rank {src}"
                 raise CommClosedError(f"rank {router.rank}: channel {self.tag}: {who} closed it")
             if router._closed:
@@ -306,7 +308,7 @@ class Channel:
         return []
 
     def _ended(self, src: int | None) -> bool:
-        ended = self._box.ended
+        ended = self._box.ended | self._router.byes  # (a router's goodbye ends its channels)
         if src is not None:
             return src in ended
         if self.senders is not None:

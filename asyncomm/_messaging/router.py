@@ -149,12 +149,13 @@ class Router(Delivery):
         self.small_room = min(link.small_room, self.limits.max_message_bytes)
         super().__init__(rank, self.limits)
         self._windows: dict[tuple[int, int], Window] = {}
-        self._byes: set[int] = set()  # ranks whose router said goodbye
+        self.byes: set[int] = set()  # ranks whose router said goodbye
         self._loop = asyncio.get_running_loop()
         self._all_byes: asyncio.Future[None] = self._loop.create_future()
         self._inflight: set[Any] = set()
         self._closed = False
         self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
+        self.told: dict[int, BaseException] = {}  # peers that said they failed (and leave)
         self._left: set[int] = set()  # peers that closed without waiting for the others
         self._released = False  # whether a peer was asked to release stuck receives
         self._probed: dict[int, float] = {}  # when each peer was last probed
@@ -241,7 +242,7 @@ class Router(Delivery):
         """Return whether ``peer`` may be alive; probe it unless it was probed just now."""
         if peer in self.dead:
             return False
-        if peer == self.rank or self._closed or peer in self._byes:
+        if peer == self.rank or self._closed or peer in self.byes:
             # no probe after our goodbye (a probe is a message), nor of a rank that closed
             return True
         now = time.monotonic()
@@ -273,10 +274,11 @@ class Router(Delivery):
     def _gone(self, what: str, *peers: int) -> PeerFailedError:
         """The error of an operation that needed ``peers``, which are gone."""
         ranks = ", ".join(str(p) for p in peers)
-        causes = "; ".join(gist(self.dead[p]) for p in peers if p in self.dead)
+        known = {**self.told, **self.dead}
+        causes = "; ".join(gist(known[p]) for p in peers if p in known)
         error = PeerFailedError(f"rank {self.rank}: {what}: rank{'s' if len(peers) > 1 else ''} "
                                 f"{ranks} failed ({causes})")
-        error.__cause__ = self.dead.get(peers[0])
+        error.__cause__ = known.get(peers[0])
         return error
 
     async def timed_out(self, what: str, limit: float, peers: Sequence[int]) -> CommTimeoutError:
@@ -309,7 +311,7 @@ class Router(Delivery):
         """Say what this rank already knows of ``peer``'s end: failed, or finished; else None."""
         if peer in self.dead:
             return f"failed ({gist(self.dead[peer])})"
-        if peer in self._byes:
+        if peer in self.byes:
             return "finished (closed this communicator)"
         return None
 
@@ -421,12 +423,14 @@ class Router(Delivery):
         """``src``'s router said goodbye, or said it for ``dead`` (see ``_core.link``)."""
         if dead is not None:  # so this rank says it too, to the rank it drains
             self.failed(dead, PeerFailedError(f"rank {src} found rank {dead} gone"))
-        self._byes.add(src if dead is None else dead)
+        self.byes.add(src if dead is None else dead)
+        for box in self._mailboxes.values():  # what waits for its messages waits no more
+            box.wake()
         self._count_byes()
 
     def _count_byes(self) -> None:
         """Resolve ``_all_byes`` once every other rank said goodbye or is known gone."""
-        if (len((self._byes | self.dead.keys()) - {self.rank}) >= self.size - 1
+        if (len((self.byes | self.dead.keys()) - {self.rank}) >= self.size - 1
                 and not self._all_byes.done()):
             self._all_byes.set_result(None)
 
@@ -548,7 +552,7 @@ class Router(Delivery):
             return
         if self.size > 1:  # who is gone says no goodbye: ask everyone still expected
             for peer in range(self.size):
-                if peer != self.rank and peer not in self._byes:
+                if peer != self.rank and peer not in self.byes:
                     self._probed.pop(peer, None)
                     self.alive(peer)
         self._closed = True

@@ -21,12 +21,10 @@ host, else loopback (``ASYNCOMM_STATUS_HOST`` overrides).
 
 Note on failure notices
 -----------------------
-The same server hears who failed. A rank whose program raised tells every other rank of
-its world before it leaves (``tell``: the rank, what it raised, when), and so does the
-launcher of a rank whose process died; each listener (``on_failure``: the communicators)
-then fails what needs that rank, naming it and why, long before a broken connection or a
-probe would have said less. A notice is answered once it was heard, so a rank that waits
-for the answers leaves only after its peers know. ``failures`` keeps what was heard.
+The same server hears who failed (``tell``): a rank whose program raised, before it leaves
+(answered once heard: it leaves only after its peers know), or the launcher, of a rank whose
+process died. The listeners (``on_failure``: the communicators) fail what needs that rank,
+naming it and why, before a broken connection or a probe would say less.
 """
 
 from __future__ import annotations
@@ -94,8 +92,7 @@ async def serve() -> str:
     return address
 
 
-def to_launcher(line: str) -> None:
-    """Tell ``asyncomm run``, where it started this rank, ``line`` (on stderr)."""
+def to_launcher(line: str) -> None:  # (on stderr, where ``asyncomm run`` started this rank)
     if settings.read().launched:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
@@ -127,8 +124,7 @@ async def tell(addresses: Iterable[str], world: str, rank: int, what: str, when:
 
 
 async def ended(addresses: Iterable[str], world: str, limit: float) -> None:
-    """Return once the rank at each of ``addresses`` has ended its program (its world
-    closed, its process gone, or ending after a failure), or after ``limit`` seconds."""
+    """Return once each rank at ``addresses`` ended its program (or is gone), or at ``limit``."""
     waiting, deadline = list(addresses), time.monotonic() + limit
     while waiting and time.monotonic() < deadline:
         states = await asyncio.gather(*(ask(a, world) for a in waiting))
