@@ -227,9 +227,7 @@ class Channel:
         deadline = started + limit
         stall_at = started + (router.stall_s or math.inf) if self._traced else math.inf
         while True:  # ``recv`` found nothing just now: check, wait, then spin again
-            if (box.ended or router.byes) and self._ended(src):
-                if src in router.told:  # it left on an error: say which
-                    raise router._gone(f"channel {self.tag} recv from peer {src}", src)
+            if box.ended and self._ended(src):
                 who = "every other rank" if src is None else f"rank {src}"
                 raise CommClosedError(f"rank {router.rank}: channel {self.tag}: {who} closed it")
             if router._closed:
@@ -308,7 +306,7 @@ class Channel:
         return []
 
     def _ended(self, src: int | None) -> bool:
-        ended = self._box.ended | self._router.byes  # (a router's goodbye ends its channels)
+        ended = self._box.ended
         if src is not None:
             return src in ended
         if self.senders is not None:

@@ -424,8 +424,6 @@ class Router(Delivery):
         if dead is not None:  # so this rank says it too, to the rank it drains
             self.failed(dead, PeerFailedError(f"rank {src} found rank {dead} gone"))
         self.byes.add(src if dead is None else dead)
-        for box in self._mailboxes.values():  # what waits for its messages waits no more
-            box.wake()
         self._count_byes()
 
     def _count_byes(self) -> None:
