@@ -27,6 +27,9 @@ from asyncomm._observe.checks import Checker, checked
 
 T = TypeVar("T")
 _log = logging.getLogger("asyncomm")
+# A rank that says it failed may have done its part of what waits on it (a barrier it
+# passed): that completes first, what is still pending this long after the notice fails.
+_TOLD_S = 0.25
 Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)  # type: ignore[type-arg]
 
 
@@ -608,7 +611,7 @@ class Comm:
         for backend in (self._backend, self._own):
             if backend.lost is None:
                 backend.lost = lost
-        self._loop.call_later(0.0 if peer in self._router.dead else 0.25, self._fail_needing,
+        self._loop.call_later(0.0 if peer in self._router.dead else _TOLD_S, self._fail_needing,
                               peer, cause)
 
     def _fail_needing(self, peer: int, cause: BaseException) -> None:
@@ -627,16 +630,15 @@ class Comm:
             if gone:
                 self._router.failed(peer, cause)  # (else it still says its goodbye)
             else:
-                self._router.told[peer] = cause
                 self._peer_died(peer, cause)
 
     async def _tell(self, what: str, when: float | None = None) -> None:
         """This rank failed (at ``when``, epoch s), having done ``what``: tell the launcher
         and every other rank of the world, once; return once each has heard (or not)."""
         world, me = self._label.split(".")[0], self._world_ranks[self.rank]
-        if (world, me) not in status.failures:
+        if (world, me) not in status.failed:
             when = time.time() if when is None else when
-            status.failures[(world, me)] = (when, what)
+            status.failed.add((world, me))
             status.to_launcher(f"{status.FAILED_AT}{when:.6f}")
             await status.tell([a for r, a in enumerate(self._addresses) if r != me], world,
                               me, what, when)

@@ -149,19 +149,18 @@ class Router(Delivery):
         self.small_room = min(link.small_room, self.limits.max_message_bytes)
         super().__init__(rank, self.limits)
         self._windows: dict[tuple[int, int], Window] = {}
-        self.byes: set[int] = set()  # ranks whose router said goodbye
+        self._byes: set[int] = set()  # ranks whose router said goodbye
         self._loop = asyncio.get_running_loop()
         self._all_byes: asyncio.Future[None] = self._loop.create_future()
         self._inflight: set[Any] = set()
         self._closed = False
         self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
-        self.told: dict[int, BaseException] = {}  # peers that said they failed (and leave)
         self._left: set[int] = set()  # peers that closed without waiting for the others
         self._released = False  # whether a peer was asked to release stuck receives
         self._probed: dict[int, float] = {}  # when each peer was last probed
         self.on_dead: list[Callable[[int], None]] = []  # called with a rank once it is gone
-        # What the communicator says of a wait: (what, waited s, peers) -> warned of a stall
-        # (after ``stall_s``; 0: never), or the peers' state for a timeout's error
+        # a wait past ``stall_s`` (0: never) is warned of; ``explain`` (the communicator's)
+        # says what the peers it waits for are doing, for warnings and timeouts
         self.stall_s = 0.0
         self.explain: Callable[[Sequence[int]], Awaitable[str]] | None = None
         self._explaining: set[asyncio.Task[None]] = set()  # (``aside``)
@@ -242,7 +241,7 @@ class Router(Delivery):
         """Return whether ``peer`` may be alive; probe it unless it was probed just now."""
         if peer in self.dead:
             return False
-        if peer == self.rank or self._closed or peer in self.byes:
+        if peer == self.rank or self._closed or peer in self._byes:
             # no probe after our goodbye (a probe is a message), nor of a rank that closed
             return True
         now = time.monotonic()
@@ -274,11 +273,10 @@ class Router(Delivery):
     def _gone(self, what: str, *peers: int) -> PeerFailedError:
         """The error of an operation that needed ``peers``, which are gone."""
         ranks = ", ".join(str(p) for p in peers)
-        known = {**self.told, **self.dead}
-        causes = "; ".join(gist(known[p]) for p in peers if p in known)
+        causes = "; ".join(gist(self.dead[p]) for p in peers if p in self.dead)
         error = PeerFailedError(f"rank {self.rank}: {what}: rank{'s' if len(peers) > 1 else ''} "
                                 f"{ranks} failed ({causes})")
-        error.__cause__ = known.get(peers[0])
+        error.__cause__ = self.dead.get(peers[0])
         return error
 
     async def timed_out(self, what: str, limit: float, peers: Sequence[int]) -> CommTimeoutError:
@@ -311,7 +309,7 @@ class Router(Delivery):
         """Say what this rank already knows of ``peer``'s end: failed, or finished; else None."""
         if peer in self.dead:
             return f"failed ({gist(self.dead[peer])})"
-        if peer in self.byes:
+        if peer in self._byes:
             return "finished (closed this communicator)"
         return None
 
@@ -423,12 +421,12 @@ class Router(Delivery):
         """``src``'s router said goodbye, or said it for ``dead`` (see ``_core.link``)."""
         if dead is not None:  # so this rank says it too, to the rank it drains
             self.failed(dead, PeerFailedError(f"rank {src} found rank {dead} gone"))
-        self.byes.add(src if dead is None else dead)
+        self._byes.add(src if dead is None else dead)
         self._count_byes()
 
     def _count_byes(self) -> None:
         """Resolve ``_all_byes`` once every other rank said goodbye or is known gone."""
-        if (len((self.byes | self.dead.keys()) - {self.rank}) >= self.size - 1
+        if (len((self._byes | self.dead.keys()) - {self.rank}) >= self.size - 1
                 and not self._all_byes.done()):
             self._all_byes.set_result(None)
 
@@ -550,7 +548,7 @@ class Router(Delivery):
             return
         if self.size > 1:  # who is gone says no goodbye: ask everyone still expected
             for peer in range(self.size):
-                if peer != self.rank and peer not in self.byes:
+                if peer != self.rank and peer not in self._byes:
                     self._probed.pop(peer, None)
                     self.alive(peer)
         self._closed = True

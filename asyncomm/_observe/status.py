@@ -65,8 +65,7 @@ class Reporter(Protocol):
 _reporters: dict[str, weakref.ref[Reporter]] = {}
 _servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, str] = weakref.WeakKeyDictionary()
 _listeners: list[weakref.WeakMethod[Callable[[str, int, str, bool], None]]] = []
-# (world label, rank) -> (when it failed, in epoch seconds; what it did), as told
-failures: dict[tuple[str, int], tuple[float, str]] = {}
+failed: set[tuple[str, int]] = set()  # (world label, rank) of each failure told or heard
 ending = False  # this process's program ended after a peer's failure; it waits to be ended
 
 
@@ -105,8 +104,8 @@ def on_failure(listener: Callable[[str, int, str, bool], None]) -> None:
 
 
 def heard(world: str, rank: int, what: str, when: float, gone: bool) -> None:
-    """Take a failure notice: keep the first of each rank, and tell the listeners."""
-    failures.setdefault((world, rank), (when, what))
+    """Take a failure notice: note it, and tell the listeners."""
+    failed.add((world, rank))
     for ref in list(_listeners):
         listener = ref()
         if listener is None:
