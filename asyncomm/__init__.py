@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from asyncomm._core.ops import ReduceOp
     from asyncomm._messaging.actors import Actor, ActorRef, endpoint
     from asyncomm._messaging.channels import Channel, Message
+    from asyncomm._messaging.meshes import Mesh
     from asyncomm._overlap.compute import compute
     from asyncomm._overlap.gradsync import GradSync
     from asyncomm._runtime import init, run
@@ -35,6 +36,7 @@ _HOMES = {
     "Actor": "_messaging.actors", "ActorRef": "_messaging.actors",
     "endpoint": "_messaging.actors",
     "Channel": "_messaging.channels", "Message": "_messaging.channels",
+    "Mesh": "_messaging.meshes",
     "Comm": "_comm",
     "compute": "_overlap.compute",
     "CommClosedError": "_core.errors", "CommError": "_core.errors",
@@ -78,6 +80,7 @@ __all__ = [
     "CommTimeoutError",
     "GradSync",
     "Handle",
+    "Mesh",
     "Message",
     "MismatchError",
     "PeerFailedError",

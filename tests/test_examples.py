@@ -85,6 +85,11 @@ EXPECTED: dict[str, Callable[[str], list[str]]] = {
         *each(quickstart_line),
         f"[0] ok: {N} rank(s) on {backend}, all checks passed",
     ],
+    "resilient_buffers": lambda _: [
+        *(f"[{t}] trainer {t}: 20 steps, 20 trajectories acknowledged" for t in (0, 1)),
+        "[0] coordinator: 40 acknowledged trajectories, all in each of 2 live buffer(s); "
+        "buffers lost: []",
+    ],
 }
 
 
@@ -267,3 +272,18 @@ def test_quickstart_runs_alone() -> None:
     done = run_python("examples/quickstart.py")
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines()[-1] == "ok: 1 rank(s) on gloo, all checks passed"
+
+
+def test_resilient_buffers_lose_a_buffer_and_no_acknowledged_trajectory() -> None:
+    # The last buffer is killed (SIGKILL) mid-run: training goes on over the survivors, and
+    # every trajectory a trainer counted acknowledged is in the buffer left.
+    done = run_python("-m", "asyncomm", "run", "-n", str(N), "--keep-going",
+                      "examples/resilient_buffers.py", "--kill-after", "5", timeout=120)
+    assert done.returncode != 0, done.stdout + done.stderr  # the job says a rank died
+    assert Counter(done.stdout.splitlines()) == Counter([
+        *(f"[{t}] trainer {t}: 20 steps, 20 trajectories acknowledged" for t in (0, 1)),
+        "[0] coordinator: 40 acknowledged trajectories, all in each of 1 live buffer(s); "
+        "buffers lost: [3]"]), done.stdout + done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "asyncomm run: rank 3 failed first (killed by SIGKILL); the others went on "
+        "(--keep-going)"), done.stderr

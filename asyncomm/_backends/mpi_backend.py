@@ -481,6 +481,18 @@ class MpiBackend(Backend):
         own = await self._loop.run_in_executor(None, comm.Dup)
         return MpiBackend(comm, self._loop), MpiBackend(own, self._loop)
 
+    async def shrink(self, failed: Sequence[int], timeout: float
+                     ) -> tuple[list[int], tuple[Backend, Backend]]:
+        # MPICH as pip installs it has no fault tolerance (ULFM): its process manager ends
+        # the survivors when a rank dies, even with -disable-auto-cleanup, and MPI_Init
+        # fails with MPIR_CVAR_ENABLE_FT=1. An MPI that shrinks (MPIX_Comm_shrink) and keeps
+        # the survivors alive is what this needs.
+        library = " ".join(MPI.Get_library_version().split()[:3])
+        raise NotImplementedError(
+            f"rank {self.rank}: shrink: this MPI ({library}) "
+            "cannot go on without a dead rank: it has no fault tolerance (ULFM's "
+            "MPIX_Comm_shrink); use the gloo backend to survive a rank's death")
+
     def close(self) -> None:
         if self._closed:
             return

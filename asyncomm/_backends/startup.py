@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import re
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -202,6 +204,42 @@ class Watch:
             return failures(self._own)
         except Exception:  # no store to ask: the launcher will tell
             return {}
+
+
+SHRINK_POLL_S = 0.05  # how often a survivor looks for the others' word (see ``agree``)
+
+
+def agree(store: Any, key: str, rank: int, size: int, failed: Sequence[int],
+          timeout: float) -> list[int]:
+    """Agree with the other survivors of a group of ``size`` on which ranks are alive.
+
+    Note on shrinking
+    -----------------
+    Each survivor writes, under ``key``, the ranks it knows have failed, then
+    waits until every rank has either written or been named failed by one that
+    has. The first to see that writes its answer (the ranks that wrote, less
+    those named failed) with ``compare_set``, so that all take the same one even
+    where their views differ in the meantime; the rest read it.
+
+    Raises:
+        CommTimeoutError: within ``timeout``, some rank neither wrote nor was named failed.
+    """
+    store.set(f"{key}/{rank}", json.dumps(sorted(failed)))
+    deadline = time.monotonic() + timeout
+    while True:
+        said = {r: json.loads(store.get(f"{key}/{r}")) for r in range(size)
+                if store.check([f"{key}/{r}"])}
+        gone = {int(r) for named in said.values() for r in named}
+        missing = [r for r in range(size) if r not in said and r not in gone]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise CommTimeoutError(f"rank {rank}: shrink timed out after {timeout:g} s: ranks "
+                                   f"{missing} neither joined it nor are known to have failed")
+        time.sleep(SHRINK_POLL_S)
+    alive = json.dumps([r for r in sorted(said) if r not in gone])
+    decided: list[int] = json.loads(store.compare_set(f"{key}/decided", "", alive))
+    return decided
 
 
 def make_group(members: list[int], backend: str, label: str,

@@ -451,6 +451,19 @@ class TorchBackend(Backend):
         own = await self._new_group(members, "gloo", label + ".own", _OWN_TIMEOUT)
         return user, own
 
+    async def shrink(self, failed: Sequence[int], timeout: float
+                     ) -> tuple[list[int], tuple[Backend, Backend]]:
+        key = f"asyncomm.shrink.{self._label}.{self._splits + 1}"
+        members = await self._loop.run_in_executor(
+            None, startup.agree, dist.distributed_c10d._get_default_store(), key, self.rank,
+            self.size, failed, timeout)
+        if self.rank not in members:
+            raise PeerFailedError(f"rank {self.rank}: shrink: the other survivors agreed "
+                                  f"without this rank (on ranks {members})")
+        made = await self.split(members)
+        assert made is not None
+        return members, made
+
     async def _new_group(self, members: list[int], name: str, label: str,
                          seconds: float) -> TorchBackend:
         timeout = datetime.timedelta(seconds=seconds)

@@ -227,6 +227,13 @@ class Backend(ABC):
         Collective over this communicator; ``None`` on ranks not in ``ranks``.
         """
 
+    async def shrink(self, failed: Sequence[int], timeout: float
+                     ) -> tuple[list[int], tuple[Backend, Backend]]:
+        """Agree with the other survivors on who is alive (this rank knows ``failed`` gone);
+        return them and the user's and asyncomm's communicators over them."""
+        raise NotImplementedError(f"rank {self.rank}: shrink: the {self.name} backend cannot "
+                                  "make a communicator of the survivors")
+
     @abstractmethod
     def link(self) -> Link:
         """Return a link carrying channel frames over this communicator (see ``link``)."""

@@ -57,6 +57,7 @@ _ENDPOINT = "__asyncomm_endpoint__"
 _POLL_S = 0.25  # how often a caller's wait looks for ranks that closed, and expired calls
 _TIMER_S = 2.0  # calls with a timeout this short or shorter get a timer of their own
 _Outgoing = tuple[int, int, Encoded]  # channel tag, call id, encoded message
+Posted = tuple[int, str, str, int, "asyncio.Future[Any]"]  # rank, actor, method, call id, reply
 
 
 def endpoint(method: F) -> F:
@@ -253,12 +254,7 @@ class Host:
 
     async def _call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
                     kwargs: dict[str, Any], timeout: float | None) -> Any:
-        if rank in self._dead or rank in self._ended or rank in self._replies_ended:
-            self._check_open(rank, name, method)  # which says why not
-        call_id = next(self._ids)
-        future = self._loop.create_future()
-        self._calls[call_id] = (rank, future, name, method)
-        self._post(rank, self._requests, [call_id, name, method, True, kwargs or None, *args])
+        *_, call_id, future = self.request(rank, name, method, args, kwargs)
         self._router.flush(waiting=True)  # the request leaves now: its answer may be quick
         if self._spin_until(future.done):  # an answer within microseconds: no loop turn, no timer
             del self._calls[call_id]
@@ -267,6 +263,48 @@ class Host:
             self._router.link.expect()  # it parks: the poller watches closely
             ok, result = await self._answer_of(call_id, future, timeout)
         return self._result(rank, name, method, ok, result)
+
+    def request(self, rank: int, name: str, method: str, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> Posted:
+        """Post a call of ``name.method`` to ``rank`` (sent at the next flush); its reply
+        settles the future of the ``(rank, name, method, call id, future)`` returned."""
+        if rank in self._dead or rank in self._ended or rank in self._replies_ended:
+            self.check_open(rank, name, method)  # which says why not
+        call_id = next(self._ids)
+        future = self._loop.create_future()
+        self._calls[call_id] = (rank, future, name, method)
+        self._post(rank, self._requests, [call_id, name, method, True, kwargs or None, *args])
+        return rank, name, method, call_id, future
+
+    async def results_of(self, posted: list[Posted], timeout: float | None) -> list[Any]:
+        """Send the calls ``request`` posted; their results, in order (the first error
+        raised). As ``_call`` waits: a spin first, parked then."""
+        self._router.flush(waiting=True)
+        futures = [future for *_, future in posted]
+        if self._spin_until(lambda: all(future.done() for future in futures)):
+            for *_, call_id, _ in posted:
+                del self._calls[call_id]
+            return [self._result(r, n, m, *future.result()) for r, n, m, _, future in posted]
+        self._router.link.expect()
+        return list(await asyncio.gather(*(self.result_of(p, timeout) for p in posted)))
+
+    def flush(self) -> None:
+        """Send the calls posted so far now."""
+        self._router.flush(waiting=True)
+
+    async def result_of(self, posted: Posted, timeout: float | None) -> Any:
+        """The result of a call ``request`` posted and sent (its error, where it failed)."""
+        rank, name, method, call_id, future = posted
+        return self._result(rank, name, method, *await self._answer_of(call_id, future, timeout))
+
+    def in_flight(self) -> list[int]:
+        """The rank of each call of this rank's in flight."""
+        return [pending[0] for pending in self._calls.values()]
+
+    def on_dead(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(rank)`` for each rank found gone from now on."""
+        if callback not in self._router.on_dead:
+            self._router.on_dead.append(callback)
 
     @staticmethod
     def _result(rank: int, name: str, method: str, ok: bool, result: Any) -> Any:
@@ -298,11 +336,11 @@ class Host:
     def tell(self, rank: int, name: str, method: str, args: tuple[Any, ...],
              kwargs: dict[str, Any]) -> None:
         """Send ``name.method(*args, **kwargs)`` to ``rank`` without waiting for a reply."""
-        self._check_open(rank, name, method)
+        self.check_open(rank, name, method)
         self._post(rank, self._requests, [next(self._ids), name, method, False, kwargs or None,
                                           *args])
 
-    def _check_open(self, rank: int, name: str, method: str) -> None:
+    def check_open(self, rank: int, name: str, method: str) -> None:
         if rank in self._router.dead:
             raise self._router._gone(f"call {name}.{method} on rank {rank}", rank)
         if rank in self._requests._box.ended or rank in self._replies._box.ended:

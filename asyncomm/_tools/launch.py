@@ -111,6 +111,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grace", type=float, metavar="SECONDS",
                         help="after a rank fails, how long the others have to end on their "
                         "own before they are stopped (ASYNCOMM_GRACE_S, default 10)")
+    parser.add_argument("--keep-going", action="store_true", help="when a rank fails, leave "
+                        "the others running (they can shrink and go on); the exit status "
+                        "still says it failed (gloo)")
     parser.add_argument("--trace", metavar="DIR", help="trace every rank into DIR "
                         "(ASYNCOMM_TRACE), then merge: DIR/trace.json, DIR/timeline.png and "
                         "the overlap metrics")
@@ -141,7 +144,8 @@ def run_command(args: argparse.Namespace) -> int:
     try:
         code = launch([*argv, *args.script_args], args.nproc, args.backend,
                       timeout=args.timeout, trace=args.trace, hosts=args.hosts,
-                      rate=args.rate, delay=args.delay, grace=args.grace)
+                      rate=args.rate, delay=args.delay, grace=args.grace,
+                      keep_going=args.keep_going)
     except (ValueError, FileNotFoundError, PermissionError) as err:
         print(f"asyncomm run: {err}", file=sys.stderr)
         return 2
@@ -168,13 +172,15 @@ def launch(script_argv: list[str], n: int, backend: str | None = None,
            env: Mapping[str, str] | None = None, timeout: float | None = None,
            trace: str | os.PathLike[str] | None = None, hosts: int | None = None,
            rate: str | None = None, delay: str | None = None,
-           grace: float | None = None) -> int:
+           grace: float | None = None, keep_going: bool = False) -> int:
     """Run ``python *script_argv`` (a script or ``-m module``, then its arguments) on n ranks.
 
     Blocks until every rank has exited and returns the world's exit code. ``backend`` is
     exported as ``ASYNCOMM_BACKEND`` when given (``"mpi"`` starts the ranks with mpiexec),
     ``env`` is added to every rank's environment and ``timeout`` becomes ``ASYNCOMM_TIMEOUT``,
-    ``grace`` ``ASYNCOMM_GRACE_S`` (after a rank fails, the others' time to end).
+    ``grace`` ``ASYNCOMM_GRACE_S`` (after a rank fails, the others' time to end);
+    ``keep_going`` leaves them running instead (gloo: MPICH's mpiexec ends the survivors of a
+    killed rank whatever it is asked, and MPI cannot shrink).
     ``trace`` becomes ``ASYNCOMM_TRACE`` (the directory is made, and emptied of an earlier
     run's rank files so that they cannot be merged with this run's). ``hosts`` spreads the
     ranks over that many emulated hosts (see ``network``), their links shaped by ``rate``
@@ -187,6 +193,9 @@ def launch(script_argv: list[str], n: int, backend: str | None = None,
     """
     if n < 1:
         raise ValueError(f"-n must be at least 1, not {n}")
+    if keep_going and backend == "mpi":
+        raise ValueError("--keep-going needs the gloo backend: mpiexec ends the other ranks "
+                         "when one is killed, and MPI here cannot shrink (docs/failures.md)")
     if grace is not None and not grace >= 0:
         raise ValueError(f"--grace must be >= 0 seconds, not {grace}")
     if hosts is not None and (hosts < 1 or n % hosts):
@@ -210,17 +219,18 @@ def launch(script_argv: list[str], n: int, backend: str | None = None,
         with network.Network(hosts, rate, delay) as net:
             if backend == "mpi":
                 return _launch_mpi(script_argv, n, {**base, **(env or {})}, net)
-            return _launch_hosts(script_argv, n, {**base, **(env or {})}, net)
+            return _launch_hosts(script_argv, n, {**base, **(env or {})}, net, keep_going)
     if backend == "mpi":
         return _launch_mpi(script_argv, n, {**base, **(env or {})})
     base["GLOO_SOCKET_IFNAME"] = loopback_interface()
     base["PYTHONUNBUFFERED"] = "1"  # our pumps split lines, so let ranks write at once
     for name in _MPI_RANK_VARS:  # an enclosing MPI job must not make ranks look like MPI's
         base.pop(name, None)
-    return _launch_local(script_argv, n, {**base, **(env or {})})
+    return _launch_local(script_argv, n, {**base, **(env or {})}, keep_going)
 
 
-def _launch_local(script_argv: list[str], n: int, base: dict[str, str]) -> int:
+def _launch_local(script_argv: list[str], n: int, base: dict[str, str],
+                  keep_going: bool) -> int:
     """Spawn n ranks of ``python *script_argv``, host their store, and supervise them."""
     listening = _listen_on_loopback()
     shared = {
@@ -233,12 +243,13 @@ def _launch_local(script_argv: list[str], n: int, base: dict[str, str]) -> int:
     }
     envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
     world = asyncio.run(_supervise([[sys.executable, "-c", _RUNNER, *script_argv]] * n, envs,
-                                   labeled=False, serve=lambda: _serve_store(listening)))
-    return _ended(world, n)
+                                   labeled=False, serve=lambda: _serve_store(listening),
+                                   keep_going=keep_going))
+    return _ended(world, n, keep_going)
 
 
 def _launch_hosts(script_argv: list[str], n: int, base: dict[str, str],
-                  net: network.Network) -> int:
+                  net: network.Network, keep_going: bool) -> int:
     """Start n ranks spread over the hosts of ``net``, as torchrun on each host would: rank 0
     hosts the store on the first host, and asyncomm finds gloo's interface, as under torchrun."""
     per_host = n // net.count
@@ -251,10 +262,11 @@ def _launch_hosts(script_argv: list[str], n: int, base: dict[str, str],
             for r in range(n)]
     cmds = [net.command(r // per_host, [sys.executable, "-c", _RUNNER, *script_argv])
             for r in range(n)]
-    return _ended(asyncio.run(_supervise(cmds, envs, labeled=False)), n)
+    return _ended(asyncio.run(_supervise(cmds, envs, labeled=False, keep_going=keep_going)), n,
+                  keep_going)
 
 
-def _ended(world: _World, n: int) -> int:
+def _ended(world: _World, n: int, keep_going: bool) -> int:
     """Say how a world of ranks started here ended; return its exit code."""
     if world.signal is not None:
         _say(f"interrupted by {signal.Signals(world.signal).name}; stopped {n} ranks")
@@ -264,7 +276,7 @@ def _ended(world: _World, n: int) -> int:
     rank = world.first()
     code = world.codes[rank] or 1
     _say(f"rank {rank} failed first{_error(world.tails[rank])} ({_how(code)}); "
-         "stopped the other ranks")
+         + ("the others went on (--keep-going)" if keep_going else "stopped the other ranks"))
     first_code = world.codes[world.first_failed] or 1
     return first_code if first_code > 0 else 1
 
@@ -430,9 +442,10 @@ class _World:
 
 
 async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled: bool,
-                     serve: Callable[[], object] | None = None) -> _World:
+                     serve: Callable[[], object] | None = None,
+                     keep_going: bool = False) -> _World:
     """Run one process per command until all exit; once one fails, give the others
-    ``ASYNCOMM_GRACE_S`` to end on their own, then stop them.
+    ``ASYNCOMM_GRACE_S`` to end on their own, then stop them (``keep_going``: let them run).
 
     A rank process that dies without saying it failed (a signal, ``os._exit``) is said dead
     to the others (see ``status``' note on failure notices). ``serve``, when given, runs on
@@ -458,15 +471,18 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
     async def watch(index: int, proc: asyncio.subprocess.Process) -> None:
         world.codes[index] = code = await proc.wait()
         world.exited_at[index] = time.time()
-        if code != 0 and world.first_failed is None:
-            world.first_failed = index
+        if code != 0 and (world.first_failed is None or keep_going):
+            if world.first_failed is None:
+                world.first_failed = index
             await asyncio.wait(pumped[index], timeout=1.0)  # its last words, if any
             if not labeled and index not in world.failed_at and index in world.serves:
                 label, _ = world.serves[index]
-                await status.tell([a for r, (_, a) in world.serves.items() if r != index],
+                await status.tell([a for r, (_, a) in world.serves.items()
+                                   if r != index and world.codes[r] is None],
                                   label, index, f"its process {'was ' * (code < 0)}"
                                   f"{_how(code)}", time.time(), gone=True)
-            stop.set()
+            if not keep_going:
+                stop.set()
 
     def stop_if_failed(done: asyncio.Future[object]) -> None:
         if not done.cancelled() and done.exception() is not None:

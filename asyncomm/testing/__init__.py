@@ -22,7 +22,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any, cast
@@ -302,11 +302,12 @@ async def fresh(comm: asyncomm.Comm,
 
 
 def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
-               timeout: float = 90.0, env: Mapping[str, str] | None = None
-               ) -> subprocess.CompletedProcess[str]:
+               timeout: float = 90.0, env: Mapping[str, str] | None = None,
+               options: Sequence[str] = ()) -> subprocess.CompletedProcess[str]:
     """Write ``source`` as a script in ``directory`` and run it with ``asyncomm run -n n``.
 
-    ``env`` is added to the ranks' environment. Skips the calling test (pytest) when
+    ``env`` is added to the ranks' environment, ``options`` to ``asyncomm run``'s
+    (``--keep-going``). Skips the calling test (pytest) when
     ``backend`` is ``"mpi"`` and no mpiexec exists.
 
     Returns:
@@ -327,5 +328,5 @@ def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "asyncomm", "run", "-n", str(n), "--backend", backend,
-         str(script)], capture_output=True, text=True, timeout=timeout,
+         *options, str(script)], capture_output=True, text=True, timeout=timeout,
         env={**os.environ, **(env or {}), "PYTHONPATH": path})

@@ -4,7 +4,8 @@ One row per test of ``CHANNEL_TESTS`` (the variant compared, its baseline, the u
 target on their ratio; ``BACKEND_TARGETS`` where one backend differs): ``pingpong``,
 ``awaited`` (raw sends and receives each awaited through a plain bridge, ``_awaited``: a
 reference for the ping-pong row), ``stream``, ``rate``, ``burst``, ``actor`` and
-``channels``. docs/benchmarks.md ("Channels") says what each row measures against what.
+``channels``; with 3 ranks or more, ``mesh`` and ``mesh-seq`` (rank 0 calls a mesh of every
+other rank). docs/benchmarks.md ("Channels") says what each row measures against what.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ CHANNEL_TESTS: dict[str, tuple[str, str, str, tuple[str, float] | None]] = {
     "burst": ("asyncomm", "raw", "msg/s", None),
     "actor": ("actor call", "channel", "us", ("<=", 1.3)),
     "channels": (f"{OPEN_CHANNELS} channels", "1 channel", "us", ("<=", 1.2)),
+    "mesh": ("mesh call", "together", "us", ("<=", 1.0)),  # with 3 ranks or more
+    "mesh-seq": ("mesh call", "one by one", "us", None),
 }
 # Targets that hold for one backend and size only: (test, size, backend) -> target.
 BACKEND_TARGETS: dict[tuple[str, int, str], tuple[str, float]] = {
@@ -326,16 +329,50 @@ def _actor_case(comm: Comm, rank: int, peer: int, quick: bool) -> Case:
     }, warmup, iters, 1.0)
 
 
+async def _mesh_cases(comm: Comm, quick: bool) -> list[Case]:
+    """Rank 0 calls every member of a mesh of the other ranks: one mesh call, against the
+    same actor calls issued together (gathered), and one after another."""
+    import torch
+
+    import asyncomm
+
+    class Echo(asyncomm.Actor):
+        echo = asyncomm.endpoint(_Echo.echo)
+
+    t = torch.zeros(2)
+    mesh = await comm.spawn(Echo, name="bench-mesh", ranks=range(1, comm.size))
+    refs = [mesh[r] for r in mesh.ranks]
+
+    async def together() -> None:
+        await asyncio.gather(*(ref.echo(t) for ref in refs))
+
+    async def one_by_one() -> None:
+        for ref in refs:
+            await ref.echo(t)
+
+    warmup, iters = iterations(t.nbytes, quick)
+    iters = max(2, iters // 5)  # (each a round trip to every member)
+    call = Timed(functools.partial(mesh.echo.call, t) if comm.rank == 0 else None, False)
+    return [Case(test, t.nbytes, {"mesh call": call, name: Timed(
+                 variant if comm.rank == 0 else None, False)}, warmup, iters, 1.0)
+            for test, name, variant in (("mesh", "together", together),
+                                        ("mesh-seq", "one by one", one_by_one))]
+
+
 async def measure(comm: Comm, sizes: Sequence[int], rounds: int, quick: bool
                     ) -> list[Record]:
     """Measure channels beside their baselines; return rank 0's records (``[]`` elsewhere)."""
     records: list[Record] = []
-    for case in _channel_cases(comm, sizes, quick):
+    cases = _channel_cases(comm, sizes, quick)
+    if comm.size >= 3:
+        cases += await _mesh_cases(comm, quick)
+    for case in cases:
         samples = await alternate(comm, case.variants, rounds, case.warmup, case.iters,
                                    case.prime)
         if comm.rank == 0:
             records.append(record(case, samples, comm.backend))
             progress(records[-1])
+    await comm.barrier()  # members serve until rank 0 has made its last call
     return records
 
 
@@ -371,7 +408,7 @@ def table(records: Sequence[Record]) -> list[str]:
     lines = [f"channels: median of {m['rounds']} rounds; ping-pong: one-way latency; "
              f"stream: {IN_FLIGHT} x {size_text(STREAM_BYTES)} in flight; "
              f"rate: {IN_FLIGHT} dicts one after the other; burst: {IN_FLIGHT} x 8 B; "
-             "actor: round trips",
+             "actor, mesh: round trips (mesh: of every member)",
              f"{'test':<10}{'size':>8}{'unit':>7}{'baseline':>11}{'value':>10}"
              f"{'compared':>15}{'value':>10}{'ratio':>7}  target"]
     for r in records:

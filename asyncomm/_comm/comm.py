@@ -6,34 +6,32 @@ import asyncio
 import collections
 import logging
 import pickle
-import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from asyncomm._comm.peers import Peers
 from asyncomm._core import instrument, settings, tags
 from asyncomm._core.arguments import Arguments
 from asyncomm._core.backend import Backend, Posted
-from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError, describe, gist
+from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError
 from asyncomm._core.handle import FROM_BACKEND, Deadlines, Handle
 from asyncomm._core.ops import ReduceOp
 from asyncomm._messaging.actors import Actor, ActorRef, Host
 from asyncomm._messaging.channels import Channel, codec_of
+from asyncomm._messaging.meshes import Mesh
 from asyncomm._messaging.router import Router
 from asyncomm._observe import recorder, status, watchdog
 from asyncomm._observe.checks import Checker, checked
 
 T = TypeVar("T")
 _log = logging.getLogger("asyncomm")
-# A rank that says it failed may have done its part of what waits on it (a barrier it
-# passed): that completes first, what is still pending this long after the notice fails.
-_TOLD_S = 0.25
 Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)  # type: ignore[type-arg]
 
 
-class Comm:
+class Comm(Peers):
     """A communicator: this rank's view of a group of ranks, with awaitable operations.
 
     Every operation is issued when it is called, in program order, and
@@ -104,6 +102,7 @@ class Comm:
         self._router = Router(backend.rank, backend.size, own.link(), backend, self._probe,
                               chosen.probe_s)
         self._router.on_dead.append(self._peer_died)
+        self._failed: set[int] = set()  # see ``failed``
         self._router.stall_s, self._router.explain = self._stall_s, self._peers_say
         # Eager too: a call to an actor not served (yet) fails the same way on every rank.
         self._host = Host(self._router, self.rank, timeout)
@@ -523,130 +522,67 @@ class Comm:
         Every rank of this communicator calls it; it resolves to the new
         ``Comm`` on members and to ``None`` elsewhere.
         """
-        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
-            raise TypeError(f"{self._what('group')}: ranks must be an iterable of ints")
-        members = sorted(self._args.peer(r, "group", "rank") for r in ranks)
-        if not members:
-            raise ValueError(f"{self._what('group')}: ranks is empty")
-        if len(set(members)) != len(members):
-            raise ValueError(f"{self._what('group')}: ranks has duplicates: {members}")
-
+        members = self._members(ranks, "group")
         self._groups += 1  # on every rank, member or not: labels must agree
         label = f"{self._label}.{self._groups}"
 
         async def body() -> Comm | None:
             made = await self._own.split(members)
-            if made is None:
-                return None
-            child = Comm(made[0], made[1], self._loop, self._timeout, label,
-                         [self._world_ranks[r] for r in members], self._addresses)
-            child._parent = self
-            self._children.append(child)
-            return child
+            return None if made is None else self._child(made, members, label)
 
         return self._steps("group", body, timeout)
 
-    # -- diagnostics (see _status) ----------------------------------------------------
+    def _members(self, ranks: Iterable[int], op: str) -> list[int]:
+        """``ranks``, checked (ranks of this communicator, no duplicates, not none), sorted."""
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
+            raise TypeError(f"{self._what(op)}: ranks must be an iterable of ints")
+        members = sorted(self._args.peer(r, op, "rank") for r in ranks)
+        if not members:
+            raise ValueError(f"{self._what(op)}: ranks is empty")
+        if len(set(members)) != len(members):
+            raise ValueError(f"{self._what(op)}: ranks has duplicates: {members}")
+        return members
 
-    def _status(self) -> dict[str, Any]:
-        """Return this rank's state of the communicator, for a peer that asks."""
-        pending = self._deadlines.pending()
-        now = time.monotonic()
-        return {"state": "closed" if self._closed else "open",
-                "pending": [[*h._what[1:], now - issued, status.shape(h._keep)]
-                            for h, issued in pending[:8]],
-                "more": max(0, len(pending) - 8),
-                "timed_out": [[*what[1:], now - when] for what, when in self._timed_out],
-                "last": [self._last_op, self._seq, status.shape(self._last_tensor)]}
+    def _child(self, made: tuple[Backend, Backend], members: list[int], label: str) -> Comm:
+        child = Comm(made[0], made[1], self._loop, self._timeout, label,
+                     [self._world_ranks[r] for r in members], self._addresses)
+        child._parent = self
+        self._children.append(child)
+        return child
 
-    async def _peers_say(self, peers: Sequence[int]) -> str:
-        """Return what ``peers`` are doing on this communicator, asked without it."""
-        async def one(peer: int) -> tuple[int, str]:
-            known = self._router.known(peer)
-            if known is not None:
-                return peer, known
-            address = self._addresses[self._world_ranks[peer]] if self._addresses else None
-            state = None if address is None else await status.ask(address, self._label)
-            return peer, status.word(state)
+    # -- surviving a dead rank -------------------------------------------------------
 
-        return status.summary(await asyncio.gather(*(one(p) for p in peers)))
+    @property
+    def failed(self) -> frozenset[int]:
+        """The ranks known to have failed: dead, or raised and said so (see ``shrink``)."""
+        return frozenset(self._failed)
 
-    def _expired(self, handle: Handle[Any], timeout: float) -> None:
-        """A deadline passed: fail ``handle``, with the peers' state if it is a collective."""
-        self._timed_out.append((handle._what, time.monotonic()))
-        if self.size == 1 or self._closed or not checked(handle.op):
-            handle._expire(timeout)
-            return
+    async def shrink(self, *, timeout: float | None = None) -> Comm:
+        """Make a communicator of the ranks still alive, in order, renumbered 0..k-1.
 
-        async def explain() -> None:
-            said = await self._peers_say(self._router.others(None))
-            hint = "" if self._checker is not None else (
-                " If the ranks' collectives differ, rerun with ASYNCOMM_DEBUG=1: every "
-                "collective is then checked across ranks first (fingerprints).")
-            mine = status.shape(handle._keep)
-            mine = f" (this rank's tensor: {mine})" if mine else ""
-            handle._expire(timeout, f"{mine}. Meanwhile {said}.{hint}")
-
-        self._router.aside(explain())
-
-    def _needs(self, handle: Handle[Any]) -> list[int]:
-        """Return the peers ``handle`` waits for: its peer, or every other rank."""
-        peer = handle.peer
-        return [peer] if peer is not None else [r for r in range(self.size) if r != self.rank]
-
-    def _check_peers(self, waiting: list[Handle[Any]]) -> None:
-        """Operations have waited ``PROBE_S``: are the peers they need still there?
-
-        A dead peer is probed as the channels' are (see ``_channels``' note on
-        dead peers); ``_peer_died`` then fails what needs it. Only where the
-        backend can tell (gloo): under MPI a dead rank ends the job.
+        Every surviving rank calls it once a rank has failed; they agree on who
+        is alive first (``NotImplementedError`` where the backend cannot go on
+        without a rank: MPI without fault tolerance).
         """
-        self._router.check_peers({peer for handle in waiting for peer in self._needs(handle)})
+        self._open("shrink")
+        limit = self._args.deadline(timeout, "shrink")
+        self._groups += 1  # on every survivor: labels must agree
+        label = f"{self._label}.{self._groups}"
+        members, made = await self._own.shrink(sorted(self._failed), limit)
+        return self._child(made, members, label)
 
-    def _peer_died(self, peer: int, cause: BaseException | None = None) -> None:
-        """``peer`` is gone, or said it failed (``cause``): fail what needs it, now and later
-        (what is pending a moment later, where it said so: its part may be in, a barrier's)."""
-        cause = self._router.dead[peer] if cause is None else cause
-        lost = PeerFailedError(f"rank {peer} is gone: {cause}")
-        for backend in (self._backend, self._own):
-            if backend.lost is None:
-                backend.lost = lost
-        self._loop.call_later(0.0 if peer in self._router.dead else _TOLD_S, self._fail_needing,
-                              peer, cause)
-
-    def _fail_needing(self, peer: int, cause: BaseException) -> None:
-        for handle, _ in self._deadlines.pending():
-            needs = self._needs(handle)
-            if peer in needs and (handle.peer is not None or handle.op != "recv"
-                                  or all(p in self._router.dead or p == peer for p in needs)):
-                error = PeerFailedError(f"rank {peer} failed ({gist(cause)})")
-                error.__cause__ = cause
-                handle._abandon(PeerFailedError, error)
-
-    def _told(self, world: str, rank: int, what: str, gone: bool) -> None:
-        """A notice (see ``status``): a process ``gone`` is news to the router, not a leaver."""
-        if not self._closed and self._label.split(".")[0] == world and rank in self._world_ranks:
-            peer, cause = self._world_ranks.index(rank), PeerFailedError(what)
-            if gone:
-                self._router.failed(peer, cause)  # (else it still says its goodbye)
-            else:
-                self._peer_died(peer, cause)
-
-    async def _tell(self, what: str, when: float | None = None) -> None:
-        """This rank failed (at ``when``, epoch s), having done ``what``: tell the launcher
-        and every other rank of the world, once; return once each has heard (or not)."""
-        world, me = self._label.split(".")[0], self._world_ranks[self.rank]
-        if (world, me) not in status.failed:
-            when = time.time() if when is None else when
-            status.failed.add((world, me))
-            status.to_launcher(f"{status.FAILED_AT}{when:.6f}")
-            await status.tell([a for r, a in enumerate(self._addresses) if r != me], world,
-                              me, what, when)
-
-    def _stalled(self, stalled: list[tuple[Handle[Any], float]]) -> None:
-        """Warn, once each, of operations pending for ``ASYNCOMM_STALL_S`` or longer."""
-        for handle, waited in stalled:
-            self._router.warn_stalled(describe(*handle._what), waited, self._needs(handle))
+    async def spawn(self, cls: Callable[..., Actor], *args: Any, name: str,
+                    ranks: Iterable[int] | None = None, **kwargs: Any) -> Mesh:
+        """Serve ``cls(*args, **kwargs)`` (each rank's own arguments) as ``name`` on each of
+        ``ranks`` (default: all); collective: every rank of this communicator gets the mesh."""
+        members = list(range(self.size)) if ranks is None else self._members(ranks, "spawn")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{self._what('spawn')}: name must be a non-empty str")
+        self._open("spawn")
+        if self.rank in members:
+            self.serve(cls(*args, **kwargs), name)
+        await self._own_op("spawn", self._own.barrier)  # every member serves before any call
+        return Mesh(self._host, name, members, self._router.dead)
 
     # -- lifecycle ---------------------------------------------------------------
 

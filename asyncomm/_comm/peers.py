@@ -1,0 +1,151 @@
+"""``Peers``: what a communicator knows of its peers, and says of itself.
+
+The part of ``Comm`` that answers a peer asking what this rank is doing
+(``_status``), asks the peers in turn when an operation times out or stalls,
+and acts on failures: a peer found gone, or a notice that one failed (see
+``status``' note on failure notices), fails what needs it; this rank's own
+failure is told to the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from asyncomm._core.backend import Backend
+from asyncomm._core.errors import PeerFailedError, describe, gist
+from asyncomm._core.handle import Deadlines, Handle
+from asyncomm._messaging.router import Router
+from asyncomm._observe import status
+from asyncomm._observe.checks import Checker, checked
+
+# A rank that says it failed may have done its part of what waits on it (a barrier it
+# passed): that completes first, what is still pending this long after the notice fails.
+_TOLD_S = 0.25
+
+
+class Peers:
+    """Mixed into ``Comm``: its peers' state and failures (see the module's note)."""
+
+    _rank: int
+    _backend: Backend
+    _own: Backend
+    _loop: asyncio.AbstractEventLoop
+    _router: Router
+    _deadlines: Deadlines
+    _checker: Checker | None
+    _closed: bool
+    _label: str
+    _world_ranks: list[int]
+    _addresses: list[str]
+    _failed: set[int]  # ranks known to have failed
+    _timed_out: collections.deque[tuple[tuple[Any, ...], float]]
+    _seq: int
+    _last_op: str
+    _last_tensor: object
+
+    def _status(self) -> dict[str, Any]:
+        """Return this rank's state of the communicator, for a peer that asks."""
+        pending = self._deadlines.pending()
+        now = time.monotonic()
+        return {"state": "closed" if self._closed else "open",
+                "pending": [[*h._what[1:], now - issued, status.shape(h._keep)]
+                            for h, issued in pending[:8]],
+                "more": max(0, len(pending) - 8),
+                "timed_out": [[*what[1:], now - when] for what, when in self._timed_out],
+                "last": [self._last_op, self._seq, status.shape(self._last_tensor)]}
+
+    async def _peers_say(self, peers: Sequence[int]) -> str:
+        """Return what ``peers`` are doing on this communicator, asked without it."""
+        async def one(peer: int) -> tuple[int, str]:
+            known = self._router.known(peer)
+            if known is not None:
+                return peer, known
+            address = self._addresses[self._world_ranks[peer]] if self._addresses else None
+            state = None if address is None else await status.ask(address, self._label)
+            return peer, status.word(state)
+
+        return status.summary(await asyncio.gather(*(one(p) for p in peers)))
+
+    def _expired(self, handle: Handle[Any], timeout: float) -> None:
+        """A deadline passed: fail ``handle``, with the peers' state if it is a collective."""
+        self._timed_out.append((handle._what, time.monotonic()))
+        if self._backend.size == 1 or self._closed or not checked(handle.op):
+            handle._expire(timeout)
+            return
+
+        async def explain() -> None:
+            said = await self._peers_say(self._router.others(None))
+            hint = "" if self._checker is not None else (
+                " If the ranks' collectives differ, rerun with ASYNCOMM_DEBUG=1: every "
+                "collective is then checked across ranks first (fingerprints).")
+            mine = status.shape(handle._keep)
+            mine = f" (this rank's tensor: {mine})" if mine else ""
+            handle._expire(timeout, f"{mine}. Meanwhile {said}.{hint}")
+
+        self._router.aside(explain())
+
+    def _needs(self, handle: Handle[Any]) -> list[int]:
+        """Return the peers ``handle`` waits for: its peer, or every other rank."""
+        peer = handle.peer
+        if peer is not None:
+            return [peer]
+        return [r for r in range(self._backend.size) if r != self._rank]
+
+    def _check_peers(self, waiting: list[Handle[Any]]) -> None:
+        """Operations have waited ``PROBE_S``: are the peers they need still there?
+
+        A dead peer is probed as the channels' are (see ``_channels``' note on
+        dead peers); ``_peer_died`` then fails what needs it. Only where the
+        backend can tell (gloo): under MPI a dead rank ends the job.
+        """
+        self._router.check_peers({peer for handle in waiting for peer in self._needs(handle)})
+
+    def _peer_died(self, peer: int, cause: BaseException | None = None) -> None:
+        """``peer`` is gone, or said it failed (``cause``): fail what needs it, now and later
+        (what is pending a moment later, where it said so: its part may be in, a barrier's)."""
+        cause = self._router.dead[peer] if cause is None else cause
+        self._failed.add(peer)
+        lost = PeerFailedError(f"rank {peer} is gone: {cause}")
+        for backend in (self._backend, self._own):
+            if backend.lost is None:
+                backend.lost = lost
+        self._loop.call_later(0.0 if peer in self._router.dead else _TOLD_S, self._fail_needing,
+                              peer, cause)
+
+    def _fail_needing(self, peer: int, cause: BaseException) -> None:
+        for handle, _ in self._deadlines.pending():
+            needs = self._needs(handle)
+            if peer in needs and (handle.peer is not None or handle.op != "recv"
+                                  or all(p in self._router.dead or p == peer for p in needs)):
+                error = PeerFailedError(f"rank {peer} failed ({gist(cause)})")
+                error.__cause__ = cause
+                handle._abandon(PeerFailedError, error)
+
+    def _told(self, world: str, rank: int, what: str, gone: bool) -> None:
+        """A notice (see ``status``): a process ``gone`` is news to the router, not a leaver."""
+        if not self._closed and self._label.split(".")[0] == world and rank in self._world_ranks:
+            peer, cause = self._world_ranks.index(rank), PeerFailedError(what)
+            if gone:
+                self._router.failed(peer, cause)  # (else it still says its goodbye)
+            else:
+                self._peer_died(peer, cause)
+
+    async def _tell(self, what: str, when: float | None = None) -> None:
+        """This rank failed (at ``when``, epoch s), having done ``what``: tell the launcher
+        and every other rank of the world, once; return once each has heard (or not)."""
+        world, me = self._label.split(".")[0], self._world_ranks[self._rank]
+        if (world, me) not in status.failed:
+            when = time.time() if when is None else when
+            status.failed.add((world, me))
+            status.to_launcher(f"{status.FAILED_AT}{when:.6f}")
+            await status.tell([a for r, a in enumerate(self._addresses) if r != me], world,
+                              me, what, when)
+
+    def _stalled(self, stalled: list[tuple[Handle[Any], float]]) -> None:
+        """Warn, once each, of operations pending for ``ASYNCOMM_STALL_S`` or longer."""
+        for handle, waited in stalled:
+            self._router.warn_stalled(describe(*handle._what), waited, self._needs(handle))
