@@ -6,7 +6,7 @@ import asyncomm
 
 PUBLIC = {
     "Actor", "ActorRef", "Channel", "Comm", "CommClosedError", "CommError", "CommTimeoutError",
-    "GradSync", "Handle", "Message", "MismatchError", "PeerFailedError", "ProtocolError",
+    "GradSync", "Handle", "Mesh", "Message", "MismatchError", "PeerFailedError", "ProtocolError",
     "ReduceOp", "RemoteError", "__version__", "compute", "endpoint", "init", "run", "trace",
 }
 

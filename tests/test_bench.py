@@ -38,7 +38,9 @@ def test_a_small_channels_run_writes_whole_records(tmp_path: Path) -> None:
     records: list[dict[str, Any]] = json.loads(out.read_text())
     assert {(r["bench"], r["backend"], r["ranks"]) for r in records} == {("channels", "gloo", 2)}
     assert [r["size"] for r in records if r["op"] == "pingpong"] == [8], records
-    assert {r["op"] for r in records} == set(channels.CHANNEL_TESTS), records
+    # (the mesh rows need 3 ranks or more)
+    assert {r["op"] for r in records} == set(channels.CHANNEL_TESTS) - {"mesh", "mesh-seq"}, \
+        records
     for r in records:
         compared, base, unit, _ = channels.CHANNEL_TESTS[r["op"]]
         assert r["unit"] == unit and (r["compared"], r["base"]) == (compared, base), r

@@ -288,7 +288,7 @@ def test_the_launching_commands_do_not_load_torch() -> None:
         assert "torch" not in sys.modules, "run loaded torch"
         _cli._parser(["bench", "channels"])  # the bench's parent only launches and reports
         assert "torch" not in sys.modules, "bench loaded torch"
-        assert asyncomm.Comm.__module__ == "asyncomm._comm" and asyncomm.pipeline.Pipeline
+        assert asyncomm.Comm.__module__ == "asyncomm._comm.comm" and asyncomm.pipeline.Pipeline
     """)
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                           timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -31,9 +32,17 @@ def _parser(argv: Sequence[str]) -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``asyncomm`` command; return its exit code."""
+    from_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     args = _parser(argv).parse_args(argv)
     code: int = args.func(args)
+    if args.command == "run" and from_command_line:
+        # The command line's launcher: its ranks are gone, and what it loaded for them
+        # (torch, for the rendezvous store) needs no finalizing, which costs a loaded
+        # machine most of a second per job.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     return code
 
 
