@@ -117,8 +117,14 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
 
     async def body() -> T:
         async with init(backend=backend, timeout=deadline) as comm:
+            fatal = _fatal_errors(asyncio.current_task())
             try:
-                return await main(comm)
+                try:
+                    return await main(comm)
+                except asyncio.CancelledError:
+                    if not fatal:
+                        raise
+                    raise fatal[0] from None  # as if ``main`` had raised it
             except BaseException as exc:
                 if comm.size > 1 and not isinstance(
                         exc, (KeyboardInterrupt, SystemExit, asyncio.CancelledError)):
@@ -137,6 +143,29 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
     finally:
         if not frozen_before:
             gc.unfreeze()
+
+
+def _fatal_errors(task: asyncio.Task[Any] | None) -> list[BaseException]:
+    """Route errors reported to the loop as fatal (``"asyncomm_fatal"`` in the context: a
+    mesh's failure handler that raised) to ``task``, ``main``'s: it is cancelled, and the
+    list returned holds the error to raise in its place. Other reports go on as before."""
+    loop = asyncio.get_running_loop()
+    errors: list[BaseException] = []
+    before = loop.get_exception_handler()
+
+    def handle(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        error = context.get("exception")
+        if context.get("asyncomm_fatal") and isinstance(error, BaseException) and task:
+            if not errors:
+                errors.append(error)
+                task.cancel()
+        elif before is not None:
+            before(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handle)
+    return errors
 
 
 def _from_main(tb: TracebackType | None, body: CodeType) -> TracebackType | None:

@@ -227,7 +227,7 @@ async def check_long_timeout(comm: Comm) -> float | None:
             start = time.monotonic()
             with pytest.raises(asyncomm.CommTimeoutError, match=r"patient\.slow on rank 1 timed "
                                r"out after 2\.1 s"):
-                await ref.slow(5.0, timeout=2.1)
+                await ref.slow(3.0, timeout=2.1)
             elapsed = time.monotonic() - start
             assert await ref.double(2) == 4  # still serving, the late reply dropped
         await sub.barrier()

@@ -63,19 +63,19 @@ asyncomm.run(main)
 def test_ctrl_c_stops_the_world_in_a_line(tmp_path: Path, backend: str, phase: str,
                                           request: pytest.FixtureRequest) -> None:
     n = 3
-    for _ in range(2 if phase == "starting" else 1):  # where it lands in start-up varies
-        proc = start(tmp_path, SLEEPER, n, backend)
-        assert proc.stdout is not None
-        seen = 0
-        while seen < n and (line := proc.stdout.readline()):
-            seen += line.endswith(f"] {phase}\n")
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=240)
-        said = [line for line in (out + err).splitlines()
-                if not line.endswith(("] starting", "] ready"))]
-        assert proc.returncode == 130, out + err
-        assert said[-1].startswith("asyncomm run: interrupted"), out + err
-        assert len(said) <= n + 1 and all(len(line) < 160 for line in said), out + err
+    # (where it lands varies from run to run: see also the callback test below)
+    proc = start(tmp_path, SLEEPER, n, backend)
+    assert proc.stdout is not None
+    seen = 0
+    while seen < n and (line := proc.stdout.readline()):
+        seen += line.endswith(f"] {phase}\n")
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=240)
+    said = [line for line in (out + err).splitlines()
+            if not line.endswith(("] starting", "] ready"))]
+    assert proc.returncode == 130, out + err
+    assert said[-1].startswith("asyncomm run: interrupted"), out + err
+    assert len(said) <= n + 1 and all(len(line) < 160 for line in said), out + err
 
 
 FAILING = """
@@ -186,3 +186,26 @@ def test_a_gloo_failure_is_said_without_cpp_source_locations(tmp_path: Path) -> 
         assert said[-1].startswith("asyncomm run: rank 1 failed first: RuntimeError: Timed "
                                    "out waiting 100ms for recv operation"), err
         assert not [line for line in said if ".cc:" in line], err
+
+
+# Ctrl-C may land in a callback (an import lock's, as a rank loads torch): Python reports it
+# there as "Exception ignored in ...", a traceback of its own. A rank started by the launcher
+# leaves that to the launcher's one line.
+UNRAISABLE = """
+class Interrupted:
+    def __del__(self):
+        raise KeyboardInterrupt
+
+Interrupted()
+
+class Broken:
+    def __del__(self):
+        raise ValueError("still said")
+
+Broken()
+"""
+
+
+def test_an_interrupt_in_a_callback_is_not_reported_by_the_rank(tmp_path: Path) -> None:
+    _, err = run(tmp_path, UNRAISABLE, 1, "gloo")
+    assert "KeyboardInterrupt" not in err and "ValueError: still said" in err, err

@@ -80,8 +80,9 @@ class Mesh:
     def on_failure(self, handler: FailureHandler) -> None:
         """Call ``handler(rank, cause)`` once for each member found gone (see the note).
 
-        It runs on the event loop, as the news arrives; an exception it raises is
-        reported by the loop's exception handler (``asyncomm.run`` ends the job).
+        It runs on the event loop, as the news arrives. An exception it raises ends
+        the program under ``asyncomm.run``, as if ``main`` had raised it (elsewhere the
+        loop's exception handler reports it).
         """
         self._handlers.append(handler)
         self._host.on_dead(self._supervise)
@@ -95,10 +96,11 @@ class Mesh:
         for handler in self._handlers:
             try:
                 handler(rank, self._dead[rank])
-            except Exception as exc:
+            except Exception as exc:  # ends the program (``asyncomm.run``; see ``on_failure``)
                 asyncio.get_running_loop().call_exception_handler({
                     "message": f"asyncomm: rank {self._host.rank}: mesh {self.name!r}: the "
-                               f"failure handler raised for rank {rank}", "exception": exc})
+                               f"failure handler raised for rank {rank}", "exception": exc,
+                    "asyncomm_fatal": True})
 
 
 class MeshEndpoint:

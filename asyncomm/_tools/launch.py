@@ -69,6 +69,10 @@ try:
     os.set_blocking(heard, False)
     os.set_blocking(told, False)
     signal.set_wakeup_fd(told, warn_on_full_buffer=False)
+    def unraisable(said, before=sys.unraisablehook):
+        if not issubclass(said.exc_type, KeyboardInterrupt):  # Ctrl-C in a callback, an
+            before(said)  # import lock's: the launcher says it was interrupted, once
+    sys.unraisablehook = unraisable
     del sys.argv[0]
     if sys.argv[0] == "-m":
         del sys.argv[0]
