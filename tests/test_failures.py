@@ -255,8 +255,21 @@ def test_a_consequent_failure_is_said_in_one_line_as_python_words_it(
 SURVIVORS = """
 import asyncio, os, sys, torch, asyncomm
 
+class Slow(asyncomm.Actor):
+    @asyncomm.endpoint
+    async def wait(self):
+        await asyncio.sleep(60)
+
+async def call(comm):  # in flight to rank 1 as it fails: it will never answer
+    try:
+        await comm.actor(1, "slow").wait()
+    except asyncomm.PeerFailedError as exc:
+        print(f"call caught: {exc}", flush=True)
+
 async def main(comm):
     ch, ready = comm.channel(3), comm.channel(4)
+    if comm.rank == 1:
+        comm.serve(Slow(), "slow")
     await comm.barrier()
     if comm.rank == 1:  # once the others are past the barrier
         for _ in range(comm.size - 1):
@@ -267,7 +280,7 @@ async def main(comm):
         if comm.rank == 0:
             await comm.all_reduce(torch.ones(1))  # would wait for rank 1 forever
         else:
-            await comm.recv(torch.ones(1), 1)
+            await asyncio.gather(comm.recv(torch.ones(1), 1), call(comm))
     except asyncomm.PeerFailedError as exc:
         print(f"caught: {exc}", flush=True)
         try:
@@ -293,6 +306,8 @@ def test_survivors_are_told_who_failed_and_have_time_to_end(tmp_path: Path,
         assert (f"[{rank}] caught: rank {rank}: {op}: rank 1 failed (it raised ValueError: "
                 "boom on purpose)") in proc.stdout, proc.stdout + proc.stderr
         assert f"[{rank}] cleaned up" in proc.stdout, proc.stdout + proc.stderr
+    assert ("[2] call caught: rank 2: call slow.wait on rank 1: rank 1 failed (it raised "
+            "ValueError: boom on purpose)") in proc.stdout, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "asyncomm run: rank 1 failed first: ValueError: boom on purpose ("), proc.stderr
     proc = run_script(SURVIVORS.replace("sys.argv[1]", "120.0"), tmp_path, 3, backend,

@@ -18,6 +18,7 @@ from typing import Any
 from asyncomm._core.backend import Backend
 from asyncomm._core.errors import PeerFailedError, describe, gist
 from asyncomm._core.handle import Deadlines, Handle
+from asyncomm._messaging.actors import Host
 from asyncomm._messaging.router import Router
 from asyncomm._observe import status
 from asyncomm._observe.checks import Checker, checked
@@ -35,6 +36,7 @@ class Peers:
     _own: Backend
     _loop: asyncio.AbstractEventLoop
     _router: Router
+    _host: Host
     _deadlines: Deadlines
     _checker: Checker | None
     _closed: bool
@@ -113,6 +115,15 @@ class Peers:
         for backend in (self._backend, self._own):
             if backend.lost is None:
                 backend.lost = lost
+        if peer not in self._router.dead:  # (the router fails calls to the dead)
+            def failed(what: str) -> PeerFailedError:
+                error = PeerFailedError(f"rank {self._rank}: {what}: rank {peer} failed "
+                                        f"({gist(cause)})")
+                error.__cause__ = cause
+                return error
+
+            self._host.told[peer] = failed  # a call to it fails so, when it closes
+            self._loop.call_later(_TOLD_S, self._host.fail_calls, peer, failed)
         self._loop.call_later(0.0 if peer in self._router.dead else _TOLD_S, self._fail_needing,
                               peer, cause)
 

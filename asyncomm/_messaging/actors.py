@@ -102,6 +102,8 @@ class Host:
         self._outboxes: dict[int, asyncio.Queue[_Outgoing | None]] = {}
         self._backlog: dict[int, int] = {}  # messages queued in an outbox, not sent yet
         self._unserved: dict[str, collections.deque[Message]] = {}  # tells before their actor
+        # ranks that said they failed: the error of a call to each (from the communicator)
+        self.told: dict[int, Callable[[str], BaseException]] = {}
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._requests.listen(self._on_request)
@@ -268,7 +270,8 @@ class Host:
                 kwargs: dict[str, Any]) -> Posted:
         """Post a call of ``name.method`` to ``rank`` (sent at the next flush); its reply
         settles the future of the ``(rank, name, method, call id, future)`` returned."""
-        if rank in self._dead or rank in self._ended or rank in self._replies_ended:
+        if (rank in self._dead or rank in self._ended or rank in self._replies_ended
+                or rank in self.told):
             self.check_open(rank, name, method)  # which says why not
         call_id = next(self._ids)
         future = self._loop.create_future()
@@ -343,6 +346,8 @@ class Host:
     def check_open(self, rank: int, name: str, method: str) -> None:
         if rank in self._router.dead:
             raise self._router._gone(f"call {name}.{method} on rank {rank}", rank)
+        if rank in self.told:
+            raise self.told[rank](f"call {name}.{method} on rank {rank}")
         if rank in self._requests._box.ended or rank in self._replies._box.ended:
             raise CommClosedError(f"rank {self.rank}: call {name}.{method}: rank {rank} "
                                   "closed its communicator")
@@ -443,10 +448,15 @@ class Host:
 
     def _fail_dead(self, rank: int) -> None:
         """``rank`` is gone: fail the calls in flight to it."""
+        self.fail_calls(rank, lambda what: self._router._gone(what, rank))
+
+    def fail_calls(self, rank: int, error: Callable[[str], BaseException]) -> None:
+        """Fail the calls in flight to ``rank``, and later ones, with ``error(what the call
+        was)``: it said it failed (see ``told``)."""
+        self.told[rank] = error
         for callee, future, name, method in self._calls.values():
             if callee == rank and not future.done():
-                future.set_exception(self._router._gone(f"call {name}.{method} on rank {rank}",
-                                                        rank))
+                future.set_exception(error(f"call {name}.{method} on rank {rank}"))
 
     def _settle(self, call_id: int, ok: bool, result: Any) -> None:
         pending = self._calls.get(call_id)
@@ -455,11 +465,13 @@ class Host:
 
     def _fail_closed(self) -> None:
         ended = self._replies._box.ended | self._requests._box.ended
-        for rank, future, _, _ in self._calls.values():
+        for rank, future, name, method in self._calls.values():
             if rank in ended and not future.done():
+                told = self.told.get(rank)  # it closed because it failed: say that
                 future.set_exception(CommClosedError(
                     f"rank {self.rank}: rank {rank} closed its communicator with a call "
-                    "to it in flight"))
+                    "to it in flight") if told is None else told(
+                    f"call {name}.{method} on rank {rank}"))
 
     async def close(self, timeout: float = 30.0) -> None:
         """Send what is queued (tells too), tell every rank this one is gone, stop serving."""
