@@ -12,6 +12,9 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from asyncomm._core import instrument
 from asyncomm._observe import recorder as _recorder
@@ -25,12 +28,18 @@ from asyncomm._observe.timeline import (
     merge,
     overlap,
     report,
+    steps,
     summarise,
     union,
+    window,
 )
 
-__all__ = ["Overlap", "directory", "draw", "enabled", "intersect", "length", "load", "measure",
-           "merge", "overlap", "report", "span", "start", "stop", "summarise", "union"]
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["Overlap", "ddp", "directory", "draw", "enabled", "intersect", "length", "load",
+           "measure", "merge", "overlap", "report", "span", "start", "step", "steps", "stop",
+           "summarise", "union", "window", "work"]
 
 
 def start(directory: str | os.PathLike[str]) -> None:
@@ -81,6 +90,65 @@ class span:  # a context manager named like the function it reads as
 
     async def __aexit__(self, *exc: object) -> None:
         self.__exit__(*exc)
+
+
+def ddp(model: DistributedDataParallel) -> DistributedDataParallel:
+    """Put ``model``'s gradient all-reduces on this rank's timeline; return ``model``.
+
+    DDP's reducer runs its collectives inside torch, where asyncomm cannot see
+    them: this registers a communication hook that does what DDP does by
+    default (torch's ``allreduce_hook``: the bucket averaged over the group)
+    and records each bucket's all-reduce, from its issue until its result is
+    ready, as ``ddp:all_reduce`` with its bytes. Call it once, before
+    training (DDP takes one hook); while tracing is off nothing is recorded.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    def hook(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        start = time.perf_counter()
+        done = default_hooks.allreduce_hook(group, bucket)
+        return _timed(done, "all_reduce", bucket.buffer().nbytes, start, "ddp:all_reduce")
+
+    # DDP checks a hook's annotations against the objects themselves (not their names)
+    hook.__annotations__ = {"group": Any, "bucket": torch.distributed.GradBucket,  # type: ignore[attr-defined]
+                            "return": torch.futures.Future[torch.Tensor]}
+    model.register_comm_hook(model.process_group, hook)
+    return model
+
+
+def work(handle: Any, kind: str, tensor: torch.Tensor | None = None) -> Any:
+    """Put a collective issued on ``comm.raw`` (or any torch ``Work``) on this rank's
+    timeline, from now until it completes, as ``torch:KIND``; return ``handle``.
+
+    ``work(comm.raw.allreduce([t]), "all_reduce", t)``: ``tensor`` gives its bytes.
+    """
+    recording = _recorder.recorder()
+    if recording is not None:
+        nbytes = tensor.nbytes if tensor is not None else 0
+        _timed(handle.get_future(), kind, nbytes, time.perf_counter(), f"torch:{kind}")
+    return handle
+
+
+def _timed(done: torch.futures.Future[Any], kind: str, nbytes: int, start: float,
+           name: str) -> torch.futures.Future[Any]:
+    """``done``, chained to record the span from ``start`` to its completion."""
+    recording = _recorder.recorder()
+    if recording is None:
+        return done
+
+    def record(future: torch.futures.Future[Any]) -> Any:
+        recording.torch_op(kind, nbytes, start, time.perf_counter(), name)
+        return future.value()
+
+    return done.then(record)
+
+
+def step() -> None:
+    """Mark that this rank begins a step now (a training step, an iteration): ``asyncomm
+    trace DIR --steps A:B`` gives steps A to B's figures and draws only them."""
+    recording = _recorder.recorder()
+    if recording is not None:
+        recording.step()
 
 
 def stop() -> Path | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 import os
@@ -14,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import asyncomm
 from asyncomm import Comm
@@ -21,7 +23,7 @@ from asyncomm._core import instrument
 from asyncomm._observe import recorder as _trace
 from asyncomm._tools import cli as _cli
 from asyncomm.testing import World
-from asyncomm.trace import Overlap, intersect, measure, merge, overlap, union
+from asyncomm.trace import Overlap, intersect, measure, merge, overlap, steps, union
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -87,7 +89,7 @@ def test_merge_aligns_hosts_by_wall_clock_and_keeps_lanes_free_of_overlaps(
                                                            (1, "op"): 1}
     rank1 = next(e for e in spans if e["pid"] == 1)
     assert rank1["ts"] == pytest.approx(1000.0)  # us after rank 0's first event
-    assert rank1["args"] == {"bytes": 8, "seq": 1, "comm": 0}
+    assert rank1["args"] == {"kind": "all_reduce", "bytes": 8, "seq": 1, "comm": 0}
     lanes = {(e["pid"], e["tid"]) for e in spans if e["cat"] == "op"}
     assert len(lanes) == 3  # rank 0's two concurrent ops on two lanes
     assert all(e["tid"] != f["tid"] for e in spans for f in spans
@@ -262,3 +264,49 @@ def test_run_trace_records_what_each_rank_issued(tmp_path: Path, backend: str) -
         assert _cli.main(["trace", str(out), "--png", str(png), "--json", str(merged)]) == 0
         assert png.read_bytes()[:8] == PNG and json.loads(merged.read_text()) == trace
         assert _cli.main(["trace", str(tmp_path)]) == 2  # no rank files there
+
+
+async def check_torch_collectives_on_the_timeline(comm: Comm, directory: str
+                                                  ) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    plain = copy.deepcopy(model)
+    buckets = {"process_group": comm.raw, "bucket_cap_mb": 0.01}  # a few buckets each step
+    traced = asyncomm.trace.ddp(nn.parallel.DistributedDataParallel(model, **buckets))
+    untraced = nn.parallel.DistributedDataParallel(plain, **buckets)
+    asyncomm.trace.start(directory)
+    try:
+        for step in range(3):
+            asyncomm.trace.step()
+            x = torch.full((4, 64), float(comm.rank + step))
+            traced(x).sum().backward()
+            untraced(x).sum().backward()
+            for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+                assert torch.equal(a.grad, b.grad)  # the hook does what DDP does
+        t = torch.ones(8)
+        asyncomm.trace.work(comm.raw.allreduce([t]), "all_reduce", t).wait()
+        await comm.barrier()
+    finally:
+        path = asyncomm.trace.stop()
+    assert path is not None
+    return [e for e in json.loads(path.read_text())["events"] if e["cat"] == "torch"]
+
+
+def test_ddp_and_raw_collectives_are_on_the_timeline(world2: World, tmp_path: Path) -> None:
+    if world2.backend != "gloo":
+        pytest.skip("DDP runs on a torch process group: gloo's")
+    for events in world2.run(check_torch_collectives_on_the_timeline, str(tmp_path)):
+        ddp = [e for e in events if e["name"] == "ddp:all_reduce"]
+        assert len(ddp) >= 3 and all(e["bytes"] > 0 and e["end"] >= e["start"]
+                                      for e in ddp), events  # a bucket or more a step
+        assert [e["bytes"] for e in events if e["name"] == "torch:all_reduce"] == [32], events
+    trace = merge(tmp_path)
+    metrics = overlap(trace)  # barriers are synchronisation: not counted
+    assert all(m.spans == len(ddp) + 1 for m in metrics.values()), metrics
+    per_step = steps(trace)  # each step of each rank has DDP's all-reduces in it
+    assert sorted(per_step) == [0, 1] and all(
+        len(s) == 3 and all(m.communication > 0 for m in s) for s in per_step.values()), per_step
+    png = tmp_path / "steps.png"
+    assert _cli.main(["trace", str(tmp_path), "--steps", "1:2", "--png", str(png)]) == 0
+    assert png.read_bytes().startswith(b"\x89PNG")
+    assert _cli.main(["trace", str(tmp_path), "--steps", "5:6"]) == 2  # not that many steps

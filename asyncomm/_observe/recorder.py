@@ -126,6 +126,16 @@ class Recorder:
                             peer, tag, None, comm, start, _perf(),
                             None if error is None else type(error).__name__, name))
 
+    def torch_op(self, kind: str, nbytes: int, start: float, end: float, name: str) -> None:
+        """Record a collective torch ran for someone else (DDP's reducer, a raw call), from
+        ``start`` until ``end`` (any thread: it is appended whole)."""
+        self.events.append(("torch", kind, nbytes, None, None, None, None, start, end, None,
+                            name))
+
+    def step(self) -> None:
+        """Mark that a step of the program begins now."""
+        self.events.append(("step", _perf()))
+
     def span(self, name: str, start: float, end: float) -> None:
         """Record a finished compute span (called on the thread that ran it)."""
         self.events.append(("compute", name, start, end, threading.get_ident()))
@@ -141,6 +151,10 @@ class Recorder:
         threads: dict[int, int] = {}
         ends = {index: rest for index, *rest in self.ends}
         for index, event in enumerate(list(self.events)):  # a copy: the worker may append
+            if event[0] == "step":
+                events.append({"cat": "step", "kind": "step", "start": event[1],
+                               "end": event[1]})
+                continue
             if event[0] == "compute":
                 name, start, end, ident = event[1:]
                 thread = threads.setdefault(ident, len(threads))

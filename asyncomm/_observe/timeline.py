@@ -27,7 +27,10 @@ Interval = tuple[float, float]
 
 COMPUTE_TID = 1
 COMM_TID = 100
-_COMM_CATS = ("op", "channel", "actor")
+_COMM_CATS = ("op", "channel", "actor", "torch")
+# Kinds that synchronise rather than move data: left out of the overlap figures by default
+# (a barrier "hidden" under compute says nothing of how data moved).
+SYNC_KINDS = frozenset({"barrier"})
 
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
@@ -83,7 +86,8 @@ class Overlap:
 
 
 def measure(communication: Iterable[Interval], compute: Iterable[Interval]) -> Overlap:
-    """Return the overlap metrics of communication and compute spans (any one time unit)."""
+    """Return the overlap metrics of communication and compute spans (seconds, as every
+    figure of a trace; any one unit gives its figures in that unit)."""
     spans = list(communication)
     comm = union(spans)
     work = union(compute)
@@ -156,7 +160,7 @@ def merge(directory: str | Path) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     for doc in ranks:
         pid = doc["rank"] if doc["rank"] is not None else doc["pid"]
-        mine = [span for p, span in spans if p == pid]
+        mine = [span for p, span in spans if p == pid and span["cat"] != "step"]
         compute = [s for s in mine if s["cat"] == "compute"]
         comm = [s for s in mine if s["cat"] != "compute"]
         _lanes(compute, COMPUTE_TID)
@@ -172,6 +176,9 @@ def merge(directory: str | Path) -> dict[str, Any]:
                            "args": {"name": lane}})
         for span in mine:
             events.append(_event(pid, span, zero))
+        for index, mark in enumerate(s for p, s in spans if p == pid and s["cat"] == "step"):
+            events.append({"name": f"step {index}", "cat": "step", "ph": "i", "s": "p",
+                           "pid": pid, "tid": COMPUTE_TID, "ts": (mark["start"] - zero) * 1e6})
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"generator": "asyncomm", "ranks": len(ranks),
                           "clock": "monotonic" if not any(offsets) else "wall"}}
@@ -182,34 +189,80 @@ def _event(pid: int, span: dict[str, Any], zero: float) -> dict[str, Any]:
         name, args = span["name"], {}
     else:
         name = span["name"] or span["kind"]
-        args = {key: span[key] for key in ("bytes", "peer", "tag", "seq", "comm", "error")
-                if span.get(key) is not None}
+        args = {key: span[key] for key in ("kind", "bytes", "peer", "tag", "seq", "comm",
+                                           "error") if span.get(key) is not None}
     return {"name": name, "cat": span["cat"], "ph": "X", "pid": pid, "tid": span["tid"],
             "ts": (span["start"] - zero) * 1e6, "dur": (span["end"] - span["start"]) * 1e6,
             "args": args}
 
 
-def _spans(trace: dict[str, Any], us_per_unit: float
+def _spans(trace: dict[str, Any], us_per_unit: float, sync: bool = False
            ) -> tuple[dict[int, list[Interval]], dict[int, list[Interval]]]:
-    """Return each rank's communication and compute spans of a merged trace, in units of
-    ``us_per_unit`` microseconds."""
+    """Return each rank's communication (with barriers where ``sync``) and compute spans of
+    a merged trace, in units of ``us_per_unit`` microseconds."""
     comm: dict[int, list[Interval]] = {}
     work: dict[int, list[Interval]] = {}
     for event in trace["traceEvents"]:
         if event.get("ph") != "X":
             continue
-        into = work if event["cat"] == "compute" else comm if event["cat"] in _COMM_CATS else None
+        moved = event["cat"] in _COMM_CATS and (sync or event["args"].get("kind")
+                                                not in SYNC_KINDS)
+        into = work if event["cat"] == "compute" else comm if moved else None
         if into is not None:
             start = event["ts"] / us_per_unit
             into.setdefault(event["pid"], []).append((start, start + event["dur"] / us_per_unit))
     return comm, work
 
 
-def overlap(trace: dict[str, Any]) -> dict[int, Overlap]:
-    """Return each rank's overlap metrics (seconds) from a merged trace."""
-    comm, work = _spans(trace, 1e6)
+def overlap(trace: dict[str, Any], sync: bool = False) -> dict[int, Overlap]:
+    """Return each rank's overlap metrics (seconds) from a merged trace; barriers count as
+    communication only where ``sync``."""
+    comm, work = _spans(trace, 1e6, sync)
     return {pid: measure(comm.get(pid, []), work.get(pid, []))
             for pid in sorted(comm.keys() | work.keys())}
+
+
+def steps(trace: dict[str, Any], sync: bool = False) -> dict[int, list[Overlap]]:
+    """Return each rank's overlap metrics (seconds) per step: from each of its
+    ``trace.step()`` marks to its next (the last step ends at its last span)."""
+    comm, work = _spans(trace, 1e6, sync)
+    found: dict[int, list[Overlap]] = {}
+    for pid, marks in _marks(trace).items():
+        end = max((e for _, e in comm.get(pid, []) + work.get(pid, [])), default=marks[-1])
+        windows = list(zip(marks, [*marks[1:], max(end, marks[-1])], strict=True))
+        found[pid] = [measure(intersect(union(comm.get(pid, [])), [window]),
+                              intersect(union(work.get(pid, [])), [window]))
+                      for window in windows]
+    return found
+
+
+def _marks(trace: dict[str, Any]) -> dict[int, list[float]]:
+    """Each rank's step marks, in seconds, in order."""
+    marks: dict[int, list[float]] = {}
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "i" and event.get("cat") == "step":
+            marks.setdefault(event["pid"], []).append(event["ts"] / 1e6)
+    return {pid: sorted(times) for pid, times in marks.items()}
+
+
+def window(trace: dict[str, Any], first: int, last: int) -> Interval:
+    """The time (seconds) from the earliest rank's start of step ``first`` to the latest
+    rank's start of step ``last + 1`` (or its last span).
+
+    Raises:
+        ValueError: no rank marked that many steps.
+    """
+    marks = _marks(trace)
+    if not marks or first < 0 or last < first or any(len(m) <= first for m in marks.values()):
+        raise ValueError(f"steps {first}..{last}: the trace marks "
+                         f"{min((len(m) for m in marks.values()), default=0)} steps per rank "
+                         "(asyncomm.trace.step())")
+    comm, work = _spans(trace, 1e6, sync=True)
+    ends = [max((e for _, e in comm.get(p, []) + work.get(p, [])), default=m[-1])
+            for p, m in marks.items()]
+    stops = [m[last + 1] if last + 1 < len(m) else end
+             for m, end in zip(marks.values(), ends, strict=True)]
+    return min(m[first] for m in marks.values()), max(stops)
 
 
 def report(metrics: dict[int, Overlap]) -> str:
@@ -223,11 +276,13 @@ def report(metrics: dict[int, Overlap]) -> str:
     return "\n".join(lines)
 
 
-def draw(trace: dict[str, Any], path: str | Path, title: str | None = None) -> Path:
-    """Draw a PNG timeline of a merged trace: a lane per rank, compute above communication.
+def draw(trace: dict[str, Any], path: str | Path, title: str | None = None,
+         within: Interval | None = None) -> Path:
+    """Draw a PNG timeline of a merged trace: a row per rank, compute above communication.
 
-    Each lane shows the union of the rank's compute spans in one colour and of its
-    communication spans (ops, channels, actors) in another. Returns ``path``.
+    Each row shows the union of the rank's compute spans in one colour, of its transfers
+    (ops, channels, actors, torch's own collectives) in another and of its barriers in a
+    third; ``within`` (seconds, as ``window`` gives) shows only that time. Returns ``path``.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install 'asyncomm[plot]'``).
@@ -238,14 +293,18 @@ def draw(trace: dict[str, Any], path: str | Path, title: str | None = None) -> P
     import matplotlib.pyplot as plt
 
     comm, work = _spans(trace, 1e3)
-    ranks = sorted(comm.keys() | work.keys())
+    every, _ = _spans(trace, 1e3, sync=True)
+    ranks = sorted(every.keys() | work.keys())
     figure, axes = plt.subplots(figsize=(12, 1.0 + 0.7 * max(1, len(ranks))))
     for row, rank in enumerate(ranks):
         for spans, low, colour in ((work.get(rank, []), row - 0.40, "tab:blue"),
+                                   (every.get(rank, []), row + 0.05, "tab:gray"),
                                    (comm.get(rank, []), row + 0.05, "tab:orange")):
             bars = [(start, max(end - start, 1e-6)) for start, end in union(spans)]
             if bars:
                 axes.broken_barh(bars, (low, 0.35), facecolors=colour)
+    if within is not None:
+        axes.set_xlim(within[0] * 1e3, within[1] * 1e3)
     axes.set_yticks(range(len(ranks)), [f"rank {rank}" for rank in ranks])
     axes.set_ylim(-0.6, len(ranks) - 0.4)
     axes.invert_yaxis()
@@ -253,7 +312,8 @@ def draw(trace: dict[str, Any], path: str | Path, title: str | None = None) -> P
     axes.set_ylabel("rank")
     axes.set_title(title or "asyncomm timeline")
     axes.legend(handles=[matplotlib.patches.Patch(color="tab:blue", label="compute"),
-                         matplotlib.patches.Patch(color="tab:orange", label="communication")],
+                         matplotlib.patches.Patch(color="tab:orange", label="transfers"),
+                         matplotlib.patches.Patch(color="tab:gray", label="barriers")],
                 loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
     out = Path(path)
@@ -263,23 +323,35 @@ def draw(trace: dict[str, Any], path: str | Path, title: str | None = None) -> P
 
 
 def summarise(directory: str | Path, json_path: str | Path | None = None,
-              png_path: str | Path | None = None) -> dict[int, Overlap]:
+              png_path: str | Path | None = None,
+              chosen: tuple[int, int] | None = None) -> dict[int, Overlap]:
     """Merge a trace directory, write its trace JSON and PNG, print and return its metrics.
 
     The files go to ``json_path`` and ``png_path``, by default ``trace.json`` and
-    ``timeline.png`` in ``directory``; without matplotlib no PNG is drawn.
+    ``timeline.png`` in ``directory``; without matplotlib no PNG is drawn. With ``chosen``
+    steps (first, last: see ``trace.step``) it also prints their figures, rank by rank,
+    and the PNG shows only them.
 
     Raises:
-        FileNotFoundError, ValueError: as :func:`load`.
+        FileNotFoundError, ValueError: as :func:`load`, and :func:`window`.
     """
     trace = merge(directory)
+    within = None if chosen is None else window(trace, *chosen)
     out = Path(json_path) if json_path is not None else Path(directory) / "trace.json"
     out.write_text(json.dumps(trace))
     metrics = overlap(trace)
     print(report(metrics))
+    if chosen is not None:
+        for rank, per_step in steps(trace).items():
+            for index in range(chosen[0], min(chosen[1] + 1, len(per_step))):
+                m = per_step[index]
+                print(f"rank {rank} step {index}: comm {m.communication * 1e3:.3f} ms, hidden "
+                      f"{m.hidden * 1e3:.3f} ms, exposed {m.exposed * 1e3:.3f} ms, compute "
+                      f"{m.compute * 1e3:.3f} ms")
     print(f"trace: {out} (open in https://ui.perfetto.dev or chrome://tracing)")
     try:
-        png = draw(trace, png_path if png_path is not None else Path(directory) / "timeline.png")
+        png = draw(trace, png_path if png_path is not None else Path(directory) / "timeline.png",
+                   None if chosen is None else f"steps {chosen[0]} to {chosen[1]}", within)
     except ImportError:
         print("timeline: not drawn (pip install 'asyncomm[plot]' for the PNG)")
     else:
