@@ -102,17 +102,10 @@ def ddp(model: DistributedDataParallel) -> DistributedDataParallel:
     ready, as ``ddp:all_reduce`` with its bytes. Call it once, before
     training (DDP takes one hook); while tracing is off nothing is recorded.
     """
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from asyncomm._backends import ddp_hook  # (torch's DDP hooks load only for DDP's users)
 
-    def hook(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        start = time.perf_counter()
-        done = default_hooks.allreduce_hook(group, bucket)
-        return _timed(done, "all_reduce", bucket.buffer().nbytes, start, "ddp:all_reduce")
-
-    # DDP checks a hook's annotations against the objects themselves (not their names)
-    hook.__annotations__ = {"group": Any, "bucket": torch.distributed.GradBucket,  # type: ignore[attr-defined]
-                            "return": torch.futures.Future[torch.Tensor]}
-    model.register_comm_hook(model.process_group, hook)
+    ddp_hook.register(model, lambda done, nbytes, start: _timed(
+        done, "all_reduce", nbytes, start, "ddp:all_reduce"))
     return model
 
 
