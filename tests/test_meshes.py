@@ -226,3 +226,70 @@ def test_a_failure_handler_that_raises_ends_the_program_with_its_error(tmp_path:
         assert f"[{rank}] cleaned up" in proc.stdout, proc.stdout + proc.stderr
         assert f"[{rank}] RuntimeError: lost rank 1, giving up" in proc.stderr, proc.stderr
     assert proc.returncode != 0, proc.stderr
+
+
+KILLED_IN_TURN = """
+import asyncio, os, signal, torch, asyncomm
+
+class Member(asyncomm.Actor):
+    def __init__(self, rank):
+        self.rank = rank
+    @asyncomm.endpoint
+    def who(self):
+        return self.rank
+
+async def main(comm):
+    world = comm.rank  # this rank's number in the first world, kept across shrinks
+    for kill in range(5):  # each turn the last rank is killed, the rest shrink and go on
+        mesh = await comm.spawn(Member, world, name=f"members{kill}")
+        await comm.barrier()
+        if comm.rank == comm.size - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            await mesh.who.call(timeout=120)
+        except asyncomm.PeerFailedError:
+            pass
+        comm = await comm.shrink()
+        t = torch.ones(1)
+        await comm.all_reduce(t)
+        print(f"turn {kill}: rank {world} of {comm.size} left, sum {t.item():g}, "
+              f"members {await mesh.alive().who.call()}", flush=True)
+    await comm.close()
+
+asyncomm.run(main)
+"""
+
+
+def test_ranks_killed_in_turn_leave_the_others_going(tmp_path: Path) -> None:
+    # Five kills in one job: each turn the survivors are told, fail what needed the dead
+    # rank, shrink, and reduce over the ranks left.
+    proc = run_script(KILLED_IN_TURN, tmp_path, 6, "gloo", timeout=300,
+                      options=["--keep-going"])
+    for kill in range(5):
+        left = 5 - kill
+        for rank in range(left):
+            assert (f"[{rank}] turn {kill}: rank {rank} of {left} left, sum {left}, members "
+                    f"{list(range(left))}") in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode != 0, proc.stderr
+
+
+KILLED_ON_MPI = """
+import asyncio, os, signal, torch, asyncomm
+
+async def main(comm):
+    await comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    await comm.all_reduce(torch.ones(1), timeout=120)
+
+asyncomm.run(main)
+"""
+
+
+def test_a_killed_mpi_rank_ends_the_job_and_is_named_every_time(tmp_path: Path) -> None:
+    # MPI cannot go on without a rank (docs/failures.md): the job ends at once, never hangs,
+    # and the launcher names the rank, each of five times.
+    for _ in range(5):
+        proc = run_script(KILLED_ON_MPI, tmp_path, 2, "mpi", timeout=120)
+        assert proc.returncode != 0, proc.stdout + proc.stderr
+        assert "rank 1" in proc.stderr.strip().splitlines()[-1], proc.stderr

@@ -326,7 +326,20 @@ def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
     script.write_text(source)
     root = str(Path(asyncomm.__file__).resolve().parent.parent)
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
-    return subprocess.run(
-        [sys.executable, "-m", "asyncomm", "run", "-n", str(n), "--backend", backend,
-         *options, str(script)], capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, **(env or {}), "PYTHONPATH": path})
+    argv = [sys.executable, "-m", "asyncomm", "run", "-n", str(n), "--backend", backend,
+            *options, str(script)]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, **(env or {}), "PYTHONPATH": path}) as launcher:
+        try:
+            out, err = launcher.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            # The launcher stops its ranks on SIGTERM (they live in sessions of their own:
+            # killing it alone would leave them running, and slowing every later test).
+            launcher.terminate()
+            try:
+                out, err = launcher.communicate(timeout=15)
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                out, err = launcher.communicate()
+            raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
+    return subprocess.CompletedProcess(argv, launcher.returncode, out, err)
