@@ -262,8 +262,8 @@ asyncomm.run(main)
 
 
 @pytest.mark.xfail(raises=subprocess.TimeoutExpired, strict=False,
-                   reason="KNOWN BUG: the job hung once in a later turn (4 ranks left), 1 run in "
-                          "4; cause not found yet (docs/meshes-and-survival.md, known gaps)")
+                   reason="KNOWN BUG: the job hangs in a later turn (4 ranks left), 2 runs in "
+                          "5; cause not found yet (docs/meshes-and-survival.md, known gaps)")
 def test_ranks_killed_in_turn_leave_the_others_going(tmp_path: Path) -> None:
     # Five kills in one job: each turn the survivors are told, fail what needed the dead
     # rank, shrink, and reduce over the ranks left.
