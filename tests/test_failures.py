@@ -4,11 +4,13 @@ doing, warnings of stalled operations, and one report per failure."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -86,7 +88,9 @@ def test_finished_and_unresponsive_peers_are_said_so(world: World, tmp_path: Pat
     assert "rank 2: finished (closed this communicator)" in said, said
 
 
-async def check_a_stalled_operation_is_reported_once(comm: Comm, flag: str) -> list[str]:
+@contextlib.contextmanager
+def warnings_kept(flag: str) -> Iterator[list[str]]:
+    """Keep asyncomm's log messages in the list given, touching ``flag`` at each."""
     warned: list[str] = []
 
     class Keep(logging.Handler):
@@ -97,6 +101,13 @@ async def check_a_stalled_operation_is_reported_once(comm: Comm, flag: str) -> l
     keep = Keep()
     logging.getLogger("asyncomm").addHandler(keep)
     try:
+        yield warned
+    finally:
+        logging.getLogger("asyncomm").removeHandler(keep)
+
+
+async def check_a_stalled_operation_is_reported_once(comm: Comm, flag: str) -> list[str]:
+    with warnings_kept(flag) as warned:
         async with fresh(comm, env={"ASYNCOMM_STALL_S": "0.3"}) as sub:
             if sub.rank == 0:
                 await sub.recv(torch.zeros(1), 1, tag=3)
@@ -105,8 +116,6 @@ async def check_a_stalled_operation_is_reported_once(comm: Comm, flag: str) -> l
                 await asyncio.sleep(1.0)
                 await sub.send(torch.ones(1), 0, tag=3)
             await sub.barrier()
-    finally:
-        logging.getLogger("asyncomm").removeHandler(keep)
     return warned
 
 
@@ -406,17 +415,8 @@ class Slow(asyncomm.Actor):
 async def check_channel_and_actor_waits_say_stalls(comm: Comm, flag: str) -> list[str]:
     # A channel receive and an actor call that wait past ASYNCOMM_STALL_S warn once, with
     # the peer's state; their timeouts say it too.
-    warned: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            warned.append(record.getMessage())
-            Path(flag).touch()
-
-    keep = Keep()
-    logging.getLogger("asyncomm").addHandler(keep)
     said = []
-    try:
+    with warnings_kept(flag) as warned:
         async with fresh(comm, env={"ASYNCOMM_STALL_S": "0.3"}) as sub:
             ch = sub.channel(7)
             if sub.rank == 1:
@@ -436,8 +436,6 @@ async def check_channel_and_actor_waits_say_stalls(comm: Comm, flag: str) -> lis
                 await until_exists(flag)
                 await ch.send("at last", 0)
             await sub.barrier()
-    finally:
-        logging.getLogger("asyncomm").removeHandler(keep)
     return warned + said
 
 

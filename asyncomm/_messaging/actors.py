@@ -451,9 +451,7 @@ class Host:
         self.fail_calls(rank, lambda what: self._router._gone(what, rank))
 
     def fail_calls(self, rank: int, error: Callable[[str], BaseException]) -> None:
-        """Fail the calls in flight to ``rank``, and later ones, with ``error(what the call
-        was)``: it said it failed (see ``told``)."""
-        self.told[rank] = error
+        """Fail the calls in flight to ``rank`` with ``error(what the call was)``."""
         for callee, future, name, method in self._calls.values():
             if callee == rank and not future.done():
                 future.set_exception(error(f"call {name}.{method} on rank {rank}"))
