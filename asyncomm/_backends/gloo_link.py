@@ -42,7 +42,13 @@ is in are exactly the ones the DRAINs fill.
 Note on dead peers
 ------------------
 gloo fails an operation on a connection that closed (its peer died), but not an any-source
-receive, which belongs to no connection: the listener never learns of a death. ``probe``
+receive, which belongs to no connection: the listener never learns of a death. Except in two
+ways, both when a peer dies while sending to this rank. The receive its message was being
+read into fails, alone: it is replaced and the listener goes on. And a message it had
+announced with no receive posted yet stays announced: gloo then tries every later
+any-source receive on the dead connection first, and fails to post it. The rank can hear no
+one on this group any more; every peer's stream ends with that reason (``_deaf``), and a
+shrink makes new groups (that needs no listener: the survivors agree through the store). ``probe``
 sends the peer a PING message, which the listener drops; if the peer is gone, the send fails
 at once (gloo closed its connection when the socket did). A frame whose data a dead peer
 never wrote fails when the lane's connection closes. A dead rank drains no one and says no
@@ -68,7 +74,7 @@ import torch
 from asyncomm._backends import gloo_p2p
 from asyncomm._backends.gloo_lane import Lane
 from asyncomm._core import tags, wire
-from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError
+from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError, gist
 from asyncomm._core.handle import Handle
 from asyncomm._core.link import Arrivals, Link, Transport, bye_from, proxy_bye, signal
 from asyncomm._core.messages import BATCH, PREAMBLE, Pending, envelopes
@@ -294,8 +300,10 @@ class GlooLink(Link):
 
         try:
             self._listen_posting(posted, post)
-        except RuntimeError:
-            return  # the group's connections are closed (see TorchBackend's note on teardown)
+        except RuntimeError as exc:  # the group's connections are closed (see TorchBackend's
+            if not self._stopped:  # note on teardown), or gloo refuses receives (the note
+                self._deaf(exc)  # on dead peers)
+            return
         self._on_loop(_settle, self._drained)
 
     def _listen_posting(self, posted: collections.deque[tuple[torch.Tensor, Any]],
@@ -307,7 +315,14 @@ class GlooLink(Link):
         others = self._size - 1
         while posted:  # see the note on draining
             envelope, work = posted.popleft()
-            work.wait()
+            try:
+                work.wait()
+            except RuntimeError:
+                if self._stopped:
+                    raise
+                if len(said) < others:  # a dying peer's message (see the note on dead peers)
+                    post()
+                continue
             src = work._source_rank()
             view = memoryview(envelope.numpy().data)
             head_bytes, inline, follow, form = PREAMBLE.unpack_from(view, 0)
@@ -331,6 +346,18 @@ class GlooLink(Link):
             else:
                 self._refuse(src, ProtocolError(f"message from rank {src} declares a head "
                                                 f"of {head_bytes} bytes, inline {inline}"))
+
+    def _deaf(self, cause: RuntimeError) -> None:
+        """No receive can be posted any more: end every peer's stream with the reason."""
+        assert self._arrivals is not None
+        rank = self._backend.rank
+        error = PeerFailedError(
+            f"rank {rank} can hear no one on this communicator any more: gloo refuses its "
+            f"receives since a peer died while sending to it ({gist(cause)}); comm.shrink() "
+            "makes a communicator of the survivors")
+        for src in range(self._size):
+            if src != rank:
+                self._on_loop(self._arrivals.refuse, src, error, None)
 
     def _follow(self, src: int, view: memoryview, head_bytes: int, follow: int) -> None:
         """Ask the lane for a frame's data; tell the loop of it."""

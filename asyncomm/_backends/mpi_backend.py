@@ -481,7 +481,7 @@ class MpiBackend(Backend):
         own = await self._loop.run_in_executor(None, comm.Dup)
         return MpiBackend(comm, self._loop), MpiBackend(own, self._loop)
 
-    async def shrink(self, failed: Sequence[int], timeout: float
+    async def shrink(self, failed: Callable[[], Sequence[int]], timeout: float
                      ) -> tuple[list[int], tuple[Backend, Backend]]:
         # MPICH as pip installs it has no fault tolerance (ULFM): its process manager ends
         # the survivors when a rank dies, even with -disable-auto-cleanup, and MPI_Init

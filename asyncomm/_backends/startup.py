@@ -209,7 +209,7 @@ class Watch:
 SHRINK_POLL_S = 0.05  # how often a survivor looks for the others' word (see ``agree``)
 
 
-def agree(store: Any, key: str, rank: int, size: int, failed: Sequence[int],
+def agree(store: Any, key: str, rank: int, size: int, failed: Callable[[], Sequence[int]],
           timeout: float) -> list[int]:
     """Agree with the other survivors of a group of ``size`` on which ranks are alive.
 
@@ -217,16 +217,23 @@ def agree(store: Any, key: str, rank: int, size: int, failed: Sequence[int],
     -----------------
     Each survivor writes, under ``key``, the ranks it knows have failed, then
     waits until every rank has either written or been named failed by one that
-    has. The first to see that writes its answer (the ranks that wrote, less
-    those named failed) with ``compare_set``, so that all take the same one even
-    where their views differ in the meantime; the rest read it.
+    has. It writes again whenever it learns of another failure (``failed()``
+    grows): a rank that fails after the others began to wait is named by them,
+    or they would wait for it to the deadline. The first to see every rank
+    accounted for writes its answer (the ranks that wrote, less those named
+    failed) with ``compare_set``, so that all take the same one even where
+    their views differ in the meantime; the rest read it.
 
     Raises:
         CommTimeoutError: within ``timeout``, some rank neither wrote nor was named failed.
     """
-    store.set(f"{key}/{rank}", json.dumps(sorted(failed)))
     deadline = time.monotonic() + timeout
+    written: list[int] | None = None
     while True:
+        known = sorted(failed())
+        if known != written:
+            store.set(f"{key}/{rank}", json.dumps(known))
+            written = known
         said = {r: json.loads(store.get(f"{key}/{r}")) for r in range(size)
                 if store.check([f"{key}/{r}"])}
         gone = {int(r) for named in said.values() for r in named}

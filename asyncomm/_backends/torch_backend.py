@@ -451,7 +451,7 @@ class TorchBackend(Backend):
         own = await self._new_group(members, "gloo", label + ".own", _OWN_TIMEOUT)
         return user, own
 
-    async def shrink(self, failed: Sequence[int], timeout: float
+    async def shrink(self, failed: Callable[[], Sequence[int]], timeout: float
                      ) -> tuple[list[int], tuple[Backend, Backend]]:
         key = f"asyncomm.shrink.{self._label}.{self._splits + 1}"
         members = await self._loop.run_in_executor(

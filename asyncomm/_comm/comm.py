@@ -568,7 +568,7 @@ class Comm(Peers):
         limit = self._args.deadline(timeout, "shrink")
         self._groups += 1  # on every survivor: labels must agree
         label = f"{self._label}.{self._groups}"
-        members, made = await self._own.shrink(sorted(self._failed), limit)
+        members, made = await self._own.shrink(lambda: tuple(self._failed), limit)
         return self._child(made, members, label)
 
     async def spawn(self, cls: Callable[..., Actor], *args: Any, name: str,

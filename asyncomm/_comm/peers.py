@@ -23,8 +23,9 @@ from asyncomm._messaging.router import Router
 from asyncomm._observe import status
 from asyncomm._observe.checks import Checker, checked
 
-# A rank that says it failed may have done its part of what waits on it (a barrier it
-# passed): that completes first, what is still pending this long after the notice fails.
+# A rank that failed, said so or was killed, may have done its part of what waits on it
+# (a barrier it passed, its bytes already sent): that completes first, what is still
+# pending this long after the notice fails.
 _TOLD_S = 0.25
 
 
@@ -107,8 +108,8 @@ class Peers:
         self._router.check_peers({peer for handle in waiting for peer in self._needs(handle)})
 
     def _peer_died(self, peer: int, cause: BaseException | None = None) -> None:
-        """``peer`` is gone, or said it failed (``cause``): fail what needs it, now and later
-        (what is pending a moment later, where it said so: its part may be in, a barrier's)."""
+        """``peer`` is gone, or said it failed (``cause``): fail what needs it, pending a
+        moment later (its part may be in: a barrier's), and later."""
         cause = self._router.dead[peer] if cause is None else cause
         self._failed.add(peer)
         lost = PeerFailedError(f"rank {peer} is gone: {cause}")
@@ -124,8 +125,7 @@ class Peers:
 
             self._host.told[peer] = failed  # a call to it fails so, when it closes
             self._loop.call_later(_TOLD_S, self._host.fail_calls, peer, failed)
-        self._loop.call_later(0.0 if peer in self._router.dead else _TOLD_S, self._fail_needing,
-                              peer, cause)
+        self._loop.call_later(_TOLD_S, self._fail_needing, peer, cause)
 
     def _fail_needing(self, peer: int, cause: BaseException) -> None:
         for handle, _ in self._deadlines.pending():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -227,10 +227,11 @@ class Backend(ABC):
         Collective over this communicator; ``None`` on ranks not in ``ranks``.
         """
 
-    async def shrink(self, failed: Sequence[int], timeout: float
+    async def shrink(self, failed: Callable[[], Sequence[int]], timeout: float
                      ) -> tuple[list[int], tuple[Backend, Backend]]:
-        """Agree with the other survivors on who is alive (this rank knows ``failed`` gone);
-        return them and the user's and asyncomm's communicators over them."""
+        """Agree with the other survivors on who is alive (``failed()``: the ranks this one
+        knows gone so far; asked again while waiting, from another thread); return them
+        and the user's and asyncomm's communicators over them."""
         raise NotImplementedError(f"rank {self.rank}: shrink: the {self.name} backend cannot "
                                   "make a communicator of the survivors")
 

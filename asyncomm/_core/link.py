@@ -110,7 +110,7 @@ class Arrivals(Protocol):
     def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are on their way (it comes before later ones)."""
 
-    def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
+    def refuse(self, src: int, error: CommError, tag: int | None) -> None:
         """A malformed frame: on channel ``tag``, or (``None``) the end of ``src``'s stream."""
 
     def bye(self, src: int, dead: int | None = None) -> None:

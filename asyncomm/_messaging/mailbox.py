@@ -383,7 +383,7 @@ class Delivery:
                 self._deliver(frame)
         self._queued.pop(src, None)
 
-    def refuse(self, src: int, error: ProtocolError, tag: int | None) -> None:
+    def refuse(self, src: int, error: CommError, tag: int | None) -> None:
         """Refuse a malformed frame: on its channel if its tag is legible, its source if not."""
         if tag is None:
             self._break(src, error)
