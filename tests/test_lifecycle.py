@@ -542,7 +542,7 @@ def test_a_dead_peer_fails_the_operations_that_need_it(tmp_path: Path) -> None:
                  "failed", "any-source recv: PeerFailedError rank 0: channel 12 recv from peer "
                  "any: rank 2 failed", "waits for the living", "survivors: still talking",
                  "call to 2: PeerFailedError rank 0: call sleeper.nap on rank 2: rank 2 failed",
-                 "all_reduce: PeerFailedError rank 0: all_reduce #6: a peer failed earlier"):
+                 "all_reduce: PeerFailedError rank 0: all_reduce #6: rank 2 failed"):
         assert line in out0, out0 + err0
     for out in (out0, out1):  # gloo sees the connection close, or a probe finds it gone
         assert "in flight: PeerFailedError" in out, out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -246,9 +247,13 @@ async def main(comm):
             await comm.barrier()
             if comm.rank == comm.size - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
+            await comm.all_reduce(torch.ones(1), timeout=120)  # the killed rank never joins
+        except asyncomm.PeerFailedError as exc:  # (or the barrier, where the killed rank's
+            print(f"turn {kill}: told {exc}", flush=True)  # part came late on a loaded machine)
+        try:
             await mesh.who.call(timeout=120)
-        except asyncomm.PeerFailedError:  # (the barrier too, where the killed rank's part
-            pass  # came late on a loaded machine)
+        except asyncomm.PeerFailedError:
+            pass
         comm = await comm.shrink()
         t = torch.ones(1)
         await comm.all_reduce(t)
@@ -270,6 +275,11 @@ def test_ranks_killed_in_turn_leave_the_others_going(tmp_path: Path) -> None:
         for rank in range(left):
             assert (f"[{rank}] turn {kill}: rank {rank} of {left} left, sum {left}, members "
                     f"{list(range(left))}") in proc.stdout, proc.stdout + proc.stderr
+            # told who failed and how, though gloo's own error (a connection closed) may
+            # come first
+            told = re.search(rf"^\[{rank}\] turn {kill}: told (.*)$", proc.stdout, re.M)
+            assert told is not None and told[1].startswith(f"rank {rank}: ") and told[1].endswith(
+                f": rank {left} failed (its process was killed by SIGKILL)"), proc.stdout
     assert proc.returncode != 0, proc.stderr
 
 

@@ -166,6 +166,7 @@ class Comm(Peers):
         self._seq = seq = self._seq + 1
         self._last_op, self._last_tensor = op, keep
         handle: Handle[Any] = Handle(self._loop, (self._rank, op, seq, peer, tag), result, keep)
+        handle._hold = self._held
         trace = self._probe.recording
         if trace is not None:  # before starting: an eager send may finish inside
             trace.issued(handle, self._probe.id, keep)
@@ -223,6 +224,7 @@ class Comm(Peers):
                 if handle is not None:  # numbered; its deadline set if it is in flight
                     self._seq, self._last_op, self._last_tensor = seq, "all_reduce", tensor
                     if not handle._state:
+                        handle._hold = self._held
                         self._deadlines.add_default(handle)
                     return handle
         t = self._args.tensor(tensor, "all_reduce")
@@ -366,6 +368,7 @@ class Comm(Peers):
             if handle is not None:
                 self._seq, self._last_op, self._last_tensor = seq, op, tensor
                 if not handle._state:
+                    handle._hold = self._held
                     self._deadlines.add_default(handle)
                 return handle
         return None

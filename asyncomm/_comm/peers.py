@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncomm._core.backend import Backend
-from asyncomm._core.errors import PeerFailedError, describe, gist
+from asyncomm._core.errors import CommError, PeerFailedError, describe, gist
 from asyncomm._core.handle import Deadlines, Handle
 from asyncomm._messaging.actors import Host
 from asyncomm._messaging.router import Router
@@ -27,6 +27,11 @@ from asyncomm._observe.checks import Checker, checked
 # (a barrier it passed, its bytes already sent): that completes first, what is still
 # pending this long after the notice fails.
 _TOLD_S = 0.25
+
+
+# gloo says that a connection closed, not whose: the failure it reports waits this long for
+# the notice that names the failed rank and how it ended, then probes the peers it needs.
+_NAMING_S = 0.5
 
 
 class Peers:
@@ -125,16 +130,43 @@ class Peers:
 
             self._host.told[peer] = failed  # a call to it fails so, when it closes
             self._loop.call_later(_TOLD_S, self._host.fail_calls, peer, failed)
+            self._loop.call_later(_TOLD_S, self._router.said_failed, peer, cause)
         self._loop.call_later(_TOLD_S, self._fail_needing, peer, cause)
+
+    def _held(self, handle: Handle[Any], error: CommError) -> None:
+        """The backend failed ``handle`` because a peer is gone, without saying which: fail it
+        naming the failed rank it needs, if one is known already, or once one is (a notice, or
+        a probe: ``_fail_needing`` finds it still pending); else as the backend said it."""
+        needs = self._needs(handle)
+        router = self._router
+        known = next((p for p in needs if p in router.dead or p in router.told), None)
+        if known is not None:
+            self._name(handle, known, router.dead.get(known) or router.told[known])
+            return
+
+        def said_as_is() -> None:
+            if not handle.done():
+                handle._settle(2, error)
+
+        def probe() -> None:  # no notice came (no launcher to send one)
+            if not handle.done():
+                router.check_peers(needs)  # (a dead peer's probe fails at once)
+                self._loop.call_later(2 * _TOLD_S, said_as_is)
+
+        self._loop.call_later(_NAMING_S, probe)
+
+    @staticmethod
+    def _name(handle: Handle[Any], peer: int, cause: BaseException) -> None:
+        error = PeerFailedError(f"rank {peer} failed ({gist(cause)})")
+        error.__cause__ = cause
+        handle._abandon(PeerFailedError, error)
 
     def _fail_needing(self, peer: int, cause: BaseException) -> None:
         for handle, _ in self._deadlines.pending():
             needs = self._needs(handle)
             if peer in needs and (handle.peer is not None or handle.op != "recv"
                                   or all(p in self._router.dead or p == peer for p in needs)):
-                error = PeerFailedError(f"rank {peer} failed ({gist(cause)})")
-                error.__cause__ = cause
-                handle._abandon(PeerFailedError, error)
+                self._name(handle, peer, cause)
 
     def _told(self, world: str, rank: int, what: str, gone: bool) -> None:
         """A notice (see ``status``): a process ``gone`` is news to the router, not a leaver."""

@@ -11,7 +11,7 @@ import weakref
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
-from asyncomm._core.errors import CommError, CommTimeoutError, describe, restated
+from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError, describe, restated
 
 T = TypeVar("T")
 
@@ -34,6 +34,7 @@ class Handle(Generic[T]):
         "_callbacks",
         "_error",
         "_events",
+        "_hold",
         "_keep",
         "_loop",
         "_result",
@@ -58,6 +59,8 @@ class Handle(Generic[T]):
         self._error: BaseException | None = None
         self._waiters: list[asyncio.Future[None]] | None = None
         self._events: list[threading.Event] | None = None
+        # a communicator's, to name the rank behind a peer's failure (``Peers._held``)
+        self._hold: Callable[[Handle[Any], CommError], None] | None = None
         self._callbacks: list[Callable[[Handle[T]], None]] | None = None
         # set by an engine that can finish the request here and now (``Poller.spin``,
         # ``FutureBridge.spin``): the engine first, then what it needs
@@ -198,7 +201,11 @@ class Handle(Generic[T]):
             self._keep = None
             return
         # (where the backend raised says nothing: no traceback)
-        self._settle(_FAILED, restated(kind, describe(*self._what), cause.with_traceback(None)))
+        error = restated(kind, describe(*self._what), cause.with_traceback(None))
+        if self._hold is not None and issubclass(kind, PeerFailedError):
+            self._hold(self, error)
+            return
+        self._settle(_FAILED, error)
 
     def _expire(self, timeout: float, detail: str = "") -> None:
         if self._state == _PENDING:

@@ -233,7 +233,7 @@ class Channel:
             if router._closed:
                 raise CommClosedError(f"rank {router.rank}: channel {self.tag}: the "
                                       "communicator is closed")
-            gone = self._gone(src) if router.dead else None
+            gone = self._gone(src) if router.dead or router.told else None
             if gone:
                 peer = "any" if src is None else src
                 raise router._gone(f"channel {self.tag} recv from peer {peer}", *gone)
@@ -296,12 +296,11 @@ class Channel:
         return [p for p in peers if p != router.rank and p not in ended]
 
     def _gone(self, src: int | None) -> list[int]:
-        """The dead peers that leave a recv from ``src`` nobody to wait for (see the note)."""
-        dead = self._router.dead
-        if not dead:
-            return []
+        """The peers, dead or that said they failed, that leave a recv from ``src`` nobody
+        to wait for (see the note)."""
+        dead, told = self._router.dead, self._router.told
         expected = self._expected(src)
-        if expected and all(p in dead for p in expected):
+        if expected and all(p in dead or p in told for p in expected):
             return expected
         return []
 

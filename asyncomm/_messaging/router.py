@@ -155,6 +155,7 @@ class Router(Delivery):
         self._inflight: set[Any] = set()
         self._closed = False
         self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
+        self.told: dict[int, BaseException] = {}  # peers that said they failed, and what
         self._left: set[int] = set()  # peers that closed without waiting for the others
         self._released = False  # whether a peer was asked to release stuck receives
         self._probed: dict[int, float] = {}  # when each peer was last probed
@@ -270,13 +271,23 @@ class Router(Delivery):
         for callback in self.on_dead:
             callback(peer)
 
+    def said_failed(self, peer: int, cause: BaseException) -> None:
+        """``peer`` said it failed (``cause``): it sends nothing more, so a receive that
+        waits on it alone fails (what it sent before is taken first)."""
+        if peer != self.rank and peer not in self.dead:
+            self.told[peer] = cause
+            for box in self._mailboxes.values():
+                box.wake()
+
     def _gone(self, what: str, *peers: int) -> PeerFailedError:
-        """The error of an operation that needed ``peers``, which are gone."""
+        """The error of an operation that needed ``peers``, which are gone or said they
+        failed."""
         ranks = ", ".join(str(p) for p in peers)
-        causes = "; ".join(gist(self.dead[p]) for p in peers if p in self.dead)
+        why = [self.dead.get(p) or self.told.get(p) for p in peers]
+        causes = "; ".join(gist(cause) for cause in why if cause is not None)
         error = PeerFailedError(f"rank {self.rank}: {what}: rank{'s' if len(peers) > 1 else ''} "
                                 f"{ranks} failed ({causes})")
-        error.__cause__ = self.dead.get(peers[0])
+        error.__cause__ = why[0]
         return error
 
     async def timed_out(self, what: str, limit: float, peers: Sequence[int]) -> CommTimeoutError:
