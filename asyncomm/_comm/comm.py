@@ -103,6 +103,7 @@ class Comm(Peers):
                               chosen.probe_s)
         self._router.on_dead.append(self._peer_died)
         self._failed: set[int] = set()  # see ``failed``
+        self._hold = self._held  # every handle's (``Peers._held``): bound once, not per op
         self._router.stall_s, self._router.explain = self._stall_s, self._peers_say
         # Eager too: a call to an actor not served (yet) fails the same way on every rank.
         self._host = Host(self._router, self.rank, timeout)
@@ -166,7 +167,7 @@ class Comm(Peers):
         self._seq = seq = self._seq + 1
         self._last_op, self._last_tensor = op, keep
         handle: Handle[Any] = Handle(self._loop, (self._rank, op, seq, peer, tag), result, keep)
-        handle._hold = self._held
+        handle._hold = self._hold
         trace = self._probe.recording
         if trace is not None:  # before starting: an eager send may finish inside
             trace.issued(handle, self._probe.id, keep)
@@ -224,7 +225,7 @@ class Comm(Peers):
                 if handle is not None:  # numbered; its deadline set if it is in flight
                     self._seq, self._last_op, self._last_tensor = seq, "all_reduce", tensor
                     if not handle._state:
-                        handle._hold = self._held
+                        handle._hold = self._hold
                         self._deadlines.add_default(handle)
                     return handle
         t = self._args.tensor(tensor, "all_reduce")
@@ -368,7 +369,7 @@ class Comm(Peers):
             if handle is not None:
                 self._seq, self._last_op, self._last_tensor = seq, op, tensor
                 if not handle._state:
-                    handle._hold = self._held
+                    handle._hold = self._hold
                     self._deadlines.add_default(handle)
                 return handle
         return None
