@@ -122,15 +122,8 @@ class Peers:
             if backend.lost is None:
                 backend.lost = lost
         if peer not in self._router.dead:  # (the router fails calls to the dead)
-            def failed(what: str) -> PeerFailedError:
-                error = PeerFailedError(f"rank {self._rank}: {what}: rank {peer} failed "
-                                        f"({gist(cause)})")
-                error.__cause__ = cause
-                return error
-
-            self._host.told[peer] = failed  # a call to it fails so, when it closes
-            self._loop.call_later(_TOLD_S, self._host.fail_calls, peer, failed)
-            self._loop.call_later(_TOLD_S, self._router.said_failed, peer, cause)
+            self._router.said_failed(peer, cause, _TOLD_S)
+            self._loop.call_later(_TOLD_S, self._host.fail_calls, peer)
         self._loop.call_later(_TOLD_S, self._fail_needing, peer, cause)
 
     def _held(self, handle: Handle[Any], error: CommError) -> None:

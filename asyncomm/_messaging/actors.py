@@ -102,17 +102,15 @@ class Host:
         self._outboxes: dict[int, asyncio.Queue[_Outgoing | None]] = {}
         self._backlog: dict[int, int] = {}  # messages queued in an outbox, not sent yet
         self._unserved: dict[str, collections.deque[Message]] = {}  # tells before their actor
-        # ranks that said they failed: the error of a call to each (from the communicator)
-        self.told: dict[int, Callable[[str], BaseException]] = {}
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._requests.listen(self._on_request)
         self._replies.listen(self._on_reply)
         self._tasks = [loop.create_task(self._serve_requests()),
                        loop.create_task(self._serve_replies())]
-        router.on_dead.append(self._fail_dead)
+        router.on_dead.append(self.fail_calls)
         # (``_check_open``'s sets, as ``_call`` asks them inline)
-        self._dead, self._ended = router.dead, self._requests._box.ended
+        self._dead, self._told, self._ended = router.dead, router.told, self._requests._box.ended
         self._replies_ended = self._replies._box.ended
         self._spin_until = router.link.spin_until
         self._post_reply = self._replies.post  # (``_answer``'s, a call less)
@@ -271,7 +269,7 @@ class Host:
         """Post a call of ``name.method`` to ``rank`` (sent at the next flush); its reply
         settles the future of the ``(rank, name, method, call id, future)`` returned."""
         if (rank in self._dead or rank in self._ended or rank in self._replies_ended
-                or rank in self.told):
+                or rank in self._told):
             self.check_open(rank, name, method)  # which says why not
         call_id = next(self._ids)
         future = self._loop.create_future()
@@ -344,10 +342,8 @@ class Host:
                                           *args])
 
     def check_open(self, rank: int, name: str, method: str) -> None:
-        if rank in self._router.dead:
-            raise self._router._gone(f"call {name}.{method} on rank {rank}", rank)
-        if rank in self.told:
-            raise self.told[rank](f"call {name}.{method} on rank {rank}")
+        if rank in self._dead or rank in self._told:
+            raise self._router.gone(f"call {name}.{method} on rank {rank}", rank)
         if rank in self._requests._box.ended or rank in self._replies._box.ended:
             raise CommClosedError(f"rank {self.rank}: call {name}.{method}: rank {rank} "
                                   "closed its communicator")
@@ -381,7 +377,7 @@ class Host:
                 pending = self._calls.get(call_id)
                 if pending is not None and not pending[1].done():
                     what = f"call {pending[2]}.{pending[3]} on rank {rank}"
-                    error = (self._router._gone(what, rank)
+                    error = (self._router.gone(what, rank)
                              if rank in self._router.dead else exc)  # worded like a call's
                     pending[1].set_exception(error)
             finally:
@@ -404,7 +400,7 @@ class Host:
             except (CommClosedError, PeerFailedError):  # nobody left to reply
                 self._fail_closed()
                 for rank in self._router.dead:
-                    self._fail_dead(rank)
+                    self.fail_calls(rank)
                 return
             waited = 0.0
             call_id, ok, result = message.data
@@ -446,15 +442,12 @@ class Host:
 
             self._router.aside(fail())
 
-    def _fail_dead(self, rank: int) -> None:
-        """``rank`` is gone: fail the calls in flight to it."""
-        self.fail_calls(rank, lambda what: self._router._gone(what, rank))
-
-    def fail_calls(self, rank: int, error: Callable[[str], BaseException]) -> None:
-        """Fail the calls in flight to ``rank`` with ``error(what the call was)``."""
+    def fail_calls(self, rank: int) -> None:
+        """``rank`` is gone, or said it failed: fail the calls in flight to it."""
         for callee, future, name, method in self._calls.values():
             if callee == rank and not future.done():
-                future.set_exception(error(f"call {name}.{method} on rank {rank}"))
+                future.set_exception(self._router.gone(f"call {name}.{method} on rank {rank}",
+                                                       rank))
 
     def _settle(self, call_id: int, ok: bool, result: Any) -> None:
         pending = self._calls.get(call_id)
@@ -465,11 +458,10 @@ class Host:
         ended = self._replies._box.ended | self._requests._box.ended
         for rank, future, name, method in self._calls.values():
             if rank in ended and not future.done():
-                told = self.told.get(rank)  # it closed because it failed: say that
-                future.set_exception(CommClosedError(
+                future.set_exception(CommClosedError(  # (unless it failed: say that)
                     f"rank {self.rank}: rank {rank} closed its communicator with a call "
-                    "to it in flight") if told is None else told(
-                    f"call {name}.{method} on rank {rank}"))
+                    "to it in flight") if rank not in self._told else self._router.gone(
+                    f"call {name}.{method} on rank {rank}", rank))
 
     async def close(self, timeout: float = 30.0) -> None:
         """Send what is queued (tells too), tell every rank this one is gone, stop serving."""

@@ -236,7 +236,7 @@ class Channel:
             gone = self._gone(src) if router.dead or router.told else None
             if gone:
                 peer = "any" if src is None else src
-                raise router._gone(f"channel {self.tag} recv from peer {peer}", *gone)
+                raise router.gone(f"channel {self.tag} recv from peer {peer}", *gone)
             now = time.monotonic()
             if now >= deadline or now >= stall_at:  # (a stall is said once, while it waits)
                 what = f"channel {self.tag} recv from peer {'any' if src is None else src}"
@@ -298,9 +298,9 @@ class Channel:
     def _gone(self, src: int | None) -> list[int]:
         """The peers, dead or that said they failed, that leave a recv from ``src`` nobody
         to wait for (see the note)."""
-        dead, told = self._router.dead, self._router.told
+        silent = self._router.silent
         expected = self._expected(src)
-        if expected and all(p in dead or p in told for p in expected):
+        if expected and all(silent(p) for p in expected):
             return expected
         return []
 

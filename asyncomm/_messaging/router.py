@@ -156,6 +156,7 @@ class Router(Delivery):
         self._closed = False
         self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
         self.told: dict[int, BaseException] = {}  # peers that said they failed, and what
+        self._quiet: set[int] = set()  # of those, the ones whose earlier sends are in
         self._left: set[int] = set()  # peers that closed without waiting for the others
         self._released = False  # whether a peer was asked to release stuck receives
         self._probed: dict[int, float] = {}  # when each peer was last probed
@@ -204,7 +205,7 @@ class Router(Delivery):
         if self._closed:
             raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
         if dst in self.dead:
-            raise self._gone(f"channel {tag} send to peer {dst}", dst)
+            raise self.gone(f"channel {tag} send to peer {dst}", dst)
         nbytes = charge(frame)  # see the note on flow control
         window = self.window_to(dst, tag)
         if window.waiters or not self._fits(window, nbytes):
@@ -234,7 +235,7 @@ class Router(Delivery):
             if cause is None or isinstance(cause, CommError):  # not dst's connection's own
                 raise
             self.failed(dst, cause)
-            raise self._gone(f"channel {tag} send to peer {dst}", dst) from exc
+            raise self.gone(f"channel {tag} send to peer {dst}", dst) from exc
 
     # -- dead peers (see the note) ---------------------------------------------------
 
@@ -271,15 +272,25 @@ class Router(Delivery):
         for callback in self.on_dead:
             callback(peer)
 
-    def said_failed(self, peer: int, cause: BaseException) -> None:
-        """``peer`` said it failed (``cause``): it sends nothing more, so a receive that
-        waits on it alone fails (what it sent before is taken first)."""
-        if peer != self.rank and peer not in self.dead:
+    def said_failed(self, peer: int, cause: BaseException, grace: float) -> None:
+        """``peer`` said it failed (``cause``): a call to it fails now. It sends nothing
+        more, but what it sent before may still be on its way (the notice came another
+        way): a receive that waits on it alone fails ``grace`` s later (``silent``)."""
+        if peer != self.rank and peer not in self.dead and peer not in self.told:
             self.told[peer] = cause
-            for box in self._mailboxes.values():
-                box.wake()
+            self._loop.call_later(grace, self._quieten, peer)
 
-    def _gone(self, what: str, *peers: int) -> PeerFailedError:
+    def _quieten(self, peer: int) -> None:
+        self._quiet.add(peer)
+        for box in self._mailboxes.values():
+            box.wake()
+
+    def silent(self, peer: int) -> bool:
+        """Whether ``peer`` sends nothing more: it is gone, or it said it failed and what
+        it sent before is in."""
+        return peer in self.dead or peer in self._quiet
+
+    def gone(self, what: str, *peers: int) -> PeerFailedError:
         """The error of an operation that needed ``peers``, which are gone or said they
         failed."""
         ranks = ", ".join(str(p) for p in peers)
@@ -351,7 +362,7 @@ class Router(Delivery):
                     raise CommClosedError(f"rank {self.rank}: channel {tag} send to peer "
                                           f"{dst}: the communicator is closed")
                 if dst in self.dead:
-                    raise self._gone(f"channel {tag} send to peer {dst} (waiting for credit)",
+                    raise self.gone(f"channel {tag} send to peer {dst} (waiting for credit)",
                                      dst)
                 if window.waiters[0] is waiter and self._fits(window, nbytes):
                     break
