@@ -10,8 +10,10 @@ point-to-point, channels and an actor only).
 """
 
 import contextlib
+import faulthandler
 import importlib.util
 import io
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -23,6 +25,7 @@ import asyncomm
 from asyncomm import pipeline
 
 HOSTS = 1 if "--one-host" in sys.argv else 2  # how many hosts the ranks are on
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # (a test that finds it stuck asks)
 
 
 class Counter(asyncomm.Actor):

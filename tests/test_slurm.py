@@ -8,8 +8,10 @@ needs nor disturbs a Slurm already on the machine. Needs root and Debian's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +27,17 @@ SCRIPT = str(Path(__file__).parent / "multihost_scenarios.py")
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or any(shutil.which(d) is None for d in DAEMONS),
     reason="needs root and slurm-wlm (munge, slurmctld, slurmd, srun)")
+
+
+def _tasks_running(script: str) -> list[int]:
+    """The Python processes running ``script`` (``python script ...``)."""
+    tasks = []
+    for proc in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            if proc.name.isdigit() and script.encode() in argv[1:2]:
+                tasks.append(int(proc.name))
+    return tasks
 
 
 def _free_port() -> int:
@@ -103,14 +116,23 @@ def test_srun_runs_the_scenarios_on_four_tasks(slurm: dict[str, str]) -> None:
     # one node: the scenarios' check for two hosts is for the several-hosts tests
     # a task that fails ends the step (the others would wait for it); the step's own
     # limit comes before the test's, so that a hang shows what the tasks said
+    srun = subprocess.Popen(["srun", "-n", "4", "--overcommit", "--kill-on-bad-exit=1",
+                             sys.executable, SCRIPT, "gloo", "--one-host"], env=slurm,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        done = subprocess.run(["srun", "-n", "4", "--overcommit", "--kill-on-bad-exit=1",
-                               sys.executable, SCRIPT, "gloo", "--one-host"], env=slurm,
-                              capture_output=True, text=True, timeout=360)
-    except subprocess.TimeoutExpired as exc:
-        said = [(s.decode() if isinstance(s, bytes) else s or "")[-2000:]
-                for s in (exc.stdout, exc.stderr)]
-        pytest.fail(f"srun did not end within 360 s: {said[0]} {said[1]}")
+        out, err = srun.communicate(timeout=360)
+    except subprocess.TimeoutExpired:  # each task says where it is stuck, then the step ends
+        for task in _tasks_running(SCRIPT):
+            os.kill(task, signal.SIGUSR1)
+        time.sleep(5)
+        srun.terminate()
+        try:
+            out, err = srun.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            srun.kill()
+            out, err = srun.communicate()
+        pytest.fail(f"srun did not end within 360 s: {out[-3000:]} {err[-12000:]}")
+    done = subprocess.CompletedProcess(srun.args, srun.returncode, out, err)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for rank in range(4):
         assert f"scenarios ok {rank} " in done.stdout, done.stdout + done.stderr[-2000:]
