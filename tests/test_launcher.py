@@ -81,6 +81,33 @@ def test_output_is_labelled_and_env_and_args_pass_through(tmp_path: Path) -> Non
     assert len(done.stdout.splitlines()) == 3
 
 
+def test_a_rank_starts_and_ends_as_its_own_python_process(tmp_path: Path) -> None:
+    # Ranks are forked from the launcher (torch loads once): each must still be what
+    # ``python rank.py`` would be. Its folder leads sys.path, its threads are joined and its
+    # atexit work done as it ends, and its exit status is its own.
+    (tmp_path / "helper.py").write_text("WHERE = 'beside the script'\n")
+    script = write(
+        tmp_path,
+        """
+        import atexit, os, sys, threading, time, helper
+        rank = int(os.environ["RANK"])
+        atexit.register(print, f"atexit {rank}")
+        def late():
+            time.sleep(0.5)
+            print(f"thread {rank} {helper.WHERE} {__name__}")
+        threading.Thread(target=late).start()
+        if rank == 1:
+            sys.exit(3)
+        """,
+    )
+    done, _ = asyncomm_run(tmp_path, "-n", "2", script.name)
+    for rank in (0, 1):
+        assert f"[{rank}] thread {rank} beside the script __main__\n" in done.stdout, done.stdout
+        assert f"[{rank}] atexit {rank}\n" in done.stdout, done.stdout
+    assert done.returncode == 3, done.stderr
+    assert "rank 1 failed first (exited with code 3)" in done.stderr, done.stderr
+
+
 def test_a_raising_rank_stops_the_world_and_is_named(tmp_path: Path) -> None:
     script = write(
         tmp_path,
@@ -301,7 +328,7 @@ def test_a_store_that_cannot_start_stops_the_ranks() -> None:
 
     async def supervise() -> object:
         sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
-        return await _launch._supervise([sleeper, sleeper], [dict(os.environ)] * 2,
+        return await _launch._supervise([_launch._spawn(sleeper, dict(os.environ))] * 2, 0.0,
                                         labeled=False, serve=broken)
 
     start = time.monotonic()
@@ -315,8 +342,9 @@ def test_open_mpi_labels_read_as_mpichs(capfd: pytest.CaptureFixture[str]) -> No
     # rank as MPICH's does, "[rank] ", and reads it (a rank's stderr tail is its own).
     said = ("import sys; print('[1,0]<stdout>: hello'); print('[1,1]<stdout>: world'); "
             "print('[1,1]<stderr>: oops', file=sys.stderr)")
-    world = asyncio.run(_launch._supervise([[sys.executable, "-c", said]],
-                                           [dict(os.environ)], labeled=True))
+    world = asyncio.run(_launch._supervise([_launch._spawn([sys.executable, "-c", said],
+                                                           dict(os.environ))], 0.0,
+                                           labeled=True))
     out, err = capfd.readouterr()
     assert out.splitlines() == ["[0] hello", "[1] world"], out
     assert err.splitlines() == ["[1] oops"], err

@@ -1,8 +1,9 @@
 """``asyncomm run``: start N local ranks, label their output, stop them all when one fails.
 
-With gloo (or nccl) the launcher spawns the ranks itself and hosts their rendezvous store on
-loopback, so no rank has to race for a port; with ``--backend mpi`` it hands the ranks to
-``mpiexec`` and only watches its output.
+With gloo (or nccl) the launcher starts the ranks itself (forked once it has loaded torch,
+where it can: see ``forked``) and hosts their rendezvous store on loopback, so no rank has
+to race for a port; with ``--backend mpi`` it hands the ranks to ``mpiexec`` and only
+watches its output.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -29,7 +30,7 @@ from typing import TextIO
 from asyncomm._core.env import _MPI_RANK_VARS
 from asyncomm._core.errors import plain
 from asyncomm._core.settings import BACKENDS
-from asyncomm._tools import network
+from asyncomm._tools import forked, network
 
 GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the world
 TAIL_LINES = 200  # stderr lines kept per rank for the failure summary
@@ -179,7 +180,9 @@ def launch(script_argv: list[str], n: int, backend: str | None = None,
            grace: float | None = None, keep_going: bool = False) -> int:
     """Run ``python *script_argv`` (a script or ``-m module``, then its arguments) on n ranks.
 
-    Blocks until every rank has exited and returns the world's exit code. ``backend`` is
+    Blocks until every rank has exited and returns the world's exit code. Local gloo ranks
+    are forked from this process (see ``forked``): it must leave nothing of its own to be
+    done at exit. ``backend`` is
     exported as ``ASYNCOMM_BACKEND`` when given (``"mpi"`` starts the ranks with mpiexec),
     ``env`` is added to every rank's environment and ``timeout`` becomes ``ASYNCOMM_TIMEOUT``,
     ``grace`` ``ASYNCOMM_GRACE_S`` (after a rank fails, the others' time to end);
@@ -235,7 +238,7 @@ def launch(script_argv: list[str], n: int, backend: str | None = None,
 
 def _launch_local(script_argv: list[str], n: int, base: dict[str, str],
                   keep_going: bool) -> int:
-    """Spawn n ranks of ``python *script_argv``, host their store, and supervise them."""
+    """Start n ranks of ``python *script_argv``, host their store, and supervise them."""
     listening = _listen_on_loopback()
     shared = {
         "WORLD_SIZE": str(n),
@@ -246,8 +249,18 @@ def _launch_local(script_argv: list[str], n: int, base: dict[str, str],
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # plain torch scripts connect as clients too
     }
     envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
-    world = asyncio.run(_supervise([[sys.executable, "-c", _RUNNER, *script_argv]] * n, envs,
-                                   labeled=False, serve=lambda: _serve_store(listening),
+    if forked.possible():  # torch loads once, here, rather than in every rank
+        import torch  # noqa: F401  (the store's, and every rank's)
+
+        ranks: list[forked.Forked] = []
+        for env in envs:  # (a rank keeps none of the launcher's descriptors, nor another's)
+            ranks.append(forked.Forked(_RUNNER, script_argv, env, close=[
+                listening.fileno(), *(fd for rank in ranks for fd in rank.fds)]))
+        starts: list[_Start] = [rank.attach for rank in ranks]
+    else:
+        starts = [_spawn([sys.executable, "-c", _RUNNER, *script_argv], env) for env in envs]
+    world = asyncio.run(_supervise(starts, _grace(base), labeled=False,
+                                   serve=lambda: _serve_store(listening),
                                    keep_going=keep_going))
     return _ended(world, n, keep_going)
 
@@ -264,10 +277,10 @@ def _launch_hosts(script_argv: list[str], n: int, base: dict[str, str],
               "MASTER_ADDR": net.addresses[0], "MASTER_PORT": "29500", "PYTHONUNBUFFERED": "1"}
     envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r % per_host)}
             for r in range(n)]
-    cmds = [net.command(r // per_host, [sys.executable, "-c", _RUNNER, *script_argv])
-            for r in range(n)]
-    return _ended(asyncio.run(_supervise(cmds, envs, labeled=False, keep_going=keep_going)), n,
-                  keep_going)
+    starts = [_spawn(net.command(r // per_host, [sys.executable, "-c", _RUNNER, *script_argv]),
+                     envs[r]) for r in range(n)]
+    return _ended(asyncio.run(_supervise(starts, _grace(base), labeled=False,
+                                         keep_going=keep_going)), n, keep_going)
 
 
 def _ended(world: _World, n: int, keep_going: bool) -> int:
@@ -305,8 +318,8 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
         cmd = [mpiexec, "-n", str(n), *spread, *local, *_label_flag(mpiexec), *python]
         if net is not None:
             cmd = net.command(0, cmd)
-        world = asyncio.run(_supervise([cmd], [{**env, "ASYNCOMM_BACKEND": "mpi"}],
-                                       labeled=True))
+        world = asyncio.run(_supervise([_spawn(cmd, {**env, "ASYNCOMM_BACKEND": "mpi"})],
+                                       _grace(env), labeled=True))
     code = world.codes[0] or 0
     if world.signal is not None:
         _say(f"interrupted by {signal.Signals(world.signal).name}; stopped mpiexec")
@@ -445,24 +458,40 @@ class _World:
         return min(when, key=when.__getitem__) if when else self.first_failed or 0
 
 
-async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled: bool,
+_Process = asyncio.subprocess.Process | forked.Forked
+_Start = Callable[[], Awaitable[_Process]]
+
+
+def _spawn(cmd: list[str], env: dict[str, str]) -> _Start:
+    """What starts ``cmd`` in ``env``, in a session of its own, its output piped here."""
+    return functools.partial(asyncio.create_subprocess_exec, *cmd, env=env,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, start_new_session=True)
+
+
+def _grace(env: Mapping[str, str]) -> float:
+    """``ASYNCOMM_GRACE_S`` in ``env``: after a rank fails, the others' time to end."""
+    from asyncomm._core import settings
+
+    return settings.read(env).grace_s
+
+
+async def _supervise(starts: list[_Start], grace: float, labeled: bool,
                      serve: Callable[[], object] | None = None,
                      keep_going: bool = False) -> _World:
-    """Run one process per command until all exit; once one fails, give the others
-    ``ASYNCOMM_GRACE_S`` to end on their own, then stop them (``keep_going``: let them run).
+    """Start one process each, and run them until all exit; once one fails, give the others
+    ``grace`` s to end on their own, then stop them (``keep_going``: let them run).
 
     A rank process that dies without saying it failed (a signal, ``os._exit``) is said dead
     to the others (see ``status``' note on failure notices). ``serve``, when given, runs on
-    a thread once the processes are spawned (the store they connect to: torch loads here
-    while it loads in the ranks); if it raises, they are stopped and the error raised.
+    a thread once the processes are started (the store they connect to: spawned ranks load
+    torch while it loads here); if it raises, they are stopped and the error raised.
     """
-    from asyncomm._core import settings
     from asyncomm._observe import status
 
-    world = _World(codes=[None] * len(cmds))
-    grace = settings.read(envs[0]).grace_s if envs else 0.0
+    world = _World(codes=[None] * len(starts))
     pumped: dict[int, list[asyncio.Future[None]]] = defaultdict(list)
-    procs: list[asyncio.subprocess.Process] = []
+    procs: list[_Process] = []
     stop = asyncio.Event()  # set when all exited, one failed, or the launcher got a signal
 
     def on_signal(signum: int) -> None:
@@ -472,7 +501,7 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
         world.signal = signum
         stop.set()
 
-    async def watch(index: int, proc: asyncio.subprocess.Process) -> None:
+    async def watch(index: int, proc: _Process) -> None:
         world.codes[index] = code = await proc.wait()
         world.exited_at[index] = time.time()
         if code != 0 and (world.first_failed is None or keep_going):
@@ -499,10 +528,8 @@ async def _supervise(cmds: list[list[str]], envs: list[dict[str, str]], labeled:
             loop.add_signal_handler(signum, on_signal, signum)  # only in the main thread
             handled.append(signum)
     try:
-        for cmd, env in zip(cmds, envs, strict=True):
-            procs.append(await asyncio.create_subprocess_exec(
-                *cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, start_new_session=True))
+        for start in starts:
+            procs.append(await start())
         pumps = []
         for i, proc in enumerate(procs):
             for stream, kept in ((proc.stdout, False), (proc.stderr, True)):
@@ -636,7 +663,7 @@ def _write(sink: TextIO, data: bytes) -> None:
         pass  # a closed terminal or pipe must not stop the ranks
 
 
-def _kill(procs: list[asyncio.subprocess.Process], signum: int) -> None:
+def _kill(procs: list[_Process], signum: int) -> None:
     """Send ``signum`` to the process group of every process still running."""
     for proc in procs:
         if proc.returncode is None:

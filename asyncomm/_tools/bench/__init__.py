@@ -18,7 +18,6 @@ import argparse
 import importlib
 import json
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -136,28 +135,30 @@ def command(args: argparse.Namespace) -> int:
     backends = BACKENDS if args.backend == "both" else (args.backend,)
     records: list[Record] = []
     code = 0
-    with tempfile.TemporaryDirectory(prefix="asyncomm-bench-") as tmp:
-        for backend in backends:
-            if backend == "mpi" and find_mpiexec() is None:
-                print("asyncomm bench: mpiexec not found; pip install 'asyncomm[mpi]'",
-                      file=sys.stderr)
-                code = code or 2
-                continue
-            if args.what == ("soak",):
-                print(f"asyncomm bench soak: {backend}, {args.nproc} ranks", flush=True)
-            part = Path(tmp) / f"{backend}.json"
-            argv = ["-m", "asyncomm", "bench", "--worker", ",".join(args.what),
-                    "--seconds", str(args.seconds), "--json", str(part), "--no-table",
-                    *(["--rounds", str(args.rounds)] if args.rounds else []),
-                    *(["--sizes", ",".join(map(str, args.sizes))] if args.sizes else []),
-                    *(["--quick"] if args.quick else [])]
-            code = launch(argv, args.nproc, backend=backend)
-            if code != 0:
-                break
-            if args.what != ("soak",) and part.exists():  # soak says its own result
-                mine = json.loads(part.read_text())
-                print(table(mine) + "\n", flush=True)
-                records += mine
+    for backend in backends:
+        if backend == "mpi" and find_mpiexec() is None:
+            print("asyncomm bench: mpiexec not found; pip install 'asyncomm[mpi]'",
+                  file=sys.stderr)
+            code = code or 2
+            continue
+        if args.what == ("soak",):
+            print(f"asyncomm bench soak: {backend}, {args.nproc} ranks", flush=True)
+        # (a file beside the result, not a temporary directory: the launcher forks this
+        # process, and its ranks would remove such a directory as they exit)
+        part = _path(args).with_suffix(f".{backend}.part")
+        argv = ["-m", "asyncomm", "bench", "--worker", ",".join(args.what),
+                "--seconds", str(args.seconds), "--json", str(part), "--no-table",
+                *(["--rounds", str(args.rounds)] if args.rounds else []),
+                *(["--sizes", ",".join(map(str, args.sizes))] if args.sizes else []),
+                *(["--quick"] if args.quick else [])]
+        code = launch(argv, args.nproc, backend=backend)
+        if code != 0:
+            break
+        if args.what != ("soak",) and part.exists():  # soak says its own result
+            mine = json.loads(part.read_text())
+            part.unlink()
+            print(table(mine) + "\n", flush=True)
+            records += mine
     if records:
         path = _path(args)
         path.write_text(json.dumps(records, indent=1) + "\n")
