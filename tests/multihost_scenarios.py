@@ -8,12 +8,17 @@ the other (so the test can see traffic cross the link). Prints
 the automatic choice), ``--one-host`` where all ranks share one host (Slurm's test: collectives,
 point-to-point, channels and an actor only).
 """
+# ruff: noqa: E402  (see the first statement)
+
+import faulthandler
+import signal
+
+# A test that finds the ranks stuck asks for their stacks, from here on: imports too.
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 import contextlib
-import faulthandler
 import importlib.util
 import io
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -25,7 +30,6 @@ import asyncomm
 from asyncomm import pipeline
 
 HOSTS = 1 if "--one-host" in sys.argv else 2  # how many hosts the ranks are on
-faulthandler.register(signal.SIGUSR1, all_threads=True)  # (a test that finds it stuck asks)
 
 
 class Counter(asyncomm.Actor):

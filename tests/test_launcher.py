@@ -7,6 +7,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -196,9 +197,12 @@ def test_launch_returns_the_failed_rank_exit_code(
         """,
     )
     flag = str(tmp_path / "printed")
+    kept = tempfile.TemporaryDirectory()  # the caller's: its ranks must not remove it
     assert launch([str(script)], 2, env={"EXTRA": "yes", "FLAG": flag}) == 7
     out, err = capfd.readouterr()
     assert "[0] extra yes\n" in out and "[1] extra yes\n" in out
+    assert os.path.isdir(kept.name), "a rank did the caller's exit work"
+    kept.cleanup()
     assert summary(err).startswith("asyncomm run: rank 0 failed first (exited with code 7)")
 
 

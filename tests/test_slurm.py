@@ -122,7 +122,11 @@ def test_srun_runs_the_scenarios_on_four_tasks(slurm: dict[str, str]) -> None:
     try:
         out, err = srun.communicate(timeout=360)
     except subprocess.TimeoutExpired:  # each task says where it is stuck, then the step ends
+        states = []
         for task in _tasks_running(SCRIPT):
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{task}/stat").read_text().rsplit(")", 1)[1].split()
+                states.append(f"{task}: {stat[0]} in {Path(f'/proc/{task}/wchan').read_text()}")
             os.kill(task, signal.SIGUSR1)
         time.sleep(5)
         srun.terminate()
@@ -131,7 +135,8 @@ def test_srun_runs_the_scenarios_on_four_tasks(slurm: dict[str, str]) -> None:
         except subprocess.TimeoutExpired:
             srun.kill()
             out, err = srun.communicate()
-        pytest.fail(f"srun did not end within 360 s: {out[-3000:]} {err[-12000:]}")
+        pytest.fail(f"srun did not end within 360 s (tasks {states}): {out[-3000:]} "
+                    f"{err[-12000:]}")
     done = subprocess.CompletedProcess(srun.args, srun.returncode, out, err)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for rank in range(4):

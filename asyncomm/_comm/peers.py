@@ -31,7 +31,8 @@ _TOLD_S = 0.25
 
 # gloo says that a connection closed, not whose: the failure it reports waits this long for
 # the notice that names the failed rank and how it ended, then probes the peers it needs.
-_NAMING_S = 0.5
+# (The notice comes in milliseconds; a launcher on a loaded machine can take a second.)
+_NAMING_S = 2.0
 
 
 class Peers:

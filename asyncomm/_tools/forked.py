@@ -7,8 +7,9 @@ streams, a session of its own) and ends as Python ends: non-daemon threads joine
 ``atexit`` work done, streams flushed. It is forked before the launcher starts an event
 loop or a store, so its only other thread is torch's idle pool thread (torch re-arms its
 pools in a forked child, as for DataLoader's workers), and its exit work is what loading
-torch and the launcher's modules registered, as in a rank started fresh: a launcher must
-leave nothing of its own to be done at exit (no ``atexit``, no ``weakref.finalize``).
+torch and the launcher's modules registered, as in a rank started fresh. So only a
+launcher that leaves nothing of its own to be done at exit (no ``atexit``, no
+``weakref.finalize``: the command line's) forks its ranks.
 
 ``Forked`` is what the launcher's supervision uses of an asyncio subprocess: ``pid``,
 ``returncode``, ``wait()``, ``stdout`` and ``stderr``.

@@ -150,7 +150,7 @@ def run_command(args: argparse.Namespace) -> int:
         code = launch([*argv, *args.script_args], args.nproc, args.backend,
                       timeout=args.timeout, trace=args.trace, hosts=args.hosts,
                       rate=args.rate, delay=args.delay, grace=args.grace,
-                      keep_going=args.keep_going)
+                      keep_going=args.keep_going, fork=True)
     except (ValueError, FileNotFoundError, PermissionError) as err:
         print(f"asyncomm run: {err}", file=sys.stderr)
         return 2
@@ -177,12 +177,12 @@ def launch(script_argv: list[str], n: int, backend: str | None = None,
            env: Mapping[str, str] | None = None, timeout: float | None = None,
            trace: str | os.PathLike[str] | None = None, hosts: int | None = None,
            rate: str | None = None, delay: str | None = None,
-           grace: float | None = None, keep_going: bool = False) -> int:
+           grace: float | None = None, keep_going: bool = False, fork: bool = False) -> int:
     """Run ``python *script_argv`` (a script or ``-m module``, then its arguments) on n ranks.
 
-    Blocks until every rank has exited and returns the world's exit code. Local gloo ranks
-    are forked from this process (see ``forked``): it must leave nothing of its own to be
-    done at exit. ``backend`` is
+    Blocks until every rank has exited and returns the world's exit code. ``fork`` forks
+    local gloo ranks from this process (see ``forked``): only for one, as the command
+    line's, with nothing of its own to do at exit (its ranks would do it too). ``backend`` is
     exported as ``ASYNCOMM_BACKEND`` when given (``"mpi"`` starts the ranks with mpiexec),
     ``env`` is added to every rank's environment and ``timeout`` becomes ``ASYNCOMM_TIMEOUT``,
     ``grace`` ``ASYNCOMM_GRACE_S`` (after a rank fails, the others' time to end);
@@ -233,11 +233,11 @@ def launch(script_argv: list[str], n: int, backend: str | None = None,
     base["PYTHONUNBUFFERED"] = "1"  # our pumps split lines, so let ranks write at once
     for name in _MPI_RANK_VARS:  # an enclosing MPI job must not make ranks look like MPI's
         base.pop(name, None)
-    return _launch_local(script_argv, n, {**base, **(env or {})}, keep_going)
+    return _launch_local(script_argv, n, {**base, **(env or {})}, keep_going, fork)
 
 
 def _launch_local(script_argv: list[str], n: int, base: dict[str, str],
-                  keep_going: bool) -> int:
+                  keep_going: bool, fork: bool) -> int:
     """Start n ranks of ``python *script_argv``, host their store, and supervise them."""
     listening = _listen_on_loopback()
     shared = {
@@ -249,7 +249,7 @@ def _launch_local(script_argv: list[str], n: int, base: dict[str, str],
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # plain torch scripts connect as clients too
     }
     envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
-    if forked.possible():  # torch loads once, here, rather than in every rank
+    if fork and forked.possible():  # torch loads once, here, rather than in every rank
         import torch  # noqa: F401  (the store's, and every rank's)
 
         ranks: list[forked.Forked] = []

@@ -151,7 +151,7 @@ def command(args: argparse.Namespace) -> int:
                 *(["--rounds", str(args.rounds)] if args.rounds else []),
                 *(["--sizes", ",".join(map(str, args.sizes))] if args.sizes else []),
                 *(["--quick"] if args.quick else [])]
-        code = launch(argv, args.nproc, backend=backend)
+        code = launch(argv, args.nproc, backend=backend, fork=True)  # (the command line's)
         if code != 0:
             break
         if args.what != ("soak",) and part.exists():  # soak says its own result
