@@ -261,7 +261,7 @@ def test_a_consequent_failure_is_said_in_one_line_as_python_words_it(
 
 
 SURVIVORS = """
-import asyncio, os, sys, torch, asyncomm
+import asyncio, os, sys, time, torch, asyncomm
 
 class Slow(asyncomm.Actor):
     @asyncomm.endpoint
@@ -298,7 +298,7 @@ async def main(comm):
     except asyncomm.PeerFailedError as exc:
         print(f"caught: {exc}", flush=True)
         try:
-            await asyncio.sleep(float(sys.argv[1]))  # saving a checkpoint
+            time.sleep(float(sys.argv[1]))  # saving a checkpoint (as torch.save: blocking)
         finally:
             print("cleaned up", flush=True)
         raise
@@ -312,9 +312,10 @@ asyncomm.run(main)
 def test_survivors_are_told_who_failed_and_have_time_to_end(tmp_path: Path,
                                                             backend: str) -> None:
     # Survivors learn which rank failed and what it raised (through the side channel, not
-    # the broken connection), and get time to clean up before the job is ended. A survivor
-    # that takes longer than the grace period is stopped.
-    proc = run_script(SURVIVORS.replace("sys.argv[1]", "1.0"), tmp_path, 3, backend,
+    # the broken connection), and get time to clean up before the job is ended, a blocking
+    # save too (its loop held, it cannot answer: under MPI the failing rank waits for it).
+    # A survivor that takes longer than the grace period is stopped.
+    proc = run_script(SURVIVORS.replace("sys.argv[1]", "3.0"), tmp_path, 3, backend,
                       timeout=180)
     for rank, op in ((0, "all_reduce #2"), (2, "recv #2 peer 1 tag 0")):
         assert (f"[{rank}] caught: rank {rank}: {op}: rank 1 failed (it raised ValueError: "

@@ -123,14 +123,29 @@ async def tell(addresses: Iterable[str], world: str, rank: int, what: str, when:
 
 
 async def ended(addresses: Iterable[str], world: str, limit: float) -> None:
-    """Return once each rank at ``addresses`` ended its program (or is gone), or at ``limit``."""
+    """Return once each rank at ``addresses`` ended its program (or is gone), or at ``limit``.
+
+    A rank that cannot answer but is there (its loop held by a blocking call: a checkpoint
+    saved with ``torch.save``) has not ended."""
     waiting, deadline = list(addresses), time.monotonic() + limit
     while waiting and time.monotonic() < deadline:
         states = await asyncio.gather(*(ask(a, world) for a in waiting))
-        waiting = [a for a, state in zip(waiting, states, strict=True) if state is not None
-                   and state.get("state") == "open" and not state.get("ending")]
+        waiting = [a for a, state in zip(waiting, states, strict=True)
+                   if (state.get("state") == "open" and not state.get("ending")
+                       if state is not None else await _listening(a))]
         if waiting:
             await asyncio.sleep(0.1)
+
+
+async def _listening(address: str) -> bool:
+    """Whether a process still listens at ``address`` (the kernel accepts for it)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), ANSWER_S)
+    except (OSError, asyncio.TimeoutError, ValueError):
+        return False
+    writer.close()
+    return True
 
 
 async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
