@@ -294,7 +294,10 @@ async def main(comm):
         if comm.rank == 0:
             await comm.all_reduce(torch.ones(1))  # would wait for rank 1 forever
         else:
-            await asyncio.gather(comm.recv(torch.ones(1), 1), call(comm), listen(comm))
+            # all three told (the save below holds the loop), then the receive's error
+            got = await asyncio.gather(comm.recv(torch.ones(1), 1), call(comm), listen(comm),
+                                       return_exceptions=True)
+            raise got[0] if isinstance(got[0], BaseException) else RuntimeError("no error")
     except asyncomm.PeerFailedError as exc:
         print(f"caught: {exc}", flush=True)
         try:

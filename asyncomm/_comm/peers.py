@@ -31,7 +31,7 @@ _TOLD_S = 0.25
 
 # gloo says that a connection closed, not whose: the failure it reports waits this long for
 # the notice that names the failed rank and how it ended, then probes the peers it needs.
-# (The notice comes in milliseconds; a launcher on a loaded machine can take a second.)
+# (Long enough for a launcher on a loaded machine to send it.)
 _NAMING_S = 2.0
 
 

@@ -458,10 +458,13 @@ class Host:
         ended = self._replies._box.ended | self._requests._box.ended
         for rank, future, name, method in self._calls.values():
             if rank in ended and not future.done():
-                future.set_exception(CommClosedError(  # (unless it failed: say that)
-                    f"rank {self.rank}: rank {rank} closed its communicator with a call "
-                    "to it in flight") if rank not in self._told else self._router.gone(
-                    f"call {name}.{method} on rank {rank}", rank))
+                if rank in self._told:  # it closed because it failed: say that
+                    future.set_exception(self._router.gone(f"call {name}.{method} on rank "
+                                                           f"{rank}", rank))
+                else:
+                    future.set_exception(CommClosedError(
+                        f"rank {self.rank}: rank {rank} closed its communicator with a call "
+                        "to it in flight"))
 
     async def close(self, timeout: float = 30.0) -> None:
         """Send what is queued (tells too), tell every rank this one is gone, stop serving."""

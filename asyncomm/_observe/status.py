@@ -46,6 +46,9 @@ from typing import Any, Protocol
 from asyncomm._core import settings
 
 ANSWER_S = 1.0  # how long a rank has to answer
+# ``ask``'s answer where a rank took the question but gave no answer in time: it is there,
+# its event loop held (a blocking call), not gone
+HELD: dict[str, Any] = {"state": "held"}
 _REQUEST = b"asyncomm-status 1 "
 # then JSON: [world label, rank, what it did, when (epoch s), whether its process is gone]
 _NOTICE = b"asyncomm-failed 1 "
@@ -125,27 +128,15 @@ async def tell(addresses: Iterable[str], world: str, rank: int, what: str, when:
 async def ended(addresses: Iterable[str], world: str, limit: float) -> None:
     """Return once each rank at ``addresses`` ended its program (or is gone), or at ``limit``.
 
-    A rank that cannot answer but is there (its loop held by a blocking call: a checkpoint
-    saved with ``torch.save``) has not ended."""
+    A rank that cannot answer but is there (``HELD``: its loop held by a blocking call, a
+    checkpoint saved with ``torch.save``) has not ended."""
     waiting, deadline = list(addresses), time.monotonic() + limit
     while waiting and time.monotonic() < deadline:
         states = await asyncio.gather(*(ask(a, world) for a in waiting))
-        waiting = [a for a, state in zip(waiting, states, strict=True)
-                   if (state.get("state") == "open" and not state.get("ending")
-                       if state is not None else await _listening(a))]
+        waiting = [a for a, state in zip(waiting, states, strict=True) if state is HELD or (
+            state is not None and state.get("state") == "open" and not state.get("ending"))]
         if waiting:
             await asyncio.sleep(0.1)
-
-
-async def _listening(address: str) -> bool:
-    """Whether a process still listens at ``address`` (the kernel accepts for it)."""
-    host, port = address.rsplit(":", 1)
-    try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), ANSWER_S)
-    except (OSError, asyncio.TimeoutError, ValueError):
-        return False
-    writer.close()
-    return True
 
 
 async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -190,7 +181,9 @@ async def _exchange(address: str, line: bytes) -> dict[str, Any] | None:
 
     try:
         return await asyncio.wait_for(question(), ANSWER_S)
-    except (OSError, asyncio.TimeoutError, ValueError):
+    except asyncio.TimeoutError:  # took the question (the kernel did), gave no answer
+        return HELD if opened else None
+    except (OSError, ValueError):
         return None
     finally:
         for writer in opened:
@@ -199,7 +192,7 @@ async def _exchange(address: str, line: bytes) -> dict[str, Any] | None:
 
 def word(state: dict[str, Any] | None, now_op: tuple[str, int] | None = None) -> str:
     """Say what a rank's ``state`` (an answer of ``ask``) means, in a few words."""
-    if state is None:
+    if state is None or state is HELD:
         return f"no answer within {ANSWER_S:g} s (exited, or its event loop is blocked)"
     if state.get("state") == "closed":
         return "finished (closed this communicator)"
