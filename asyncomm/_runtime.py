@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import sys
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Generator
@@ -46,7 +47,7 @@ async def _open(backend: str | None, timeout: float) -> Comm:
     if comm.size > 1:  # where each rank answers questions about its state (see _status)
         address = await _status.serve()
         comm._addresses = [a.decode() for a in await comm._exchange(address.encode(), "init")]
-        _status.to_launcher(f"{_status.SERVES_AT}{comm._label} {address}")
+        _status.to_launcher(f"{_status.SERVES_AT}{comm._label} {address} {os.getpid()}")
     return comm
 
 

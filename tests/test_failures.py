@@ -416,6 +416,55 @@ def test_a_timeout_names_the_sizes_the_other_ranks_reduced(tmp_path: Path) -> No
             "of float32[10])") in proc.stdout, proc.stdout + proc.stderr
 
 
+HALTING = """
+import contextlib, os, torch, asyncomm
+
+async def main(comm):
+    if os.environ["CASE"] == "raw" and comm.rank == 0:  # gloo's own send, beyond 64 KiB
+        comm.raw.send([torch.ones(100_000)], 1, 5).wait()
+        await comm.barrier(timeout=60)  # (fails once rank 1 has)
+    try:
+        if os.environ["CASE"] == "raw":
+            await comm.recv(torch.empty(100_000), 0, tag=5, timeout=60)
+        else:
+            await comm.all_reduce(torch.ones(1000 if comm.rank == 0 else 10), timeout=60)
+    except asyncomm.MismatchError as exc:
+        print(f"mismatch: {exc}", flush=True)
+        with contextlib.suppress(asyncomm.MismatchError):  # later ones fail at once
+            await comm.barrier(timeout=60)
+            print("a later barrier completed", flush=True)
+        raise
+
+asyncomm.run(main)
+"""
+
+
+@pytest.mark.parametrize("case", ["all_reduce", "raw"])
+def test_sizes_gloo_refuses_on_its_own_thread_fail_the_operation_not_the_process(
+        tmp_path: Path, case: str) -> None:
+    # gloo checks sizes on its own I/O thread, where its exception has no catcher: C++
+    # ended the process (std::terminate, SIGABRT). Now gloo halts there, and the rank's
+    # operations fail with MismatchError, saying what the others were doing. Repeated: a
+    # thread race at exit (gloo's parked thread) would show as a hang or a signal.
+    for _ in range(2):
+        start = time.monotonic()
+        proc = run_script(HALTING, tmp_path, 3 if case == "all_reduce" else 2, "gloo",
+                          timeout=180, env={"CASE": case})
+        said = proc.stdout + proc.stderr
+        assert time.monotonic() - start < 50, said  # not the 60 s deadline
+        assert proc.returncode == 1 and "SIG" not in said, said
+        assert "a later barrier completed" not in said, said
+        halted = re.findall(r"\[(\d)\] mismatch: rank \1: (all_reduce #1|recv #1 peer 0 tag 5): "
+                            r"gloo halted: its I/O thread raised gloo::EnforceNotMet \(.*\): "
+                            r"gloo can move nothing more in this process, which will exit with "
+                            r"status 1 \(this rank's tensor: float32\[(\d+)\]\)\. Meanwhile ",
+                            said)
+        assert halted, said
+        summary = proc.stderr.strip().splitlines()[-1]
+        assert re.match(r"asyncomm run: rank \d failed first: asyncomm.MismatchError: ",
+                        summary), said
+
+
 class Slow(asyncomm.Actor):
     @asyncomm.endpoint
     async def wait(self, seconds: float) -> str:

@@ -306,7 +306,7 @@ def test_open_mpi_names_the_rank_that_failed(report: bytes, said: str) -> None:
     world = _launch._World(codes=[])
     for line in report.splitlines():
         _launch._open_mpi_report(world, line)
-    assert _launch._dead_ranks(world.statuses) == said
+    assert _launch._dead_ranks(world.statuses, None) == said
 
 
 def test_the_launching_commands_do_not_load_torch() -> None:

@@ -24,6 +24,7 @@ import socket
 import struct
 from collections.abc import Iterator, Mapping, MutableMapping
 from dataclasses import dataclass
+from typing import Any
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 
@@ -90,6 +91,20 @@ def hosts_named(error: BaseException, hosts: Mapping[str, list[int]]) -> str | N
         return None
     said = f" (the host of rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))})"
     return text[:found.end()] + said + text[found.end():]  # before any advice, which is cut
+
+
+def ranks_by_address(store: Any, size: int) -> dict[str, list[int]]:
+    """Return the ranks at each gloo address, from ``store`` (every rank set its own before
+    joining, as ``address/{rank}``); empty if the store cannot say."""
+    try:
+        addresses = store.multi_get([f"address/{r}" for r in range(size)])
+    except (RuntimeError, AttributeError):
+        return {}  # errors will name addresses only
+    hosts: dict[str, list[int]] = {}
+    for rank, address in enumerate(addresses):
+        if address:
+            hosts.setdefault(address.decode(), []).append(rank)
+    return hosts
 
 
 def route_to(host: str) -> str | None:

@@ -3,8 +3,9 @@
 Note on sizes
 -------------
 A gloo receive given a buffer smaller than the message that matches it
-fails an assertion on gloo's own thread, which calls ``std::terminate``: the
-process dies of SIGABRT, from a Python call with a buffer too small. So
+fails an assertion on gloo's own thread, which halts gloo in the process
+(``gloo_halt``: else ``std::terminate`` would kill it), from a Python call
+with a buffer too small. So
 asyncomm's sends on gloo begin with a 16-byte header (a magic number, a data
 tag, the payload's size):
 

@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from asyncomm._backends import gloo_lane, gloo_net, gloo_p2p, startup
+from asyncomm._backends import gloo_halt, gloo_lane, gloo_net, gloo_p2p, startup
 from asyncomm._backends.gloo_link import GlooLink
 from asyncomm._core import settings, tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
@@ -127,12 +127,14 @@ def _settle_at_exit() -> None:
     gloo's threads end the process (std::terminate). Seen in 4 of 14 runs of
     a program that destroys its own group after ``asyncomm.run``; 0 of 20 so.
     """
+    gloo_halt.exit_if_halted()
     for backend in list(_open):
         try:
             backend._settle()
         except Exception:  # exiting: nothing left to tell
             pass
     gc.collect()
+    gloo_halt.restore()
 
 
 def _value(future: Any) -> object:
@@ -201,7 +203,19 @@ class TorchBackend(Backend):
         self._link: GlooLink | None = None
         self._any_source: collections.Counter[int] = collections.Counter()  # tags pending
         self._closed = False
+        self._halt_listeners: list[Callable[[CommError], None]] = []
+        if not self.cuda:
+            gloo_halt.watch(loop, self)
         _open.add(self)
+
+    def on_halt(self, listener: Callable[[CommError], None]) -> None:
+        self._halt_listeners.append(listener)
+
+    def halted(self, what: str) -> None:
+        """gloo's own thread failed (see ``gloo_halt``): nothing moves any more."""
+        self.lost = error = gloo_halt.error(what)
+        for listener in self._halt_listeners:
+            listener(error)
 
     # -- collectives ------------------------------------------------------------
 
@@ -478,6 +492,9 @@ class TorchBackend(Backend):
             return
         self._closed = True
         _open.discard(self)
+        if gloo_halt.halted_by is not None:  # gloo cannot end anything now: left as it is
+            self._inbox.close()
+            return
         self._bridge.enlist()  # collectives issued this iteration: their callbacks count as busy
         self._eager.close(timeout=2.0)  # copies still on their way get a moment to arrive
         self._settle()
@@ -627,8 +644,9 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
                                         world_size=env.size,
                                         timeout=datetime.timedelta(seconds=timeout))
                 sys.excepthook = hook  # launchers label ranks' lines; see asyncomm._runtime
-                if env.size > 1:
-                    _learn_hosts(prefixed, env.size)
+                if env.size > 1:  # (a store round trip: on the joining thread)
+                    _hosts.clear()
+                    _hosts.update(gloo_net.ranks_by_address(prefixed, env.size))
             except RuntimeError as exc:  # a store timeout: say who is missing
                 _explained(exc, env.rank)
                 missing = [r for r in range(env.size) if not prefixed.check([f"joined/{r}"])]
@@ -671,19 +689,6 @@ def _default_store() -> Any:
 def _lane_address() -> str:
     """Return the address the data lane listens on: the one gloo's device binds to."""
     return gloo_net.own_address(os.environ) or "127.0.0.1"
-
-
-def _learn_hosts(store: Any, size: int) -> None:
-    """Learn which ranks share each gloo address (every rank set its own before joining;
-    a store round trip: on the joining thread, never on the loop)."""
-    _hosts.clear()
-    try:
-        addresses = store.multi_get([f"address/{r}" for r in range(size)])
-    except (RuntimeError, AttributeError):
-        return  # errors will name addresses only
-    for rank, address in enumerate(addresses):
-        if address:
-            _hosts.setdefault(address.decode(), []).append(rank)
 
 
 def _explained(error: RuntimeError, rank: int) -> None:

@@ -16,7 +16,7 @@ from asyncomm._comm.peers import Peers
 from asyncomm._core import instrument, settings, tags
 from asyncomm._core.arguments import Arguments
 from asyncomm._core.backend import Backend, Posted
-from asyncomm._core.errors import CommClosedError, CommError, PeerFailedError
+from asyncomm._core.errors import CommClosedError, CommError, MismatchError, PeerFailedError
 from asyncomm._core.handle import FROM_BACKEND, Deadlines, Handle
 from asyncomm._core.ops import ReduceOp
 from asyncomm._messaging.actors import Actor, ActorRef, Host
@@ -102,6 +102,9 @@ class Comm(Peers):
         self._router = Router(backend.rank, backend.size, own.link(), backend, self._probe,
                               chosen.probe_s)
         self._router.on_dead.append(self._peer_died)
+        backend.on_halt(self._halted)
+        if own is not backend:
+            own.on_halt(self._halted)
         self._failed: set[int] = set()  # see ``failed``
         self._hold = self._held  # every handle's (``Peers._held``): bound once, not per op
         self._router.stall_s, self._router.explain = self._stall_s, self._peers_say
@@ -184,8 +187,11 @@ class Comm(Peers):
                deferred: bool = False) -> None:
         """Start an operation on the backend; a bad argument raises unless it was deferred."""
         lost = self._backend.lost
-        if lost is not None:  # a peer is gone: fail now rather than wait for it
-            handle._fail(PeerFailedError, CommError(f"a peer failed earlier: {lost}"))
+        if lost is not None:  # a peer is gone, or the backend halted: fail now, not wait
+            if isinstance(lost, MismatchError):
+                handle._fail(MismatchError, CommError(f"an earlier operation failed: {lost}"))
+            else:
+                handle._fail(PeerFailedError, CommError(f"a peer failed earlier: {lost}"))
             return
         try:
             start(handle, *args)

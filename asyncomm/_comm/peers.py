@@ -127,6 +127,24 @@ class Peers:
             self._loop.call_later(_TOLD_S, self._host.fail_calls, peer)
         self._loop.call_later(_TOLD_S, self._fail_needing, peer, cause)
 
+    def _halted(self, error: CommError) -> None:
+        """The backend halted (``Backend.on_halt``): fail what is pending with ``error`` and
+        the peers' state (what they were doing shows what differed), and later operations at
+        once."""
+        if self._backend.lost is error and self._own.lost is error:
+            return  # (told by the twin too)
+        self._backend.lost = self._own.lost = error
+        pending = [handle for handle, _ in self._deadlines.pending()]
+
+        async def explain() -> None:
+            said = await self._peers_say(self._router.others(None))
+            for handle in pending:
+                mine = status.shape(handle._keep)
+                mine = f" (this rank's tensor: {mine})" if mine else ""
+                handle._abandon(type(error), type(error)(f"{error}{mine}. Meanwhile {said}"))
+
+        self._router.aside(explain())
+
     def _held(self, handle: Handle[Any], error: CommError) -> None:
         """The backend failed ``handle`` because a peer is gone, without saying which: fail it
         naming the failed rank it needs, if one is known already, or once one is (a notice, or

@@ -124,7 +124,9 @@ class Backend(ABC):
     max_tag: int  # the largest tag users may pass; tags above it are asyncomm's own
     raw: object
     cuda: bool = False  # whether it moves CUDA tensors (else CPU ones)
-    lost: BaseException | None = None  # the first error that said a peer is gone
+    # the first error that said a peer is gone, or that the backend halted: later
+    # operations fail at once
+    lost: BaseException | None = None
     dtypes: frozenset[torch.dtype] | None = None  # the dtypes it moves; None: every one
     ends_job_on_error: bool = False  # whether ``abort_job`` ends every rank's process
     # whether its link can tell that a peer is gone (``Link.probe``); else a dead peer ends
@@ -250,6 +252,10 @@ class Backend(ABC):
 
     async def released(self, timeout: float) -> None:  # noqa: B027
         """Wait (up to ``timeout``) until no receive is stuck any more."""
+
+    def on_halt(self, listener: Callable[[CommError], None]) -> None:  # noqa: B027
+        """Call ``listener(error)`` on the loop if the backend halts: it can move nothing
+        more in this process (gloo, when its own thread failed). Most never do."""
 
     def abort_job(self, code: int) -> None:  # noqa: B027
         """End the whole job after an uncaught error, where the launcher would not."""

@@ -1,14 +1,14 @@
 """Debug mode (``ASYNCOMM_DEBUG=1``): ranks agree on every collective before it is issued.
 
 A collective issued with different arguments on different ranks (another op, dtype, shape
-or root at the same step) hangs, returns garbage or kills the process from C++ (gloo's
-``std::terminate`` on a size mismatch). In debug mode each collective first all-gathers a
-*fingerprint* (op, step, dtype, shape, root, reduction) on the same communicator, and is
-issued only if every rank's agrees. If they differ, every rank's handle fails with a
-``MismatchError`` that names what each rank called, nothing is issued, and later
-collectives on the communicator fail at once (the ranks are no longer in step).
-Fingerprints and collectives alternate on the communicator, so a collective waits for the
-one before it to be issued. Point-to-point operations are not checked.
+or root at the same step) hangs, returns garbage or halts gloo in the process (a size
+mismatch, which gloo raises on its own thread: see ``gloo_halt``). In debug mode each
+collective first all-gathers a *fingerprint* (op, step, dtype, shape, root, reduction) on
+the same communicator, and is issued only if every rank's agrees. If they differ, every
+rank's handle fails with a ``MismatchError`` that names what each rank called, nothing is
+issued, and later collectives on the communicator fail at once (the ranks are no longer in
+step). Fingerprints and collectives alternate on the communicator, so a collective waits
+for the one before it to be issued. Point-to-point operations are not checked.
 """
 
 from __future__ import annotations

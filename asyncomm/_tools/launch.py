@@ -55,6 +55,7 @@ _OPEN_MPI_SIGNALLED = re.compile(rb"process rank (\d+) with PID \d+ on node \S+ 
 _OPEN_MPI_SIGNAL = re.compile(rb"(?:^|exited on )\s*signal (\d+)")
 # MPICH's banner when a rank ends badly, and its words on Ctrl-C: the summary says how the
 # job ended (a rank's own lines, blank ones too, come labelled).
+_MPICH_PID = re.compile(rb"^=   PID (\d+) RUNNING AT ")  # (the first rank to end badly)
 _MPICH_SAID = re.compile(rb"^(?:=+|=   .*|YOUR APPLICATION TERMINATED WITH THE EXIT STRING: .*"
                          rb"|This typically refers to a problem with your application\."
                          rb"|Please see the FAQ page for debugging suggestions"
@@ -166,11 +167,8 @@ def run_command(args: argparse.Namespace) -> int:
 
 def find_mpiexec() -> str | None:
     """Return the path of ``mpiexec``: on PATH, else beside this Python (the mpich wheel)."""
-    found = shutil.which("mpiexec")
-    if found is not None:
-        return found
     beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if os.access(beside, os.X_OK) else None
+    return shutil.which("mpiexec") or (str(beside) if os.access(beside, os.X_OK) else None)
 
 
 def launch(script_argv: list[str], n: int, backend: str | None = None,
@@ -182,16 +180,14 @@ def launch(script_argv: list[str], n: int, backend: str | None = None,
 
     Blocks until every rank has exited and returns the world's exit code. ``fork`` forks
     local gloo ranks from this process (see ``forked``): only for one, as the command
-    line's, with nothing of its own to do at exit (its ranks would do it too). ``backend`` is
-    exported as ``ASYNCOMM_BACKEND`` when given (``"mpi"`` starts the ranks with mpiexec),
-    ``env`` is added to every rank's environment and ``timeout`` becomes ``ASYNCOMM_TIMEOUT``,
-    ``grace`` ``ASYNCOMM_GRACE_S`` (after a rank fails, the others' time to end);
-    ``keep_going`` leaves them running instead (gloo: MPICH's mpiexec ends the survivors of a
-    killed rank whatever it is asked, and MPI cannot shrink).
-    ``trace`` becomes ``ASYNCOMM_TRACE`` (the directory is made, and emptied of an earlier
-    run's rank files so that they cannot be merged with this run's). ``hosts`` spreads the
-    ranks over that many emulated hosts (see ``network``), their links shaped by ``rate``
-    and ``delay``.
+    line's, with nothing of its own to do at exit (its ranks would do it too). ``backend``
+    becomes ``ASYNCOMM_BACKEND`` (``"mpi"`` starts the ranks with mpiexec), ``timeout``
+    ``ASYNCOMM_TIMEOUT``, ``grace`` ``ASYNCOMM_GRACE_S`` (after a rank fails, the others' time
+    to end); ``env`` is added to every rank's environment. ``keep_going`` leaves the others
+    running instead (gloo: MPICH's mpiexec ends the survivors of a killed rank whatever it
+    is asked, and MPI cannot shrink). ``trace`` becomes ``ASYNCOMM_TRACE`` (the directory is
+    made, and emptied of an earlier run's rank files). ``hosts`` spreads the ranks over that
+    many emulated hosts (see ``network``), their links shaped by ``rate`` and ``delay``.
 
     Raises:
         ValueError: a bad ``n``, ``hosts``, ``backend``, ``rate`` or ``delay``.
@@ -334,21 +330,21 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
         rank = min(world.failed_at, key=world.failed_at.__getitem__) if world.failed_at else (
             world.tracebacks[0])
         _say(f"rank {rank} failed first{_error(world.tails[rank])} ({ended})")
-    elif (dead := _dead_ranks(world.statuses)):  # died without a word: Hydra says who
-        _say(f"{dead} ({ended})")
+    elif dead := _dead_ranks(world.statuses, world.pids.get(world.first_pid)):
+        _say(f"{dead} ({ended})")  # died without a word: Hydra says who
     else:
         _say(ended)
     return code if code > 0 else 1
 
 
-def _dead_ranks(statuses: list[int]) -> str:
+def _dead_ranks(statuses: list[int], first: int | None) -> str:
     """Name the ranks whose wait status says they failed: an exit code first, else a signal
-    (Hydra kills the other ranks once one dies, so those are named only when no rank exited
-    with a code of its own)."""
+    (Hydra kills the other ranks once one dies, with the same signal: only the ``first`` to
+    end badly is named, where its banner said which)."""
     exited = [(r, s >> 8) for r, s in enumerate(statuses) if s & 0x7F == 0 and s >> 8]
     if exited:
         return "; ".join(f"rank {r} exited with code {c}" for r, c in exited)
-    killed = [(r, s & 0x7F) for r, s in enumerate(statuses) if s & 0x7F]
+    killed = [(r, s & 0x7F) for r, s in enumerate(statuses) if s & 0x7F and first in (None, r)]
     return "; ".join(f"rank {r} {_how(-sig)}" for r, sig in killed)
 
 
@@ -447,6 +443,8 @@ class _World:
     failed_at: dict[int, float] = field(default_factory=dict)  # when a rank said it failed
     exited_at: dict[int, float] = field(default_factory=dict)  # when a process was seen exit
     serves: dict[int, tuple[str, str]] = field(default_factory=dict)  # (world, address)
+    pids: dict[int, int] = field(default_factory=dict)  # each rank, by its process id
+    first_pid: int = 0  # the process of the first rank to end badly, as MPICH names it
     tails: defaultdict[int, deque[str]] = field(
         default_factory=lambda: defaultdict(lambda: deque(maxlen=TAIL_LINES)))
 
@@ -579,6 +577,8 @@ async def _pump(stream: asyncio.StreamReader, is_err: bool, world: _World,
             world.statuses += [int(s) for s in re.findall(rb"\d+", re.sub(
                 rb"\[[^\]]*\]", b" ", statuses[1]))]
             return
+        if rank is None and (bad := _MPICH_PID.match(line)):
+            world.first_pid = world.first_pid or int(bad[1])
         if rank is None and _MPICH_SAID.match(line):
             return
         if rank is None and is_err and not world.statuses:
@@ -631,8 +631,9 @@ def _said_to_us(world: _World, line: bytes, rank: int | None) -> bool:
         if text.startswith(status.FAILED_AT):
             world.failed_at.setdefault(rank, float(text[len(status.FAILED_AT):]))
         else:
-            world_label, address = text[len(status.SERVES_AT):].split()
+            world_label, address, *pid = text[len(status.SERVES_AT):].split()
             world.serves[rank] = (world_label, address)
+            world.pids.update({int(p): rank for p in pid})
     return True
 
 
@@ -652,15 +653,13 @@ def _keep(world: _World, line: bytes, rank: int | None) -> None:
 
 def _write(sink: TextIO, data: bytes) -> None:
     """Write one line to ``sink`` now, as bytes when it has a binary buffer."""
-    try:
+    with contextlib.suppress(OSError, ValueError):  # a closed pipe must not stop the ranks
         if hasattr(sink, "buffer"):
             sink.buffer.write(data)
             sink.buffer.flush()
         else:  # a replaced stream, e.g. a caller capturing output
             sink.write(data.decode(errors="replace"))
             sink.flush()
-    except (OSError, ValueError):
-        pass  # a closed terminal or pipe must not stop the ranks
 
 
 def _kill(procs: list[_Process], signum: int) -> None:
