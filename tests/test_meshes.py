@@ -130,6 +130,7 @@ def test_a_shrink_that_a_live_rank_misses_times_out_naming_it(world: World) -> N
 
 SURVIVE = """
 import asyncio, os, signal, torch, asyncomm
+from asyncomm import pipeline
 
 class Buffer(asyncomm.Actor):
     def __init__(self, rank):
@@ -166,6 +167,22 @@ async def main(comm):
     again = await small.spawn(Buffer, comm.rank, name="buffers")
     print(f"small {small.rank}/{small.size} sum {t[0].item()} {got} "
           f"{await again.sample.call(0.0)}", flush=True)
+    model = torch.nn.Linear(4, 2)  # GradSync over the survivors: each its own data
+    sync = asyncomm.GradSync(model, small)
+    model(torch.full((3, 4), float(small.rank + 1))).sum().backward()
+    await sync.wait()
+    torch.manual_seed(0)  # a pipeline over them: its loss is one process's
+    whole = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1))
+    x, y = torch.linspace(-1, 1, 32).reshape(8, 4), torch.zeros(8, 1)
+    alone = torch.nn.functional.mse_loss(whole(x), y).item()
+    schedule = pipeline.get("1f1b", small.size, 4)
+    pipe = pipeline.Pipeline(small, schedule, pipeline.split(whole, schedule.n_stages),
+                             torch.nn.functional.mse_loss)
+    loss = await pipe.step(x if pipe.first else None, y if pipe.last_stage else None)
+    await pipe.close()
+    print(f"small {small.rank}: grad {model.weight.grad[0, 0].item()} pipeline "
+          f"{'same' if loss is None or abs(float(loss) - alone) < 1e-6 else (loss, alone)}",
+          flush=True)
     await small.barrier()
     await small.close()
 
@@ -189,6 +206,8 @@ def test_survivors_of_a_killed_member_shrink_and_go_on(tmp_path: Path) -> None:
         assert f"[{rank}] failed [1] alive [0, 2] handled [(1, " in out, out
     assert "[0] small 0/2 sum 2.0 hello from 1 [0, 2]" in out, out + proc.stderr
     assert "[2] small 1/2 sum 2.0 hello from 0 [0, 2]" in out, out + proc.stderr
+    for rank, small in ((0, 0), (2, 1)):  # (3 x 1 and 3 x 2, averaged)
+        assert f"[{rank}] small {small}: grad 4.5 pipeline same" in out, out + proc.stderr
 
 
 def test_keep_going_is_refused_on_mpi(tmp_path: Path) -> None:
