@@ -294,11 +294,13 @@ def test_ranks_killed_in_turn_leave_the_others_going(tmp_path: Path) -> None:
         for rank in range(left):
             assert (f"[{rank}] turn {kill}: rank {rank} of {left} left, sum {left}, members "
                     f"{list(range(left))}") in proc.stdout, proc.stdout + proc.stderr
-            # told who failed and how, though gloo's own error (a connection closed) may
-            # come first
-            told = re.search(rf"^\[{rank}\] turn {kill}: told (.*)$", proc.stdout, re.M)
-            assert told is not None and told[1].startswith(f"rank {rank}: ") and told[1].endswith(
-                f": rank {left} failed (its process was killed by SIGKILL)"), proc.stdout
+            # told who failed: how, from the launcher's notice, or (where gloo's own error
+            # came first and the notice did not follow within 2 s: a loaded machine) that
+            # its connection closed
+            told = re.search(rf"^\[{rank}\] turn {kill}: told rank {rank}: .*: rank {left} "
+                             r"failed \((its process was killed by SIGKILL|Connection closed "
+                             r"by peer .*)\)$", proc.stdout, re.M)
+            assert told is not None, proc.stdout
     assert proc.returncode != 0, proc.stderr
 
 

@@ -141,3 +141,42 @@ def test_srun_runs_the_scenarios_on_four_tasks(slurm: dict[str, str]) -> None:
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for rank in range(4):
         assert f"scenarios ok {rank} " in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+NO_KILL = """
+import os, signal, torch, asyncomm
+
+async def main(comm):
+    await comm.barrier()
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    try:
+        await comm.all_reduce(torch.ones(1), timeout=120)
+    except asyncomm.PeerFailedError as exc:
+        print(f"told: {exc}", flush=True)
+    small = await comm.shrink(timeout=60)
+    t = torch.ones(1)
+    await small.all_reduce(t)
+    print(f"went on: {comm.rank} as {small.rank} of {small.size}, sum {t.item()}", flush=True)
+    await small.close()
+
+asyncomm.run(main)
+"""
+
+
+@pytest.mark.timeout(420)
+def test_a_step_that_keeps_its_tasks_survives_a_killed_one(slurm: dict[str, str],
+                                                          tmp_path: Path) -> None:
+    # srun ends a step's other tasks when one fails only with --kill-on-bad-exit (or the
+    # cluster's KillOnBadExit); without it the survivors are told (their probes: no
+    # launcher of asyncomm's here), shrink and go on. The step still says a task failed.
+    script = tmp_path / "no_kill.py"
+    script.write_text(NO_KILL)
+    done = subprocess.run(["srun", "-n", "3", "--overcommit", "--kill-on-bad-exit=0",
+                           "--no-kill", sys.executable, str(script)], env=slurm,
+                          capture_output=True, text=True, timeout=360)
+    said = done.stdout + done.stderr[-3000:]
+    assert done.returncode != 0, said
+    for rank, small in ((0, 0), (2, 1)):
+        assert f"told: rank {rank}: all_reduce #2: rank 1 failed (" in done.stdout, said
+        assert f"went on: {rank} as {small} of 2, sum 2.0" in done.stdout, said
