@@ -65,7 +65,9 @@ class Peers:
                             for h, issued in pending[:8]],
                 "more": max(0, len(pending) - 8),
                 "timed_out": [[*what[1:], now - when] for what, when in self._timed_out],
-                "last": [self._last_op, self._seq, status.shape(self._last_tensor)]}
+                "last": [self._last_op, self._seq, status.shape(self._last_tensor)],
+                "running": [[name, method, caller, now - since] for name, (method, caller, since)
+                            in self._host.running.items()]}
 
     async def _peers_say(self, peers: Sequence[int]) -> str:
         """Return what ``peers`` are doing on this communicator, asked without it."""

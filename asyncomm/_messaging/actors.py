@@ -102,6 +102,9 @@ class Host:
         self._outboxes: dict[int, asyncio.Queue[_Outgoing | None]] = {}
         self._backlog: dict[int, int] = {}  # messages queued in an outbox, not sent yet
         self._unserved: dict[str, collections.deque[Message]] = {}  # tells before their actor
+        # per actor, the endpoint it awaits now: (method, caller, since); a peer asking what
+        # this rank does is told (a call that hangs in it is otherwise nothing in flight)
+        self.running: dict[str, tuple[str, int, float]] = {}
         loop = asyncio.get_running_loop()
         self._loop = loop
         self._requests.listen(self._on_request)
@@ -212,7 +215,11 @@ class Host:
                     endpoints[method] = target
                 result = target(*args, **kwargs) if kwargs else target(*args)
                 if type(result) not in _NOT_AWAITABLE and inspect.isawaitable(result):
-                    result = await result
+                    self.running[name] = (method, message[0], time.monotonic())
+                    try:
+                        result = await result
+                    finally:
+                        del self.running[name]
             except Exception as exc:
                 self._answer(message, False, [type(exc).__name__, str(exc),
                                               traceback.format_exc()])

@@ -190,7 +190,7 @@ async def _exchange(address: str, line: bytes) -> dict[str, Any] | None:
             writer.close()
 
 
-def word(state: dict[str, Any] | None, now_op: tuple[str, int] | None = None) -> str:
+def word(state: dict[str, Any] | None) -> str:
     """Say what a rank's ``state`` (an answer of ``ask``) means, in a few words."""
     if state is None or state is HELD:
         return f"no answer within {ANSWER_S:g} s (exited, or its event loop is blocked)"
@@ -198,6 +198,13 @@ def word(state: dict[str, Any] | None, now_op: tuple[str, int] | None = None) ->
         return "finished (closed this communicator)"
     if state.get("state") != "open":
         return "not started (has not made this communicator)"
+    return _doing(state) + "".join(
+        f"; running {name}.{method} for rank {caller} for {waited:.1f} s"
+        for name, method, caller, waited in state.get("running", []))
+
+
+def _doing(state: dict[str, Any]) -> str:
+    """Say what an open rank's ``state`` says of its operations."""
     pending = state.get("pending", [])
     if pending:
         said = "; ".join(f"{_operation(*entry[:4], *entry[5:6])} pending for {entry[4]:.1f} s"
