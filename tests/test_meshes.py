@@ -385,6 +385,34 @@ def test_peers_dying_mid_stream_leave_a_rank_hearing_or_told_why_not(tmp_path: P
     assert "CommTimeoutError" not in proc.stderr, proc.stderr
 
 
+DIES_WHILE_OTHERS_CLOSE = """
+import asyncio, os, signal, time, asyncomm
+
+async def main(comm):
+    await comm.barrier()
+    if comm.rank == 2:  # killed while ranks 0 and 1 wait for its goodbye
+        await asyncio.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    await comm.close()
+    print(f"rank {comm.rank} closed in {time.monotonic() - start:.0f} s", flush=True)
+
+asyncomm.run(main)
+"""
+
+
+def test_a_rank_killed_while_the_others_close_lets_them_go(tmp_path: Path) -> None:
+    # Closing waits for every peer's goodbye and for the rank above to drain this one
+    # (docs: closing). Rank 2 dies without its goodbye: rank 0 learns it will not come
+    # (rank 1 says it for the dead rank), and rank 1, which rank 2 was to drain, leaves
+    # its listener parked. Before, both waited out the close's 30 s linger.
+    proc = run_script(DIES_WHILE_OTHERS_CLOSE, tmp_path, 3, "gloo", timeout=180,
+                      options=["--keep-going"])
+    for rank in (0, 1):
+        closed = re.search(rf"^\[{rank}\] rank {rank} closed in (\d+) s$", proc.stdout, re.M)
+        assert closed is not None and int(closed[1]) < 20, proc.stdout + proc.stderr
+
+
 KILLED_ON_MPI = """
 import asyncio, os, signal, torch, asyncomm
 

@@ -177,6 +177,10 @@ class GlooLink(Link):
         self._drained = loop.create_future()  # the listener has nothing posted
         self._ping = _ping_message()  # only read: every probe sends the same bytes
         self._can_drain = True  # False once no live peer is left to drain this rank
+        # as goodbye found them: the live ranks that drain this one and that this one drains
+        self._drainer: int | None = None
+        self._drains: int | None = None
+        self._undrainable = loop.create_future()  # done if the drainer died first
         self._pinging: set[int] = set()  # peers with a PING in flight
         self.batching = True  # see the note on batches
 
@@ -216,6 +220,8 @@ class GlooLink(Link):
         below = [(rank - k) % self._size for k in range(1, self._size)]
         live = [r for r in below if r not in gone]
         self._can_drain = bool(live)
+        self._drainer = live[-1] if live else None  # (the nearest live rank above)
+        self._drains = live[0] if live else None
         handles: list[Handle[None]] = []
         if live:  # the dead ranks' goodbyes come before this rank's own
             for dead in sorted(gone):
@@ -228,7 +234,17 @@ class GlooLink(Link):
 
     async def drained(self) -> None:
         if self._can_drain:  # else nobody is left to fill the receives still posted
-            await asyncio.shield(self._drained)
+            await asyncio.wait([self._drained, self._undrainable],
+                               return_when=asyncio.FIRST_COMPLETED)
+
+    def lost(self, peer: int) -> None:
+        """A peer died after this rank's goodbye (see the note on dead peers): the rank
+        this one drains is told that its goodbye will not come; if it drained this rank,
+        this rank's listener is left parked, as where no live peer is left."""
+        if peer == self._drainer and not self._undrainable.done():
+            self._undrainable.set_result(None)
+        if self._drains is not None and peer != self._drains and not self._stopped:
+            self.send(self._drains, proxy_bye(peer), [])
 
     @property
     def listening(self) -> bool:

@@ -184,11 +184,11 @@ class Peers:
 
     def _told(self, world: str, rank: int, what: str, gone: bool) -> None:
         """A notice (see ``status``): a process ``gone`` is news to the router, not a leaver."""
-        if not self._closed and self._label.split(".")[0] == world and rank in self._world_ranks:
+        if self._label.split(".")[0] == world and rank in self._world_ranks:
             peer, cause = self._world_ranks.index(rank), PeerFailedError(what)
-            if gone:
-                self._router.failed(peer, cause)  # (else it still says its goodbye)
-            else:
+            if gone and not self._loop.is_closed():  # (closing too: its goodbye won't come)
+                self._router.failed(peer, cause)
+            elif not self._closed:  # (else it still says its goodbye)
                 self._peer_died(peer, cause)
 
     async def _tell(self, what: str, when: float | None = None) -> None:

@@ -190,7 +190,11 @@ class Link(ABC):
         return handles
 
     async def drained(self) -> None:  # noqa: B027
-        """Return once no receive of the link is posted (after every peer's goodbye)."""
+        """Return once no receive of the link is posted (after every peer's goodbye), or
+        once none can be filled any more (``lost``)."""
+
+    def lost(self, peer: int) -> None:  # noqa: B027
+        """``peer`` is gone: what the link waits for from it will not come."""
 
     @abstractmethod
     def stop(self) -> None:
