@@ -89,14 +89,16 @@ def test_finished_and_unresponsive_peers_are_said_so(world: World, tmp_path: Pat
 
 
 @contextlib.contextmanager
-def warnings_kept(flag: str) -> Iterator[list[str]]:
-    """Keep asyncomm's log messages in the list given, touching ``flag`` at each."""
+def warnings_kept(flag: str, about: str) -> Iterator[list[str]]:
+    """Keep asyncomm's log messages in the list given, touching ``flag`` at each ``about``
+    something (another stall, a barrier's on a loaded machine, says nothing of it)."""
     warned: list[str] = []
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             warned.append(record.getMessage())
-            Path(flag).touch()
+            if about in record.getMessage():
+                Path(flag).touch()
 
     keep = Keep()
     logging.getLogger("asyncomm").addHandler(keep)
@@ -107,7 +109,7 @@ def warnings_kept(flag: str) -> Iterator[list[str]]:
 
 
 async def check_a_stalled_operation_is_reported_once(comm: Comm, flag: str) -> list[str]:
-    with warnings_kept(flag) as warned:
+    with warnings_kept(flag, "recv #") as warned:
         async with fresh(comm, env={"ASYNCOMM_STALL_S": "0.3"}) as sub:
             if sub.rank == 0:
                 await sub.recv(torch.zeros(1), 1, tag=3)
@@ -476,7 +478,7 @@ async def check_channel_and_actor_waits_say_stalls(comm: Comm, flag: str) -> lis
     # A channel receive and an actor call that wait past ASYNCOMM_STALL_S warn once, with
     # the peer's state; their timeouts say it too.
     said = []
-    with warnings_kept(flag) as warned:
+    with warnings_kept(flag, "channel 7 recv") as warned:
         async with fresh(comm, env={"ASYNCOMM_STALL_S": "0.3"}) as sub:
             ch = sub.channel(7)
             if sub.rank == 1:
@@ -510,7 +512,7 @@ def test_channel_and_actor_waits_say_stalls_and_their_peers(world2: World,
                     r"\d+\.\d s \(ASYNCOMM_STALL_S=0\.3\); it goes on waiting\. Meanwhile "
                     r"rank 1: ", channel[0]), said
     # the call that returns late warns once; the one that times out may warn before
-    calls = [w for w in warned if w not in channel]
+    calls = [w for w in warned if "call slow.wait" in w]  # (a barrier's may come too)
     assert 1 <= len(calls) <= 2, said
     for call in calls:
         assert re.match(r"asyncomm: rank 0: call slow\.wait on rank 1 has been pending for "

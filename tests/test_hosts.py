@@ -24,11 +24,13 @@ from asyncomm._tools import launch, network
 HERE = Path(__file__).parent
 SCENARIOS = str(HERE / "multihost_scenarios.py")
 DYING = str(HERE / "multihost_dying.py")
-LIMIT_S = 120  # a run that takes longer has hung
+# A run that takes longer has hung: four ranks start torch each, beside the other test
+# worker's ranks and, in the loaded run, two CPU-bound processes (one took 120 s so).
+LIMIT_S = 240
 
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.skipif(
     network.missing() is not None or shutil.which("torchrun") is None,
-    reason=network.missing() or "torchrun not on PATH")
+    reason=network.missing() or "torchrun not on PATH"), pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

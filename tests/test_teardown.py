@@ -34,7 +34,10 @@ async def cycle(number):
     parked = []  # threads that may stay parked (see the README's failure handling)
     try:
         async with asyncomm.init(timeout=60) as comm:
-            if comm.size == 2:  # rank 1 leaves: no live peer can end rank 0's any-source recv
+            # Rank 1 leaves: with no other rank, no live peer can end rank 0's any-source
+            # recv; with rank 2, rank 0 may ask rank 1 to end it, not knowing yet that rank 1
+            # leaves at once (a loaded machine): that thread too stays parked (docs/failures).
+            if comm.size == 2 or comm.rank == 0:
                 parked.append("asyncomm-waiter-endless")
             nxt = (comm.rank + 1) % comm.size
             for handle in (comm.recv(torch.zeros(4), nxt, tag=5, timeout=0.1),

@@ -25,6 +25,7 @@ thread that takes the GIL is ended instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import sys
@@ -110,10 +111,8 @@ def _terminate(lib: ctypes.CDLL) -> None:
     with _lock:
         halted_by = halted_by or name
         for listener, loop in list(_listeners.items()):
-            try:
+            with contextlib.suppress(RuntimeError):  # (its loop closed)
                 loop.call_soon_threadsafe(listener.halted, name)
-            except RuntimeError:
-                pass  # its loop closed
     threading.Event().wait()
 
 

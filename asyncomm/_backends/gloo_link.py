@@ -237,13 +237,17 @@ class GlooLink(Link):
             await asyncio.wait([self._drained, self._undrainable],
                                return_when=asyncio.FIRST_COMPLETED)
 
-    def lost(self, peer: int) -> None:
-        """A peer died after this rank's goodbye (see the note on dead peers): the rank
-        this one drains is told that its goodbye will not come; if it drained this rank,
-        this rank's listener is left parked, as where no live peer is left."""
+    def lost(self, peer: int, said_goodbye: bool) -> None:
+        """A peer died after this rank's goodbye (see the note on dead peers). One that said
+        its goodbye here said it everywhere and sent its DRAINs with it (one ``goodbye``):
+        nothing is missing. Else, if it was to drain this rank, this rank's listener is
+        left parked, as where no live peer is left; and the rank this one drains is told
+        that its goodbye will not come."""
+        if said_goodbye or self._drains is None or self._stopped:
+            return
         if peer == self._drainer and not self._undrainable.done():
             self._undrainable.set_result(None)
-        if self._drains is not None and peer != self._drains and not self._stopped:
+        if peer != self._drains:
             self.send(self._drains, proxy_bye(peer), [])
 
     @property

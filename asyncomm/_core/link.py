@@ -193,8 +193,9 @@ class Link(ABC):
         """Return once no receive of the link is posted (after every peer's goodbye), or
         once none can be filled any more (``lost``)."""
 
-    def lost(self, peer: int) -> None:  # noqa: B027
-        """``peer`` is gone: what the link waits for from it will not come."""
+    def lost(self, peer: int, said_goodbye: bool) -> None:  # noqa: B027
+        """``peer`` is gone (having said goodbye to this rank, or not): what the link waits
+        for from it will not come."""
 
     @abstractmethod
     def stop(self) -> None:

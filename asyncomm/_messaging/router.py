@@ -261,7 +261,7 @@ class Router(Delivery):
         if peer in self.dead or peer == self.rank:
             return
         self.dead[peer] = cause
-        self.link.lost(peer)
+        self.link.lost(peer, peer in self._byes)
         for box in self._mailboxes.values():
             box.wake()
         for (dst, _), window in self._windows.items():
