@@ -25,7 +25,7 @@ HERE = Path(__file__).parent
 SCENARIOS = str(HERE / "multihost_scenarios.py")
 DYING = str(HERE / "multihost_dying.py")
 # A run that takes longer has hung: four ranks start torch each, beside the other test
-# worker's ranks and, in the loaded run, two CPU-bound processes (one took 120 s so).
+# worker's ranks and, in a loaded run, CPU-bound processes.
 LIMIT_S = 240
 
 pytestmark = [pytest.mark.skipif(

@@ -213,7 +213,7 @@ class TorchBackend(Backend):
 
     def halted(self, what: str) -> None:
         """gloo's own thread failed (see ``gloo_halt``): nothing moves any more."""
-        self.lost = error = gloo_halt.error(what)
+        error = gloo_halt.error(what)  # (the communicator keeps it as ``lost``)
         for listener in self._halt_listeners:
             listener(error)
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from asyncomm._core.backend import Backend
-from asyncomm._core.errors import CommError, PeerFailedError, describe, gist
+from asyncomm._core.errors import CommError, MismatchError, PeerFailedError, describe, gist
 from asyncomm._core.handle import Deadlines, Handle
 from asyncomm._messaging.actors import Host
 from asyncomm._messaging.router import Router
@@ -133,7 +133,7 @@ class Peers:
         """The backend halted (``Backend.on_halt``): fail what is pending with ``error`` and
         the peers' state (what they were doing shows what differed), and later operations at
         once."""
-        if self._backend.lost is error and self._own.lost is error:
+        if all(isinstance(b.lost, MismatchError) for b in (self._backend, self._own)):
             return  # (told by the twin too)
         self._backend.lost = self._own.lost = error
         pending = [handle for handle, _ in self._deadlines.pending()]
@@ -186,8 +186,9 @@ class Peers:
         """A notice (see ``status``): a process ``gone`` is news to the router, not a leaver."""
         if self._label.split(".")[0] == world and rank in self._world_ranks:
             peer, cause = self._world_ranks.index(rank), PeerFailedError(what)
-            if gone and not self._loop.is_closed():  # (closing too: its goodbye won't come)
-                self._router.failed(peer, cause)
+            if gone:  # (closing too: its goodbye won't come)
+                if not self._loop.is_closed():
+                    self._router.failed(peer, cause)
             elif not self._closed:  # (else it still says its goodbye)
                 self._peer_died(peer, cause)
 
