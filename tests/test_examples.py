@@ -163,7 +163,7 @@ ARGS = {"pipeline_digits": ["--epochs", "6"],
 LAUNCHED = [pytest.param("gloo", id="gloo")]
 
 
-def run_python(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def run_python(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
     """Run ``python ARGS`` from the repository root; stop it and its ranks if it hangs."""
     env = {
         **os.environ,
