@@ -9,7 +9,9 @@ weights:
 
 - ``bucket 1 MB``, ``bucket 5 MB``, ``bucket 25 MB``: ``asyncomm.GradSync`` all-reduces
   each bucket of gradients as soon as backward has filled it, so communication runs
-  while the rest of backward computes; ``await sync.wait()`` waits for what is left;
+  while the rest of backward computes; ``await sync.wait()`` waits for what is left
+  (``shared_memory=False``: on one host GradSync would otherwise sum the gradients
+  through shared memory after backward, which docs/overlap.md compares with DDP);
 - ``flat``: backward first, then one all-reduce of all gradients flattened together
   (nothing overlaps).
 
@@ -86,7 +88,10 @@ async def train(comm: asyncomm.Comm, setting: float | str, widths: tuple[int, ..
                 steps: int, offload: bool) -> tuple[nn.Module, list[float], list[float], str]:
     """Train ``steps`` steps; return the model, step times, exposed times and a label."""
     model = mlp(widths)
-    sync = None if setting == "flat" else asyncomm.GradSync(model, comm, bucket_mb=setting)
+    # shared_memory=False: the all-reduces under backward are what this study is about (on
+    # one host, GradSync's default sums through shared memory after backward instead)
+    sync = None if setting == "flat" else asyncomm.GradSync(model, comm, bucket_mb=setting,
+                                                            shared_memory=False)
     g = torch.Generator().manual_seed(comm.rank)
     step_s, exposed_s = [], []
     for _ in range(steps + 1):  # the first step warms up

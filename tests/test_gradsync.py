@@ -13,6 +13,7 @@ from torch import nn
 
 import asyncomm
 from asyncomm import Comm, GradSync
+from asyncomm._overlap import shared_sum as _shared_sum
 from asyncomm._tools import bench
 from asyncomm._tools.bench import gradsync as _bench_gradsync
 from asyncomm.testing import World, run_script
@@ -108,12 +109,13 @@ async def backward(loss: torch.Tensor, where: str) -> None:
         await asyncomm.compute(loss.backward)
 
 
-async def check_gradients_match(comm: Comm, unused: bool) -> None:
+async def check_gradients_match(comm: Comm, unused: bool, shared: bool) -> None:
     for bucket_mb, where in CONFIGS:
         torch.manual_seed(0)  # the same starting parameters on every rank
         model = Net(branches=unused)
         reference = copy.deepcopy(model)
-        sync = GradSync(model, comm, bucket_mb, find_unused_parameters=unused)
+        sync = GradSync(model, comm, bucket_mb, find_unused_parameters=unused,
+                        shared_memory=shared)
         if bucket_mb < 1e-6:
             assert len(sync.buckets) == len(list(model.parameters())) - 2  # frozen: none
         ddp = None
@@ -134,9 +136,13 @@ async def check_gradients_match(comm: Comm, unused: bool) -> None:
             micro = 1 if accumulate else 0
             await backward(loss_of(model, comm.rank, step, micro, comm.rank in uses[1]), where)
             # Every bucket went during backward, in bucket order (unused parameters too: the
-            # forward hook found them).
-            seqs = [b.handle.seq for b in sync._buckets if b.handle is not None]
-            assert len(seqs) == len(sync.buckets) and seqs == sorted(seqs), what
+            # forward hook found them); from the second step on, the ranks of this one host
+            # sum every gradient through shared memory in wait() instead.
+            if shared and step > 0:
+                assert [b.shared is not None for b in sync._buckets] == [True], what
+            else:
+                seqs = [b.handle.seq for b in sync._buckets if b.handle is not None]
+                assert len(seqs) == len(sync.buckets) and seqs == sorted(seqs), what
             await sync.wait()
             if ddp is not None:
                 loss_of(ddp, comm.rank, step, micro, comm.rank in uses[1]).backward()
@@ -153,9 +159,10 @@ async def check_gradients_match(comm: Comm, unused: bool) -> None:
         sync.close()
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["one-host", "all-reduce"])
 @pytest.mark.parametrize("unused", [False, True], ids=["all-used", "unused-and-no_sync"])
-def test_gradients_equal_ddp(world: World, unused: bool) -> None:
-    world.run(check_gradients_match, unused)
+def test_gradients_equal_ddp(world: World, unused: bool, shared: bool) -> None:
+    world.run(check_gradients_match, unused, shared)
 
 
 async def check_unused_parameter_is_named(comm: Comm) -> None:
@@ -171,6 +178,8 @@ async def check_unused_parameter_is_named(comm: Comm) -> None:
         GradSync(model, comm, "25")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="find_unused_parameters"):
         GradSync(model, comm, find_unused_parameters=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="shared_memory"):
+        GradSync(model, comm, shared_memory=None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no parameter"):
         GradSync(nn.Linear(2, 2).requires_grad_(False), comm)
 
@@ -188,7 +197,7 @@ async def check_unused_parameter_is_named(comm: Comm) -> None:
     torch.manual_seed(0)
     lone, twin = nn.Linear(512, 512), nn.Linear(512, 512)
     twin.load_state_dict(lone.state_dict())
-    sync = GradSync(lone, comm)
+    sync = GradSync(lone, comm, shared_memory=False)
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(comm.rank))
     lone(x).mean().backward()
     assert sync.buckets == [["bias"], ["weight"]]
@@ -265,6 +274,41 @@ def test_bad_arguments_and_unused_parameters_raise(world: World) -> None:
     world.run(check_unused_parameter_is_named)
 
 
+async def check_without_shared_memory(comm: Comm) -> list[bool]:
+    # Where the ranks cannot share memory (rank 0 cannot make the file; or one rank cannot
+    # map it), every rank goes on all-reducing buckets, with the same result.
+    made = []
+    for case in ("no file", "rank 1 cannot map"):
+        saved = _shared_sum._FOLDER, _shared_sum._map
+        if case == "no file" and comm.rank == 0:
+            _shared_sum._FOLDER = "/nonexistent-asyncomm-test"
+        if case == "rank 1 cannot map" and comm.rank == 1:
+            _shared_sum._map = lambda *args: None
+        try:
+            torch.manual_seed(0)
+            model = Net(branches=False)
+            reference = copy.deepcopy(model)
+            sync = GradSync(model, comm, 1e-9)
+            for step in range(2):
+                loss_of(model, comm.rank, step, 0, False).backward()
+                await sync.wait()
+                expected = local_average(reference, comm.size, step, False, False)
+                assert_same_grads(model, expected, f"{case}, step {step}")
+                for name, p in reference.named_parameters():
+                    p.grad = expected[name]
+                for m in (model, reference):
+                    sgd(m)
+            made.append(any(b.shared is not None for b in sync._buckets))
+            sync.close()
+        finally:
+            _shared_sum._FOLDER, _shared_sum._map = saved
+    return made
+
+
+def test_ranks_that_cannot_share_memory_all_reduce(world: World) -> None:
+    assert world.run(check_without_shared_memory) == [[False, False]] * world.size
+
+
 async def check_bench_runs(comm: Comm) -> list[dict[str, object]]:
     threads = torch.get_num_threads()
     try:  # a tiny model and all-reduce, one round: the code runs, the records are whole
@@ -276,7 +320,7 @@ async def check_bench_runs(comm: Comm) -> list[dict[str, object]]:
 def test_bench_records_and_table(world: World) -> None:
     records = world.run(check_bench_runs)[0]
     steps = {r["variant"]: r for r in records if r["op"] == "step"}
-    expected = ["local", "gradsync", "gradsync+compute"]
+    expected = ["local", "gradsync", "gradsync+compute", "gradsync buckets"]
     if world.backend == "gloo":
         expected.insert(1, "ddp")
     assert list(steps) == expected
@@ -291,7 +335,7 @@ def test_bench_records_and_table(world: World) -> None:
     if world.backend == "gloo":
         assert steps["gradsync"]["ratio_ddp"] == pytest.approx(
             steps["gradsync"]["ms"] / steps["ddp"]["ms"])
-        assert gradsync.endswith(("<= 1: met", "<= 1: MISSED")), gradsync
+        assert gradsync.endswith(("<= 0.95: met", "<= 0.95: MISSED")), gradsync
     else:
         assert steps["gradsync"]["ratio_ddp"] is None and "<=" not in gradsync
     assert lines[-1].startswith("compute ")

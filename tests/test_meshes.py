@@ -12,6 +12,20 @@ import asyncomm
 from asyncomm import Comm
 from asyncomm.testing import World, fresh, run_script
 
+HOLDS: dict[int, asyncio.Event] = {}  # this rank's member's held calls, by caller
+
+
+class Gate(asyncomm.Actor):
+    """Beside a member, sees and ends its held calls: a member runs one call at a time."""
+
+    @asyncomm.endpoint
+    def holding(self, caller: int) -> bool:
+        return caller in HOLDS
+
+    @asyncomm.endpoint
+    def release(self, caller: int) -> None:
+        HOLDS.setdefault(caller, asyncio.Event()).set()
+
 
 class Worker(asyncomm.Actor):
     """Built with its rank's own arguments; remembers what it was told."""
@@ -20,8 +34,11 @@ class Worker(asyncomm.Actor):
         self.rank, self.scale, self.told = rank, scale, []
 
     @asyncomm.endpoint
-    async def step(self, x: int, pause: float = 0.0) -> int:
-        await asyncio.sleep(pause)
+    async def hold(self, caller: int) -> None:
+        await HOLDS.setdefault(caller, asyncio.Event()).wait()
+
+    @asyncomm.endpoint
+    def step(self, x: int) -> int:
         return x * self.scale + self.rank
 
     @asyncomm.endpoint
@@ -58,10 +75,14 @@ async def check_a_mesh_is_called_as_a_whole(comm: Comm) -> dict[str, object]:
                                                        r"ValueError: member \d fails"):
             await mesh.fail.call()
         # choose: the member with the fewest of this rank's calls in flight
-        slow = asyncio.ensure_future(mesh[0].step(5, pause=0.5))
-        await asyncio.sleep(0.05)
+        HOLDS.clear()  # (a world's ranks run many checks)
+        gates = await sub.spawn(Gate, name="gates")
+        held = asyncio.ensure_future(mesh[0].hold(sub.rank))  # in flight until released
+        while not await gates[0].holding(sub.rank):
+            await asyncio.sleep(0.01)
         seen["chose"] = (await mesh.slice([0, 1]).step.choose(6)) % 100
-        await slow
+        await gates[0].release(sub.rank)
+        await held
         part = await sub.spawn(Worker, sub.rank, name="some", ranks=[0, 2])
         seen["part"] = (part.ranks, await part.step.call(7))
         seen["alive"] = part.alive().ranks

@@ -16,6 +16,16 @@ gradients come in. With ``find_unused_parameters`` a forward hook finds the para
 output's graph does not reach (the first gradient hook puts them in), ``wait()`` puts in
 those it could not foresee, and whether any rank used each parameter is summed in one more
 small all-reduce.
+
+Note on ranks of one host
+-------------------------
+Where every rank is on one host and the parameters are on the CPU, of one floating dtype,
+the first synchronised ``wait()`` also makes a ``SharedSum`` (a collective, so every rank
+does it at the same step); from the next step on, one bucket holds every gradient in this
+rank's region of the shared memory, and ``wait()`` sums it there instead of all-reducing
+buckets during backward (``shared_sum``'s note says why). The hooks, the unused-parameter
+rules and ``wait()``'s result are the same either way; ``shared_memory=False`` keeps the
+all-reduces (an overlap study wants them under backward).
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from torch import nn
 
 from asyncomm._comm import Comm
 from asyncomm._core.handle import Handle
+from asyncomm._overlap.shared_sum import SharedSum, shared_sum
 
 _MB = 1024 * 1024  # DDP's ``bucket_cap_mb`` counts mebibytes too
 _FIRST_BUCKET_BYTES = _MB  # as DDP: a small first bucket starts communicating sooner
@@ -46,9 +57,10 @@ class _Bucket:
     """
 
     __slots__ = ("fences", "flat", "handle", "in_place", "indices", "offsets", "pending",
-                 "reduced")
+                 "reduced", "shared")
 
-    def __init__(self, indices: list[int], params: list[nn.Parameter]) -> None:
+    def __init__(self, indices: list[int], params: list[nn.Parameter],
+                 shared: SharedSum | None = None) -> None:
         self.indices = indices  # into GradSync._params, in bucket order
         self.offsets: list[int] = []
         offset = 0
@@ -56,7 +68,9 @@ class _Bucket:
             self.offsets.append(offset)
             offset += params[i].numel()
         first = params[indices[0]]
-        self.flat = (torch.zeros(offset, dtype=first.dtype, device=first.device)
+        self.shared = shared  # summed through shared memory in wait(), not all-reduced
+        self.flat = (shared.mine if shared is not None else
+                     torch.zeros(offset, dtype=first.dtype, device=first.device)
                      if len(indices) > 1 else None)
         self.reduced = self.flat  # what this step all-reduces (alone: set by the hook)
         self.in_place = False  # alone, and ``reduced`` is the parameter's own .grad
@@ -64,11 +78,13 @@ class _Bucket:
         self.handle: Handle[torch.Tensor] | None = None
         self.fences: list[Any] = []  # CUDA events the all-reduce must wait for
 
-    def view(self, position: int, param: nn.Parameter) -> torch.Tensor:
-        """The part of the flat buffer that holds the ``position``-th parameter's gradient."""
-        assert self.flat is not None, "only a bucket of several parameters has a flat buffer"
+    def view(self, position: int, param: nn.Parameter, averaged: bool = False) -> torch.Tensor:
+        """The part of the flat buffer that holds the ``position``-th parameter's gradient
+        (``averaged``: where the average is, after the bucket's reduction)."""
+        flat = self.shared.total if averaged and self.shared is not None else self.flat
+        assert flat is not None, "only a bucket of several parameters has a flat buffer"
         start = self.offsets[position]
-        return self.flat[start:start + param.numel()].view_as(param)
+        return flat[start:start + param.numel()].view_as(param)
 
 
 def _fence(tensor: torch.Tensor) -> Any:
@@ -122,17 +138,23 @@ class GradSync:
             is in use). A tiny value gives one bucket per parameter.
         find_unused_parameters: let parameters get no gradient in a step (handled
             as DDP does). Without it, such a parameter makes ``wait()`` raise.
+        shared_memory: where every rank is on one host and the parameters are on the
+            CPU, of one floating dtype, sum the gradients through shared memory after
+            backward from the second synchronised step on, instead of all-reducing
+            buckets during it (``False``: always the all-reduces). A ``wait()`` that
+            failed there leaves the ranks out of step: make a new ``GradSync``.
 
     Raises:
         TypeError: ``model`` is not an ``nn.Module``, ``comm`` not a ``Comm``,
-            ``bucket_mb`` not a number, ``find_unused_parameters`` not a bool, or
-            the parameters' device or dtype is one ``comm`` cannot reduce.
+            ``bucket_mb`` not a number, ``find_unused_parameters`` or
+            ``shared_memory`` not a bool, or the parameters' device or dtype is one
+            ``comm`` cannot reduce.
         ValueError: ``model`` has no parameter that requires grad, or
             ``bucket_mb`` is not > 0.
     """
 
     def __init__(self, model: nn.Module, comm: Comm, bucket_mb: float = 25, *,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False, shared_memory: bool = True) -> None:
         if not isinstance(comm, Comm):
             raise TypeError(f"GradSync: comm must be an asyncomm.Comm, not {type(comm).__name__}")
         what = f"rank {comm.rank}: GradSync"
@@ -143,9 +165,10 @@ class GradSync:
                             f"not {type(bucket_mb).__name__}")
         if not (bucket_mb > 0 and math.isfinite(bucket_mb)):
             raise ValueError(f"{what}: bucket_mb must be > 0 and finite, got {bucket_mb}")
-        if not isinstance(find_unused_parameters, bool):
-            raise TypeError(f"{what}: find_unused_parameters must be a bool, "
-                            f"not {type(find_unused_parameters).__name__}")
+        for flag, value in (("find_unused_parameters", find_unused_parameters),
+                            ("shared_memory", shared_memory)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{what}: {flag} must be a bool, not {type(value).__name__}")
         named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         if not named:
             raise ValueError(f"{what}: the model has no parameter that requires grad")
@@ -156,14 +179,17 @@ class GradSync:
         self._params = [p for _, p in named]
         self._find_unused = find_unused_parameters
         self._scale = 1.0 / comm.size
-        self._buckets = self._assign(int(bucket_mb * _MB))
-        self._where: list[tuple[int, int]] = [(0, 0)] * len(self._params)  # (bucket, position)
-        for b, bucket in enumerate(self._buckets):
+        self._where: list[tuple[int, int]] = []  # (bucket, position) of each parameter
+        self._use(self._assign(int(bucket_mb * _MB)))
+        for bucket in self._buckets:
             first = self._params[bucket.indices[0]]
             comm._args.tensor(torch.empty(0, dtype=first.dtype, device=first.device), "GradSync",
                          f"the gradient of {self._names[bucket.indices[0]]}")
-            for position, i in enumerate(bucket.indices):
-                self._where[i] = (b, position)
+        dtypes = {p.dtype for p in self._params}
+        # whether the first synchronised wait() tries to make a SharedSum (see the note)
+        self._share = (shared_memory and comm.size > 1 and len(dtypes) == 1
+                       and dtypes.pop().is_floating_point
+                       and all(p.device.type == "cpu" for p in self._params))
         self._lock = threading.Lock()  # hooks may fire on several autograd threads at once
         self._syncing = True  # False inside no_sync()
         self._ready = [False] * len(self._params)  # got its gradient this synchronised step
@@ -181,6 +207,13 @@ class GradSync:
     def __repr__(self) -> str:
         return (f"<GradSync {len(self._params)} parameters in {len(self._buckets)} buckets "
                 f"over {self._comm!r}>")
+
+    def _use(self, buckets: list[_Bucket]) -> None:
+        self._buckets = buckets
+        self._where = [(0, 0)] * len(self._params)
+        for b, bucket in enumerate(buckets):
+            for position, i in enumerate(bucket.indices):
+                self._where[i] = (b, position)
 
     @property
     def buckets(self) -> list[list[str]]:
@@ -326,6 +359,8 @@ class GradSync:
                 issued.set_result(None)
 
     def _issue(self, bucket: _Bucket) -> None:
+        if bucket.shared is not None:
+            return  # summed in wait(): every rank's collectives in the same order
         reduced = bucket.reduced
         assert reduced is not None, "a full bucket has its tensor"
         for fence in bucket.fences:  # pragma: no cover - needs a GPU
@@ -378,6 +413,9 @@ class GradSync:
                 flags = torch.tensor(self._used, dtype=torch.int32)
                 used = self._comm.all_reduce(flags.to(self._params[0].device))
             for bucket in self._buckets:
+                if bucket.shared is not None:
+                    await bucket.shared.sum()
+                    continue
                 assert bucket.handle is not None, "every bucket is issued by now"
                 await bucket.handle
             anyone = [True] * len(self._params)
@@ -387,6 +425,13 @@ class GradSync:
                 self._unflatten(bucket, anyone)
         finally:
             self._reset()
+        if self._share:  # the first synchronised step, on every rank (see the note)
+            self._share = False
+            total = sum(p.numel() for p in self._params)
+            shared = await shared_sum(self._comm, total, self._params[0].dtype)
+            if shared is not None:
+                order = [i for bucket in self._buckets for i in bucket.indices]
+                self._use([_Bucket(order, self._params, shared)])
 
     def _unflatten(self, bucket: _Bucket, anyone: list[bool]) -> None:
         """Copy the averages of ``bucket`` into ``.grad`` (of parameters some rank used)."""
@@ -405,7 +450,7 @@ class GradSync:
             if not anyone[i]:
                 continue  # used by no rank: DDP leaves its .grad as it is
             param = self._params[i]
-            view = bucket.view(position, param)
+            view = bucket.view(position, param, averaged=True)
             if param.grad is None:
                 param.grad = view.clone()
             else:

@@ -3,11 +3,12 @@
 Two sections, each alternating its variants step by step (``harness.alternate`` with one
 timed call per round) on the same ranks, model (``WIDTHS``) and data: ``step``, a
 data-parallel training step under ``local`` (no communication: the floor), ``ddp`` (gloo
-only), ``gradsync`` and ``gradsync+compute`` (backward through ``asyncomm.compute``),
-with the exposed communication (step minus the local step; for GradSync also the end of
-backward to the averaged gradients); and ``compute``, an all-reduce issued before a forward
-run on the loop or through ``compute``, beside each alone. docs/benchmarks.md ("GradSync
-and compute") has the rest.
+only), ``gradsync``, ``gradsync+compute`` (backward through ``asyncomm.compute``) and
+``gradsync buckets`` (``shared_memory=False``: buckets all-reduced under backward where the
+ranks share a host too), with the exposed communication (step minus the local step; for
+GradSync also the end of backward to the averaged gradients); and ``compute``, an
+all-reduce issued before a forward run on the loop or through ``compute``, beside each
+alone. docs/benchmarks.md ("GradSync and compute") has the rest.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ WIDTHS = (1024,) * 9  # eight 1024x1024 Linear layers: 32 MiB of float32
 QUICK_WIDTHS = (512,) * 9  # 8 MiB
 BATCH = 64
 ALLREDUCE_BYTES = 16 * MIB
-STEP_TARGET = 1.0  # GradSync step time / DDP's
+STEP_TARGET = 0.95  # GradSync step time / DDP's: at least 5% shorter
 
 
 class MLP(nn.Module):
@@ -68,10 +69,13 @@ async def _steps(comm: Comm, widths: Sequence[int], steps: int, prime: int) -> l
     # compute thread would have them freed and made again on the loop thread every other
     # step (each thread allocates from its own malloc arena, so those are fresh pages).
     models, syncs = {}, {}
-    for name in ("gradsync", "gradsync+compute"):
+    for name in ("gradsync", "gradsync+compute", "gradsync buckets"):
         models[name] = MLP(widths)
         models[name].load_state_dict(base.state_dict())
-        syncs[name] = asyncomm.GradSync(models[name], comm)
+        # "buckets": all-reduced under backward even where every rank is on one
+        # host (the others sum through shared memory there)
+        syncs[name] = asyncomm.GradSync(models[name], comm,
+                                        shared_memory=not name.endswith("buckets"))
     waits: dict[str, list[float]] = {name: [] for name in models}
 
     async def local_step() -> None:
@@ -108,6 +112,7 @@ async def _steps(comm: Comm, widths: Sequence[int], steps: int, prime: int) -> l
         variants["ddp"] = Timed(ddp_step, False)
     variants["gradsync"] = Timed(gradsync_step("gradsync", False), False)
     variants["gradsync+compute"] = Timed(gradsync_step("gradsync+compute", True), False)
+    variants["gradsync buckets"] = Timed(gradsync_step("gradsync buckets", False), False)
     samples = await alternate(comm, variants, steps, 0, 1, prime)
     for sync in syncs.values():
         sync.close()

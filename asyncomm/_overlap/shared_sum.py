@@ -1,0 +1,122 @@
+"""``SharedSum``: the sum of every rank's buffer through shared memory, for ranks of one host.
+
+Note on why
+-----------
+Between ranks of one host, an all-reduce over the backend's connections costs every rank the
+kernel's copies of each byte, on the cores the ranks' computations fill. Through memory the
+ranks share, the same sum costs each rank a copy in, its share of the additions and a copy
+out (docs/overlap.md has the figures against DDP).
+
+Note on the steps
+-----------------
+The shared file holds ``size + 1`` regions of ``numel`` elements: rank r's contribution in
+region r, the sum in the last. ``sum()``: every rank has written its region (first barrier);
+rank r adds up its own slice of every region, in rank order, into the sum region (so every
+rank reads the same sum); second barrier; every rank reads the whole sum. Nothing is
+overwritten while it is read: a rank writes its region again only after the second barrier
+(no one reads the regions after it), and the sum region only after the next sum's first
+barrier, which each rank enters once it has read the last sum. The barriers are the
+communicator's: a dead peer or a timeout fails a sum as it fails any collective, and ranks
+whose sum failed are out of step for good.
+
+Note on making one
+-----------------
+``shared_sum()`` is a collective. Every rank says its host (its name and boot id): ranks on
+several hosts get ``None``. Rank 0 makes the file in ``/dev/shm``, reserves its space
+(``posix_fallocate``: a full ``/dev/shm`` refuses here, not with SIGBUS at a later write) and
+writes a random token at its start; each rank checks the token before it maps the file (a
+container of its own with the same host name fails that). Every rank agrees to use it, or
+none does; rank 0 unlinks the file once all have mapped it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+
+import torch
+
+from asyncomm._comm import Comm
+
+_FOLDER = "/dev/shm"
+_TOKEN_BYTES = 16
+
+
+class SharedSum:
+    """Sums one buffer per rank of ``comm`` through a mapping every rank shares."""
+
+    def __init__(self, comm: Comm, memory: torch.Tensor, numel: int) -> None:
+        self._comm = comm
+        self._regions = memory.view(comm.size + 1, numel)
+        self.mine = self._regions[comm.rank]  # this rank's contribution goes here
+        self.total = self._regions[comm.size]  # the sum, after ``sum()``
+        self._slice = slice(numel * comm.rank // comm.size, numel * (comm.rank + 1) // comm.size)
+
+    async def sum(self) -> None:
+        """Write the sum of every rank's ``mine`` into ``total`` (see the note on the steps)."""
+        await self._comm.barrier()
+        part = self._regions[:, self._slice]
+        out = part[-1]
+        torch.add(part[0], part[1], out=out)
+        for rank in range(2, self._comm.size):
+            out.add_(part[rank])
+        await self._comm.barrier()
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _create(nbytes: int) -> tuple[str, str] | None:
+    """Make and reserve the shared file; return its path and token (``None``: cannot)."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="asyncomm-sum-", dir=_FOLDER)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        token = os.urandom(_TOKEN_BYTES).hex()
+        os.pwrite(fd, token.encode(), 0)
+        return path, token
+    except OSError:
+        os.unlink(path)
+        return None
+    finally:
+        os.close(fd)
+
+
+def _map(path: str, token: str, numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Map the file rank 0 made, if it is the one it says (``None``: not this one, or none)."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(2 * _TOKEN_BYTES) != token.encode():
+                return None
+        return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+    except (OSError, RuntimeError):
+        return None
+
+
+async def shared_sum(comm: Comm, numel: int, dtype: torch.dtype) -> SharedSum | None:
+    """Make a ``SharedSum`` of ``numel`` elements per rank; ``None`` where the ranks cannot
+    share memory (a collective: see the note on making one)."""
+    hosts = await comm.all_gather_object((socket.gethostname(), _boot_id()))
+    if comm.size < 2 or len(set(hosts)) > 1:
+        return None
+    count = (comm.size + 1) * numel
+    made = _create(count * dtype.itemsize) if comm.rank == 0 else None
+    made = await comm.broadcast_object(made, src=0)
+    memory = None if made is None else _map(made[0], made[1], count, dtype)
+    mapped = await comm.all_gather_object(memory is not None)
+    if comm.rank == 0 and made is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(made[0])
+    if not all(mapped):
+        return None
+    assert memory is not None, "every rank mapped it"
+    return SharedSum(comm, memory, numel)
