@@ -310,3 +310,31 @@ def test_ddp_and_raw_collectives_are_on_the_timeline(world2: World, tmp_path: Pa
     assert _cli.main(["trace", str(tmp_path), "--steps", "1:2", "--png", str(png)]) == 0
     assert png.read_bytes().startswith(b"\x89PNG")
     assert _cli.main(["trace", str(tmp_path), "--steps", "5:6"]) == 2  # not that many steps
+
+
+async def check_gradsync_sum_on_the_timeline(comm: Comm, directory: str) -> list[dict[str, Any]]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+    sync = asyncomm.GradSync(model, comm)
+    asyncomm.trace.start(directory)
+    try:
+        for step in range(3):
+            model(torch.full((4, 64), float(comm.rank + step))).sum().backward()
+            await sync.wait()
+            model.zero_grad()
+    finally:
+        path = asyncomm.trace.stop()
+        sync.close()
+    assert path is not None
+    return [e for e in json.loads(path.read_text())["events"] if e["cat"] == "torch"]
+
+
+def test_gradsync_sum_through_shared_memory_is_on_the_timeline(world2: World,
+                                                                tmp_path: Path) -> None:
+    # From the second step on, the ranks of one host sum through shared memory: each sum is
+    # communication on the timeline, with the gradients' bytes.
+    grads = (64 * 64 + 64) * 2 * 4
+    for events in world2.run(check_gradsync_sum_on_the_timeline, str(tmp_path)):
+        assert [(e["name"], e["bytes"]) for e in events] == [
+            ("gradsync:shared_sum", grads)] * 2, events
+    assert all(m.communication > 0 for m in overlap(merge(tmp_path)).values())

@@ -127,8 +127,9 @@ class Recorder:
                             None if error is None else type(error).__name__, name))
 
     def torch_op(self, kind: str, nbytes: int, start: float, end: float, name: str) -> None:
-        """Record a collective torch ran for someone else (DDP's reducer, a raw call), from
-        ``start`` until ``end`` (any thread: it is appended whole)."""
+        """Record a collective torch ran for someone else (DDP's reducer, a raw call), or
+        GradSync's sum through shared memory, from ``start`` until ``end`` (any thread: it
+        is appended whole)."""
         self.events.append(("torch", kind, nbytes, None, None, None, None, start, end, None,
                             name))
 

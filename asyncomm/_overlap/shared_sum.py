@@ -35,10 +35,12 @@ import contextlib
 import os
 import socket
 import tempfile
+import time
 
 import torch
 
 from asyncomm._comm import Comm
+from asyncomm._observe import recorder
 
 _FOLDER = "/dev/shm"
 _TOKEN_BYTES = 16
@@ -55,7 +57,12 @@ class SharedSum:
         self._slice = slice(numel * comm.rank // comm.size, numel * (comm.rank + 1) // comm.size)
 
     async def sum(self) -> None:
-        """Write the sum of every rank's ``mine`` into ``total`` (see the note on the steps)."""
+        """Write the sum of every rank's ``mine`` into ``total`` (see the note on the steps).
+
+        Traced as one all-reduce of ``mine``'s bytes, ``gradsync:shared_sum``, from the
+        first barrier's call to the second's end (the barriers appear on their own too).
+        """
+        start = time.perf_counter()
         await self._comm.barrier()
         part = self._regions[:, self._slice]
         out = part[-1]
@@ -63,6 +70,10 @@ class SharedSum:
         for rank in range(2, self._comm.size):
             out.add_(part[rank])
         await self._comm.barrier()
+        recording = recorder.recorder()
+        if recording is not None:
+            recording.torch_op("all_reduce", self.mine.nbytes, start, time.perf_counter(),
+                               "gradsync:shared_sum")
 
 
 def _boot_id() -> str:
