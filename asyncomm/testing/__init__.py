@@ -132,14 +132,15 @@ class World:
                                                 stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL))
 
-    def run(self, check: Callable[..., Any], *args: Any, timeout: float = 60.0) -> list[Any]:
+    def run(self, check: Callable[..., Any], *args: Any, timeout: float = 150.0) -> list[Any]:
         """Run ``await check(comm, *args)`` on every rank; return their results in rank order.
 
         Args:
             check: an ``async def`` that each rank imports by its file and name.
             args: its arguments after ``comm`` (picklable).
             timeout: seconds the ranks have (keep it below pytest's own, so
-                this report comes).
+                this report comes; the default leaves a machine loaded by other
+                processes time for a rank's first import of a large module).
 
         Raises:
             WorldFailure: ranks raised (their tracebacks), or were still busy
