@@ -6,10 +6,13 @@ gives ``asyncomm_worlds``; these fixtures pick worlds from it.
 
 from __future__ import annotations
 
+import compileall
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+import asyncomm
 from asyncomm._tools import launch as _launch
 from asyncomm.testing import World, WorldPool
 
@@ -21,8 +24,13 @@ BACKENDS = [
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """Say the random order's seed even under ``-q`` (re-run an order with ``-p randomly
-    --randomly-seed=N``; ``-p no:randomly`` runs in file order)."""
+    """Compile the package once, then say the random order's seed even under ``-q`` (re-run
+    an order with ``-p randomly --randomly-seed=N``; ``-p no:randomly`` runs in file order).
+
+    The tests start hundreds of rank processes; where ``PYTHONDONTWRITEBYTECODE`` is set
+    (a fresh CI environment), each would compile every module it imports again.
+    """
+    compileall.compile_dir(Path(asyncomm.__file__).parent, quiet=1)
     seed = getattr(session.config.option, "randomly_seed", None)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if seed is not None and reporter is not None:
