@@ -148,7 +148,7 @@ def test_each_way_falls_back_to_the_next(monkeypatch: pytest.MonkeyPatch,
 
     for what in refused:
         target, name = {"direct-reader": (gloo_lane._DirectIn, "accept"),
-                        "ring-writer": (gloo_lane, "_ring_file"),
+                        "ring-writer": (gloo_lane.shm, "reserved_file"),
                         "ring-reader": (gloo_lane._RingIn, "accept"),
                         "no-readv": (gloo_lane, "_READV")}[what]
         monkeypatch.setattr(target, name, None if what == "no-readv" else unavailable)

@@ -73,6 +73,7 @@ from typing import Any, Protocol
 
 import torch
 
+from asyncomm._core import shm
 from asyncomm._core.errors import PeerFailedError
 
 Done = Callable[[PeerFailedError | None], None]  # called on the lane's thread
@@ -80,7 +81,6 @@ _HELLO = struct.Struct("<iH")  # the connecting rank, and the length of its ring
 _COUNT = struct.Struct("<Q")  # bytes written (or read) so far, on a ring's socket
 RING_BYTES = 4 << 20  # a ring's shared memory
 _CHUNK = RING_BYTES // 2  # the most bytes copied in before the reader is told
-_SHM = "/dev/shm"
 _NEXT = struct.Struct("<H")  # the length of the next offer, after one was declined
 _MAPPED, _DECLINED = b"\x01", b"\x00"  # a reader's answer to an offer
 _DIRECT = "direct "  # an offer to be read from: "direct PID ADDRESS TOKEN"
@@ -252,7 +252,7 @@ class Lane:
             said = here and self._direct  # (the hello went with the first offer)
             if here:
                 try:
-                    ring = _ring_file(f"asyncomm-lane-{os.getpid()}-{dst}")
+                    ring = shm.reserved_file(f"asyncomm-lane-{os.getpid()}-{dst}", RING_BYTES)
                 except OSError:  # no shared memory here (or not enough): the socket alone
                     pass
                 else:
@@ -428,7 +428,7 @@ class _RingIn(_Ring):
         """Map the ring the peer made (named in its hello); say so."""
         if "/" in name or not name.startswith("asyncomm-lane-"):
             raise ValueError(f"not a ring: {name!r}")
-        ring = cls(sock, os.open(os.path.join(_SHM, name), os.O_RDWR))
+        ring = cls(sock, os.open(os.path.join(shm.FOLDER, name), os.O_RDWR))
         sock.sendall(_MAPPED)
         return ring
 
@@ -588,23 +588,6 @@ def _copy_from(pid: int, into: int, address: int, size: int) -> None:
             error = ctypes.get_errno() if n < 0 else 0
             raise OSError(error, os.strerror(error) if error else "nothing read")
         done += n
-
-
-def _ring_file(prefix: str) -> tuple[int, str]:
-    """Create a file of ``RING_BYTES`` in shared memory; return its descriptor and path."""
-    while True:
-        path = os.path.join(_SHM, f"{prefix}-{secrets.token_hex(4)}")
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            continue
-        try:  # (the pages now: a full /dev/shm refuses here, not as a SIGBUS in a copy)
-            os.posix_fallocate(fd, 0, RING_BYTES)
-        except OSError:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        return fd, path
 
 
 def _recv_exactly(sock: socket.socket, size: int) -> bytes:

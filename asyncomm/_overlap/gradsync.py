@@ -69,9 +69,11 @@ class _Bucket:
             offset += params[i].numel()
         first = params[indices[0]]
         self.shared = shared  # summed through shared memory in wait(), not all-reduced
-        self.flat = (shared.mine if shared is not None else
-                     torch.zeros(offset, dtype=first.dtype, device=first.device)
-                     if len(indices) > 1 else None)
+        self.flat: torch.Tensor | None = None
+        if shared is not None:
+            self.flat = shared.mine
+        elif len(indices) > 1:
+            self.flat = torch.zeros(offset, dtype=first.dtype, device=first.device)
         self.reduced = self.flat  # what this step all-reduces (alone: set by the hook)
         self.in_place = False  # alone, and ``reduced`` is the parameter's own .grad
         self.pending = len(indices)

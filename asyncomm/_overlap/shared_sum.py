@@ -34,15 +34,15 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import tempfile
 import time
 
 import torch
 
 from asyncomm._comm import Comm
+from asyncomm._core import shm
 from asyncomm._observe import recorder
 
-_FOLDER = "/dev/shm"
+_FOLDER = shm.FOLDER
 _TOKEN_BYTES = 16
 
 
@@ -51,10 +51,12 @@ class SharedSum:
 
     def __init__(self, comm: Comm, memory: torch.Tensor, numel: int) -> None:
         self._comm = comm
-        self._regions = memory.view(comm.size + 1, numel)
-        self.mine = self._regions[comm.rank]  # this rank's contribution goes here
-        self.total = self._regions[comm.size]  # the sum, after ``sum()``
-        self._slice = slice(numel * comm.rank // comm.size, numel * (comm.rank + 1) // comm.size)
+        regions = memory.view(comm.size + 1, numel)
+        self.mine = regions[comm.rank]  # this rank's contribution goes here
+        self.total = regions[comm.size]  # the sum, after ``sum()``
+        # this rank's slice of every rank's region, and of the sum's
+        part = regions[:, numel * comm.rank // comm.size:numel * (comm.rank + 1) // comm.size]
+        self._parts, self._out = list(part[:-1]), part[-1]
 
     async def sum(self) -> None:
         """Write the sum of every rank's ``mine`` into ``total`` (see the note on the steps).
@@ -64,11 +66,10 @@ class SharedSum:
         """
         start = time.perf_counter()
         await self._comm.barrier()
-        part = self._regions[:, self._slice]
-        out = part[-1]
-        torch.add(part[0], part[1], out=out)
-        for rank in range(2, self._comm.size):
-            out.add_(part[rank])
+        first, second, *others = self._parts
+        torch.add(first, second, out=self._out)
+        for part in others:
+            self._out.add_(part)
         await self._comm.barrier()
         recording = recorder.recorder()
         if recording is not None:
@@ -87,11 +88,10 @@ def _boot_id() -> str:
 def _create(nbytes: int) -> tuple[str, str] | None:
     """Make and reserve the shared file; return its path and token (``None``: cannot)."""
     try:
-        fd, path = tempfile.mkstemp(prefix="asyncomm-sum-", dir=_FOLDER)
+        fd, path = shm.reserved_file("asyncomm-sum", nbytes, _FOLDER)
     except OSError:
         return None
     try:
-        os.posix_fallocate(fd, 0, nbytes)
         token = os.urandom(_TOKEN_BYTES).hex()
         os.pwrite(fd, token.encode(), 0)
         return path, token

@@ -31,6 +31,10 @@ import asyncomm
 
 _ADDRESS = "ASYNCOMM_TEST_ADDRESS"  # where a rank connects back to (read by ``_rank``)
 _KEY = "ASYNCOMM_TEST_KEY"
+# How long a check's ranks have by default: room for a machine loaded by other processes,
+# where a rank's first import of a large module (torch's pipelining) can take a minute while
+# the other ranks wait for it in a collective.
+CHECK_TIMEOUT_S = 150.0
 
 
 class WorldFailure(AssertionError):
@@ -132,15 +136,15 @@ class World:
                                                 stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL))
 
-    def run(self, check: Callable[..., Any], *args: Any, timeout: float = 150.0) -> list[Any]:
+    def run(self, check: Callable[..., Any], *args: Any,
+            timeout: float = CHECK_TIMEOUT_S) -> list[Any]:
         """Run ``await check(comm, *args)`` on every rank; return their results in rank order.
 
         Args:
             check: an ``async def`` that each rank imports by its file and name.
             args: its arguments after ``comm`` (picklable).
             timeout: seconds the ranks have (keep it below pytest's own, so
-                this report comes; the default leaves a machine loaded by other
-                processes time for a rank's first import of a large module).
+                this report comes; see ``CHECK_TIMEOUT_S``).
 
         Raises:
             WorldFailure: ranks raised (their tracebacks), or were still busy

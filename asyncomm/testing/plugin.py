@@ -3,7 +3,7 @@
 Registered for pytest (entry point ``pytest11``) when asyncomm is installed; docs/testing.md
 ("Testing your own code") shows it at work. A coroutine test function whose only parameter
 is ``comm`` is collected as one test per backend of its ``asyncomm`` marker (``test_x[gloo]``;
-defaults ``ranks=2``, ``backends=("gloo",)``, ``timeout=60``), run on every rank of a pooled
+defaults ``ranks=2``, ``backends=("gloo",)``, ``timeout=150``), run on every rank of a pooled
 world (``WorldPool``, started once per session); it fails with every failing rank's
 traceback, or every rank's stack on a hang. MPI tests are skipped where no ``mpiexec``
 exists. The session fixture ``asyncomm_worlds`` gives the pool itself.
@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-from asyncomm.testing import WorldFailure, WorldPool
+from asyncomm.testing import CHECK_TIMEOUT_S, WorldFailure, WorldPool
 
 _POOL = pytest.StashKey[WorldPool]()
-_DEFAULTS: dict[str, Any] = {"ranks": 2, "backends": ("gloo",), "timeout": 60.0}
+_DEFAULTS: dict[str, Any] = {"ranks": 2, "backends": ("gloo",), "timeout": CHECK_TIMEOUT_S}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "asyncomm(ranks=2, backends=('gloo',), timeout=60): run this "
+        "markers", "asyncomm(ranks=2, backends=('gloo',), timeout=150): run this "
         "`async def test_x(comm)` on every rank of a world of `ranks` processes, per backend")
 
 

@@ -69,13 +69,13 @@ async def _steps(comm: Comm, widths: Sequence[int], steps: int, prime: int) -> l
     # compute thread would have them freed and made again on the loop thread every other
     # step (each thread allocates from its own malloc arena, so those are fresh pages).
     models, syncs = {}, {}
-    for name in ("gradsync", "gradsync+compute", "gradsync buckets"):
+    # "buckets": all-reduced under backward even where every rank is on one host (the
+    # others sum through shared memory there)
+    shared = {"gradsync": True, "gradsync+compute": True, "gradsync buckets": False}
+    for name, shared_memory in shared.items():
         models[name] = MLP(widths)
         models[name].load_state_dict(base.state_dict())
-        # "buckets": all-reduced under backward even where every rank is on one
-        # host (the others sum through shared memory there)
-        syncs[name] = asyncomm.GradSync(models[name], comm,
-                                        shared_memory=not name.endswith("buckets"))
+        syncs[name] = asyncomm.GradSync(models[name], comm, shared_memory=shared_memory)
     waits: dict[str, list[float]] = {name: [] for name in models}
 
     async def local_step() -> None:
