@@ -29,6 +29,7 @@ from asyncomm._observe.timeline import (
     overlap,
     report,
     steps,
+    subtract,
     summarise,
     union,
     window,
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Overlap", "ddp", "directory", "draw", "enabled", "intersect", "length", "load",
            "measure", "merge", "overlap", "report", "span", "start", "step", "steps", "stop",
-           "summarise", "union", "window", "work"]
+           "subtract", "summarise", "union", "window", "work"]
 
 
 def start(directory: str | os.PathLike[str]) -> None:
@@ -99,13 +100,31 @@ def ddp(model: DistributedDataParallel) -> DistributedDataParallel:
     them: this registers a communication hook that does what DDP does by
     default (torch's ``allreduce_hook``: the bucket averaged over the group)
     and records each bucket's all-reduce, from its issue until its result is
-    ready, as ``ddp:all_reduce`` with its bytes. Call it once, before
-    training (DDP takes one hook); while tracing is off nothing is recorded.
+    ready, as ``ddp:all_reduce`` with its bytes; and, as ``ddp:wait``, the
+    time DDP's backward waits for them: from the step's last bucket (backward
+    has every gradient then) until all are ready, which is not compute. Call
+    it once, before training (DDP takes one hook); while tracing is off
+    nothing is recorded.
     """
     from asyncomm._backends import ddp_hook  # (torch's DDP hooks load only for DDP's users)
 
-    ddp_hook.register(model, lambda done, nbytes, start: _timed(
-        done, "all_reduce", nbytes, start, "ddp:all_reduce"))
+    issued: list[torch.futures.Future[Any]] = []  # this step's buckets
+
+    def watch(done: torch.futures.Future[Any], nbytes: int, start: float,
+              last: bool) -> torch.futures.Future[Any]:
+        recording = _recorder.recorder()
+        if recording is None:
+            return done
+        timed = _timed(done, "all_reduce", nbytes, start, "ddp:all_reduce")
+        issued.append(timed)
+        if last:
+            waiting = time.perf_counter()
+            torch.futures.collect_all(issued[:]).then(
+                lambda _: recording.waited("ddp:wait", waiting, time.perf_counter()))
+            issued.clear()
+        return timed
+
+    ddp_hook.register(model, watch)
     return model
 
 

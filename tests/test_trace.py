@@ -23,7 +23,7 @@ from asyncomm._core import instrument
 from asyncomm._observe import recorder as _trace
 from asyncomm._tools import cli as _cli
 from asyncomm.testing import World
-from asyncomm.trace import Overlap, intersect, measure, merge, overlap, steps, union
+from asyncomm.trace import Overlap, intersect, measure, merge, overlap, steps, subtract, union
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -55,6 +55,22 @@ def test_fully_hidden_and_fully_exposed() -> None:
     assert (exposed.hidden, exposed.exposed, exposed.compute) == (0, 2, 2)
     assert measure([], [(0, 1)]) == Overlap(0, 1, 0, 0, 0)
     assert measure([], []).hidden_fraction == 0.0
+
+
+def test_subtract_of_unions() -> None:
+    assert subtract([(0, 10), (12, 14)], [(2, 3), (5, 6), (9, 13)]) == [(0, 2), (3, 5),
+                                                                         (6, 9), (13, 14)]
+    assert subtract([(0, 1)], []) == [(0, 1)]
+    assert subtract([(1, 2)], [(0, 5)]) == []
+
+
+def test_stalled_communication_under_compute_is_neither_hidden_nor_exposed() -> None:
+    # In flight over [0, 10], compute over [0, 6], not progressing over [0, 6] (the loop held)
+    # and [8, 9] (the rank waits, untested: the step pays it): what progressed under compute
+    # is hidden, what ran with no compute is exposed.
+    m = measure([(0, 10)], [(0, 6)], stalled=[(0, 5), (8, 9)])
+    assert (m.communication, m.hidden, m.exposed, m.stalled) == (5, 1, 4, 5)
+    assert measure([(0, 10)], [(0, 6)]).hidden == 6  # with no stalls, all of it progressed
 
 
 def _rank_file(directory: Path, rank: int, host: str, perf: float, wall_ns: int,
@@ -307,7 +323,8 @@ def test_ddp_and_raw_collectives_are_on_the_timeline(world2: World, tmp_path: Pa
     assert sorted(per_step) == [0, 1] and all(
         len(s) == 3 and all(m.communication > 0 for m in s) for s in per_step.values()), per_step
     png = tmp_path / "steps.png"
-    assert _cli.main(["trace", str(tmp_path), "--steps", "1:2", "--png", str(png)]) == 0
+    assert _cli.main(["trace", str(tmp_path), "--steps", "1:1", "--steps", "2:2", "--png",
+                      str(png)]) == 0  # two panels side by side
     assert png.read_bytes().startswith(b"\x89PNG")
     assert _cli.main(["trace", str(tmp_path), "--steps", "5:6"]) == 2  # not that many steps
 
@@ -338,3 +355,35 @@ def test_gradsync_sum_through_shared_memory_is_on_the_timeline(world2: World,
         assert [(e["name"], e["bytes"]) for e in events] == [
             ("gradsync:shared_sum", grads)] * 2, events
     assert all(m.communication > 0 for m in overlap(merge(tmp_path)).values())
+
+
+async def check_held_loop_under_an_all_reduce(comm: Comm, directory: str) -> None:
+    asyncomm.trace.start(directory)
+    try:
+        t = torch.ones(4 << 20)  # 16 MiB: not done by its first tests
+        a = torch.randn(256, 256)
+        await comm.barrier()
+        handle = comm.all_reduce(t)
+        with asyncomm.trace.span("held"):  # the loop is held: nothing tests the request
+            for _ in range(200):
+                a = torch.tanh(a @ a)
+        await handle
+        await comm.barrier()
+    finally:
+        asyncomm.trace.stop()
+
+
+def test_an_all_reduce_under_a_held_loop_is_hidden_only_where_it_progresses(
+        world2: World, tmp_path: Path) -> None:
+    """MPI moves an all-reduce's data only while the loop tests it, gloo's on gloo's threads:
+    under a computation that holds the loop, the trace must count none of MPI's as hidden
+    (its step time hides none of it), and gloo's as hidden."""
+    world2.run(check_held_loop_under_an_all_reduce, str(tmp_path))
+    metrics = overlap(merge(tmp_path))
+    assert sorted(metrics) == [0, 1], metrics
+    for m in metrics.values():
+        assert m.compute > 0 and m.communication > 0, metrics
+        if world2.backend == "mpi":
+            assert m.hidden == 0 and m.stalled > 0, metrics
+        else:
+            assert m.hidden > 0 and m.stalled == 0, metrics

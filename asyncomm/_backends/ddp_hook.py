@@ -16,8 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-# (the future of a bucket's all-reduce, its bytes, when it was issued) -> the future DDP waits on
-Watch = Callable[[torch.futures.Future[torch.Tensor], int, float],
+# (the future of a bucket's all-reduce, its bytes, when it was issued, whether it is the
+# step's last bucket: backward has every gradient then) -> the future DDP waits on
+Watch = Callable[[torch.futures.Future[torch.Tensor], int, float, bool],
                  torch.futures.Future[torch.Tensor]]
 
 
@@ -25,7 +26,8 @@ def register(model: torch.nn.parallel.DistributedDataParallel, watch: Watch) -> 
     """Register on ``model`` a hook doing DDP's default all-reduce, each bucket ``watch``ed."""
     def hook(group: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         start = time.perf_counter()
-        return watch(default_hooks.allreduce_hook(group, bucket), bucket.buffer().nbytes, start)
+        return watch(default_hooks.allreduce_hook(group, bucket), bucket.buffer().nbytes, start,
+                     bucket.is_last())
 
     # DDP checks a hook's annotations against the objects themselves (not their names)
     hook.__annotations__ = {"group": Any, "bucket": dist.GradBucket,  # type: ignore[attr-defined]

@@ -35,6 +35,14 @@ class Recording(Protocol):
     def span(self, name: str, start: float, end: float) -> None:
         """A compute ran from ``start`` to ``end`` (``time.perf_counter`` s), on this thread."""
 
+    def completed(self, handle: Any, at: float) -> None:
+        """The backend completed ``handle``'s operation at ``at`` (on its own thread: the
+        loop learns of it later)."""
+
+    def stalled(self, start: float, end: float) -> None:
+        """Requests that progress only while tested were in flight, untested, from ``start``
+        to ``end`` (``time.perf_counter`` s)."""
+
 
 class Probe:
     """Where one communicator reports: ``recording`` is None while nobody records."""
@@ -89,3 +97,8 @@ def span(name: str, start: float, end: float) -> None:
     recording = _current
     if recording is not None:
         recording.span(name, start, end)
+
+
+def recording() -> Recording | None:
+    """Return the observer reports go to (None while nobody records)."""
+    return _current

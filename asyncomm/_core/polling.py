@@ -16,12 +16,16 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from asyncomm._core import settings
+from asyncomm._core import instrument, settings
 from asyncomm._core.errors import CommClosedError
 from asyncomm._core.progress import Classify, Finish, Sink, deliver
 from asyncomm._core.spin import Spin
 
 TICKING_S = 0.25  # a poller backing off is woken by the ticker this long after it found news
+# Tracing: a longer time with requests in flight and none tested is reported as a stall
+# (see the note on stalls).
+STALL_S = 0.001
+_tested = [0.0]  # when this process's last test of requests ended (kept only while tracing)
 
 
 class Ticker:
@@ -166,6 +170,18 @@ class Poller:
     iteration, one that takes longer parks the task. A channel receive, an actor call or
     an idle actor about to wait spins (``spin_until``: the requests and the probes) as
     ``Spin`` says.
+
+    Note on stalls
+    --------------
+    MPI moves the data of a request only inside MPI calls (MPICH without its
+    asynchronous progress thread), and every test advances every request of the
+    process. A request in flight while nothing tests it (the loop held by a
+    computation, or backing off) is not progressing, and communication that
+    sits so under compute is not hidden by it. While tracing, each time
+    requests are issued or tested with requests in flight, a gap of over
+    ``STALL_S`` since the end of the process's last test is reported as a stall
+    (``instrument.stalled``); the trace's figures leave stalls out of the
+    communication that progressed (docs/tracing.md).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
@@ -207,6 +223,9 @@ class Poller:
         the requests polled only when the loop iteration ends, if it is still
         pending then: most are done by then, and cost no bookkeeping.
         """
+        traced = instrument.recording() is not None
+        if traced:
+            self._testing()
         try:
             test, scratch = self._test, self._scratch
             # twice: a collective's first test often only starts it (see the note on spinning)
@@ -215,6 +234,9 @@ class Poller:
         except BaseException as exc:
             sink._fail(self._classify(exc), exc)
             return
+        finally:
+            if traced:
+                _tested[0] = time.perf_counter()
         if done:
             if finish is None:
                 sink._succeed(outcome)  # (the commonest, without ``deliver``'s call)
@@ -226,6 +248,9 @@ class Poller:
     def follow(self, request: Any, sink: Sink, finish: Finish | None,
                active: bool = True) -> None:
         """``watch`` a request its issuer has just tested and found pending (no test here)."""
+        if instrument.recording() is not None:
+            self._testing()  # (its issuer's test has just ended)
+            _tested[0] = time.perf_counter()
         entry = (sink, finish, active)
         if self._spin.tests and hasattr(sink, "_spin"):
             sink._spin = (self, request, entry, 0.0)
@@ -275,6 +300,9 @@ class Poller:
         if not spin.allowed():
             return spin.tests > 0
         _, request, entry, since = sink._spin
+        traced = instrument.recording() is not None
+        if traced:
+            self._testing()
         try:
             for _ in range(spin.tests):
                 if test(request, scratch):
@@ -284,6 +312,9 @@ class Poller:
             outcome = self._outcome()
         except BaseException as exc:
             outcome = exc
+        finally:
+            if traced:
+                _tested[0] = time.perf_counter()
         sink._spin = None
         if entry is None:  # polled already: no longer
             try:
@@ -348,6 +379,9 @@ class Poller:
         requests = self._requests
         news = False
         if requests:
+            traced = instrument.recording() is not None
+            if traced:
+                self._testing()
             if len(requests) == 1:  # the common case: one request, no index bookkeeping
                 try:
                     completed = ([(0, self._outcome())] if self._test(requests[0], self._scratch)
@@ -356,6 +390,8 @@ class Poller:
                     completed = [(0, exc)]
             else:
                 completed = self._testsome(requests)
+            if traced:
+                _tested[0] = time.perf_counter()
             if completed:
                 news = True
                 finished = []
@@ -370,6 +406,16 @@ class Poller:
             if probe():  # (a probe may unregister itself: a copy of several)
                 news = True
         return news
+
+    def _testing(self) -> None:
+        """Tracing: requests are about to be tested; report the time since the end of the
+        process's last test as a stall if requests were in flight all along (see the note on
+        stalls). The caller notes in ``_tested`` when its tests end."""
+        now = time.perf_counter()
+        if (self._requests or self._fresh) and now - _tested[0] > STALL_S:
+            recording = instrument.recording()
+            if recording is not None:
+                recording.stalled(_tested[0], now)
 
     def spin_until(self, done: Callable[[], bool]) -> bool:
         """A task is about to wait for ``done()``: sweep while spinning (see ``Spin``).

@@ -30,6 +30,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from asyncomm._core import instrument
 from asyncomm._core.errors import CommClosedError, CommError
 from asyncomm._core.spin import Spin
 
@@ -219,6 +220,9 @@ class FutureBridge:
         put = self._inbox.put
 
         def done(future: Any) -> None:
+            recording = instrument.recording()
+            if recording is not None:  # the trace's span ends here, not when the loop sees it
+                recording.completed(sink, time.perf_counter())
             put(sink, finish, future)
 
         self._callbacks.add(done)

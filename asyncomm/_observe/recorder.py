@@ -71,6 +71,8 @@ class Recorder:
         self.anchor = (_perf(), time.time_ns())
         self.events: list[tuple[Any, ...]] = []  # op tuples (see FIELDS), compute tuples
         self.ends: list[tuple[int, float, str | None, int | None]] = []  # index, end, error, peer
+        # id(handle) -> when its backend completed it, until the loop learns of it
+        self.completions: dict[int, float] = {}
         self.comms: list[dict[str, Any]] = []  # id -> rank, size, backend
         self.rank: int | None = None  # the widest communicator's rank names the file
         self.size = 1
@@ -101,14 +103,21 @@ class Recorder:
     def issued(self, handle: Handle[Any], comm: int, keep: object) -> None:
         """Record an operation just issued; its completion fills in the end."""
         _, kind, seq, peer, tag = handle._what
+        self.completions.pop(id(handle), None)  # an untraced handle's, that had this id
         events = self.events
         index = len(events)
         events.append(("op", kind, _nbytes(keep), peer, tag, seq, comm, _perf(), None, None,
                        None))
         handle.add_done_callback(partial(self._ended, index))
 
+    def completed(self, handle: Handle[Any], at: float) -> None:
+        """Note when the backend completed ``handle``'s operation (on its thread): its span
+        ends there, not when the loop learns of it (a loop held by a computation learns
+        late, and the operation would seem to run under the computation)."""
+        self.completions[id(handle)] = at
+
     def _ended(self, index: int, handle: Handle[Any]) -> None:
-        end, error, peer = _perf(), handle._error, None
+        end, error, peer = self.completions.pop(id(handle), None) or _perf(), handle._error, None
         if error is not None:
             failed: str | None = type(error).__name__
         elif handle._state != _DONE:  # a bad argument: raised before anything was sent
@@ -141,6 +150,17 @@ class Recorder:
         """Record a finished compute span (called on the thread that ran it)."""
         self.events.append(("compute", name, start, end, threading.get_ident()))
 
+    def waited(self, name: str, start: float, end: float) -> None:
+        """Record that a computation waited for data from ``start`` to ``end`` (any thread:
+        it is appended whole): time inside a compute span that is not compute."""
+        self.events.append(("wait", name, start, end))
+
+    def stalled(self, start: float, end: float) -> None:
+        """Record that requests in flight were not progressing from ``start`` to ``end``
+        (nothing tested them: see ``_core.polling``'s note on stalls); called on the thread
+        that tests them, whose own computations then hide none of them."""
+        self.events.append(("stall", start, end, threading.get_ident()))
+
     def path(self) -> Path:
         """Return the file this process writes: ``DIR/rank{R}.json``."""
         rank = self.rank if self.rank is not None else f"-pid{os.getpid()}"
@@ -155,6 +175,15 @@ class Recorder:
             if event[0] == "step":
                 events.append({"cat": "step", "kind": "step", "start": event[1],
                                "end": event[1]})
+                continue
+            if event[0] == "stall":
+                events.append({"cat": "stall", "kind": "stall", "start": event[1],
+                               "end": event[2], "thread": threads.setdefault(event[3],
+                                                                            len(threads))})
+                continue
+            if event[0] == "wait":
+                events.append({"cat": "wait", "kind": "wait", "name": event[1],
+                               "start": event[2], "end": event[3]})
                 continue
             if event[0] == "compute":
                 name, start, end, ident = event[1:]

@@ -11,6 +11,14 @@ Note on the metrics
 -------------------
 Per rank, as docs/tracing.md defines them: lengths of unions of spans (concurrent spans
 count once) and of the intersection of the communication and compute unions (hidden).
+Communication under compute is hidden only while it progressed: where a rank reported a
+stall under compute (MPI requests in flight that nothing tested: ``_core.polling``'s note
+on stalls), its communication is neither hidden nor exposed, but stalled (its cost comes
+later, as exposed time); a stall with no compute running is exposed, as the step pays it.
+Nor does compute on the thread that tests those requests hide them: what a test moves
+there lengthens the computation as much as it shortens the wait.
+Waits that a rank reported inside its compute spans (DDP's backward waiting for its
+all-reduces: ``trace.ddp``) are taken out of its compute.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from asyncomm._observe.recorder import FORMAT
 Interval = tuple[float, float]
 
 COMPUTE_TID = 1
+WAIT_TID = 98
+STALL_TID = 99
 COMM_TID = 100
 _COMM_CATS = ("op", "channel", "actor", "torch")
 # Kinds that synchronise rather than move data: left out of the overlap figures by default
@@ -52,6 +62,24 @@ def length(intervals: Iterable[Interval]) -> float:
     return sum(end - start for start, end in union(intervals))
 
 
+def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """Return the union of ``a`` less the union of ``b``, sorted and disjoint."""
+    out: list[Interval] = []
+    cut, first = union(b), 0
+    for start, end in union(a):
+        while first < len(cut) and cut[first][1] <= start:
+            first += 1
+        for cut_start, cut_end in cut[first:]:
+            if cut_start >= end:
+                break
+            if cut_start > start:
+                out.append((start, cut_start))
+            start = max(start, cut_end)
+        if start < end:
+            out.append((start, end))
+    return out
+
+
 def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
     """Return the intersection of the unions of ``a`` and ``b``, sorted and disjoint."""
     left, right = union(a), union(b)
@@ -73,11 +101,12 @@ def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
 class Overlap:
     """How much of one rank's communication ran under compute (seconds)."""
 
-    communication: float
+    communication: float  # in flight and progressing
     compute: float
     hidden: float
     exposed: float
     spans: int  # communication spans recorded
+    stalled: float = 0.0  # in flight under compute, not progressing (not in the above)
 
     @property
     def hidden_fraction(self) -> float:
@@ -85,16 +114,21 @@ class Overlap:
         return self.hidden / self.communication if self.communication > 0 else 0.0
 
 
-def measure(communication: Iterable[Interval], compute: Iterable[Interval]) -> Overlap:
+def measure(communication: Iterable[Interval], compute: Iterable[Interval],
+            stalled: Iterable[Interval] = (), holding: Iterable[Interval] = ()) -> Overlap:
     """Return the overlap metrics of communication and compute spans (seconds, as every
-    figure of a trace; any one unit gives its figures in that unit)."""
+    figure of a trace; any one unit gives its figures in that unit); communication within
+    ``stalled`` did not progress, nor under ``holding`` (compute on the thread that makes
+    it progress, a part of ``compute``): under compute such counts only as stalled."""
     spans = list(communication)
-    comm = union(spans)
+    every = union(spans)
     work = union(compute)
-    total = sum(end - start for start, end in comm)
-    hidden = sum(end - start for start, end in intersect(comm, work))
-    return Overlap(communication=total, compute=sum(end - start for start, end in work),
-                   hidden=hidden, exposed=total - hidden, spans=len(spans))
+    comm = subtract(every, union(intersect(intersect(every, stalled), work)
+                                 + intersect(every, holding)))
+    total = length(comm)
+    hidden = length(intersect(comm, work))
+    return Overlap(communication=total, compute=length(work), hidden=hidden,
+                   exposed=total - hidden, spans=len(spans), stalled=length(every) - total)
 
 
 def load(directory: str | Path) -> list[dict[str, Any]]:
@@ -162,15 +196,20 @@ def merge(directory: str | Path) -> dict[str, Any]:
         pid = doc["rank"] if doc["rank"] is not None else doc["pid"]
         mine = [span for p, span in spans if p == pid and span["cat"] != "step"]
         compute = [s for s in mine if s["cat"] == "compute"]
-        comm = [s for s in mine if s["cat"] != "compute"]
+        comm = [s for s in mine if s["cat"] not in ("compute", "stall", "wait")]
         _lanes(compute, COMPUTE_TID)
         _lanes(comm, COMM_TID)
+        for span in mine:
+            if span["cat"] in ("stall", "wait"):
+                span["tid"] = STALL_TID if span["cat"] == "stall" else WAIT_TID
         events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                        "args": {"name": f"rank {pid}"}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                        "args": {"sort_index": pid}})
         for tid in sorted({s["tid"] for s in mine}):
-            lane = (f"compute {tid - COMPUTE_TID}" if tid < COMM_TID
+            lane = (f"compute {tid - COMPUTE_TID}" if tid < WAIT_TID
+                    else "waiting, not compute" if tid == WAIT_TID
+                    else "in flight, not progressing" if tid == STALL_TID
                     else f"communication {tid - COMM_TID}")
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                            "args": {"name": lane}})
@@ -185,8 +224,9 @@ def merge(directory: str | Path) -> dict[str, Any]:
 
 
 def _event(pid: int, span: dict[str, Any], zero: float) -> dict[str, Any]:
-    if span["cat"] == "compute":
-        name, args = span["name"], {}
+    if span["cat"] in ("compute", "stall", "wait"):
+        name = span["name"] if span["cat"] != "stall" else "stalled"
+        args = {"thread": span["thread"]} if "thread" in span else {}
     else:
         name = span["name"] or span["kind"]
         args = {key: span[key] for key in ("kind", "bytes", "peer", "tag", "seq", "comm",
@@ -196,42 +236,58 @@ def _event(pid: int, span: dict[str, Any], zero: float) -> dict[str, Any]:
             "args": args}
 
 
+Spans = dict[int, list[Interval]]  # per rank
+
+
 def _spans(trace: dict[str, Any], us_per_unit: float, sync: bool = False
-           ) -> tuple[dict[int, list[Interval]], dict[int, list[Interval]]]:
-    """Return each rank's communication (with barriers where ``sync``) and compute spans of
-    a merged trace, in units of ``us_per_unit`` microseconds."""
-    comm: dict[int, list[Interval]] = {}
-    work: dict[int, list[Interval]] = {}
+           ) -> tuple[Spans, Spans, Spans, Spans]:
+    """Return each rank's communication (with barriers where ``sync``), compute (less its
+    waits), stall spans and compute on the thread that reported stalls (see the note on the
+    metrics) of a merged trace, in units of ``us_per_unit`` microseconds."""
+    comm: Spans = {}
+    work: Spans = {}
+    stalls: Spans = {}
+    waits: Spans = {}
+    testers = {(e["pid"], e["args"]["thread"]) for e in trace["traceEvents"]
+               if e.get("cat") == "stall" and "thread" in e.get("args", {})}
+    holding: Spans = {}
     for event in trace["traceEvents"]:
         if event.get("ph") != "X":
             continue
         moved = event["cat"] in _COMM_CATS and (sync or event["args"].get("kind")
                                                 not in SYNC_KINDS)
-        into = work if event["cat"] == "compute" else comm if moved else None
+        into = {"compute": work, "stall": stalls, "wait": waits}.get(
+            event["cat"], comm if moved else None)
         if into is not None:
             start = event["ts"] / us_per_unit
-            into.setdefault(event["pid"], []).append((start, start + event["dur"] / us_per_unit))
-    return comm, work
+            span = (start, start + event["dur"] / us_per_unit)
+            into.setdefault(event["pid"], []).append(span)
+            if into is work and (event["pid"], event["args"].get("thread")) in testers:
+                holding.setdefault(event["pid"], []).append(span)
+    work = {pid: subtract(spans, waits.get(pid, [])) for pid, spans in work.items()}
+    return comm, work, stalls, holding
 
 
 def overlap(trace: dict[str, Any], sync: bool = False) -> dict[int, Overlap]:
     """Return each rank's overlap metrics (seconds) from a merged trace; barriers count as
     communication only where ``sync``."""
-    comm, work = _spans(trace, 1e6, sync)
-    return {pid: measure(comm.get(pid, []), work.get(pid, []))
+    comm, work, stalls, holding = _spans(trace, 1e6, sync)
+    return {pid: measure(comm.get(pid, []), work.get(pid, []), stalls.get(pid, []),
+                         holding.get(pid, []))
             for pid in sorted(comm.keys() | work.keys())}
 
 
 def steps(trace: dict[str, Any], sync: bool = False) -> dict[int, list[Overlap]]:
     """Return each rank's overlap metrics (seconds) per step: from each of its
     ``trace.step()`` marks to its next (the last step ends at its last span)."""
-    comm, work = _spans(trace, 1e6, sync)
+    comm, work, stalls, holding = _spans(trace, 1e6, sync)
     found: dict[int, list[Overlap]] = {}
     for pid, marks in _marks(trace).items():
         end = max((e for _, e in comm.get(pid, []) + work.get(pid, [])), default=marks[-1])
         windows = list(zip(marks, [*marks[1:], max(end, marks[-1])], strict=True))
-        found[pid] = [measure(intersect(union(comm.get(pid, [])), [window]),
-                              intersect(union(work.get(pid, [])), [window]))
+        found[pid] = [measure(intersect(comm.get(pid, []), [window]),
+                              intersect(work.get(pid, []), [window]), stalls.get(pid, []),
+                              holding.get(pid, []))
                       for window in windows]
     return found
 
@@ -257,7 +313,7 @@ def window(trace: dict[str, Any], first: int, last: int) -> Interval:
         raise ValueError(f"steps {first}..{last}: the trace marks "
                          f"{min((len(m) for m in marks.values()), default=0)} steps per rank "
                          "(asyncomm.trace.step())")
-    comm, work = _spans(trace, 1e6, sync=True)
+    comm, work, _, _ = _spans(trace, 1e6, sync=True)
     ends = [max((e for _, e in comm.get(p, []) + work.get(p, [])), default=m[-1])
             for p, m in marks.items()]
     stops = [m[last + 1] if last + 1 < len(m) else end
@@ -268,21 +324,24 @@ def window(trace: dict[str, Any], first: int, last: int) -> Interval:
 def report(metrics: dict[int, Overlap]) -> str:
     """Return the metrics as a table, one row per rank, in milliseconds."""
     lines = [f"{'rank':>4}  {'spans':>6}  {'comm ms':>10}  {'hidden ms':>10}  "
-             f"{'exposed ms':>10}  {'compute ms':>10}  {'hidden':>6}"]
+             f"{'exposed ms':>10}  {'compute ms':>10}  {'stalled ms':>10}  {'hidden':>6}"]
     for rank, m in metrics.items():
         lines.append(f"{rank:>4}  {m.spans:>6}  {m.communication * 1e3:>10.3f}  "
                      f"{m.hidden * 1e3:>10.3f}  {m.exposed * 1e3:>10.3f}  "
-                     f"{m.compute * 1e3:>10.3f}  {m.hidden_fraction:>6.0%}")
+                     f"{m.compute * 1e3:>10.3f}  {m.stalled * 1e3:>10.3f}  "
+                     f"{m.hidden_fraction:>6.0%}")
     return "\n".join(lines)
 
 
 def draw(trace: dict[str, Any], path: str | Path, title: str | None = None,
-         within: Interval | None = None) -> Path:
+         panels: Sequence[tuple[str, Interval]] = ()) -> Path:
     """Draw a PNG timeline of a merged trace: a row per rank, compute above communication.
 
     Each row shows the union of the rank's compute spans in one colour, of its transfers
-    (ops, channels, actors, torch's own collectives) in another and of its barriers in a
-    third; ``within`` (seconds, as ``window`` gives) shows only that time. Returns ``path``.
+    (ops, channels, actors, torch's own collectives) in another, of its barriers in a third
+    and, in a fourth, the communication in flight that was not progressing (stalls). With
+    ``panels``, ``(label, (start, end))`` in seconds (as ``window`` gives), each such time
+    is drawn beside the others, from its own start; else the whole run. Returns ``path``.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install 'asyncomm[plot]'``).
@@ -292,29 +351,40 @@ def draw(trace: dict[str, Any], path: str | Path, title: str | None = None,
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
-    comm, work = _spans(trace, 1e3)
-    every, _ = _spans(trace, 1e3, sync=True)
+    comm, work, stalls, holding = _spans(trace, 1e3)
+    every, _, _, _ = _spans(trace, 1e3, sync=True)
     ranks = sorted(every.keys() | work.keys())
-    figure, axes = plt.subplots(figsize=(12, 1.0 + 0.7 * max(1, len(ranks))))
-    for row, rank in enumerate(ranks):
-        for spans, low, colour in ((work.get(rank, []), row - 0.40, "tab:blue"),
-                                   (every.get(rank, []), row + 0.05, "tab:gray"),
-                                   (comm.get(rank, []), row + 0.05, "tab:orange")):
-            bars = [(start, max(end - start, 1e-6)) for start, end in union(spans)]
-            if bars:
-                axes.broken_barh(bars, (low, 0.35), facecolors=colour)
-    if within is not None:
-        axes.set_xlim(within[0] * 1e3, within[1] * 1e3)
-    axes.set_yticks(range(len(ranks)), [f"rank {rank}" for rank in ranks])
-    axes.set_ylim(-0.6, len(ranks) - 0.4)
-    axes.invert_yaxis()
-    axes.set_xlabel("time (ms)")
-    axes.set_ylabel("rank")
-    axes.set_title(title or "asyncomm timeline")
-    axes.legend(handles=[matplotlib.patches.Patch(color="tab:blue", label="compute"),
-                         matplotlib.patches.Patch(color="tab:orange", label="transfers"),
-                         matplotlib.patches.Patch(color="tab:gray", label="barriers")],
-                loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    shown: list[tuple[str, Interval | None]] = (
+        [(label, (a * 1e3, b * 1e3)) for label, (a, b) in panels] or [(title or "", None)])
+    figure, axes = plt.subplots(1, len(shown), squeeze=False, sharey=True,
+                                figsize=(6 + 6 * len(shown), 1.0 + 0.7 * max(1, len(ranks))))
+    for axis, (label, within) in zip(axes[0], shown, strict=True):
+        zero = within[0] if within is not None else 0.0
+        for row, rank in enumerate(ranks):
+            stalled = stalls.get(rank, []) + holding.get(rank, [])
+            for spans, low, colour in (
+                    (work.get(rank, []), row - 0.40, "tab:blue"),
+                    (every.get(rank, []), row + 0.05, "tab:gray"),
+                    (subtract(comm.get(rank, []), stalled), row + 0.05, "tab:orange"),
+                    (intersect(every.get(rank, []), stalled), row + 0.05, "tab:red")):
+                bars = [(start - zero, max(end - start, 1e-6)) for start, end in union(spans)]
+                if bars:
+                    axis.broken_barh(bars, (low, 0.35), facecolors=colour)
+        if within is not None:
+            axis.set_xlim(0.0, within[1] - within[0])
+        axis.set_xlabel("time (ms)" if within is None else "ms from the window's start")
+        axis.set_title(label)
+    axes[0][0].set_yticks(range(len(ranks)), [f"rank {rank}" for rank in ranks])
+    axes[0][0].set_ylim(-0.6, len(ranks) - 0.4)
+    axes[0][0].invert_yaxis()
+    if panels and title:
+        figure.suptitle(title)
+    axes[0][-1].legend(handles=[
+        matplotlib.patches.Patch(color="tab:blue", label="compute"),
+        matplotlib.patches.Patch(color="tab:orange", label="transfers"),
+        matplotlib.patches.Patch(color="tab:gray", label="barriers"),
+        matplotlib.patches.Patch(color="tab:red", label="in flight, not progressing")],
+        loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
     out = Path(path)
     figure.savefig(out, dpi=100)
@@ -324,34 +394,36 @@ def draw(trace: dict[str, Any], path: str | Path, title: str | None = None,
 
 def summarise(directory: str | Path, json_path: str | Path | None = None,
               png_path: str | Path | None = None,
-              chosen: tuple[int, int] | None = None) -> dict[int, Overlap]:
+              chosen: Sequence[tuple[int, int]] = ()) -> dict[int, Overlap]:
     """Merge a trace directory, write its trace JSON and PNG, print and return its metrics.
 
     The files go to ``json_path`` and ``png_path``, by default ``trace.json`` and
     ``timeline.png`` in ``directory``; without matplotlib no PNG is drawn. With ``chosen``
-    steps (first, last: see ``trace.step``) it also prints their figures, rank by rank,
-    and the PNG shows only them.
+    ranges of steps (first, last: see ``trace.step``) it also prints their figures, rank
+    by rank, and the PNG shows only them, each range beside the others.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`load`, and :func:`window`.
     """
     trace = merge(directory)
-    within = None if chosen is None else window(trace, *chosen)
+    panels = [(f"steps {first} to {last}", window(trace, first, last))
+              for first, last in chosen]
     out = Path(json_path) if json_path is not None else Path(directory) / "trace.json"
     out.write_text(json.dumps(trace))
     metrics = overlap(trace)
     print(report(metrics))
-    if chosen is not None:
-        for rank, per_step in steps(trace).items():
-            for index in range(chosen[0], min(chosen[1] + 1, len(per_step))):
+    per_rank = steps(trace) if chosen else {}
+    for first, last in chosen:
+        for rank, per_step in per_rank.items():
+            for index in range(first, min(last + 1, len(per_step))):
                 m = per_step[index]
                 print(f"rank {rank} step {index}: comm {m.communication * 1e3:.3f} ms, hidden "
                       f"{m.hidden * 1e3:.3f} ms, exposed {m.exposed * 1e3:.3f} ms, compute "
-                      f"{m.compute * 1e3:.3f} ms")
+                      f"{m.compute * 1e3:.3f} ms, stalled {m.stalled * 1e3:.3f} ms")
     print(f"trace: {out} (open in https://ui.perfetto.dev or chrome://tracing)")
     try:
         png = draw(trace, png_path if png_path is not None else Path(directory) / "timeline.png",
-                   None if chosen is None else f"steps {chosen[0]} to {chosen[1]}", within)
+                   None, panels)
     except ImportError:
         print("timeline: not drawn (pip install 'asyncomm[plot]' for the PNG)")
     else:

@@ -14,18 +14,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH",
                         help="merged Chrome/Perfetto trace (default DIR/trace.json)")
     parser.add_argument("--png", metavar="PATH", help="timeline (default DIR/timeline.png)")
-    parser.add_argument("--steps", metavar="A:B", help="steps A to B (as the program marked "
-                        "them with asyncomm.trace.step()): their figures, and only them drawn")
+    parser.add_argument("--steps", metavar="A:B", action="append", default=[],
+                        help="steps A to B (as the program marked them with "
+                        "asyncomm.trace.step()): their figures, and only them drawn; again "
+                        "for more ranges, drawn side by side")
     parser.set_defaults(func=run_command)
 
 
 def run_command(args: argparse.Namespace) -> int:
     """Run ``asyncomm trace`` as parsed; return its exit code."""
     try:
-        chosen = None
-        if args.steps is not None:
-            first, _, last = args.steps.partition(":")
-            chosen = (int(first), int(last or first))
+        chosen = []
+        for steps in args.steps:
+            first, _, last = steps.partition(":")
+            chosen.append((int(first), int(last or first)))
         summarise(args.directory, args.json, args.png, chosen)
     except (FileNotFoundError, ValueError) as err:
         print(f"asyncomm trace: {err}", file=sys.stderr)
