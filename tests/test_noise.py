@@ -124,7 +124,7 @@ def test_a_failing_rank_traceback_reads_the_same_on_both_backends(tmp_path: Path
         pytest.skip("needs mpiexec and mpi4py")
     gloo = traceback_of(1, run(tmp_path, FAILING, 2, "gloo")[1])
     mpi = traceback_of(1, run(tmp_path, FAILING, 2, "mpi")[1])
-    assert mpi == gloo
+    assert mpi == gloo, "\n".join(["gloo:", *gloo, "mpi:", *mpi])
     assert gloo[1] == f'  File "{tmp_path / "rank.py"}", line 9, in <module>'
 
 

@@ -40,6 +40,17 @@ def _tasks_running(script: str) -> list[int]:
     return tasks
 
 
+def _threads(task: int) -> str:
+    """Each thread of ``task``, its name and state (R: running): which one spins, where a
+    task found still running cannot say (its stack dump is gone once Python finalized)."""
+    found = []
+    for thread in Path(f"/proc/{task}/task").iterdir():
+        with contextlib.suppress(OSError):
+            state = (thread / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            found.append(f"{(thread / 'comm').read_text().strip()}:{state}")
+    return ", ".join(found)
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -126,7 +137,8 @@ def test_srun_runs_the_scenarios_on_four_tasks(slurm: dict[str, str]) -> None:
         for task in _tasks_running(SCRIPT):
             with contextlib.suppress(OSError):
                 stat = Path(f"/proc/{task}/stat").read_text().rsplit(")", 1)[1].split()
-                states.append(f"{task}: {stat[0]} in {Path(f'/proc/{task}/wchan').read_text()}")
+                states.append(f"{task}: {stat[0]} in {Path(f'/proc/{task}/wchan').read_text()} "
+                              f"(threads {_threads(task)})")
             os.kill(task, signal.SIGUSR1)
         time.sleep(5)
         srun.terminate()

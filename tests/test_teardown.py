@@ -21,7 +21,7 @@ from asyncomm.testing import run_script
 HERE = Path(__file__).resolve().parent
 
 CYCLES = """
-import asyncio, sys, threading, time, torch, asyncomm
+import asyncio, faulthandler, sys, threading, time, torch, asyncomm
 from asyncomm import CommTimeoutError, PeerFailedError
 
 class Leave(Exception):
@@ -69,6 +69,8 @@ async def cycle(number):
     deadline = time.monotonic() + 60
     while (left := [t for t in threads() if t not in parked]) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
+    if left:  # where each is stuck, for whoever reads the failure
+        faulthandler.dump_traceback(all_threads=True)
     assert left == [], (number, left)
     try:  # closing failed what was still in flight (or rank 1 said it failed, first)
         posted.result()
