@@ -77,7 +77,7 @@ def _run(command: list[str], tmp_path: Path) -> str:
     script.write_text(textwrap.dedent(SCRIPT))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     proc = subprocess.run([*command, str(script)], capture_output=True, text=True,
-                          timeout=90, env={**env, "PYTHONPATH": str(ROOT)})
+                          timeout=240, env={**env, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc.stdout
 

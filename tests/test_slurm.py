@@ -137,8 +137,10 @@ def test_srun_runs_the_scenarios_on_four_tasks(slurm: dict[str, str]) -> None:
         for task in _tasks_running(SCRIPT):
             with contextlib.suppress(OSError):
                 stat = Path(f"/proc/{task}/stat").read_text().rsplit(")", 1)[1].split()
-                states.append(f"{task}: {stat[0]} in {Path(f'/proc/{task}/wchan').read_text()} "
-                              f"(threads {_threads(task)})")
+                age = (float(Path("/proc/uptime").read_text().split()[0])
+                       - int(stat[19]) / os.sysconf("SC_CLK_TCK"))  # (started late?)
+                states.append(f"{task}: {stat[0]} in {Path(f'/proc/{task}/wchan').read_text()}, "
+                              f"started {age:.0f} s ago (threads {_threads(task)})")
             os.kill(task, signal.SIGUSR1)
         time.sleep(5)
         srun.terminate()
