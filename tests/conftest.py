@@ -70,7 +70,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     in_use = _mapped() if left else set()
     for f in left:
         if str(f) not in in_use:
-            f.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # (another user's, say)
+                f.unlink(missing_ok=True)
 
 
 _started = [0.0]  # the session's start (time.time()): older files are not the session's
