@@ -56,8 +56,8 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """Remove MPICH's shared-memory files that the session's killed MPI jobs left behind.
 
     MPICH removes a job's ``/dev/shm/mpich_shm_*`` files only when its ranks end
-    normally, and the suite kills ranks on purpose: each run left hundreds of megabytes of
-    memory behind. Only the controlling process does this, at the very end, and only for
+    normally, and the suite kills ranks on purpose: each run left their memory behind.
+    Only the controlling process does this, at the very end, and only for
     files no live process maps (another job's, in use, stay).
     """
     if hasattr(session.config, "workerinput"):  # an xdist worker: its controller does it

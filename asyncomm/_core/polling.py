@@ -180,8 +180,8 @@ class Poller:
     sits so under compute is not hidden by it. While tracing, each time
     requests are issued or tested with requests in flight, a gap of over
     ``STALL_S`` since the end of the process's last test is reported as a stall
-    (``instrument.stalled``); the trace's figures leave stalls out of the
-    communication that progressed (docs/tracing.md).
+    (``Recording.stalled``); communication under compute during a stall is not
+    counted as hidden (docs/tracing.md).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
@@ -223,9 +223,9 @@ class Poller:
         the requests polled only when the loop iteration ends, if it is still
         pending then: most are done by then, and cost no bookkeeping.
         """
-        traced = instrument.recording() is not None
-        if traced:
-            self._testing()
+        recording = instrument.recording()
+        if recording is not None:
+            self._testing(recording)
         try:
             test, scratch = self._test, self._scratch
             # twice: a collective's first test often only starts it (see the note on spinning)
@@ -235,7 +235,7 @@ class Poller:
             sink._fail(self._classify(exc), exc)
             return
         finally:
-            if traced:
+            if recording is not None:
                 _tested[0] = time.perf_counter()
         if done:
             if finish is None:
@@ -248,8 +248,9 @@ class Poller:
     def follow(self, request: Any, sink: Sink, finish: Finish | None,
                active: bool = True) -> None:
         """``watch`` a request its issuer has just tested and found pending (no test here)."""
-        if instrument.recording() is not None:
-            self._testing()  # (its issuer's test has just ended)
+        recording = instrument.recording()
+        if recording is not None:
+            self._testing(recording)  # (its issuer's test has just ended)
             _tested[0] = time.perf_counter()
         entry = (sink, finish, active)
         if self._spin.tests and hasattr(sink, "_spin"):
@@ -300,9 +301,9 @@ class Poller:
         if not spin.allowed():
             return spin.tests > 0
         _, request, entry, since = sink._spin
-        traced = instrument.recording() is not None
-        if traced:
-            self._testing()
+        recording = instrument.recording()
+        if recording is not None:
+            self._testing(recording)
         try:
             for _ in range(spin.tests):
                 if test(request, scratch):
@@ -313,7 +314,7 @@ class Poller:
         except BaseException as exc:
             outcome = exc
         finally:
-            if traced:
+            if recording is not None:
                 _tested[0] = time.perf_counter()
         sink._spin = None
         if entry is None:  # polled already: no longer
@@ -379,9 +380,9 @@ class Poller:
         requests = self._requests
         news = False
         if requests:
-            traced = instrument.recording() is not None
-            if traced:
-                self._testing()
+            recording = instrument.recording()
+            if recording is not None:
+                self._testing(recording)
             if len(requests) == 1:  # the common case: one request, no index bookkeeping
                 try:
                     completed = ([(0, self._outcome())] if self._test(requests[0], self._scratch)
@@ -390,7 +391,7 @@ class Poller:
                     completed = [(0, exc)]
             else:
                 completed = self._testsome(requests)
-            if traced:
+            if recording is not None:
                 _tested[0] = time.perf_counter()
             if completed:
                 news = True
@@ -407,15 +408,13 @@ class Poller:
                 news = True
         return news
 
-    def _testing(self) -> None:
+    def _testing(self, recording: instrument.Recording) -> None:
         """Tracing: requests are about to be tested; report the time since the end of the
         process's last test as a stall if requests were in flight all along (see the note on
         stalls). The caller notes in ``_tested`` when its tests end."""
         now = time.perf_counter()
         if (self._requests or self._fresh) and now - _tested[0] > STALL_S:
-            recording = instrument.recording()
-            if recording is not None:
-                recording.stalled(_tested[0], now)
+            recording.stalled(_tested[0], now)
 
     def spin_until(self, done: Callable[[], bool]) -> bool:
         """A task is about to wait for ``done()``: sweep while spinning (see ``Spin``).

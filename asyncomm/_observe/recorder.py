@@ -71,7 +71,8 @@ class Recorder:
         self.anchor = (_perf(), time.time_ns())
         self.events: list[tuple[Any, ...]] = []  # op tuples (see FIELDS), compute tuples
         self.ends: list[tuple[int, float, str | None, int | None]] = []  # index, end, error, peer
-        # id(handle) -> when its backend completed it, until the loop learns of it
+        # id(handle) -> when its backend completed it (0.0: not yet), for recorded handles
+        # in flight only (``issued`` adds, ``_ended`` takes out)
         self.completions: dict[int, float] = {}
         self.comms: list[dict[str, Any]] = []  # id -> rank, size, backend
         self.rank: int | None = None  # the widest communicator's rank names the file
@@ -103,7 +104,7 @@ class Recorder:
     def issued(self, handle: Handle[Any], comm: int, keep: object) -> None:
         """Record an operation just issued; its completion fills in the end."""
         _, kind, seq, peer, tag = handle._what
-        self.completions.pop(id(handle), None)  # an untraced handle's, that had this id
+        self.completions[id(handle)] = 0.0
         events = self.events
         index = len(events)
         events.append(("op", kind, _nbytes(keep), peer, tag, seq, comm, _perf(), None, None,
@@ -113,11 +114,14 @@ class Recorder:
     def completed(self, handle: Handle[Any], at: float) -> None:
         """Note when the backend completed ``handle``'s operation (on its thread): its span
         ends there, not when the loop learns of it (a loop held by a computation learns
-        late, and the operation would seem to run under the computation)."""
-        self.completions[id(handle)] = at
+        late, and the operation would seem to run under the computation). Only a recorded
+        handle's: nothing is kept of the others."""
+        key = id(handle)
+        if key in self.completions:
+            self.completions[key] = at
 
     def _ended(self, index: int, handle: Handle[Any]) -> None:
-        end, error, peer = self.completions.pop(id(handle), None) or _perf(), handle._error, None
+        end, error, peer = self.completions.pop(id(handle), 0.0) or _perf(), handle._error, None
         if error is not None:
             failed: str | None = type(error).__name__
         elif handle._state != _DONE:  # a bad argument: raised before anything was sent

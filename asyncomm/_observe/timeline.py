@@ -251,13 +251,13 @@ def _spans(trace: dict[str, Any], us_per_unit: float, sync: bool = False
     testers = {(e["pid"], e["args"]["thread"]) for e in trace["traceEvents"]
                if e.get("cat") == "stall" and "thread" in e.get("args", {})}
     holding: Spans = {}
+    into_cat = {"compute": work, "stall": stalls, "wait": waits}
     for event in trace["traceEvents"]:
         if event.get("ph") != "X":
             continue
         moved = event["cat"] in _COMM_CATS and (sync or event["args"].get("kind")
                                                 not in SYNC_KINDS)
-        into = {"compute": work, "stall": stalls, "wait": waits}.get(
-            event["cat"], comm if moved else None)
+        into = into_cat.get(event["cat"], comm if moved else None)
         if into is not None:
             start = event["ts"] / us_per_unit
             span = (start, start + event["dur"] / us_per_unit)
