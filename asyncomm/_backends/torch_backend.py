@@ -65,8 +65,6 @@ _TORCH_OPS = {op: getattr(dist.ReduceOp, op.name) for op in ReduceOp}  # torch's
 
 _PEER_GONE = ("connection closed", "connection reset", "broken pipe", "connection refused",
               "socket closed", "peer", "remote process exited")
-
-
 _EAGER_IN_FLIGHT = 64
 
 # The global ranks at each gloo address of the world (see open_torch): errors name them.
@@ -542,16 +540,18 @@ class TorchBackend(Backend):
         the connection close, as they would at its destruction; their other
         connections are untouched.
 
-        An any-source receive belongs to no connection: closing them does
-        not end it, and no message can reach it afterwards. Before closing,
-        the router asks a live peer to end it with an empty message
-        (``stuck``/``release``); one still pending stays parked in its
-        thread, harmlessly (its wait has no deadline, and nothing can wake
-        it). A group the user made (``init`` adopted it) is left alone.
+        But gloo loses a send whose write met its connection closing (the peer left
+        mid-transfer): its ``wait()`` never returns (a deadline would, but one that
+        passes closes the group), and its thread stays parked, named ``asyncomm-lost``.
+
+        An any-source receive belongs to no connection: closing them does not end
+        it, and no message can reach it afterwards. Before closing, the router asks a
+        live peer to end it with an empty message (``stuck``/``release``); one still
+        pending stays parked in its thread, harmlessly (nothing can wake it). A group
+        the user made (``init`` adopted it) is left alone.
         """
-        if self._release is None or self.size == 1 or not dist.is_initialized():
-            return
-        if not self._busy():
+        if (self._release is None or self.size == 1 or not dist.is_initialized()
+                or not self._busy()):
             return
         _abort(self._pg)
         if self._link is not None:
@@ -559,6 +559,8 @@ class TorchBackend(Backend):
         deadline = time.monotonic() + timeout
         while self._ending() and time.monotonic() < deadline:
             time.sleep(0.001)
+        self._waiters.abandon()  # what still waits now, gloo lost (see the note); so:
+        self._eager.abandon()
 
 
 class _PostedWork(Posted):

@@ -236,6 +236,7 @@ class FutureBridge:
 
 WAITER = "asyncomm-waiter"  # a waiter thread's name
 ENDLESS = "asyncomm-waiter-endless"  # ... while it waits for an operation that may never end
+LOST = "asyncomm-lost"  # a thread left in the wait of an operation its backend lost (gloo's)
 
 
 class Waiters:
@@ -321,6 +322,14 @@ class Waiters:
         with self._lock:
             return sum(1 for kind in self._waiting.values() if kind is endless)
 
+    def abandon(self) -> None:
+        """Name the threads still inside a ``wait()`` (but endless) ``LOST``: the backend
+        lost their operations, so they stay parked for good (``TorchBackend``'s note)."""
+        with self._lock:
+            for thread, endless in self._waiting.items():
+                if not endless:
+                    thread.name = LOST
+
     def close(self, timeout: float = 5.0) -> None:
         """Stop the idle threads; wait up to ``timeout`` for busy ones (but endless) to return."""
         with self._lock:
@@ -388,6 +397,11 @@ class Reaper:
                 self.reaped += 1
             if closing:
                 return
+
+    def abandon(self) -> None:
+        """Name the thread ``LOST`` if it is still inside a ``wait()`` (see ``Waiters.abandon``)."""
+        if self._thread is not None and self.in_flight:
+            self._thread.name = LOST
 
     def close(self, timeout: float = 2.0) -> None:
         """Stop the thread once the queued requests are seen off (or ``timeout`` passed)."""

@@ -330,7 +330,7 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
         rank = min(world.failed_at, key=world.failed_at.__getitem__) if world.failed_at else (
             world.tracebacks[0])
         _say(f"rank {rank} failed first{_error(world.tails[rank])} ({ended})")
-    elif dead := _dead_ranks(world.statuses, world.pids.get(world.first_pid)):
+    elif dead := _dead_ranks(world.statuses, world.first_dead()):
         _say(f"{dead} ({ended})")  # died without a word: Hydra says who
     else:
         _say(ended)
@@ -340,7 +340,7 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
 def _dead_ranks(statuses: list[int], first: int | None) -> str:
     """Name the ranks whose wait status says they failed: an exit code first, else a signal
     (Hydra kills the other ranks once one dies, with the same signal: only the ``first`` to
-    end badly is named, where its banner said which)."""
+    end badly is named, where it is known)."""
     exited = [(r, s >> 8) for r, s in enumerate(statuses) if s & 0x7F == 0 and s >> 8]
     if exited:
         return "; ".join(f"rank {r} exited with code {c}" for r, c in exited)
@@ -445,6 +445,7 @@ class _World:
     serves: dict[int, tuple[str, str]] = field(default_factory=dict)  # (world, address)
     pids: dict[int, int] = field(default_factory=dict)  # each rank, by its process id
     first_pid: int = 0  # the process of the first rank to end badly, as MPICH names it
+    ended_at: dict[int, float] = field(default_factory=dict)  # when a rank's process ended
     tails: defaultdict[int, deque[str]] = field(
         default_factory=lambda: defaultdict(lambda: deque(maxlen=TAIL_LINES)))
 
@@ -454,6 +455,13 @@ class _World:
         that died without a word; one that failed because another did exits after it)."""
         when = {**{r: t for r, t in self.exited_at.items() if self.codes[r]}, **self.failed_at}
         return min(when, key=when.__getitem__) if when else self.first_failed or 0
+
+    def first_dead(self) -> int | None:
+        """The rank whose process ended badly first, as seen here (else as MPICH's banner
+        says: it names the first it reaped, which under load may be one it killed)."""
+        bad = {r: t for r, t in self.ended_at.items() if r < len(self.statuses)
+               and self.statuses[r]}
+        return min(bad, key=bad.__getitem__) if bad else self.pids.get(self.first_pid)
 
 
 _Process = asyncio.subprocess.Process | forked.Forked
@@ -634,7 +642,27 @@ def _said_to_us(world: _World, line: bytes, rank: int | None) -> bool:
             world_label, address, *pid = text[len(status.SERVES_AT):].split()
             world.serves[rank] = (world_label, address)
             world.pids.update({int(p): rank for p in pid})
+            if address.startswith("127."):  # a process of this host
+                for p in pid:
+                    _see_end(world, int(p), rank)
     return True
+
+
+def _see_end(world: _World, pid: int, rank: int) -> None:
+    """Note in ``world.ended_at`` when process ``pid`` (of ``rank``) ends (where Linux tells
+    a process that is not the parent: ``pidfd_open``)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return
+    loop = asyncio.get_running_loop()
+
+    def ended() -> None:
+        loop.remove_reader(fd)
+        os.close(fd)
+        world.ended_at.setdefault(rank, time.monotonic())
+
+    loop.add_reader(fd, ended)
 
 
 def _keep(world: _World, line: bytes, rank: int | None) -> None:
