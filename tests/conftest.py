@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 import asyncomm
-from asyncomm._tools import launch as _launch
+from asyncomm._tools import mpiexec as _mpiexec
 from asyncomm.testing import World, WorldPool
 
 BACKENDS = [
     "gloo",
-    pytest.param("mpi", marks=pytest.mark.skipif(_launch.find_mpiexec() is None,
+    pytest.param("mpi", marks=pytest.mark.skipif(_mpiexec.find() is None,
                                                  reason="mpiexec not installed")),
 ]
 

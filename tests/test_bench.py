@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 
 from asyncomm._tools import bench
-from asyncomm._tools import launch as _launch
+from asyncomm._tools import mpiexec as _mpiexec
 from asyncomm._tools import soak as _soak
 from asyncomm._tools.bench import channels, core, harness
 
-BACKEND = "both" if _launch.find_mpiexec() is not None else "gloo"
+BACKEND = "both" if _mpiexec.find() is not None else "gloo"
 EXPECTED = ("gloo", "mpi") if BACKEND == "both" else ("gloo",)
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncomm._core.env import detect
-from asyncomm._tools import launch as _launch
+from asyncomm._tools import mpiexec as _mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -90,7 +90,7 @@ def test_unchanged_under_torchrun(tmp_path: Path) -> None:
 
 
 def test_unchanged_under_mpiexec(tmp_path: Path) -> None:
-    mpiexec = _launch.find_mpiexec()
+    mpiexec = _mpiexec.find()
     if mpiexec is None:
         pytest.skip("mpiexec not installed")
     out = _run([mpiexec, "-n", "2", sys.executable], tmp_path)

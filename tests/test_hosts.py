@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncomm._tools import launch, network
+from asyncomm._tools import mpiexec, network
 
 HERE = Path(__file__).parent
 SCENARIOS = str(HERE / "multihost_scenarios.py")
@@ -77,14 +77,14 @@ def test_torchrun_on_two_hosts_runs_every_scenario(net: network.Network) -> None
 
 def test_mpiexec_with_a_host_list_runs_every_scenario(net: network.Network,
                                                       tmp_path: Path) -> None:
-    mpiexec = launch.find_mpiexec()
-    if mpiexec is None:
+    program = mpiexec.find()
+    if program is None:
         pytest.skip("mpiexec not installed")
-    if launch._flavour(mpiexec) != "hydra":
+    if mpiexec.flavour(program) != "hydra":
         pytest.skip("the host list and ssh stand-in are given in Hydra's (MPICH's) options")
     sent = [net.bytes_sent(h) for h in range(2)]
     ssh = net.ssh_stand_in(tmp_path)
-    cmd = [mpiexec, "-launcher", "ssh", "-launcher-exec", str(ssh),
+    cmd = [program, "-launcher", "ssh", "-launcher-exec", str(ssh),
            "-hosts", ",".join(net.addresses), "-ppn", "2", "-n", "4", "-iface", network.INTERFACE,
            sys.executable, SCENARIOS]
     done = subprocess.run(net.command(0, cmd), env=_env(**network.MPI_OVER_THE_LINK),

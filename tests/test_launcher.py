@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from asyncomm._tools import launch as _launch
-from asyncomm._tools.launch import find_mpiexec, launch
+from asyncomm._tools.launch import launch
+from asyncomm._tools.mpiexec import find as find_mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
 

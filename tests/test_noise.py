@@ -17,7 +17,7 @@ import pytest
 
 import asyncomm
 from asyncomm._core import errors
-from asyncomm._tools.launch import find_mpiexec
+from asyncomm._tools.mpiexec import find as find_mpiexec
 
 ROOT = Path(asyncomm.__file__).resolve().parents[1]
 BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(

@@ -14,7 +14,6 @@ import contextlib
 import functools
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -30,36 +29,14 @@ from typing import TextIO
 from asyncomm._core.env import _MPI_RANK_VARS
 from asyncomm._core.errors import plain
 from asyncomm._core.settings import BACKENDS
-from asyncomm._tools import forked, network
+from asyncomm._tools import forked, mpiexec, network
 
 GRACE_S = 3.0  # between SIGTERM and SIGKILL when stopping the world
 TAIL_LINES = 200  # stderr lines kept per rank for the failure summary
 _TRACEBACK = "Traceback (most recent call last):"
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ")  # what torch's excepthook puts before each line
-# MPICH's word when a rank calls MPI_Abort: the summary says it instead.
-_MPI_ABORT = re.compile(rb"^Abort\((\d+)\) on node \d+ \(rank (\d+) in comm \d+\): "
-                        rb"application called MPI_Abort")
-# "[3] text" from MPICH's -prepend-rank, "[1,3]<stderr>: text" from Open MPI's --tag-output.
+# "[3] text": a line a rank wrote, as mpiexec labels it (see ``mpiexec``).
 _LABEL = re.compile(rb"\[(\d+)\] ?")
-_OPEN_MPI_LABEL = re.compile(rb"^\[\d+,(\d+)\]<std\w+>: ?")  # rewritten as MPICH's first
-# Hydra's -print-all-exitcodes: "[mpiexec@host] Exit codes: [host] 0,1280,0", wait statuses
-# in rank order (host after host).
-_EXIT_CODES = re.compile(rb"^\[mpiexec@[^\]]*\] Exit codes: (.*)$")
-_MORE_EXIT_CODES = re.compile(rb"^(\[[^\]]+\] [\d,]+)\s*$")
-# Open MPI's report of the first rank that failed: "Process name: [prterun-host-123@1,2]"
-# then "Exit code: 5"; or "... process rank 2 with PID 77 on node host exited on" then
-# "signal 11 (Segmentation fault)." (its lines wrap there).
-_OPEN_MPI_NAME = re.compile(rb"^\s*Process name: \[[^\]]*,(\d+)\]\s*$")
-_OPEN_MPI_CODE = re.compile(rb"^\s*Exit code:\s*(\d+)\s*$")
-_OPEN_MPI_SIGNALLED = re.compile(rb"process rank (\d+) with PID \d+ on node \S+ exited on")
-_OPEN_MPI_SIGNAL = re.compile(rb"(?:^|exited on )\s*signal (\d+)")
-# MPICH's banner when a rank ends badly, and its words on Ctrl-C: the summary says how the
-# job ended (a rank's own lines, blank ones too, come labelled).
-_MPICH_PID = re.compile(rb"^=   PID (\d+) RUNNING AT ")  # (the first rank to end badly)
-_MPICH_SAID = re.compile(rb"^(?:=+|=   .*|YOUR APPLICATION TERMINATED WITH THE EXIT STRING: .*"
-                         rb"|This typically refers to a problem with your application\."
-                         rb"|Please see the FAQ page for debugging suggestions"
-                         rb"|\[mpiexec@[^\]]*\] (?:Sending Ctrl-C|Press Ctrl-C again).*|)$")
 # Every rank runs its script as python would (its folder first on sys.path, its frames alone
 # in a traceback, its path absolute there), except that Ctrl-C ends a rank quietly with 130:
 # the launcher says once that the world was interrupted. The signal wakeup fd tells a Ctrl-C
@@ -163,12 +140,6 @@ def run_command(args: argparse.Namespace) -> int:
         except (FileNotFoundError, ValueError) as err:  # the program's own code still counts
             print(f"asyncomm run: trace: {err}", file=sys.stderr)
     return code
-
-
-def find_mpiexec() -> str | None:
-    """Return the path of ``mpiexec``: on PATH, else beside this Python (the mpich wheel)."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    return shutil.which("mpiexec") or (str(beside) if os.access(beside, os.X_OK) else None)
 
 
 def launch(script_argv: list[str], n: int, backend: str | None = None,
@@ -299,8 +270,8 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
     """Run the ranks under mpiexec, passing its rank-labelled output through. With ``net``:
     mpiexec runs on its first host and reaches the others as it would through ssh (Hydra's
     ssh launcher, with a stand-in for ssh), N/K ranks each."""
-    mpiexec = find_mpiexec()
-    if mpiexec is None:
+    program = mpiexec.find()
+    if program is None:
         raise FileNotFoundError("mpiexec not found; pip install 'asyncomm[mpi]' provides one")
     python = [sys.executable, "-c", _LINE_BUFFERED + _RUNNER, *script_argv]
     with tempfile.TemporaryDirectory() as folder:
@@ -310,8 +281,9 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
             spread = ["-launcher", "ssh", "-launcher-exec", str(net.ssh_stand_in(Path(folder))),
                       "-hosts", ",".join(net.addresses), "-ppn", str(n // net.count),
                       "-iface", network.INTERFACE]
-        local = local_options(mpiexec) if net is None else []
-        cmd = [mpiexec, "-n", str(n), *spread, *local, *_label_flag(mpiexec), *python]
+        local = mpiexec.local_options(program) if net is None else []
+        cmd = [program, "-n", str(n), *spread, *local, *mpiexec.label_options(program),
+               *python]
         if net is not None:
             cmd = net.command(0, cmd)
         world = asyncio.run(_supervise([_spawn(cmd, {**env, "ASYNCOMM_BACKEND": "mpi"})],
@@ -391,41 +363,6 @@ def _serve_store(sock: socket.socket) -> object:
     except BaseException:
         os.close(fd)
         raise
-
-
-@functools.lru_cache(maxsize=8)
-def _flavour(mpiexec: str) -> str:
-    """Return whose ``mpiexec`` this is: "open mpi", "intel", "hydra" (MPICH's) or ""."""
-    try:
-        probe = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    version = (probe.stdout + probe.stderr).lower()
-    if "open mpi" in version or "openrte" in version or "prte" in version:
-        return "open mpi"
-    if "intel" in version:
-        return "intel"
-    return "hydra" if "hydra" in version else ""
-
-
-def local_options(mpiexec: str) -> list[str]:
-    """Return the options that let ``mpiexec`` start any number of ranks on this machine.
-
-    MPICH's does so as it is; Open MPI's refuses more ranks than cores without
-    ``--oversubscribe`` (and, as root, needs ``OMPI_ALLOW_RUN_AS_ROOT=1`` and
-    ``OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1``: see launching.md).
-    """
-    return ["--oversubscribe"] if _flavour(mpiexec) == "open mpi" else []
-
-
-def _label_flag(mpiexec: str) -> list[str]:
-    """Return the mpiexec option that prefixes each output line with its rank."""
-    flavour = _flavour(mpiexec)
-    if flavour == "open mpi":
-        return ["--tag-output"]
-    if flavour == "hydra":  # each rank's exit status, at the end
-        return ["-prepend-rank", "-print-all-exitcodes"]
-    return ["-prepend-rank"] if flavour == "intel" else []
 
 
 @dataclass
@@ -577,23 +514,23 @@ async def _pump(stream: asyncio.StreamReader, is_err: bool, world: _World,
 
     def emit(line: bytes) -> None:
         if rank is None:
-            line = _OPEN_MPI_LABEL.sub(rb"[\1] ", line, count=1)
-        statuses = _EXIT_CODES.match(line) if rank is None else None
+            line = mpiexec.OPEN_MPI_LABEL.sub(rb"[\1] ", line, count=1)
+        statuses = mpiexec.EXIT_CODES.match(line) if rank is None else None
         if statuses is None and world.statuses and rank is None:
-            statuses = _MORE_EXIT_CODES.match(line)  # the next host's, on a line of its own
+            statuses = mpiexec.MORE_EXIT_CODES.match(line)  # the next host's, on a line of its own
         if statuses is not None:  # mpiexec's own report: read, not shown
             world.statuses += [int(s) for s in re.findall(rb"\d+", re.sub(
                 rb"\[[^\]]*\]", b" ", statuses[1]))]
             return
-        if rank is None and (bad := _MPICH_PID.match(line)):
+        if rank is None and (bad := mpiexec.MPICH_PID.match(line)):
             world.first_pid = world.first_pid or int(bad[1])
-        if rank is None and _MPICH_SAID.match(line):
+        if rank is None and mpiexec.MPICH_SAID.match(line):
             return
         if rank is None and is_err and not world.statuses:
             _open_mpi_report(world, line)
         if rank is None and is_err:
             label = _LABEL.match(line)
-            aborted = _MPI_ABORT.match(line[label.end():] if label else line)
+            aborted = mpiexec.MPI_ABORT.match(line[label.end():] if label else line)
             if aborted is not None:  # said once, in the summary
                 world.aborted = (int(aborted[2]), int(aborted[1]))
                 return
@@ -615,13 +552,14 @@ async def _pump(stream: asyncio.StreamReader, is_err: bool, world: _World,
 def _open_mpi_report(world: _World, line: bytes) -> None:
     """Read Open MPI's word on the first rank that failed into ``world.statuses``, as
     Hydra's wait statuses (the failed rank's alone: the others are not said)."""
-    if (named := _OPEN_MPI_NAME.match(line) or _OPEN_MPI_SIGNALLED.search(line)) is not None:
+    named = mpiexec.OPEN_MPI_NAME.match(line) or mpiexec.OPEN_MPI_SIGNALLED.search(line)
+    if named is not None:
         world.open_mpi_failed = int(named[1])
     if world.open_mpi_failed is None:
         return
-    if (code := _OPEN_MPI_CODE.match(line)) is not None:
+    if (code := mpiexec.OPEN_MPI_CODE.match(line)) is not None:
         world.statuses = [0] * world.open_mpi_failed + [int(code[1]) << 8]
-    elif (signal_number := _OPEN_MPI_SIGNAL.search(line)) is not None:
+    elif (signal_number := mpiexec.OPEN_MPI_SIGNAL.search(line)) is not None:
         world.statuses = [0] * world.open_mpi_failed + [int(signal_number[1])]
 
 

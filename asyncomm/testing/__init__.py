@@ -83,6 +83,7 @@ class World:
                 is in the message), or the MPI world finds no ``mpiexec``.
         """
         from asyncomm._tools import launch as _launch
+        from asyncomm._tools import mpiexec as _mpiexec
 
         key = secrets.token_bytes(16)
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
@@ -98,11 +99,11 @@ class World:
             command = [sys.executable, "-m", "asyncomm.testing"]  # see ``_rank``
             self._logs = [Path(self._logdir.name) / f"rank{r}.log" for r in range(self.size)]
             if self.backend == "mpi":
-                mpiexec = _launch.find_mpiexec()
+                mpiexec = _mpiexec.find()
                 if mpiexec is None:
                     raise RuntimeError("mpiexec not found: pip install 'asyncomm[mpi]'")
                 self._logs = [Path(self._logdir.name) / "mpiexec.log"]
-                self._spawn([mpiexec, "-n", str(self.size), *_launch.local_options(mpiexec),
+                self._spawn([mpiexec, "-n", str(self.size), *_mpiexec.local_options(mpiexec),
                              *command], env, self._logs[0])
             else:
                 self._store, store_port = _launch.host_store()
@@ -321,9 +322,9 @@ def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
     Raises:
         subprocess.TimeoutExpired: it took longer than ``timeout`` seconds.
     """
-    from asyncomm._tools import launch as _launch
+    from asyncomm._tools import mpiexec as _mpiexec
 
-    if backend == "mpi" and _launch.find_mpiexec() is None:
+    if backend == "mpi" and _mpiexec.find() is None:
         import pytest
 
         pytest.skip("mpiexec not installed")

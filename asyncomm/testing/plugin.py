@@ -88,9 +88,9 @@ class RankTest(pytest.Item):
 
     def setup(self) -> None:
         if self.backend == "mpi":
-            from asyncomm._tools.launch import find_mpiexec
+            from asyncomm._tools import mpiexec
 
-            if find_mpiexec() is None:
+            if mpiexec.find() is None:
                 pytest.skip("mpiexec not installed")
 
     def runtest(self) -> None:

@@ -127,7 +127,8 @@ def command(args: argparse.Namespace) -> int:
     """Run ``asyncomm bench`` as parsed: one launch per backend; return the exit code."""
     if args.worker:
         return _worker(args)
-    from asyncomm._tools.launch import find_mpiexec, launch
+    from asyncomm._tools import mpiexec
+    from asyncomm._tools.launch import launch
 
     if args.nproc < 2:
         print("asyncomm bench: -n must be at least 2", file=sys.stderr)
@@ -136,7 +137,7 @@ def command(args: argparse.Namespace) -> int:
     records: list[Record] = []
     code = 0
     for backend in backends:
-        if backend == "mpi" and find_mpiexec() is None:
+        if backend == "mpi" and mpiexec.find() is None:
             print("asyncomm bench: mpiexec not found; pip install 'asyncomm[mpi]'",
                   file=sys.stderr)
             code = code or 2
