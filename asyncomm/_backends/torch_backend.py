@@ -559,7 +559,7 @@ class TorchBackend(Backend):
         deadline = time.monotonic() + timeout
         while self._ending() and time.monotonic() < deadline:
             time.sleep(0.001)
-        self._waiters.abandon()  # what still waits now, gloo lost (see the note); so:
+        self._waiters.abandon()  # what still waits now, gloo lost (see the note)
         self._eager.abandon()
 
 
