@@ -22,22 +22,9 @@ Rank 0 prints, for each, the median step time and the exposed communication meas
 two ways: from step times (the time from the end of backward until the averaged
 gradients are in ``.grad``; DDP waits inside its backward, so it has none) and from the
 trace (per step, communication that progressed with no compute under it: see
-docs/tracing.md); and the steps each setting took in the trace. Measured with
-``asyncomm run -n 2 examples/overlap.py`` (gloo over loopback, a shared 2-core
-machine; the figures move from run to run)::
-
-    bucket 1 MB: 12 bucket(s), step 113.5 ms, exposed communication 14.3 ms
-      trace, steps 1-8: communication hidden 50.2 ms, exposed 9.1 ms, stalled 0.0 ms
-    bucket 5 MB: 5 bucket(s), step 83.7 ms, exposed communication 10.6 ms
-      trace, steps 10-17: communication hidden 31.7 ms, exposed 4.2 ms, stalled 0.0 ms
-    bucket 25 MB: 2 bucket(s), step 83.2 ms, exposed communication 24.6 ms
-      trace, steps 19-26: communication hidden 4.9 ms, exposed 18.3 ms, stalled 0.0 ms
-    flat: 1 all-reduce, step 93.4 ms, exposed communication 44.7 ms
-      trace, steps 28-35: communication hidden 0.0 ms, exposed 29.0 ms, stalled 0.0 ms
-    DDP: 25 MB buckets, step 89.8 ms
-      trace, steps 37-44: communication hidden 14.1 ms, exposed 20.3 ms, stalled 0.0 ms
-    overlap: 5 settings, weights identical on all 2 ranks
-    timeline: overlap-trace/timeline.png
+docs/tracing.md); and the steps each setting took in the trace. What it printed on
+the development machine (``asyncomm run -n 2 examples/overlap.py``), and the picture it
+draws, are in docs/overlap.md.
 
 Smaller buckets start communicating sooner (and leave less to wait for after
 backward) but pay more per-operation overhead; 25 MB is DDP's default, and the

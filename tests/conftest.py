@@ -23,6 +23,7 @@ BACKENDS = [
     pytest.param("mpi", marks=pytest.mark.skipif(_mpiexec.find() is None,
                                                  reason="mpiexec not installed")),
 ]
+_started = [0.0]  # the session's start (time.time()): older files are not the session's
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
@@ -72,9 +73,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         if str(f) not in in_use:
             with contextlib.suppress(OSError):  # (another user's, say)
                 f.unlink(missing_ok=True)
-
-
-_started = [0.0]  # the session's start (time.time()): older files are not the session's
 
 
 @pytest.fixture(scope="session")

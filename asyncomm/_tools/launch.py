@@ -568,6 +568,7 @@ def _said_to_us(world: _World, line: bytes, rank: int | None) -> bool:
     one (it is not shown)."""
     from asyncomm._observe import status
 
+    through_mpiexec = rank is None  # (ranks started here are children: their exits are seen)
     if rank is None and (label := _LABEL.match(line)) is not None:
         rank, line = int(label[1]), line[label.end():]
     text = line.decode(errors="replace").strip()
@@ -580,7 +581,7 @@ def _said_to_us(world: _World, line: bytes, rank: int | None) -> bool:
             world_label, address, *pid = text[len(status.SERVES_AT):].split()
             world.serves[rank] = (world_label, address)
             world.pids.update({int(p): rank for p in pid})
-            if address.startswith("127."):  # a process of this host
+            if through_mpiexec and address.startswith("127."):  # a process of this host
                 for p in pid:
                     _see_end(world, int(p), rank)
     return True
