@@ -496,9 +496,10 @@ class Router(Delivery):
 
         Note on credit
         --------------
-        A batch of credit is owed, not sent, when it is taken: it goes as a small frame when
-        the loop iteration ends, with whatever else goes to its sender before, or when a task
-        begins to wait (``flush``), one frame for every batch owed on a channel. A task about
+        A batch of credit is owed, not sent, when it is taken: it goes as a small frame in the
+        next packet to its sender (``leaving``: a reply that leaves at once carries it), else
+        when the loop iteration ends, or when a task begins to wait (``flush``), one frame for
+        every batch owed on a channel. A task about
         to wait leaves a lone batch owed (``flush(waiting=True)``): a batch is at most half a
         window, so a sender that waits for it has messages on their way to the waiting task
         (beside what it holds of the window: under a batch uncredited, one batch owed), which
@@ -530,6 +531,7 @@ class Router(Delivery):
         owed = self._owed.get((src, tag))
         if owed is None:
             self._owed[(src, tag)] = [messages, nbytes]
+            self.link.owing.add(src)
             if not self._paying:  # (once an iteration)
                 self._paying = True
                 self._loop.call_soon(self._pay_all)
@@ -545,6 +547,14 @@ class Router(Delivery):
         elif self._owed:
             self._pay(False)
             self.link.flush()
+
+    def leaving(self, dst: int) -> None:
+        """A packet to ``dst`` is about to leave: the credit owed to ``dst`` goes in it."""
+        owed = self._owed
+        for key in [key for key in owed if key[0] == dst]:
+            messages, nbytes = owed.pop(key)
+            if not self._closed and dst not in self.dead:
+                self.link.send_small(dst, Kind.CREDIT, key[1], 0, _credit_body(messages, nbytes))
 
     def _pay(self, hold: bool) -> None:
         """Queue a credit frame for each channel credit is owed on, but (``hold``) a lone

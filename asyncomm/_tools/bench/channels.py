@@ -2,10 +2,9 @@
 
 One row per test of ``CHANNEL_TESTS`` (the variant compared, its baseline, the unit, and the
 target on their ratio; ``BACKEND_TARGETS`` where one backend differs): ``pingpong``,
-``awaited`` (raw sends and receives each awaited through a plain bridge, ``_awaited``: a
-reference for the ping-pong row), ``stream``, ``rate``, ``burst``, ``actor`` and
-``channels``; with 3 ranks or more, ``mesh`` and ``mesh-seq`` (rank 0 calls a mesh of every
-other rank). docs/benchmarks.md ("Channels") says what each row measures against what.
+``stream``, ``rate``, ``burst``, ``actor`` and ``channels``; with 3 ranks or more, ``mesh``
+and ``mesh-seq`` (rank 0 calls a mesh of every other rank). docs/benchmarks.md ("Channels")
+says what each row measures against what.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncomm._tools.bench.core import TAG, Calls, pair, timed, variants
+from asyncomm._tools.bench.core import TAG, pair, timed, variants
 from asyncomm._tools.bench.harness import (
     MIB,
     Record,
@@ -42,7 +41,6 @@ SMALL_MESSAGE = {"step": 0, "loss": 0.5, "ids": [1, 2, 3]}
 # test: (variant compared, baseline variant, unit, target on the ratio compared/baseline)
 CHANNEL_TESTS: dict[str, tuple[str, str, str, tuple[str, float] | None]] = {
     "pingpong": ("asyncomm", "raw", "us", None),
-    "awaited": ("awaited", "raw", "us", None),  # a message awaited with nothing else
     "stream": ("asyncomm", "raw", "MiB/s", (">=", 0.8)),
     "rate": ("asyncomm", "pickle", "msg/s", (">=", 1.0)),
     "burst": ("asyncomm", "raw", "msg/s", None),
@@ -58,40 +56,6 @@ BACKEND_TARGETS: dict[tuple[str, int, str], tuple[str, float]] = {
 }
 _TAGS = {"pingpong": 1, "stream": 2, "rate": 3, "ack": 4, "one": 5, "burst": 6, "echo": 7,
          "many": 1 << 20}
-
-
-def _awaited(comm: Comm, t: torch.Tensor, peer: int) -> Calls:
-    """Raw sends and receives of ``t``, each awaited through a plain loop-callback bridge.
-
-    No checks, framing, routing or decoding: what awaiting a request costs with nothing
-    else. On MPI, one loop callback tests the requests in flight and settles a future per
-    request; on gloo, whose requests complete only in ``wait()``, a thread waits and
-    settles it: the core bench's ``naive`` variant.
-    """
-    if comm.backend != "mpi":
-        return variants(comm, t, peer)["naive"]
-    from mpi4py import MPI
-
-    raw, loop = comm.raw, asyncio.get_running_loop()
-    buf = [t.numpy(), MPI.FLOAT]
-    pending: list[tuple[Any, asyncio.Future[None]]] = []
-
-    def poll() -> None:
-        for entry in [e for e in pending if e[0].Test()]:
-            pending.remove(entry)
-            entry[1].set_result(None)
-        if pending:
-            loop.call_soon(poll)
-
-    def awaiting(request: Any) -> asyncio.Future[None]:
-        future = loop.create_future()
-        pending.append((request, future))
-        if len(pending) == 1:
-            loop.call_soon(poll)
-        return future
-
-    return Calls(lambda: awaiting(raw.Isend(buf, peer, TAG)),
-                 lambda: awaiting(raw.Irecv(buf, peer, TAG)), _no_allreduce, blocking=False)
 
 
 @dataclass(frozen=True)
@@ -219,14 +183,6 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
             "asyncomm": _exchange(rank, functools.partial(ch.send, t, peer),
                                   lambda: ch.recv(peer), blocking=False),
         }, warmup, iters, 0.5))
-    if sizes:  # the smallest message, awaited with nothing else: under the first row
-        t = torch.zeros(min(sizes) // 4)
-        warmup, iters = iterations(min(sizes), quick)
-        awaited = _awaited(comm, t, peer)
-        cases.append(Case("awaited", t.nbytes, {
-            "raw": timed("pingpong", variants(comm, t, peer)["raw"], rank),
-            "awaited": _exchange(rank, awaited.send, awaited.recv, blocking=False),
-        }, warmup, max(2, iters // 2), 0.5))
 
     big = torch.zeros(STREAM_BYTES // 4)  # stream: IN_FLIGHT sends in flight, then an ack
     stream = comm.channel(_TAGS["stream"])
