@@ -323,7 +323,7 @@ def test_ranks_killed_in_turn_leave_the_others_going(tmp_path: Path) -> None:
             told = re.search(rf"^\[{rank}\] turn {kill}: told rank {rank}: .*: rank {left} "
                              r"failed \((its process was killed by SIGKILL|Connection closed "
                              r"by peer .*)\)$", proc.stdout, re.M)
-            assert told is not None, proc.stdout
+            assert told is not None, proc.stdout + proc.stderr
     assert proc.returncode != 0, proc.stderr
 
 

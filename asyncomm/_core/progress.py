@@ -49,8 +49,15 @@ class Sink(Protocol):
         """Fail without releasing buffers: the backend may still use them."""
 
 
+# What a ``finish`` returns where the request was taken care of already (its task saw it
+# done first): nothing to deliver. (The sink may still be pending then: a peer's failure is
+# held until the communicator can say which rank it was, and must not be succeeded over.)
+TAKEN: Any = object()
+
+
 def deliver(sink: Sink, finish: Finish | None, outcome: Any, classify: Classify) -> None:
-    """Settle ``sink`` with ``finish(outcome)``, or (no ``finish``) with the outcome itself."""
+    """Settle ``sink`` with ``finish(outcome)``, or (no ``finish``) with the outcome itself;
+    not at all where ``finish`` returns ``TAKEN``."""
     if finish is None:
         sink._succeed(outcome)
         return
@@ -59,7 +66,8 @@ def deliver(sink: Sink, finish: Finish | None, outcome: Any, classify: Classify)
     except BaseException as exc:  # the backend's error, re-raised by finish
         sink._fail(classify(exc), exc)
     else:
-        sink._succeed(value)
+        if value is not TAKEN:
+            sink._succeed(value)
 
 
 class Inbox:
@@ -206,11 +214,12 @@ class FutureBridge:
 
     @staticmethod
     def _unless_settled(sink: Any, finish: Finish) -> Finish:
-        """``finish``, unless the task that awaits ``sink`` saw it done first and finished it."""
+        """``finish``, unless the task that awaits ``sink`` saw it done first and finished it
+        (``TAKEN`` then)."""
 
         def settle(future: Any) -> object:
             if sink._spin is None:
-                return None
+                return TAKEN
             sink._spin = None
             return finish(future)
 
