@@ -499,13 +499,12 @@ class Router(Delivery):
         A batch of credit is owed, not sent, when it is taken: it goes as a small frame in the
         next packet to its sender (``leaving``: a reply that leaves at once carries it), else
         when the loop iteration ends, or when a task begins to wait (``flush``), one frame for
-        every batch owed on a channel. A task about
-        to wait leaves a lone batch owed (``flush(waiting=True)``): a batch is at most half a
-        window, so a sender that waits for it has messages on their way to the waiting task
-        (beside what it holds of the window: under a batch uncredited, one batch owed), which
-        take it further. Only a message larger than the room left (it waits until no more
-        than a batch is out) may wait for that credit until this rank's loop turns, or the
-        waiting task's spin ends (``spin``).
+        every batch owed on a channel. A task about to wait leaves a lone batch owed
+        (``flush(waiting=True)``): a batch is at most half a window, so a sender that waits for
+        it has messages on their way to the waiting task (beside what it holds of the window:
+        under a batch uncredited, one batch owed), which take it further. Only a message
+        larger than the room left (it waits until no more than a batch is out) may wait for
+        that credit until this rank's loop turns, or the waiting task's spin ends (``spin``).
         """
         if type(entry) is Message:
             src, charge = entry[0], 0
