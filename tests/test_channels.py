@@ -408,6 +408,40 @@ def test_receives_cancelled_at_random_lose_nothing(world: World) -> None:
 # -- 4. flow control ----------------------------------------------------------------
 
 
+async def check_credit_owed_on_two_channels(comm: Comm) -> list[str]:
+    """Rank 1 owes rank 0 a batch of credit on each of two channels at once, and pays both
+    when its loop turns: the first credit's packet carries the second (a packet to a rank
+    takes what is owed to it), which its payment must then skip, not fail on."""
+    loop, said = asyncio.get_running_loop(), []
+    loop.set_exception_handler(lambda _, context: said.append(str(context.get("exception"))))
+    try:
+        a, b, c = (comm.channel(tag) for tag in (1510, 1511, 1512))
+        batch = WINDOW // 2  # the messages that make a batch of credit
+        if comm.rank == 0:
+            for _ in range(2):  # the second round needs the first's credit on both channels
+                for ch in (a, b):
+                    for i in range(batch):
+                        await ch.send(i, 1)
+                await c.send("sent", 1)
+                await c.recv(1)
+        elif comm.rank == 1:
+            for _ in range(2):
+                await c.recv(0)  # (a link keeps order: a's and b's messages are here)
+                for ch in (a, b):
+                    for _ in range(batch):
+                        await ch.recv(0)  # taken at once: both batches owed in one turn
+                await asyncio.sleep(0)  # the loop turns: what is owed is paid
+                await c.send("took", 0)
+        await comm.barrier()
+    finally:
+        loop.set_exception_handler(None)
+    return said
+
+
+def test_credit_owed_on_two_channels_to_one_rank_is_paid(world: World) -> None:
+    assert world.run(check_credit_owed_on_two_channels) == [[]] * world.size
+
+
 async def check_flow_control(comm: Comm, n: int) -> dict[str, Any] | None:
     ch = comm.channel(400)
     await comm.barrier()

@@ -560,6 +560,8 @@ class Router(Delivery):
         batch to a rank nothing else goes to now (see the note on credit)."""
         owed, batch, batch_bytes = self._owed, self.batch, self._batch_bytes
         for key in list(owed):
+            if key not in owed:
+                continue  # paid meanwhile: it went in a packet to its rank (``leaving``)
             messages, nbytes = owed[key]
             src, tag = key
             if hold and messages <= batch and nbytes <= batch_bytes and not self.link.queued(src):
