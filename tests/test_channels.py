@@ -410,8 +410,8 @@ def test_receives_cancelled_at_random_lose_nothing(world: World) -> None:
 
 async def check_credit_owed_on_two_channels(comm: Comm) -> list[str]:
     """Rank 1 owes rank 0 a batch of credit on each of two channels at once, and pays both
-    when its loop turns: the first credit's packet carries the second (a packet to a rank
-    takes what is owed to it), which its payment must then skip, not fail on."""
+    when its loop turns: nothing fails on its loop, and rank 0's second round, which needs
+    that credit on both channels, goes through."""
     loop, said = asyncio.get_running_loop(), []
     loop.set_exception_handler(lambda _, context: said.append(str(context.get("exception"))))
     try:

@@ -95,8 +95,7 @@ def bye_from(raw: bytes | memoryview, src: int) -> int | None:
 
 
 class Arrivals(Protocol):
-    """Where a link hands what it receives (the channel router), and asks what rides with a
-    packet it sends (``leaving``)."""
+    """Where a link hands what it receives (the channel router)."""
 
     def frame(self, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> None:
         """A whole frame from ``src`` (``seq`` is its own: ``head`` may be a shared one)."""
@@ -120,10 +119,6 @@ class Arrivals(Protocol):
 
     def failed(self, peer: int, cause: BaseException) -> None:
         """``peer`` is gone (a probe of it failed)."""
-
-    def leaving(self, dst: int) -> None:
-        """A packet to ``dst`` is about to leave (``dst`` in ``Link.owing``): queue the small
-        frames owed to ``dst`` (``send_small``), which go in it."""
 
 
 class Transport(Protocol):
@@ -158,8 +153,6 @@ class Link(ABC):
         self._waiting = False  # whether frames wait (their flush in ``due``: see ``spin``)
         self._flush_asked = False  # whether the loop flushes at its iteration's end
         self._went: set[int] = set()  # destinations of packets sent since the last flush
-        # ranks owed small frames that go with the next packet to them (``Arrivals.leaving``)
-        self.owing: set[int] = set()
         self._due = due_at(loop)
 
     def open(self, arrivals: Arrivals, limits: wire.Limits) -> None:
@@ -333,10 +326,6 @@ class Link(ABC):
     def _flush_to(self, dst: int) -> None:
         if self._batches:  # a batch pending beside a packet holds older frames
             self._send_batch(dst)
-        if dst in self.owing and self._outbox.queued(dst):
-            self.owing.discard(dst)
-            assert self._arrivals is not None
-            self._arrivals.leaving(dst)
         packet = self._outbox.take(dst)
         if packet is None:
             return

@@ -496,15 +496,15 @@ class Router(Delivery):
 
         Note on credit
         --------------
-        A batch of credit is owed, not sent, when it is taken: it goes as a small frame in the
-        next packet to its sender (``leaving``: a reply that leaves at once carries it), else
-        when the loop iteration ends, or when a task begins to wait (``flush``), one frame for
-        every batch owed on a channel. A task about to wait leaves a lone batch owed
-        (``flush(waiting=True)``): a batch is at most half a window, so a sender that waits for
-        it has messages on their way to the waiting task (beside what it holds of the window:
-        under a batch uncredited, one batch owed), which take it further. Only a message
-        larger than the room left (it waits until no more than a batch is out) may wait for
-        that credit until this rank's loop turns, or the waiting task's spin ends (``spin``).
+        A batch of credit is owed, not sent, when it is taken: it goes as a small frame when
+        the loop iteration ends, with whatever else goes to its sender before, or when a task
+        begins to wait (``flush``), one frame for every batch owed on a channel. A task about
+        to wait leaves a lone batch owed (``flush(waiting=True)``): a batch is at most half a
+        window, so a sender that waits for it has messages on their way to the waiting task
+        (beside what it holds of the window: under a batch uncredited, one batch owed), which
+        take it further. Only a message larger than the room left (it waits until no more
+        than a batch is out) may wait for that credit until this rank's loop turns, or the
+        waiting task's spin ends (``spin``).
         """
         if type(entry) is Message:
             src, charge = entry[0], 0
@@ -530,7 +530,6 @@ class Router(Delivery):
         owed = self._owed.get((src, tag))
         if owed is None:
             self._owed[(src, tag)] = [messages, nbytes]
-            self.link.owing.add(src)
             if not self._paying:  # (once an iteration)
                 self._paying = True
                 self._loop.call_soon(self._pay_all)
@@ -547,21 +546,11 @@ class Router(Delivery):
             self._pay(False)
             self.link.flush()
 
-    def leaving(self, dst: int) -> None:
-        """A packet to ``dst`` is about to leave: the credit owed to ``dst`` goes in it."""
-        owed = self._owed
-        for key in [key for key in owed if key[0] == dst]:
-            messages, nbytes = owed.pop(key)
-            if not self._closed and dst not in self.dead:
-                self.link.send_small(dst, Kind.CREDIT, key[1], 0, _credit_body(messages, nbytes))
-
     def _pay(self, hold: bool) -> None:
         """Queue a credit frame for each channel credit is owed on, but (``hold``) a lone
         batch to a rank nothing else goes to now (see the note on credit)."""
         owed, batch, batch_bytes = self._owed, self.batch, self._batch_bytes
         for key in list(owed):
-            if key not in owed:
-                continue  # paid meanwhile: it went in a packet to its rank (``leaving``)
             messages, nbytes = owed[key]
             src, tag = key
             if hold and messages <= batch and nbytes <= batch_bytes and not self.link.queued(src):
