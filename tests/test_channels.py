@@ -413,6 +413,7 @@ async def check_credit_owed_on_two_channels(comm: Comm) -> list[str]:
     when its loop turns: nothing fails on its loop, and rank 0's second round, which needs
     that credit on both channels, goes through."""
     loop, said = asyncio.get_running_loop(), []
+    before = loop.get_exception_handler()  # (asyncomm's own: the world's loop outlives this)
     loop.set_exception_handler(lambda _, context: said.append(str(context.get("exception"))))
     try:
         a, b, c = (comm.channel(tag) for tag in (1510, 1511, 1512))
@@ -434,7 +435,7 @@ async def check_credit_owed_on_two_channels(comm: Comm) -> list[str]:
                 await c.send("took", 0)
         await comm.barrier()
     finally:
-        loop.set_exception_handler(None)
+        loop.set_exception_handler(before)
     return said
 
 

@@ -396,17 +396,31 @@ def test_survivors_are_told_of_a_killed_rank(tmp_path: Path) -> None:
 KILLED_WHILE_REDUCING = """
 import asyncio, os, signal, time, torch, asyncomm
 
+def gone(pid):  # (a process of this host, ended: a zombie until the launcher reaps it)
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
+    except FileNotFoundError:
+        return True
+
 async def main(comm):
     ch = comm.channel(3)
     await comm.barrier()
     if comm.rank == 1:
+        await ch.send(os.getpid(), 0)
         await ch.recv(0)  # rank 0's all-reduce is issued: die before joining it
         os.kill(os.getpid(), signal.SIGKILL)
+    peer = (await ch.recv(1)).data
     x = torch.ones(1)
     handle = comm.all_reduce(x)
     await ch.send("issued", 1)
     await asyncio.sleep(0)  # the loop turns: torch's callback of the all-reduce is given
-    time.sleep(2.0)  # rank 1 dies meanwhile; the loop hears of it only once awaited
+    # The loop is held until rank 1 is dead and gloo's thread has had time to fail the
+    # all-reduce: the loop hears of it only once the handle is awaited
+    deadline = time.monotonic() + 60
+    while not gone(peer) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(1.0)
     try:
         await handle
         print(f"all_reduce returned {x.item():g}", flush=True)

@@ -77,10 +77,6 @@ def _exchange(rank: int, send: Callable[[], Any], recv: Callable[[], Any],
     return pair(rank, send, recv, send, recv, blocking)
 
 
-def _no_allreduce() -> None:
-    raise AssertionError("bench channels measures no all-reduce")
-
-
 def _repeat(call: Callable[[], Any]) -> Callable[[], None]:
     """``IN_FLIGHT`` blocking calls of ``call``, one after the other."""
     def calls() -> None:
