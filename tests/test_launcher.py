@@ -156,13 +156,23 @@ def test_store_listens_on_loopback_only_and_serves_ranks(tmp_path: Path) -> None
         from torch.distributed import TCPStore
 
         port = int(os.environ["MASTER_PORT"])
+        # Only the launcher's own sockets count: another process may listen on the same
+        # port number at another address (gloo binds the host's address).
+        fds = "/proc/%d/fd" % os.getppid()
+        launchers = set()
+        for fd in os.listdir(fds):
+            try:
+                launchers.add(os.readlink(os.path.join(fds, fd)))
+            except FileNotFoundError:  # closed since listed
+                pass
         listening = set()
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             if os.path.exists(table):
                 for row in open(table).readlines()[1:]:
-                    local, state = row.split()[1], row.split()[3]
+                    local, state, inode = row.split()[1], row.split()[3], row.split()[9]
                     addr, hexport = local.rsplit(":", 1)
-                    if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                    if (state == "0A" and int(hexport, 16) == port  # 0A: LISTEN
+                            and "socket:[%s]" % inode in launchers):
                         listening.add(addr)
         print("listening", sorted(listening))
 
