@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from asyncomm._tools import bench
 from asyncomm._tools import mpiexec as _mpiexec
 from asyncomm._tools import soak as _soak
 from asyncomm._tools.bench import channels, core, harness
+from asyncomm.testing import run_command
 
 BACKEND = "both" if _mpiexec.find() is not None else "gloo"
 EXPECTED = ("gloo", "mpi") if BACKEND == "both" else ("gloo",)
@@ -28,10 +28,9 @@ def test_a_small_channels_run_writes_whole_records(tmp_path: Path) -> None:
     # writes whole records. No measured figure is checked beyond being there: a test
     # machine's load decides them (targets and ratios: the table tests below).
     out = tmp_path / "bench.json"
-    done = subprocess.run(
+    done = run_command(
         [sys.executable, "-m", "asyncomm", "bench", "channels", "--quick", "--sizes", "8",
-         "--rounds", "1", "--backend", "gloo", "--json", str(out)],
-        capture_output=True, text=True, timeout=110, cwd=tmp_path,
+         "--rounds", "1", "--backend", "gloo", "--json", str(out)], 110, cwd=tmp_path,
         env={k: v for k, v in os.environ.items() if not k.startswith("ASYNCOMM_")},  # defaults
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -53,9 +52,9 @@ def test_a_small_channels_run_writes_whole_records(tmp_path: Path) -> None:
 def test_soak_checks_a_mix_of_traffic_on_three_ranks(tmp_path: Path) -> None:
     # A second of traffic: how many rounds (and so which kinds of operation) fit in it, a
     # loaded machine decides; every one is checked, and the run says so.
-    done = subprocess.run(
+    done = run_command(
         [sys.executable, "-m", "asyncomm", "bench", "soak", "--seconds", "1", "-n", "3",
-         "--backend", BACKEND], capture_output=True, text=True, timeout=110, cwd=tmp_path)
+         "--backend", BACKEND], 110, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     reports = [line for line in done.stdout.splitlines() if "] soak:" in line]
     assert len(reports) == len(EXPECTED), done.stdout

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from asyncomm._tools import mpiexec, network
+from asyncomm.testing import run_command
 
 HERE = Path(__file__).parent
 SCENARIOS = str(HERE / "multihost_scenarios.py")
@@ -152,9 +153,8 @@ def test_asyncomm_run_on_emulated_hosts_with_a_shaped_link(tmp_path: Path) -> No
         "                           capture_output=True, text=True).stdout\n"
         "    print('shaped', comm.rank, socket.gethostname(), qdisc.split()[1], flush=True)\n"
         "asyncomm.run(main)\n")
-    done = subprocess.run([sys.executable, "-m", "asyncomm", "run", "--hosts", "2", "-n", "2",
-                           "--rate", "200mbit", str(script)], env=_env(), capture_output=True,
-                          text=True, timeout=LIMIT_S)
+    done = run_command([sys.executable, "-m", "asyncomm", "run", "--hosts", "2", "-n", "2",
+                        "--rate", "200mbit", str(script)], LIMIT_S, env=_env())
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "shaped 0 host1 tbf" in done.stdout and "shaped 1 host2 tbf" in done.stdout, \
         done.stdout

@@ -17,6 +17,7 @@ import pytest
 from asyncomm._tools import launch as _launch
 from asyncomm._tools.launch import launch
 from asyncomm._tools.mpiexec import find as find_mpiexec
+from asyncomm.testing import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,14 +43,8 @@ def asyncomm_run(
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     start = time.monotonic()
-    done = subprocess.run(
-        [sys.executable, "-m", "asyncomm", "run", *args],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    done = run_command([sys.executable, "-m", "asyncomm", "run", *args], timeout, cwd=tmp_path,
+                       env=env)
     return done, time.monotonic() - start
 
 

@@ -22,7 +22,7 @@ from asyncomm import Comm
 from asyncomm._core import instrument
 from asyncomm._observe import recorder as _trace
 from asyncomm._tools import cli as _cli
-from asyncomm.testing import World
+from asyncomm.testing import World, run_command
 from asyncomm.trace import Overlap, intersect, measure, merge, overlap, steps, subtract, union
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -227,10 +227,8 @@ def _run_traced(tmp_path: Path, backend: str) -> tuple[subprocess.CompletedProce
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
     env.pop(_trace.ENV, None)
-    done = subprocess.run(
-        [sys.executable, "-m", "asyncomm", "run", "-n", "2", "--backend", backend,
-         "--trace", str(out), script.name],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
+    done = run_command([sys.executable, "-m", "asyncomm", "run", "-n", "2", "--backend", backend,
+                        "--trace", str(out), script.name], 90, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
     return done, out
 

@@ -334,13 +334,29 @@ def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
     path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     argv = [sys.executable, "-m", "asyncomm", "run", "-n", str(n), "--backend", backend,
             *options, str(script)]
+    return run_command(argv, timeout, env={**os.environ, **(env or {}), "PYTHONPATH": path})
+
+
+def run_command(argv: Sequence[str], timeout: float, *, cwd: Path | str | None = None,
+                env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` (a launcher: ``asyncomm run``, ``asyncomm bench``) to its end.
+
+    Past ``timeout`` seconds it is sent SIGTERM, on which a launcher stops its ranks (they
+    live in sessions of their own: killing the launcher alone would leave them running,
+    slowing every later test), and SIGKILL 15 s later.
+
+    Returns:
+        The finished run, its output captured as text.
+
+    Raises:
+        subprocess.TimeoutExpired: it took longer than ``timeout`` seconds (with the output
+            it gave).
+    """
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, **(env or {}), "PYTHONPATH": path}) as launcher:
+                          cwd=cwd, env=env) as launcher:
         try:
             out, err = launcher.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            # The launcher stops its ranks on SIGTERM (they live in sessions of their own:
-            # killing it alone would leave them running, and slowing every later test).
             launcher.terminate()
             try:
                 out, err = launcher.communicate(timeout=15)
