@@ -134,7 +134,8 @@ asyncomm.run(main)
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_a_blocked_loop_is_reported_with_its_stack(backend: str, tmp_path: Path) -> None:
-    proc = run_script(STALL, tmp_path, 2, backend)  # stalls twice: quiet, then in debug mode
+    # stalls twice: quiet, then in debug mode (two starts of a communicator: slow if loaded)
+    proc = run_script(STALL, tmp_path, 2, backend, timeout=240)
     assert proc.returncode == 0, proc.stderr
     # The stall in debug mode is reported once, with rank 1's stack where it stalls; the one
     # before it, without debug mode, says nothing. (Other reports are not counted: on a

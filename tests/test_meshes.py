@@ -449,6 +449,7 @@ asyncomm.run(main)
 """
 
 
+@pytest.mark.timeout(900)  # five MPI jobs, each starting torch: slow on a loaded machine
 def test_a_killed_mpi_rank_ends_the_job_and_is_named_every_time(tmp_path: Path) -> None:
     # MPI cannot go on without a rank (docs/failures.md): the job ends at once, never hangs,
     # and the launcher names the rank, each of five times (issue: five kills per backend),
