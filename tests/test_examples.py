@@ -19,7 +19,6 @@ import importlib.util
 import io
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from asyncomm import Comm
-from asyncomm.testing import World, fresh
+from asyncomm.testing import World, fresh, run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -177,27 +176,10 @@ def run_python(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
-    argv = [sys.executable, *args]
-    with subprocess.Popen(
-        argv,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # so a last-resort kill takes what the launcher started too
-    ) as proc:
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()  # the launcher stops its ranks (each in a session of its own)
-            try:
-                out, err = proc.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
-            pytest.fail(f"{' '.join(args)} hung for {timeout} s\n{out}{err}")
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    try:
+        return run_command([sys.executable, *args], timeout, cwd=ROOT, env=env)
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"{' '.join(args)} hung for {timeout} s\n{hung.stdout}{hung.stderr}")
 
 
 def match_lines(lines: list[str], patterns: list[str]) -> dict[str, str]:
