@@ -21,7 +21,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -163,9 +162,9 @@ PATTERNS: dict[str, tuple[list[str] | Callable[[str], list[str]],
 }
 # Arguments for examples that take them (``options(argv)``): fewer epochs than the
 # digits example's default still reach 95%; overlap's --quick is a smaller model (its full
-# size takes a minute).
-ARGS = {"pipeline_digits": ["--epochs", "6"],
-        "overlap": ["--quick", "--trace", tempfile.mkdtemp(prefix="asyncomm-overlap-")]}
+# size takes a minute), its trace written to the test's own folder (``TRACE``).
+TRACE = "{trace}"
+ARGS = {"pipeline_digits": ["--epochs", "6"], "overlap": ["--quick", "--trace", TRACE]}
 # The launcher's MPI path is covered by test_launcher, test_lifecycle and test_debug.
 LAUNCHED = [pytest.param("gloo", id="gloo")]
 
@@ -224,8 +223,9 @@ async def check_example(comm: Comm, name: str, argv: list[str]) -> list[str]:
 
 
 @pytest.mark.parametrize("name", [*EXPECTED, *PATTERNS])
-def test_example(world4: World, name: str) -> None:
-    results = world4.run(check_example, name, ARGS.get(name, []), timeout=90.0)
+def test_example(world4: World, name: str, tmp_path: Path) -> None:
+    argv = [str(tmp_path) if arg == TRACE else arg for arg in ARGS.get(name, [])]
+    results = world4.run(check_example, name, argv, timeout=90.0)
     lines = [line for rank_lines in results for line in rank_lines]
     check_output(world4.backend, name, lines)
 

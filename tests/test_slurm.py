@@ -51,6 +51,35 @@ def _threads(task: int) -> str:
     return ", ".join(found)
 
 
+def _cpu(task: int, stat: list[str]) -> str:
+    """What ``task`` had of the CPU: slow on it, or waiting for it (a task found still running
+    may be either: its schedstat tells which)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    ran, waited, _ = (int(n) / 1e9 for n in Path(f"/proc/{task}/schedstat").read_text().split())
+    return (f"{(int(stat[11]) + int(stat[12])) / tick:.1f} s CPU, {ran:.1f} s on a core, "
+            f"{waited:.1f} s waiting for one, {stat[7]} minor / {stat[9]} major faults")
+
+
+def _busiest() -> str:
+    """The processes that used the most CPU in the last second (a starved task's rivals)."""
+    def times() -> dict[str, int]:
+        found = {}
+        for proc in Path("/proc").iterdir():
+            with contextlib.suppress(OSError, ValueError, IndexError):
+                if not proc.name.isdigit():
+                    continue
+                stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+                found[f"{proc.name} {(proc / 'cmdline').read_bytes()[:80]!r}"] = (
+                    int(stat[11]) + int(stat[12]))
+        return found
+
+    tick, before = os.sysconf("SC_CLK_TCK"), times()
+    time.sleep(1)
+    used = sorted(((t - before.get(k, t), k) for k, t in times().items()), reverse=True)
+    return "; ".join(f"{k}: {t * 100 // tick}%" for t, k in used[:8] if t) + (
+        f" (load {Path('/proc/loadavg').read_text().strip()})")
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -133,14 +162,15 @@ def test_srun_runs_the_scenarios_on_four_tasks(slurm: dict[str, str]) -> None:
     try:
         out, err = srun.communicate(timeout=360)
     except subprocess.TimeoutExpired:  # each task says where it is stuck, then the step ends
-        states = []
+        states, busy = [], _busiest()
         for task in _tasks_running(SCRIPT):
             with contextlib.suppress(OSError):
                 stat = Path(f"/proc/{task}/stat").read_text().rsplit(")", 1)[1].split()
                 age = (float(Path("/proc/uptime").read_text().split()[0])
                        - int(stat[19]) / os.sysconf("SC_CLK_TCK"))  # (started late?)
                 states.append(f"{task}: {stat[0]} in {Path(f'/proc/{task}/wchan').read_text()}, "
-                              f"started {age:.0f} s ago (threads {_threads(task)})")
+                              f"started {age:.0f} s ago (threads {_threads(task)}; "
+                              f"{_cpu(task, stat)})")
             os.kill(task, signal.SIGUSR1)
         time.sleep(5)
         srun.terminate()
@@ -149,8 +179,8 @@ def test_srun_runs_the_scenarios_on_four_tasks(slurm: dict[str, str]) -> None:
         except subprocess.TimeoutExpired:
             srun.kill()
             out, err = srun.communicate()
-        pytest.fail(f"srun did not end within 360 s (tasks {states}): {out[-3000:]} "
-                    f"{err[-12000:]}")
+        pytest.fail(f"srun did not end within 360 s (tasks {states}; busiest: {busy}): "
+                    f"{out[-3000:]} {err[-12000:]}")
     done = subprocess.CompletedProcess(srun.args, srun.returncode, out, err)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     for rank in range(4):
