@@ -204,7 +204,7 @@ class GlooLink(Link):
         lost = None if self._lane is None else self._lane.lost.get(dst)
         if lost is not None:
             return lost
-        if dst in self._pinging:
+        if dst in self._pinging or self._pg is None:  # (None: closed, see ``let_go``)
             return None
         try:
             work = self._pg.send([self._ping], dst, tags.LINK_MESSAGE)
@@ -311,12 +311,18 @@ class GlooLink(Link):
 
     # -- the listener thread --------------------------------------------------------------
 
+    def let_go(self) -> None:
+        """Hold the group no longer (its backend destroyed it); a listener that still runs
+        holds it until it ends."""
+        self._pg = None
+
     def _listen(self) -> None:
         posted: collections.deque[tuple[torch.Tensor, Any]] = collections.deque()
+        pg = self._pg
 
         def post() -> None:
             envelope = torch.zeros(ENVELOPE_BYTES, dtype=torch.uint8)
-            posted.append((envelope, self._pg.recv_anysource([envelope], tags.LINK_MESSAGE)))
+            posted.append((envelope, pg.recv_anysource([envelope], tags.LINK_MESSAGE)))
 
         try:
             self._listen_posting(posted, post)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import functools
 import json
 import re
 import threading
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from asyncomm._backends.gloo_p2p import FOREVER
+from asyncomm._core.env import LaunchEnv
 from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError
 
 T = TypeVar("T")
@@ -114,6 +116,29 @@ def _ignored(future: asyncio.Future[Any]) -> None:
 
 
 STORE_GRACE_S = 2.0  # beyond the store's own timeout, for it to say why first
+
+
+async def base_store(env: LaunchEnv, timeout: float) -> Any:
+    """Return this process's rendezvous store, made once and reused by every init."""
+    key = (env.master_addr, env.master_port, env.rank, env.size)
+    with _store_lock:
+        store = _stores.get(key)
+    if store is not None:
+        return store
+    if env.size == 1:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+    else:
+        store = await reach_store(functools.partial(
+            dist.TCPStore, env.master_addr, env.master_port,  # type: ignore[attr-defined]
+            env.size, is_master=env.hosts_store, timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False), env.rank, env.master_addr, env.master_port,
+            env.hosts_store, timeout)
+    with _store_lock:
+        return _stores.setdefault(key, store)
+
+
+_stores: dict[tuple[str, int, int, int], Any] = {}  # per world this process joined
+_store_lock = threading.Lock()
 
 
 async def reach_store(make: Callable[[], T], rank: int, host: str, port: int, hosting: bool,

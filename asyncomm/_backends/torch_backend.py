@@ -39,7 +39,6 @@ import logging
 import math
 import os
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -53,7 +52,7 @@ from asyncomm._backends.gloo_link import GlooLink
 from asyncomm._core import settings, tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
 from asyncomm._core.env import LaunchEnv
-from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError
+from asyncomm._core.errors import CommClosedError, CommError, CommTimeoutError, PeerFailedError
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.progress import FutureBridge, Inbox, Reaper, Sink, Waiters
@@ -82,9 +81,7 @@ _FOREVER = gloo_p2p.FOREVER  # how long a point-to-point wait may take
 # any bytes): they travel as their bytes, and int16, which reduces, widened to int32.
 _GLOO_LACKS = frozenset({torch.int16, torch.uint16, torch.uint32, torch.uint64})
 
-_stores: dict[tuple[str, int, int, int], Any] = {}
 _generation = 0
-_store_lock = threading.Lock()
 
 
 def classify(exc: BaseException) -> type[CommError]:
@@ -110,6 +107,15 @@ def _abort(pg: dist.ProcessGroup) -> None:
     except RuntimeError:
         pass  # the timeout, as intended
 
+
+class _Destroyed:
+    """What a closed backend holds instead of the group it destroyed (see ``_let_go``)."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise CommClosedError(f"the process group was destroyed at close (.{name})")
+
+
+_DESTROYED: Any = _Destroyed()
 
 # Backends not closed yet: at exit, what they still have in flight is ended first.
 _open: weakref.WeakSet[TorchBackend] = weakref.WeakSet()
@@ -503,6 +509,18 @@ class TorchBackend(Backend):
                 pass  # already gone with the world
         self._waiters.close(timeout=2.0)
         self._inbox.close()
+        if self._release is not None:
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """Hold the group asyncomm destroyed no longer, so that its threads (one wakes every
+        10 ms) and sockets end now: a closed communicator's objects hold each other, and the
+        collector's next full pass, which would free them, may be minutes away."""
+        self._release = None
+        self.raw = None
+        self._pg = _DESTROYED
+        if self._link is not None:
+            self._link.let_go()
 
     def _busy(self) -> bool:
         """Return whether gloo may still wake a thread or a callback of ours on this group."""
@@ -576,25 +594,6 @@ class _PostedWork(Posted):
         self._wait()
 
 
-async def _base_store(env: LaunchEnv, timeout: float) -> Any:
-    """Return this process's rendezvous store, made once and reused by every init."""
-    key = (env.master_addr, env.master_port, env.rank, env.size)
-    with _store_lock:
-        store = _stores.get(key)
-    if store is not None:
-        return store
-    if env.size == 1:
-        store = dist.HashStore()  # type: ignore[attr-defined]
-    else:
-        store = await startup.reach_store(functools.partial(
-            dist.TCPStore, env.master_addr, env.master_port,  # type: ignore[attr-defined]
-            env.size, is_master=env.hosts_store, timeout=datetime.timedelta(seconds=timeout),
-            wait_for_workers=False), env.rank, env.master_addr, env.master_port,
-            env.hosts_store, timeout)
-    with _store_lock:
-        return _stores.setdefault(key, store)
-
-
 async def open_torch(name: str, env: LaunchEnv, timeout: float,
                      loop: asyncio.AbstractEventLoop) -> tuple[Backend, Backend]:
     """Join (or adopt) torch's default process group; return it and a private twin.
@@ -630,7 +629,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
         return await watch.run(step, "init")
 
     if owns:
-        store = await _base_store(env, timeout)
+        store = await startup.base_store(env, timeout)
         prefix = f"asyncomm/{_generation}"
         prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]
         if env.size > 1:
