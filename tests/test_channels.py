@@ -1558,9 +1558,11 @@ def test_bursts_travel_as_runs(world: World) -> None:
     world.run(check_bursts_travel_as_runs)
 
 
-async def check_a_waiting_task_holds_back_no_credit(comm: Comm) -> None:
-    # A task about to wait sends what it issued and every batch of credit it owes, a lone
-    # one too: its sender may be held at a full window until that credit comes.
+async def check_a_lone_credit_waits_for_the_turn(comm: Comm) -> None:
+    # A task about to wait sends what it issued, but a lone batch of credit waits for the
+    # iteration's end (its sender has messages on their way); two go at once, as one
+    # frame. The held credit still reaches its sender: the last message is sent only once
+    # it has.
     async with fresh(comm) as sub:
         ch = sub.channel(916)
         batch = sub._router.batch
@@ -1573,18 +1575,17 @@ async def check_a_waiting_task_holds_back_no_credit(comm: Comm) -> None:
         elif sub.rank == 1:
             await until(lambda: arrived(sub, 916) == 2 * batch, "sent the messages")
             router = sub._router
-            for first in (0, batch):  # (recv takes what is there without a loop turn)
+            for held in (True, False):  # (recv takes what is there without a loop turn)
                 assert [(await ch.recv(0)).data for _ in range(batch)] == list(
-                    range(first, first + batch))
-                assert (0, 916) in router._owed  # owed, not sent, as it is taken
-                router.flush()
-                assert (0, 916) not in router._owed
+                    range(0 if held else batch, batch if held else 2 * batch))
+                router.flush(waiting=True)
+                assert ((0, 916) in router._owed) is held, held
             assert (await ch.recv(0, timeout=10.0)).data == "last"
         await sub.barrier()
 
 
-def test_a_waiting_task_holds_back_no_credit(world: World) -> None:
-    world.run(check_a_waiting_task_holds_back_no_credit)
+def test_a_lone_credit_waits_for_the_turn(world: World) -> None:
+    world.run(check_a_lone_credit_waits_for_the_turn)
 
 
 async def check_flush_before_blocking(comm: Comm) -> None:

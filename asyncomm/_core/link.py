@@ -319,6 +319,10 @@ class Link(ABC):
         for dst in self._outbox.dsts():
             self._flush_to(dst)
 
+    def queued(self, dst: int) -> bool:
+        """Return whether small frames to ``dst`` wait to be sent."""
+        return self._outbox.queued(dst)
+
     def _flush_to(self, dst: int) -> None:
         if self._batches:  # a batch pending beside a packet holds older frames
             self._send_batch(dst)

@@ -140,7 +140,8 @@ class Router(Delivery):
         # credit goes back in batches (see the note on flow control, and ``took``): smaller
         # ones would cost the sender more credit frames, each a packet of its own
         self.batch, self._batch_bytes = max(1, window // 2), window_bytes // 4
-        # credit owed, per (source, channel): messages, bytes (sent by ``_pay``)
+        self._hold_credit = 2 * self.batch <= window  # see the note on credit (``took``)
+        # credit owed: messages, bytes (changed in place: see ``owed``)
         self._owed: dict[tuple[int, int], list[int]] = {}
         self._paying = False  # whether the owed credit goes when this iteration ends
         self.limits = limits or frame_limits()
@@ -415,14 +416,16 @@ class Router(Delivery):
     def expect(self) -> None:
         """A task begins to wait for a frame: send what it issued now, not when the iteration
         ends (the answer cannot come before the question has left), and watch closely."""
-        self.flush()
+        self.flush(waiting=True)
         self.link.expect()
 
-    def flush(self) -> None:
-        """Send the small frames issued so far, and the credit owed, now: not when the loop
-        iteration ends."""
+    def flush(self, waiting: bool = False) -> None:
+        """Send the small frames issued so far now, not when the loop iteration ends.
+
+        ``waiting``: for a task about to wait for a message, which a lone batch of credit
+        cannot be holding back (see ``took``): that goes when the iteration ends."""
         if self._owed:
-            self._pay()
+            self._pay(waiting and self._hold_credit)
         self.link.flush()
 
     def patrol(self) -> None:
@@ -494,10 +497,14 @@ class Router(Delivery):
         Note on credit
         --------------
         A batch of credit is owed, not sent, when it is taken: it goes as a small frame when
-        the loop iteration ends, with whatever else goes to its sender before, or sooner, when
-        a task begins to wait (``flush``), one frame for every batch owed on a channel. So a
-        task that waits holds back no credit: its sender, which may be waiting for that
-        credit to send what the task waits for, is not held at a full window.
+        the loop iteration ends, with whatever else goes to its sender before, or when a task
+        begins to wait (``flush``), one frame for every batch owed on a channel. A task about
+        to wait leaves a lone batch owed (``flush(waiting=True)``): a batch is at most half a
+        window, so a sender that waits for it has messages on their way to the waiting task
+        (beside what it holds of the window: under a batch uncredited, one batch owed), which
+        take it further. Only a message larger than the room left (it waits until no more
+        than a batch is out) may wait for that credit until this rank's loop turns, or the
+        waiting task's spin ends (``spin``).
         """
         if type(entry) is Message:
             src, charge = entry[0], 0
@@ -536,16 +543,20 @@ class Router(Delivery):
         if self._closed:
             self._owed.clear()  # (its peers are closing too: nothing waits for it)
         elif self._owed:
-            self._pay()
+            self._pay(False)
             self.link.flush()
 
-    def _pay(self) -> None:
-        """Queue a credit frame for each channel credit is owed on (see the note on credit)."""
-        owed, self._owed = self._owed, {}
-        if self._closed:
-            return
-        for (src, tag), (messages, nbytes) in owed.items():
-            if src not in self.dead:
+    def _pay(self, hold: bool) -> None:
+        """Queue a credit frame for each channel credit is owed on, but (``hold``) a lone
+        batch to a rank nothing else goes to now (see the note on credit)."""
+        owed, batch, batch_bytes = self._owed, self.batch, self._batch_bytes
+        for key in list(owed):
+            messages, nbytes = owed[key]
+            src, tag = key
+            if hold and messages <= batch and nbytes <= batch_bytes and not self.link.queued(src):
+                continue
+            del owed[key]
+            if not self._closed and src not in self.dead:
                 self.link.send_small(src, Kind.CREDIT, tag, 0, _credit_body(messages, nbytes))
 
     async def close(self, timeout: float) -> None:
