@@ -40,13 +40,21 @@ def _tasks_running(script: str) -> list[int]:
     return tasks
 
 
+TICK = os.sysconf("SC_CLK_TCK")  # /proc's clock ticks per second
+
+
+def _stat(proc: Path) -> list[str]:
+    """The fields of ``proc``'s stat after its name: state first (fields 3 on of proc(5))."""
+    return (proc / "stat").read_text().rsplit(")", 1)[1].split()
+
+
 def _threads(task: int) -> str:
     """Each thread of ``task``, its name and state (R: running): which one spins, where a
     task found still running cannot say (its stack dump is gone once Python finalized)."""
     found = []
     for thread in Path(f"/proc/{task}/task").iterdir():
         with contextlib.suppress(OSError):
-            state = (thread / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            state = _stat(thread)[0]
             found.append(f"{(thread / 'comm').read_text().strip()}:{state}")
     return ", ".join(found)
 
@@ -54,9 +62,8 @@ def _threads(task: int) -> str:
 def _cpu(task: int, stat: list[str]) -> str:
     """What ``task`` had of the CPU: slow on it, or waiting for it (a task found still running
     may be either: its schedstat tells which)."""
-    tick = os.sysconf("SC_CLK_TCK")
     ran, waited, _ = (int(n) / 1e9 for n in Path(f"/proc/{task}/schedstat").read_text().split())
-    return (f"{(int(stat[11]) + int(stat[12])) / tick:.1f} s CPU, {ran:.1f} s on a core, "
+    return (f"{(int(stat[11]) + int(stat[12])) / TICK:.1f} s CPU, {ran:.1f} s on a core, "
             f"{waited:.1f} s waiting for one, {stat[7]} minor / {stat[9]} major faults")
 
 
@@ -68,15 +75,15 @@ def _busiest() -> str:
             with contextlib.suppress(OSError, ValueError, IndexError):
                 if not proc.name.isdigit():
                     continue
-                stat = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+                stat = _stat(proc)
                 found[f"{proc.name} {(proc / 'cmdline').read_bytes()[:80]!r}"] = (
                     int(stat[11]) + int(stat[12]))
         return found
 
-    tick, before = os.sysconf("SC_CLK_TCK"), times()
+    before = times()
     time.sleep(1)
     used = sorted(((t - before.get(k, t), k) for k, t in times().items()), reverse=True)
-    return "; ".join(f"{k}: {t * 100 // tick}%" for t, k in used[:8] if t) + (
+    return "; ".join(f"{k}: {t * 100 // TICK}%" for t, k in used[:8] if t) + (
         f" (load {Path('/proc/loadavg').read_text().strip()})")
 
 
@@ -165,9 +172,9 @@ def test_srun_runs_the_scenarios_on_four_tasks(slurm: dict[str, str]) -> None:
         states, busy = [], _busiest()
         for task in _tasks_running(SCRIPT):
             with contextlib.suppress(OSError):
-                stat = Path(f"/proc/{task}/stat").read_text().rsplit(")", 1)[1].split()
+                stat = _stat(Path(f"/proc/{task}"))
                 age = (float(Path("/proc/uptime").read_text().split()[0])
-                       - int(stat[19]) / os.sysconf("SC_CLK_TCK"))  # (started late?)
+                       - int(stat[19]) / TICK)  # (started late?)
                 states.append(f"{task}: {stat[0]} in {Path(f'/proc/{task}/wchan').read_text()}, "
                               f"started {age:.0f} s ago (threads {_threads(task)}; "
                               f"{_cpu(task, stat)})")
