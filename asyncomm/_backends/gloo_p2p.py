@@ -108,24 +108,22 @@ class Outgoing:
             self._busy[dst].discard(data_tag - tags.GLOO_DATA)
 
 
-_SPARE = 16
-_spare: collections.deque[torch.Tensor] = collections.deque()  # first messages' buffers, free
+_SPARE = 16  # first messages' buffers a backend keeps free for its next receives
 
 
 class Incoming:
-    """One receive into ``tensor``: the buffer its first message lands in, then the rest."""
+    """One receive into ``tensor``: the buffer its first message lands in (one of ``spare``,
+    if any is free), then the rest."""
 
-    __slots__ = ("_refused", "_tensor", "first")
+    __slots__ = ("_refused", "_spare", "_tensor", "first")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, spare: collections.deque[torch.Tensor]) -> None:
         self._tensor = tensor
-        size = first_bytes()
+        self._spare = spare
         try:  # (pop and append are atomic: receives are issued and finish on any thread)
-            first: torch.Tensor | None = _spare.pop()
+            self.first = spare.pop()
         except IndexError:
-            first = None
-        self.first = first if first is not None and first.numel() == size else torch.empty(
-            size, dtype=torch.uint8)
+            self.first = torch.empty(first_bytes(), dtype=torch.uint8)
         ctypes.memset(self.first.data_ptr(), 0, HEADER.size)  # (a raw empty message: no magic)
         self._refused: CommError | None = None
 
@@ -153,8 +151,8 @@ class Incoming:
             pg.recv([target], source, data_tag).wait(FOREVER)
         elif size:
             ctypes.memmove(tensor.data_ptr(), at + HEADER.size, size)
-        if len(_spare) < _SPARE:  # gloo is done with it: the next receive may take it
-            _spare.append(self.first)
+        if len(self._spare) < _SPARE:  # gloo is done with it: the next receive may take it
+            self._spare.append(self.first)
 
     def result(self, source: int) -> int:
         """On the loop: ``source``, or the refusal of a message that did not fit."""

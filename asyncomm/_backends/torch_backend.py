@@ -195,6 +195,7 @@ class TorchBackend(Backend):
         self._splits = 0
         self._eager = Reaper()
         self._outgoing = gloo_p2p.Outgoing()  # the data tags of large sends (see gloo_p2p)
+        self._spare: collections.deque[torch.Tensor] = collections.deque()  # see gloo_p2p
         self.posted = InFlight()  # ``Posted`` operations (see the note on teardown)
         tuned = settings.read()
         self._eager_bytes = tuned.eager_bytes  # see the note on eager sends
@@ -381,7 +382,7 @@ class TorchBackend(Backend):
                 raise ValueError("nccl has no any-source receive: name the source")
             self._p2p(sink, self._pg.recv([tensor], src, tag), lambda _: src)
             return
-        incoming = gloo_p2p.Incoming(tensor)  # see gloo_p2p
+        incoming = gloo_p2p.Incoming(tensor, self._spare)  # see gloo_p2p
         if src is not None:
             work = self._pg.recv([incoming.first], src, tag)
             self._waiters.watch(functools.partial(incoming.take, self._pg, work, src), sink,
@@ -425,7 +426,7 @@ class TorchBackend(Backend):
         if self.cuda:
             return _PostedWork(functools.partial(self._pg.recv([tensor], src, tag).wait,
                                                  _FOREVER), self, what)
-        incoming = gloo_p2p.Incoming(tensor)
+        incoming = gloo_p2p.Incoming(tensor, self._spare)
         work = self._pg.recv([incoming.first], src, tag)
 
         def received() -> None:
