@@ -171,9 +171,11 @@ def test_a_spinning_ping_pong_lets_other_tasks_run(world2: World) -> None:
         pytest.skip("only MPI's point-to-point spins (gloo's sends and receives complete on "
                     "threads)")
     longest = world2.run(check_ping_pong_lets_the_loop_turn)
-    # FAIR_S is a time: the exchanges between two turns are those that fit in it, fewer on
-    # a slower or loaded machine; the bound leaves a fast one room.
-    assert max(longest) <= 200, longest
+    # Unfair, the task beside would wait for all 3000 exchanges. FAIR_S is a time, so how
+    # many exchanges fit between two turns depends on the machine (more on a faster one):
+    # the bound only says that the task ran within every half of the run (an exchange is a
+    # round trip, microseconds at the least, so 1500 of them outlast FAIR_S anywhere).
+    assert max(longest) < 1500, longest
 
 
 async def check_a_turn_given_loses_no_message(comm: Comm) -> int:
