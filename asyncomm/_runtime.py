@@ -75,6 +75,7 @@ class init:
         self._comm: Comm | None = None
 
     def __await__(self) -> Generator[Any, None, Comm]:
+        """``comm = await asyncomm.init()``: the communicator, open (see the class)."""
         return _open(self._backend, self._timeout).__await__()
 
     async def __aenter__(self) -> Comm:

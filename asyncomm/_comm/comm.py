@@ -12,13 +12,13 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
+from asyncomm._comm.collectives import Buffer, Collectives
 from asyncomm._comm.peers import Peers
 from asyncomm._core import instrument, settings, tags
 from asyncomm._core.arguments import Arguments
 from asyncomm._core.backend import Backend, Posted
 from asyncomm._core.errors import CommClosedError, CommError, MismatchError, PeerFailedError
 from asyncomm._core.handle import FROM_BACKEND, Deadlines, Handle
-from asyncomm._core.ops import ReduceOp
 from asyncomm._messaging.actors import Actor, ActorRef, Host
 from asyncomm._messaging.channels import Channel, codec_of
 from asyncomm._messaging.meshes import Mesh
@@ -28,10 +28,9 @@ from asyncomm._observe.checks import Checker, checked
 
 T = TypeVar("T")
 _log = logging.getLogger("asyncomm")
-Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)  # type: ignore[type-arg]
 
 
-class Comm(Peers):
+class Comm(Collectives, Peers):
     """A communicator: this rank's view of a group of ranks, with awaitable operations.
 
     Every operation is issued when it is called, in program order, and
@@ -151,9 +150,6 @@ class Comm(Peers):
         """Whether ``close()`` was called."""
         return self._closed
 
-    def _what(self, op: str) -> str:
-        return f"rank {self.rank}: {op}"
-
     def _open(self, op: str) -> None:
         if self._closed:
             raise CommClosedError(f"{self._what(op)}: the communicator is closed")
@@ -205,113 +201,6 @@ class Comm(Peers):
             handle._fail(type(exc), exc)
         except Exception as exc:
             handle._fail(CommError, exc)
-
-    # -- collectives -----------------------------------------------------------------
-
-    def barrier(self, *, timeout: float | None = None) -> Handle[None]:
-        """Wait until every rank has called ``barrier``."""
-        return self._issue("barrier", self._backend.barrier, (), None, None, timeout)
-
-    def broadcast(self, tensor: Buffer, src: int, *, timeout: float | None = None
-                  ) -> Handle[Buffer]:
-        """Copy ``src``'s ``tensor`` into ``tensor`` on every rank."""
-        t = self._args.tensor(tensor, "broadcast")
-        src = self._args.peer(src, "broadcast", "src")
-        return self._issue("broadcast", self._backend.broadcast, (t, src), tensor, t, timeout)
-
-    def all_reduce(self, tensor: Buffer, op: ReduceOp | str = "sum", *,
-                   timeout: float | None = None) -> Handle[Buffer]:
-        """Reduce ``tensor`` over all ranks, in place; every rank gets the result."""
-        if self._quick and timeout is None:  # see the note
-            quick_ops = self._quick_ops.get(op)
-            if quick_ops is not None and self._probe.recording is None:
-                seq = self._seq + 1
-                handle = self._backend.quick_all_reduce(
-                    tensor, quick_ops, (self._rank, "all_reduce", seq, None, None))
-                if handle is not None:  # numbered; its deadline set if it is in flight
-                    self._seq, self._last_op, self._last_tensor = seq, "all_reduce", tensor
-                    if not handle._state:
-                        handle._hold = self._hold
-                        self._deadlines.add_default(handle)
-                    return handle
-        t = self._args.tensor(tensor, "all_reduce")
-        reduce_op = self._args.reduce_op(op, t.dtype, "all_reduce")
-        if self._quick and t.dtype not in self._quick_ops.get(op, ()):
-            quick_op = self._backend.quick_op(t.dtype, reduce_op)
-            if quick_op is not None:
-                self._quick_ops.setdefault(op, {})[t.dtype] = quick_op
-        return self._issue("all_reduce", self._backend.all_reduce, (t, reduce_op), tensor, t,
-                           timeout)
-
-    def reduce(self, tensor: Buffer, dst: int, op: ReduceOp | str = "sum", *,
-               timeout: float | None = None) -> Handle[Buffer]:
-        """Reduce ``tensor`` over all ranks into ``tensor`` on ``dst``."""
-        t = self._args.tensor(tensor, "reduce")
-        dst = self._args.peer(dst, "reduce", "dst")
-        reduce_op = self._args.reduce_op(op, t.dtype, "reduce")
-        return self._issue("reduce", self._backend.reduce, (t, dst, reduce_op), tensor, t, timeout)
-
-    def all_gather(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
-                   out: Sequence[Any] | None = None, *,
-                   timeout: float | None = None) -> Handle[Sequence[Any]]:
-        """Gather every rank's ``tensor``; resolve to the list of them in rank order."""
-        t = self._args.tensor(tensor, "all_gather", writes=False)
-        outs = self._outputs(out, t, "all_gather")
-        result = outs if out is None else out
-        return self._issue("all_gather", self._backend.all_gather, (outs, t), result, (t, outs),
-                           timeout)
-
-    def gather(self, tensor: torch.Tensor | np.ndarray, dst: int,  # type: ignore[type-arg]
-               out: Sequence[Any] | None = None, *,
-               timeout: float | None = None) -> Handle[Sequence[Any] | None]:
-        """Gather every rank's ``tensor`` on ``dst``: the list there, ``None`` elsewhere."""
-        t = self._args.tensor(tensor, "gather", writes=False)
-        dst = self._args.peer(dst, "gather", "dst")
-        outs = self._outputs(out, t, "gather") if self.rank == dst else None
-        result = outs if out is None or outs is None else out
-        return self._issue("gather", self._backend.gather, (outs, t, dst), result, (t, outs),
-                           timeout)
-
-    def scatter(self, tensor: Buffer, chunks: Sequence[torch.Tensor] | None = None,
-                src: int = 0, *, timeout: float | None = None) -> Handle[Buffer]:
-        """Fill ``tensor`` on every rank with ``chunks[rank]`` of ``src``."""
-        t = self._args.tensor(tensor, "scatter")
-        src = self._args.peer(src, "scatter", "src")
-        parts: list[torch.Tensor] | None = None
-        if self.rank == src:
-            if chunks is None:
-                raise ValueError(f"{self._what('scatter')}: src {src} must give chunks")
-            parts = self._args.tensors(chunks, "scatter", "chunks", like=t, writes=False)
-        return self._issue("scatter", self._backend.scatter, (t, parts, src), tensor, (t, parts),
-                           timeout)
-
-    def reduce_scatter(self, tensor: Buffer, chunks: Sequence[torch.Tensor],
-                       op: ReduceOp | str = "sum", *, timeout: float | None = None
-                       ) -> Handle[Buffer]:
-        """Set ``tensor`` to the reduction over ranks of their ``chunks[rank]``."""
-        t = self._args.tensor(tensor, "reduce_scatter")
-        parts = self._args.tensors(chunks, "reduce_scatter", "chunks", like=t, writes=False)
-        reduce_op = self._args.reduce_op(op, t.dtype, "reduce_scatter")
-        return self._issue("reduce_scatter", self._backend.reduce_scatter, (t, parts, reduce_op),
-                           tensor, (t, parts), timeout)
-
-    def all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor], *,
-                   timeout: float | None = None) -> Handle[list[torch.Tensor]]:
-        """Send ``inputs[j]`` to rank j; resolve to ``outputs``, ``outputs[j]`` from rank j."""
-        ins = self._args.tensors(inputs, "all_to_all", "inputs", like=None, writes=False)
-        outs = self._args.tensors(outputs, "all_to_all", "outputs", like=None)
-        if outs[0].dtype != ins[0].dtype:
-            raise TypeError(f"{self._what('all_to_all')}: outputs are {outs[0].dtype}, "
-                            f"inputs {ins[0].dtype}")
-        result = list(outputs)
-        return self._issue("all_to_all", self._backend.all_to_all, (outs, ins), result,
-                           (outs, ins), timeout)
-
-    def _outputs(self, out: Sequence[torch.Tensor] | None, like: torch.Tensor,
-                 op: str) -> list[torch.Tensor]:
-        if out is None:  # one allocation; consecutive views let backends gather in place
-            return list(like.new_empty((self.size, *like.shape)).unbind(0))
-        return self._args.tensors(out, op, "out", like=like)
 
     # -- point to point -------------------------------------------------------------
 
@@ -381,11 +270,37 @@ class Comm(Peers):
         return None
 
     def post_send(self, tensor: Buffer, dst: int, tag: int = 0) -> Posted:
-        """On a thread that is not the loop's (see ``Posted``): send; ``wait()``, then reuse."""
+        """Post a send from a thread that is not the loop's (a compute thread).
+
+        Args:
+            tensor: sent from its own memory; not to be written until ``wait()`` returns.
+            dst: the receiving rank (not this one).
+            tag: matches the receiver's ``tag``.
+
+        Returns:
+            A ``Posted``: its ``wait()`` blocks the calling thread until the send is done.
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is sent.
+            CommClosedError: the communicator is closed.
+        """
         return self._post("send", self._args.tensor(tensor, "send", writes=False), dst, tag)
 
     def post_recv(self, tensor: Buffer, src: int, tag: int = 0) -> Posted:
-        """On a thread that is not the loop's: receive into ``tensor``, there once ``wait()``."""
+        """Post a receive into ``tensor`` from a thread that is not the loop's.
+
+        Args:
+            tensor: the buffer; it holds the message once ``wait()`` returns.
+            src: the sending rank (not this one).
+            tag: matches the sender's ``tag``.
+
+        Returns:
+            A ``Posted``: its ``wait()`` blocks the calling thread until the data is in.
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is posted.
+            CommClosedError: the communicator is closed.
+        """
         return self._post("recv", self._args.tensor(tensor, "recv"), src, tag)
 
     def _post(self, op: str, t: torch.Tensor, peer: int, tag: int) -> Posted:
@@ -421,14 +336,24 @@ class Comm(Peers):
 
     def channel(self, tag: int, codec: str = "default", *, timeout: float | None = None,
                 senders: Iterable[int] | None = None) -> Channel:
-        """Return the channel ``tag`` of this communicator (any int >= 0; one object per tag).
+        """Return the channel ``tag`` of this communicator (one object per tag).
 
-        ``codec="default"`` carries tensors, arrays, bytes, str, numbers,
-        ``None`` and lists/tuples/dicts of these, and never unpickles;
-        ``codec="pickle"`` carries any picklable object (trusted peers only).
-        ``timeout`` is the default deadline of its sends (for credit) and receives.
-        ``senders``: the ranks that send on it; a receive from any rank (``async for``)
-        ends once they have closed it (default: every other rank).
+        Args:
+            tag: any int >= 0 (channels are not limited by ``max_tag``).
+            codec: ``"default"`` carries tensors, arrays, bytes, str, numbers, ``None``
+                and lists/tuples/dicts of these, and never unpickles; ``"pickle"``
+                carries any picklable object (trusted peers only).
+            timeout: the default deadline of its sends (for credit) and receives.
+            senders: the ranks that send on it; a receive from any rank (``async for``)
+                ends once they have closed it (default: every other rank).
+
+        Returns:
+            The ``Channel``; the same object again for the same tag.
+
+        Raises:
+            ValueError: a bad tag, codec or rank, or the channel is open already with
+                another codec or other senders.
+            CommClosedError: the communicator is closed.
         """
         tag = self._args.tag(tag, "channel", tags.MAX_CHANNEL)
         wanted = codec_of(codec)
@@ -456,12 +381,35 @@ class Comm(Peers):
         self._router.flush()
 
     def serve(self, actor: Actor, name: str) -> None:
-        """Serve ``actor`` on this rank under ``name``; other ranks call it via ``actor()``."""
+        """Serve ``actor`` on this rank under ``name``; any rank calls it through ``actor()``.
+
+        Args:
+            actor: the object whose ``@endpoint`` methods are served.
+            name: the name callers give (unique on this rank).
+
+        Raises:
+            TypeError: ``actor`` is not an ``asyncomm.Actor``.
+            ValueError: ``name`` is served already, or not a non-empty str.
+            CommClosedError: the communicator is closed.
+        """
         self._open("serve")
         self._host.serve(actor, name)
 
     def actor(self, rank: int, name: str) -> ActorRef:
-        """Return a reference to the actor ``name`` served on ``rank``: ``await ref.method()``."""
+        """Return a reference to the actor ``name`` served on ``rank``: ``await ref.method()``.
+
+        Args:
+            rank: the rank that serves it.
+            name: the name it is served under.
+
+        Returns:
+            An ``ActorRef``; a call through it fails with ``RemoteError`` if the method
+            raised, with ``PeerFailedError`` if ``rank`` is gone.
+
+        Raises:
+            ValueError: a bad rank or name.
+            CommClosedError: the communicator is closed.
+        """
         rank = self._args.peer(rank, "actor", "rank")
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self._what('actor')}: name must be a non-empty str")
@@ -495,9 +443,20 @@ class Comm(Peers):
                 from exc
 
     def broadcast_object(self, obj: Any, src: int, *, timeout: float | None = None) -> Handle[Any]:
-        """Send a picklable object from ``src`` to every rank; resolve to it.
+        """Send a picklable object from ``src`` to every rank (pickled: every rank trusts
+        every other, as with torch).
 
-        Objects are pickled: every rank trusts every other, as with torch.
+        Args:
+            obj: the object, on ``src`` (ignored elsewhere).
+            src: the rank it comes from.
+            timeout: seconds until the handle fails (default: the communicator's).
+
+        Returns:
+            A handle that resolves to ``src``'s object.
+
+        Raises:
+            TypeError: ``obj`` cannot be pickled (on ``src``, before anything is sent).
+            ValueError: a bad rank.
         """
         src = self._args.peer(src, "broadcast_object", "src")
         payload = self._pickle(obj, "broadcast_object") if self.rank == src else b""
@@ -516,7 +475,18 @@ class Comm(Peers):
         return self._steps("broadcast_object", body, timeout)
 
     def all_gather_object(self, obj: Any, *, timeout: float | None = None) -> Handle[list[Any]]:
-        """Gather a picklable object from every rank; resolve to the list in rank order."""
+        """Gather a picklable object from every rank (pickled, as ``broadcast_object``).
+
+        Args:
+            obj: this rank's object.
+            timeout: seconds until the handle fails (default: the communicator's).
+
+        Returns:
+            A handle that resolves to every rank's object, in rank order.
+
+        Raises:
+            TypeError: ``obj`` cannot be pickled (before anything is sent).
+        """
         payload = self._pickle(obj, "all_gather_object")
 
         async def body() -> list[Any]:
@@ -527,10 +497,18 @@ class Comm(Peers):
 
     def group(self, ranks: Iterable[int], *, timeout: float | None = None
               ) -> Handle[Comm | None]:
-        """Make a communicator over ``ranks``, renumbered 0..k-1 in ascending order.
+        """Make a communicator over ``ranks``, renumbered 0..k-1 in ascending order; every
+        rank of this communicator calls it.
 
-        Every rank of this communicator calls it; it resolves to the new
-        ``Comm`` on members and to ``None`` elsewhere.
+        Args:
+            ranks: ranks of this communicator, no duplicates.
+            timeout: seconds until the handle fails (default: the communicator's).
+
+        Returns:
+            A handle that resolves to the new ``Comm`` on members, ``None`` elsewhere.
+
+        Raises:
+            TypeError, ValueError: bad ranks, before anything is sent.
         """
         members = self._members(ranks, "group")
         self._groups += 1  # on every rank, member or not: labels must agree
@@ -568,11 +546,19 @@ class Comm(Peers):
         return frozenset(self._failed)
 
     async def shrink(self, *, timeout: float | None = None) -> Comm:
-        """Make a communicator of the ranks still alive, in order, renumbered 0..k-1.
+        """Make a communicator of the ranks still alive, in order, renumbered 0..k-1; every
+        surviving rank calls it once a rank has failed, and they agree on who is alive.
 
-        Every surviving rank calls it once a rank has failed; they agree on who
-        is alive first (``NotImplementedError`` where the backend cannot go on
-        without a rank: MPI without fault tolerance).
+        Args:
+            timeout: seconds to agree (default: the communicator's).
+
+        Returns:
+            The new ``Comm``.
+
+        Raises:
+            NotImplementedError: the backend cannot go on without a rank (MPI without
+                fault tolerance).
+            CommTimeoutError: the survivors did not agree in time.
         """
         self._open("shrink")
         limit = self._args.deadline(timeout, "shrink")
@@ -583,8 +569,21 @@ class Comm(Peers):
 
     async def spawn(self, cls: Callable[..., Actor], *args: Any, name: str,
                     ranks: Iterable[int] | None = None, **kwargs: Any) -> Mesh:
-        """Serve ``cls(*args, **kwargs)`` (each rank's own arguments) as ``name`` on each of
-        ``ranks`` (default: all); collective: every rank of this communicator gets the mesh."""
+        """Serve ``cls(*args, **kwargs)`` as ``name`` on each of ``ranks``; every rank of this
+        communicator calls it, and gets the mesh.
+
+        Args:
+            cls: the actor's class (or any callable that makes the actor).
+            args, kwargs: its arguments (each rank's own).
+            name: the name each actor is served under.
+            ranks: the ranks that serve one (default: all).
+
+        Returns:
+            The ``Mesh``: ``await mesh.method.call(...)`` calls every member.
+
+        Raises:
+            TypeError, ValueError: bad ranks or name, before anything is served.
+        """
         members = list(range(self.size)) if ranks is None else self._members(ranks, "spawn")
         if not isinstance(name, str) or not name:
             raise ValueError(f"{self._what('spawn')}: name must be a non-empty str")

@@ -107,6 +107,7 @@ class Handle(Generic[T]):
         raise asyncio.InvalidStateError(f"{describe(*self._what)} is still in flight")
 
     def __await__(self) -> Generator[Any, None, T]:
+        """``await handle``: the operation's result, or its error (``CommError``) raised."""
         while self._state == _PENDING and self._spin is not None:
             # perhaps done within microseconds (MPI) or a little more (gloo's collectives):
             # no thread's wake-up, no loop iteration
@@ -131,6 +132,9 @@ class Handle(Generic[T]):
         """Call ``callback(self)`` on the loop thread once the operation ends (now, if it has).
 
         Unlike a future's, the callback runs at once, in the same loop iteration.
+
+        Args:
+            callback: called with this handle; ``result()`` gives its result or raises.
         """
         if self._state != _PENDING:
             callback(self)
@@ -140,11 +144,19 @@ class Handle(Generic[T]):
             self._callbacks.append(callback)
 
     def wait(self, timeout: float | None = None) -> T:
-        """Block until the operation completes and return its result.
+        """Block until the operation completes and return its result; for code without a
+        running event loop (a worker thread, a script).
 
-        For code without a running event loop (a worker thread, a script).
-        Raise ``CommTimeoutError`` if ``timeout`` seconds pass first (the
-        operation stays in flight).
+        Args:
+            timeout: seconds to wait at most (default: until it completes).
+
+        Returns:
+            The operation's result.
+
+        Raises:
+            CommTimeoutError: ``timeout`` passed first (the operation stays in flight).
+            RuntimeError: called on the thread of the event loop the operation needs.
+            CommError: the operation failed.
         """
         if self._state == _PENDING:
             try:

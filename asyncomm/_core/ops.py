@@ -29,7 +29,10 @@ class ReduceOp(enum.Enum):
 
     @classmethod
     def parse(cls, op: ReduceOp | str) -> ReduceOp:
-        """Return ``op`` as a ``ReduceOp``; accept its name in any case.
+        """Return ``op`` as a ``ReduceOp``.
+
+        Args:
+            op: a ``ReduceOp``, or its name in any case ("sum", "AVG", ...).
 
         Raises:
             ValueError: ``op`` names no reduction.

@@ -91,8 +91,16 @@ class Channel:
                             f"{exc}") from None
 
     def post(self, obj: object, dst: int) -> bool:
-        """Send ``obj`` now if it is a small message and ``dst``'s window has credit; return
-        whether it went (no coroutine: actors post their messages so)."""
+        """Send ``obj`` now if it is a small message and ``dst``'s window has credit (no
+        coroutine: actors post their messages so).
+
+        Args:
+            obj: what to send, as ``send`` takes it.
+            dst: the rank to send to.
+
+        Returns:
+            Whether it went; if not, nothing was sent (``send`` it).
+        """
         window = self._windows.get(dst)
         if window is None:
             if (not self._small_room or self._closed or type(dst) is not int
@@ -326,14 +334,22 @@ class Channel:
         return message
 
     def listen(self, listener: Callable[[Entry], None]) -> None:
-        """Hand every message to ``listener`` as it arrives, which takes it (``opened``)."""
+        """Hand every message to ``listener`` as it arrives, instead of queuing it.
+
+        Args:
+            listener: called on the loop with each message's entry; it takes the message
+                with ``opened(entry)``.
+        """
         self._box.listener = listener
 
     def opened(self, entry: Entry) -> object:
         """Count ``entry`` as taken from this channel (as a listener does); return its data.
 
-        Raises what a frame carries: ``ProtocolError`` for one refused on arrival, or of the
-        wrong codec.
+        Args:
+            entry: what the listener was handed.
+
+        Raises:
+            ProtocolError: the frame was refused on arrival, or is of the wrong codec.
         """
         if type(entry) is Message and self._small_room and not self._traced:
             return self._took(entry)[2]  # the commonest: an actor's request or reply

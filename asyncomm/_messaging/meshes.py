@@ -59,7 +59,14 @@ class Mesh:
         return MeshEndpoint(self, method)
 
     def slice(self, ranks: Iterable[int]) -> Mesh:
-        """The mesh of the members on ``ranks`` (each a member; in ascending order)."""
+        """Return the mesh of the members on ``ranks``, in ascending order.
+
+        Args:
+            ranks: members of this mesh.
+
+        Raises:
+            ValueError: ``ranks`` is empty or names a rank that is not a member.
+        """
         chosen = sorted(set(ranks))
         strangers = [r for r in chosen if r not in self.ranks]
         if not chosen or strangers:
@@ -80,9 +87,11 @@ class Mesh:
     def on_failure(self, handler: FailureHandler) -> None:
         """Call ``handler(rank, cause)`` once for each member found gone (see the note).
 
-        It runs on the event loop, as the news arrives. An exception it raises ends
-        the program under ``asyncomm.run``, as if ``main`` had raised it (elsewhere the
-        loop's exception handler reports it).
+        Args:
+            handler: runs on the event loop, as the news arrives, with the member's rank
+                and the error that says how it went. An exception it raises ends the
+                program under ``asyncomm.run``, as if ``main`` had raised it (elsewhere
+                the loop's exception handler reports it).
         """
         self._handlers.append(handler)
         self._host.on_dead(self._supervise)
