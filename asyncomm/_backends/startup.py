@@ -118,6 +118,10 @@ def _ignored(future: asyncio.Future[Any]) -> None:
 STORE_GRACE_S = 2.0  # beyond the store's own timeout, for it to say why first
 
 
+_stores: dict[tuple[str, int, int, int], Any] = {}  # per world this process joined
+_store_lock = threading.Lock()
+
+
 async def base_store(env: LaunchEnv, timeout: float) -> Any:
     """Return this process's rendezvous store, made once and reused by every init."""
     key = (env.master_addr, env.master_port, env.rank, env.size)
@@ -135,10 +139,6 @@ async def base_store(env: LaunchEnv, timeout: float) -> Any:
             env.hosts_store, timeout)
     with _store_lock:
         return _stores.setdefault(key, store)
-
-
-_stores: dict[tuple[str, int, int, int], Any] = {}  # per world this process joined
-_store_lock = threading.Lock()
 
 
 async def reach_store(make: Callable[[], T], rank: int, host: str, port: int, hosting: bool,
