@@ -14,7 +14,7 @@ import torch
 
 import asyncomm
 from asyncomm import Comm
-from asyncomm._observe import checks as _checks
+from asyncomm._core import settings
 from asyncomm.testing import World, fresh, run_script
 
 
@@ -182,8 +182,8 @@ def test_an_uncaught_mismatch_is_said_once_and_the_ending_is_no_stall(
 
 def test_debug_flag(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ASYNCOMM_DEBUG", raising=False)
-    assert not _checks.debug_enabled()
+    assert not settings.read().debug
     monkeypatch.setenv("ASYNCOMM_DEBUG", "0")
-    assert not _checks.debug_enabled()
+    assert not settings.read().debug
     monkeypatch.setenv("ASYNCOMM_DEBUG", "1")
-    assert _checks.debug_enabled()
+    assert settings.read().debug

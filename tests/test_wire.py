@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import pickle
 import struct
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 
 from asyncomm._core import small, wire
 from asyncomm._core.errors import ProtocolError
+from asyncomm._core.messages import PREAMBLE
 from asyncomm._core.wire import (
     PREFIX_BYTES,
     BufferKind,
@@ -614,6 +616,48 @@ def test_a_packet_decodes_to_what_each_frame_would(objs: list[object], seqs: int
     split = list(small.split_packet(run))
     assert [f[:3] for f in split] == [(1, 7, seqs + i) for i in range(len(frames))]  # type: ignore
     assert same([frame[3] for frame in split], expected)  # type: ignore[index]
+
+
+@FUZZ
+@given(kind=st.sampled_from([int(Kind.DATA), int(Kind.CREDIT)]), tag=st.integers(0, 2**64 - 1),
+       seq=st.integers(0, 2**64 - 1), obj=st.one_of(st.none(), st.text(), st.binary(),
+                                                     st.lists(st.integers(-2**63, 2**64 - 1))))
+def test_a_frame_sent_alone_is_laid_out_as_the_outbox_lays_it(kind: int, tag: int, seq: int,
+                                                              obj: object) -> None:
+    """The packet of a frame that leaves at once (``Outbox.alone``) is the one the outbox
+    would send had it been queued alone, and decodes to that frame."""
+    body = msgpack.packb(obj)
+    outbox = small.Outbox(1 << 20)
+    outbox.small(3, kind, tag, seq, body)
+    alone = small.Outbox.alone(kind, tag, seq, body)
+    assert outbox.take(3) == alone
+    assert small.unpack_packet(memoryview(alone)[PREAMBLE.size:]) == [[kind, tag, seq, obj]]
+
+
+@FUZZ
+@given(sends=st.lists(st.tuples(st.sampled_from([int(Kind.DATA)] * 3 + [int(Kind.CREDIT)]),
+                                st.integers(0, 2), st.binary(max_size=40)), max_size=30),
+       frames=st.integers(1, 8), room=st.integers(60, 400))
+def test_the_outbox_lays_out_each_frame_in_order(sends: list[tuple[int, int, bytes]],
+                                                 frames: int, room: int) -> None:
+    """Frames queued for one rank come out of its packets in the order they were queued,
+    each with its own channel and number (consecutive messages of a channel as runs)."""
+    outbox = small.Outbox(room)
+    outbox.packet_frames = frames
+    packets, queued, seqs = [], [], [0, 0, 0]
+    for kind, tag, data in sends:
+        body = msgpack.packb(data)
+        seq = seqs[tag] if kind == Kind.DATA else 0
+        queue = outbox.data if kind == Kind.DATA else functools.partial(outbox.small, kind=kind)
+        if queue(1, tag=tag, seq=seq, body=body) < 0:  # full: sent, then queued in the next
+            packets.append(outbox.take(1))
+            assert queue(1, tag=tag, seq=seq, body=body) == 1
+        queued.append((kind, tag, seq, data))
+        seqs[tag] += kind == Kind.DATA
+    packets.append(outbox.take(1))
+    laid = [frame for packet in packets if packet is not None
+            for frame in small.split_packet(memoryview(packet)[PREAMBLE.size:])]
+    assert laid == queued
 
 
 class _Delivered(Delivery):

@@ -63,7 +63,7 @@ from asyncomm._core.messages import (
     pack_frame,
     unpack_frame,
 )
-from asyncomm._core.small import Outbox
+from asyncomm._core.small import DATA, Outbox
 from asyncomm._core.spin import due_at
 from asyncomm._core.wire import Head
 
@@ -241,15 +241,18 @@ class Link(ABC):
         self._outbox.packet_frames = frames
 
     def send_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
-        """Queue a small frame (``body`` at most ``small_room`` bytes) for ``dst``'s packet.
+        """Send a small frame (``body`` at most ``small_room`` bytes) to ``dst``.
 
-        The packet goes at once if it is the first since the last ``flush``, else at the next
-        ``flush`` (see ``_begun``), or once the frame does not fit in it:
-        beyond the link's room, or its ``packet_frames`` frames (where the link sets that, a
-        long burst reaches its receiver in pieces, decoded while later ones are issued). A
-        failure to send it fails ``dst`` (``Arrivals.failed``). A ``DATA`` frame joins a run
-        (see ``small.Outbox``).
+        The first to ``dst`` since the last ``flush`` leaves at once (``_send_alone``);
+        later ones are queued in ``dst``'s packet, which goes at the next ``flush`` (see
+        ``_begun``), or once the frame does not fit in it: beyond the link's room, or its
+        ``packet_frames`` frames (where the link sets that, a long burst reaches its
+        receiver in pieces, decoded while later ones are issued). A failure to send a
+        packet fails ``dst`` (``Arrivals.failed``).
         """
+        if dst not in self._went:
+            self._send_alone(dst, Outbox.alone(kind, tag, seq, body))
+            return
         queued = self._outbox.small(dst, kind, tag, seq, body)
         if queued and self._begun(dst, queued):
             self._outbox.small(dst, kind, tag, seq, body)
@@ -271,25 +274,36 @@ class Link(ABC):
         return True
 
     def send_data(self, dst: int, tag: int, seq: int, body: bytes) -> None:
-        """Queue message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``)."""
+        """Send message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``)."""
+        if dst not in self._went:
+            self._send_alone(dst, Outbox.alone(DATA, tag, seq, body))
+            return
         queued = self._queue_data(dst, tag, seq, body)
         if queued and self._begun(dst, queued):
             self._queue_data(dst, tag, seq, body)
 
-    def _begun(self, dst: int, queued: int = 1, packet: bool = True) -> bool:
-        """Something for ``dst`` begun (``queued``, as ``Outbox.data`` answers: 1 a packet or
-        batch begun, -1 a full packet). The first ``packet`` for ``dst`` since the last flush
-        leaves at once: a task that sent and then blocks the loop (a raw blocking call) has
-        not left its message behind. Later ones go together at the next ``flush``: when the
+    def _send_alone(self, dst: int, packet: bytearray) -> None:
+        """Send the first small frame to ``dst`` since the last flush at once, a packet of its
+        own: a task that sent and then blocks the loop (a raw blocking call) has not left its
+        message behind. Later ones wait together for the next ``flush``, asked for at the
+        iteration's end here. (Nothing is queued for ``dst``: a packet begins to wait only
+        after one left alone, and a flush sends every packet.)"""
+        self._went.add(dst)
+        if not self._flush_asked:
+            self._flush_asked = True
+            self._loop.call_soon(self._flush_at_turn_end)
+        if self._batches:  # a batch pending holds older frames
+            self._send_batch(dst)
+        self._send_packet(packet, dst)
+
+    def _begun(self, dst: int, queued: int = 1) -> bool:
+        """Something for ``dst`` began to wait (``queued``, as ``Outbox.data`` answers: 1 a
+        packet or batch begun, -1 a full packet): it goes at the next ``flush``, when the
         iteration ends (once), or a task begins to wait (the loop's ``due`` list). Return
         whether the packet was full: it is sent now, and the caller queues its frame again."""
         if not self._flush_asked:
             self._flush_asked = True
             self._loop.call_soon(self._flush_at_turn_end)
-        if packet and queued > 0 and dst not in self._went:
-            self._went.add(dst)
-            self._flush_to(dst)
-            return False
         if not self._waiting:
             self._waiting = True
             self._due.append(self.flush)
@@ -300,20 +314,19 @@ class Link(ABC):
 
     def _flush_at_turn_end(self) -> None:
         self._flush_asked = False
-        self._went.clear()
-        if self._waiting:
-            self.flush()
+        self.flush()
 
     def flush(self) -> None:
         """Send every batch and packet queued (the loop calls this once an iteration ends,
         a task about to wait before): the next packet for any rank leaves at once."""
         self._went.clear()
-        if self._waiting:
-            self._waiting = False
-            try:
-                self._due.remove(self.flush)
-            except ValueError:  # (a spinning task took it off the list to call it)
-                pass
+        if not self._waiting:  # nothing waits: whatever is queued set it (``_begun``)
+            return
+        self._waiting = False
+        try:
+            self._due.remove(self.flush)
+        except ValueError:  # (a spinning task took it off the list to call it)
+            pass
         while self._batches:
             self._send_batch(next(iter(self._batches)))
         for dst in self._outbox.dsts():
@@ -327,8 +340,10 @@ class Link(ABC):
         if self._batches:  # a batch pending beside a packet holds older frames
             self._send_batch(dst)
         packet = self._outbox.take(dst)
-        if packet is None:
-            return
+        if packet is not None:
+            self._send_packet(packet, dst)
+
+    def _send_packet(self, packet: bytearray, dst: int) -> None:
         handle = self._post(self._packet(packet), dst, tags.LINK_MESSAGE)
         if handle is not None:
             handle.add_done_callback(self._packet_sent)
@@ -385,7 +400,7 @@ class Link(ABC):
             batch = None
         if batch is None:
             batch = self._batches[dst] = bytearray(_PREAMBLE_BYTES)  # laid when it goes
-            self._begun(dst, packet=False)
+            self._begun(dst)
         batch += PREAMBLE.pack(len(head), 0, follow, 0)
         batch += head
 

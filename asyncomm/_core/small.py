@@ -492,6 +492,9 @@ _U64_AT, _TAG_OFFSET, _SEQ_OFFSET = struct.Struct(">Q").unpack_from, TAG_AT, SEQ
 _PACKET_AT = PREAMBLE.size + PACKET_HEAD_BYTES  # a packet's first frame
 _PREAMBLE_INTO, _PREAMBLE_BYTES = PREAMBLE.pack_into, PREAMBLE.size
 _lay_packet_head = PACKET_HEAD.pack_into  # (buffer, at, ARRAY_BYTE, frames)
+_PREAMBLE_PACK = PREAMBLE.pack
+_alone_head = struct.Struct(">BI" + HEAD.format[1:]).pack  # a packet's head, then a frame's
+_ALONE_BYTES = PACKET_HEAD_BYTES + _SMALL_HEAD_BYTES
 
 
 class Packet(bytearray):
@@ -520,28 +523,20 @@ class Outbox:
         self._packets: dict[int, Packet] = {}
 
     def data(self, dst: int, tag: int, seq: int, body: bytes) -> int:
-        """Queue message ``seq`` of channel ``tag`` for ``dst``: 0 queued in the packet that
-        waits, 1 queued as the first of a new packet, -1 not queued: the packet is full (the
-        caller sends it, ``take``, and calls again). The message after the last one queued
-        for ``dst`` on the same channel (the commonest, in a burst) adds its body to that
-        run; after a lone message, it makes that a run first. Any other goes as a lone
-        message."""
+        """Queue message ``seq`` of channel ``tag`` for ``dst`` (answered as ``small``). The
+        message after the last one queued for ``dst`` on the same channel (the commonest, in
+        a burst) adds its body to that run; after a lone message, it makes that a run first.
+        Any other goes as a lone message."""
         packet = self._packets.get(dst)
-        started = 0
-        if packet is None:
-            packet = self._start(dst)
-            started = 1
-        elif (packet.next == seq and packet.run == tag
-                and len(packet) + len(body) <= self.packet_bytes
-                and packet.frames < self.packet_frames):
-            packet += body
-            packet.frames += 1
-            packet.next = seq + 1
-            return 0
-        else:
+        if packet is not None and packet.frames < self.packet_frames:
+            if (packet.next == seq and packet.run == tag
+                    and len(packet) + len(body) <= self.packet_bytes):
+                packet += body
+                packet.frames += 1
+                packet.next = seq + 1
+                return 0
             at = packet.lone
             if (at >= 0 and len(packet) + _RUN_MORE_BYTES + len(body) <= self.packet_bytes
-                    and packet.frames < self.packet_frames
                     and _U64_AT(packet, at + _SEQ_OFFSET)[0] + 1 == seq
                     and _U64_AT(packet, at + _TAG_OFFSET)[0] == tag):
                 # the second of a run: the lone message's head becomes the run's
@@ -552,35 +547,25 @@ class Outbox:
                 packet.frames += 1
                 packet.next, packet.lone = seq + 1, -1
                 return 0
-            if (len(packet) + _SMALL_HEAD_BYTES + len(body) > self.packet_bytes
-                    or packet.frames >= self.packet_frames):
-                return -1
-            if packet.next >= 0:  # a run is open: it ends here
-                _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
-                packet.next = -1
-        packet.lone = len(packet)
-        packet += _small_head(FRAME_BYTE, DATA, U64_BYTE, tag, U64_BYTE, seq)
-        packet += body
-        packet.frames += 1
-        packet.items += 1
-        return started
+        return self.small(dst, DATA, tag, seq, body)
 
     def small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> int:
-        """Queue a small frame of ``kind`` (as ``data``; a message, ``DATA``, is ``data``)."""
-        if kind == DATA:
-            return self.data(dst, tag, seq, body)
+        """Queue a small frame of ``kind`` for ``dst``, a lone one (a message may begin a run,
+        see ``data``): 0 queued in the packet that waits, 1 queued as the first of a new
+        packet, -1 not queued: the packet is full (the caller sends it, ``take``, and calls
+        again)."""
         packet = self._packets.get(dst)
         started = 0
         if packet is None:
             packet = self._start(dst)
             started = 1
-        elif (len(packet) + len(body) + _SMALL_HEAD_BYTES > self.packet_bytes
+        elif (len(packet) + _SMALL_HEAD_BYTES + len(body) > self.packet_bytes
                 or packet.frames >= self.packet_frames):
             return -1
-        else:
-            if packet.next >= 0:  # a run is open: it ends here
-                _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
-            packet.next = packet.lone = -1
+        elif packet.next >= 0:  # a run is open: it ends here
+            _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
+            packet.next = -1
+        packet.lone = len(packet) if kind == DATA else -1
         packet += _small_head(FRAME_BYTE, kind, U64_BYTE, tag, U64_BYTE, seq)
         packet += body
         packet.frames += 1
@@ -602,6 +587,15 @@ class Outbox:
             _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
         _PREAMBLE_INTO(packet, 0, 0, len(packet) - _PREAMBLE_BYTES, 0, PACKET)
         _lay_packet_head(packet, _PREAMBLE_BYTES, ARRAY_BYTE, packet.items)
+        return packet
+
+    @staticmethod
+    def alone(kind: int, tag: int, seq: int, body: bytes) -> bytearray:
+        """Return the packet of one small frame, laid out whole: what ``take`` would return
+        had the frame been queued alone (a frame that leaves at once, see ``link``)."""
+        packet = bytearray(_PREAMBLE_PACK(0, _ALONE_BYTES + len(body), 0, PACKET))
+        packet += _alone_head(ARRAY_BYTE, 1, FRAME_BYTE, kind, U64_BYTE, tag, U64_BYTE, seq)
+        packet += body
         return packet
 
     def queued(self, dst: int) -> bool:

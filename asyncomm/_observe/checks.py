@@ -20,17 +20,11 @@ from typing import Any
 
 import torch
 
-from asyncomm._core import settings
 from asyncomm._core.backend import Backend
 from asyncomm._core.errors import CommError, MismatchError
 from asyncomm._core.handle import Handle
 
 FINGERPRINT_BYTES = 256
-
-
-def debug_enabled() -> bool:
-    """Return whether ``ASYNCOMM_DEBUG`` asks for debug mode (set, and not 0)."""
-    return settings.read().debug
 
 
 def _t(tensor: torch.Tensor) -> str:

@@ -145,13 +145,6 @@ class Network:
         """Start ``argv`` on host ``host``; ``kwargs`` go to ``subprocess.Popen``."""
         return subprocess.Popen(self.command(host, argv), **kwargs)
 
-    def bytes_sent(self, host: int) -> int:
-        """Return the bytes host ``host`` has sent on its link (to check traffic crossed it)."""
-        path = f"/sys/class/net/{INTERFACE}/statistics/tx_bytes"
-        done = subprocess.run(["ip", "netns", "exec", self.namespaces[host], "cat", path],
-                              capture_output=True, text=True, check=True)
-        return int(done.stdout)
-
     def ssh_stand_in(self, folder: Path) -> Path:
         """Write an ``ssh`` stand-in that runs a command on the host of an address or name.
 
