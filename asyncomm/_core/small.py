@@ -493,7 +493,7 @@ _PACKET_AT = PREAMBLE.size + PACKET_HEAD_BYTES  # a packet's first frame
 _PREAMBLE_INTO, _PREAMBLE_BYTES = PREAMBLE.pack_into, PREAMBLE.size
 _lay_packet_head = PACKET_HEAD.pack_into  # (buffer, at, ARRAY_BYTE, frames)
 _PREAMBLE_PACK = PREAMBLE.pack
-_alone_head = struct.Struct(">BI" + HEAD.format[1:]).pack  # a packet's head, then a frame's
+_alone_head = struct.Struct(PACKET_HEAD.format + HEAD.format[1:]).pack  # packet head, frame head
 _ALONE_BYTES = PACKET_HEAD_BYTES + _SMALL_HEAD_BYTES
 
 
