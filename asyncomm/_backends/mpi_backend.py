@@ -303,7 +303,7 @@ class MpiBackend(Backend):
         mpi_op = MPI_OPS.get((tensor.dtype, op)) or mpi_operator(tensor.dtype, op)  # (a hot path)
         reductions = self._reductions
         kinds = reductions.table(tensor.dtype, op)
-        kept = None if kinds is None else reductions.next(kinds, tensor, mpi_op)
+        kept = None if kinds is None else reductions.next(kinds, tensor, tensor.nbytes, mpi_op)
         if kept is not None:  # (see ``mpi_reduce``)
             reductions.start(sink, kept, tensor, self._average(tensor, op))
             return

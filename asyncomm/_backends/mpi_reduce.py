@@ -139,9 +139,8 @@ class Kept:
 
         self.finish = finish
 
-    def start(self, tensor: torch.Tensor) -> Any:
-        """Copy ``tensor`` in and start; return the request."""
-        ptr = tensor.data_ptr()
+    def start(self, ptr: int) -> Any:
+        """Copy the tensor at address ``ptr`` in and start; return the request."""
         if ptr != self.ptr:
             self.user, self.ptr = MPI.buffer.fromaddress(ptr, self.nbytes), ptr
         self.buffer[:] = self.user
@@ -185,10 +184,11 @@ class Reductions:
             kinds = self._tables[(dtype, op)] = {}
         return kinds
 
-    def next(self, kinds: dict[int, _Kind], tensor: torch.Tensor, mpi_op: Any) -> Kept | None:
-        """Count an all-reduce of ``tensor``; return the kept request whose turn it is
-        (``None``: not kept). Every all-reduce of a kept table comes here, in order."""
-        nbytes = tensor.nbytes
+    def next(self, kinds: dict[int, _Kind], tensor: torch.Tensor, nbytes: int,
+             mpi_op: Any) -> Kept | None:
+        """Count an all-reduce of ``tensor`` (of ``nbytes``); return the kept request whose
+        turn it is (``None``: not kept). Every all-reduce of a kept table comes here, in
+        order."""
         kind = kinds.get(nbytes)
         if kind is None:
             if self._on and self._kinds < KINDS and 0 < nbytes <= KEPT_BYTES:
@@ -228,7 +228,7 @@ class Reductions:
             kept.wanted = True
             self._hold_first(sink, functools.partial(self.start, sink, kept, tensor, then))
             return
-        request = kept.start(tensor)
+        request = kept.start(tensor.data_ptr())
         finish: Callable[[Any], object] = kept.finish
         if then is not None:
             finish = functools.partial(_both, kept.finish, then)
@@ -244,23 +244,12 @@ class Reductions:
         if self.held is not None:
             return None
         ptr, nbytes, (mpi_op, kinds) = where
-        kind = None if kinds is None else kinds.get(nbytes)
-        if kind is not None and self._on:  # (``next``'s commonest case, inline)
-            turn = kind.uses % SLOTS
-            kind.uses += 1
-            kept = kind.slots[turn] if turn < len(kind.slots) else self._make(kind, tensor,
-                                                                              mpi_op)
-        else:
-            kept = None if kinds is None else self.next(kinds, tensor, mpi_op)
+        kept = None if kinds is None else self.next(kinds, tensor, nbytes, mpi_op)
         try:
             if kept is None:
                 request = self._comm.Iallreduce(_IN_PLACE, spec(tensor), mpi_op)
-            elif kept.last._keep is None:  # the commonest: its request idle (``Kept.start``)
-                if ptr != kept.ptr:
-                    kept.user, kept.ptr = MPI.buffer.fromaddress(ptr, kept.nbytes), ptr
-                kept.buffer[:] = kept.user
-                request = kept.request
-                request.Start()
+            elif kept.last._keep is None:  # the commonest: its request idle
+                request = kept.start(ptr)
             else:
                 handle: Handle[Any] = Handle(self._loop, what, tensor, tensor)
                 self.start(handle, kept, tensor)

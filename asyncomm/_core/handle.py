@@ -203,10 +203,7 @@ class Handle(Generic[T]):
             self._keep = None
             return
         self._value = value if self._result is FROM_BACKEND else self._result
-        self._state = _DONE  # (``_settle``, inline: the hot path of every operation)
-        self._keep = None
-        if self._waiters or self._events or self._callbacks:
-            self._wake()
+        self._settle(_DONE, None)
 
     def _fail(self, kind: type[CommError], cause: BaseException) -> None:
         if self._state != _PENDING:
@@ -238,7 +235,8 @@ class Handle(Generic[T]):
         self._state = state
         self._error = error
         self._keep = None
-        self._wake()
+        if self._waiters or self._events or self._callbacks:
+            self._wake()
 
     def _wake(self) -> None:
         if self._waiters:

@@ -238,10 +238,7 @@ class Poller:
             if recording is not None:
                 _tested[0] = time.perf_counter()
         if done:
-            if finish is None:
-                sink._succeed(outcome)  # (the commonest, without ``deliver``'s call)
-            else:
-                deliver(sink, finish, outcome, self._classify)
+            deliver(sink, finish, outcome, self._classify)
             return
         self.follow(request, sink, finish, active)
 
@@ -325,9 +322,6 @@ class Poller:
             del self._requests[index]
             entry = self._entries.pop(index)
             self._active -= entry[2]
-        elif entry[1] is None and not isinstance(outcome, BaseException):
-            sink._succeed(outcome)  # (the commonest, ``_settle`` inline)
-            return False
         self._settle(entry, outcome)
         return False
 
@@ -345,8 +339,6 @@ class Poller:
         sink, finish, _ = entry
         if isinstance(outcome, BaseException):
             sink._fail(self._classify(outcome), outcome)
-        elif finish is None:
-            sink._succeed(outcome)  # (the commonest, without ``deliver``'s call)
         else:
             deliver(sink, finish, outcome, self._classify)
 

@@ -117,11 +117,7 @@ class Host:
         self._tasks = [loop.create_task(self._serve_requests()),
                        loop.create_task(self._serve_replies())]
         router.on_dead.append(self.fail_calls)
-        # (``_check_open``'s sets, as ``_call`` asks them inline)
-        self._dead, self._told, self._ended = router.dead, router.told, self._requests._box.ended
-        self._replies_ended = self._replies._box.ended
         self._spin_until = router.link.spin_until
-        self._post_reply = self._replies.post  # (``_answer``'s, a call less)
 
     # -- hosting -----------------------------------------------------------------
 
@@ -172,13 +168,8 @@ class Host:
         """The requests' listener: route each to its actor as it arrives."""
         try:
             data: Any = self._requests.opened(entry)
-            message = entry if type(entry) is Message else Message(entry.src,
-                                                                   tags.ACTOR_REQUEST, data)
-            inbox = self._actors.get(data[1])  # (``_route``'s commonest, inline)
-            if inbox is None:
-                self._route(message)
-            else:
-                inbox.put(message)  # type: ignore[arg-type]
+            self._route(entry if type(entry) is Message  # type: ignore[arg-type]
+                        else Message(entry.src, tags.ACTOR_REQUEST, data))
         except Exception as exc:  # a malformed message: say so, and go on with the next
             self._refused(entry, exc)
 
@@ -186,10 +177,7 @@ class Host:
         """The replies' listener: settle each call as its reply arrives."""
         try:
             reply: Any = self._replies.opened(frame)
-            call_id, ok, result = reply
-            pending = self._calls.get(call_id)  # (``_settle``, inline)
-            if pending is not None and not pending[1].done():
-                pending[1].set_result((ok, result))
+            self._settle(*reply)
         except Exception as exc:
             self._refused(frame, exc)
 
@@ -236,7 +224,7 @@ class Host:
         if data[3]:  # it wants a reply
             src, reply = request[0], [data[0], ok, result]
             try:
-                if self._backlog.get(src) or not self._post_reply(reply, src):  # (``_post``)
+                if self._backlog.get(src) or not self._replies.post(reply, src):  # (``_post``)
                     self._queue(src, self._replies, reply)
             except TypeError as exc:  # a result the default codec cannot carry
                 self._post(src, self._replies, [data[0], False, ["TypeError", str(exc), ""]])
@@ -280,9 +268,7 @@ class Host:
                 kwargs: dict[str, Any]) -> Posted:
         """Post a call of ``name.method`` to ``rank`` (sent at the next flush); its reply
         settles the future of the ``(rank, name, method, call id, future)`` returned."""
-        if (rank in self._dead or rank in self._ended or rank in self._replies_ended
-                or rank in self._told):
-            self.check_open(rank, name, method)  # which says why not
+        self.check_open(rank, name, method)
         call_id = next(self._ids)
         future = self._loop.create_future()
         self._calls[call_id] = (rank, future, name, method)
@@ -354,7 +340,7 @@ class Host:
                                           *args])
 
     def check_open(self, rank: int, name: str, method: str) -> None:
-        if rank in self._dead or rank in self._told:
+        if rank in self._router.dead or rank in self._router.told:
             raise self._router.gone(f"call {name}.{method} on rank {rank}", rank)
         if rank in self._requests._box.ended or rank in self._replies._box.ended:
             raise CommClosedError(f"rank {self.rank}: call {name}.{method}: rank {rank} "
@@ -470,7 +456,7 @@ class Host:
         ended = self._replies._box.ended | self._requests._box.ended
         for rank, future, name, method in self._calls.values():
             if rank in ended and not future.done():
-                if rank in self._told:  # it closed because it failed: say that
+                if rank in self._router.told:  # it closed because it failed: say that
                     future.set_exception(self._router.gone(f"call {name}.{method} on rank "
                                                            f"{rank}", rank))
                 else:

@@ -135,8 +135,7 @@ class Mailbox:
         frames = self.frames
         if not frames:
             return False
-        first = frames[0]  # (``src_of``, inline: a waiting recv asks this again and again)
-        if (first[0] if type(first) is Message else first.src) == src:  # type: ignore[union-attr]
+        if src_of(frames[0]) == src:  # (a waiting recv asks this again and again)
             return True
         return any(src_of(entry) == src for entry in frames)
 
