@@ -174,17 +174,10 @@ class Channel:
             self._check_rank("recv", "src", src)
         if not self._traced or self._probe_of.recording is None:
             box = self._box
-            frames = box.frames
             while True:
-                if frames:
-                    first = frames[0]
-                    if (type(first) is Message and (src is None or first[0] == src)
-                            and self._small_room):  # the commonest: the first, a small message
-                        frames.popleft()
-                        return self._took(first)
-                    entry = box.take(src)
-                    if entry is not None:
-                        return self._open(entry)
+                entry = box.take(src)
+                if entry is not None:
+                    return self._open(entry)
                 limit = self._timeout if timeout is None else timeout
                 if spun:  # (what was found is not there: taken meanwhile)
                     return await self._wait(src, limit)
