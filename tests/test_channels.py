@@ -409,9 +409,9 @@ def test_receives_cancelled_at_random_lose_nothing(world: World) -> None:
 
 
 async def check_credit_owed_on_two_channels(comm: Comm) -> list[str]:
-    """Rank 1 owes rank 0 a batch of credit on each of two channels at once, and pays both
-    when its loop turns: nothing fails on its loop, and rank 0's second round, which needs
-    that credit on both channels, goes through."""
+    """Rank 1 takes a batch of credit's worth on each of two channels at once, and returns
+    both: nothing fails on its loop, and rank 0's second round, which needs that credit on
+    both channels, goes through."""
     loop, said = asyncio.get_running_loop(), []
     before = loop.get_exception_handler()  # (asyncomm's own: the world's loop outlives this)
     loop.set_exception_handler(lambda _, context: said.append(str(context.get("exception"))))
@@ -431,7 +431,7 @@ async def check_credit_owed_on_two_channels(comm: Comm) -> list[str]:
                 for ch in (a, b):
                     for _ in range(batch):
                         await ch.recv(0)  # taken at once: both batches owed in one turn
-                await asyncio.sleep(0)  # the loop turns: what is owed is paid
+                await asyncio.sleep(0)  # (the loop turns)
                 await c.send("took", 0)
         await comm.barrier()
     finally:
@@ -1558,34 +1558,26 @@ def test_bursts_travel_as_runs(world: World) -> None:
     world.run(check_bursts_travel_as_runs)
 
 
-async def check_a_lone_credit_waits_for_the_turn(comm: Comm) -> None:
-    # A task about to wait sends what it issued, but a lone batch of credit waits for the
-    # iteration's end (its sender has messages on their way); two go at once, as one
-    # frame. The held credit still reaches its sender: the last message is sent only once
-    # it has.
+async def check_a_bursts_credit_is_back_with_its_acknowledgement(comm: Comm) -> None:
+    # A receiver returns each batch of credit as it takes it, as the next small frame to the
+    # sender: on the link before the acknowledgement it sends after taking a window's worth.
+    # So the sender can send a whole window again at once, never waiting for credit (a send
+    # with timeout=0 that had to wait would raise CommTimeoutError).
     async with fresh(comm) as sub:
-        ch = sub.channel(916)
-        batch = sub._router.batch
-        if sub.rank == 0:
-            for i in range(2 * batch):
-                await ch.send(i, 1)
-            window = sub._router._windows[(1, 916)]
-            await until(lambda: window.messages_out == 0, "credited for every message")
-            await ch.send("last", 1)
-        elif sub.rank == 1:
-            await until(lambda: arrived(sub, 916) == 2 * batch, "sent the messages")
-            router = sub._router
-            for held in (True, False):  # (recv takes what is there without a loop turn)
-                assert [(await ch.recv(0)).data for _ in range(batch)] == list(
-                    range(0 if held else batch, batch if held else 2 * batch))
-                router.flush(waiting=True)
-                assert ((0, 916) in router._owed) is held, held
-            assert (await ch.recv(0, timeout=10.0)).data == "last"
+        ch, ack = sub.channel(916), sub.channel(917)
+        for _ in range(3):
+            if sub.rank == 0:
+                for i in range(WINDOW):
+                    await ch.send(i, 1, timeout=0)
+                assert (await ack.recv(1, timeout=10.0)).data == "took"
+            elif sub.rank == 1:
+                assert [(await ch.recv(0)).data for _ in range(WINDOW)] == list(range(WINDOW))
+                await ack.send("took", 0)
         await sub.barrier()
 
 
-def test_a_lone_credit_waits_for_the_turn(world: World) -> None:
-    world.run(check_a_lone_credit_waits_for_the_turn)
+def test_a_bursts_credit_is_back_with_its_acknowledgement(world: World) -> None:
+    world.run(check_a_bursts_credit_is_back_with_its_acknowledgement)
 
 
 async def check_flush_before_blocking(comm: Comm) -> None:

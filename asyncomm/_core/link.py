@@ -253,6 +253,12 @@ class Link(ABC):
         if dst not in self._went:
             self._send_alone(dst, Outbox.alone(kind, tag, seq, body))
             return
+        self.queue_small(dst, kind, tag, seq, body)
+
+    def queue_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
+        """Queue a small frame in ``dst``'s packet, never alone: it goes at the next ``flush``,
+        or just before the next frame to ``dst`` that leaves at once (credit: a receiver that
+        then blocks its loop has not left its message behind it)."""
         queued = self._outbox.small(dst, kind, tag, seq, body)
         if queued and self._begun(dst, queued):
             self._outbox.small(dst, kind, tag, seq, body)
@@ -286,14 +292,14 @@ class Link(ABC):
         """Send the first small frame to ``dst`` since the last flush at once, a packet of its
         own: a task that sent and then blocks the loop (a raw blocking call) has not left its
         message behind. Later ones wait together for the next ``flush``, asked for at the
-        iteration's end here. (Nothing is queued for ``dst``: a packet begins to wait only
-        after one left alone, and a flush sends every packet.)"""
+        iteration's end here. What waits for ``dst`` already (a pending batch, frames
+        ``queue_small`` queued) goes first."""
         self._went.add(dst)
         if not self._flush_asked:
             self._flush_asked = True
             self._loop.call_soon(self._flush_at_turn_end)
-        if self._batches:  # a batch pending holds older frames
-            self._send_batch(dst)
+        if self._waiting:  # (frames wait for some rank: for dst?)
+            self._flush_to(dst)
         self._send_packet(packet, dst)
 
     def _begun(self, dst: int, queued: int = 1) -> bool:
@@ -331,10 +337,6 @@ class Link(ABC):
             self._send_batch(next(iter(self._batches)))
         for dst in self._outbox.dsts():
             self._flush_to(dst)
-
-    def queued(self, dst: int) -> bool:
-        """Return whether small frames to ``dst`` wait to be sent."""
-        return self._outbox.queued(dst)
 
     def _flush_to(self, dst: int) -> None:
         if self._batches:  # a batch pending beside a packet holds older frames

@@ -181,7 +181,7 @@ class Channel:
                 limit = self._timeout if timeout is None else timeout
                 if spun:  # (what was found is not there: taken meanwhile)
                     return await self._wait(src, limit)
-                self._flush(True)  # (here, not in ``_wait``: it leaves before that is made)
+                self._flush()  # (here, not in ``_wait``: it leaves before that is made)
                 if not self._polls or limit <= 0:
                     return await self._wait(src, limit)
                 # Spun for here, where the link polls (MPI): found, it is taken above, no
@@ -208,7 +208,7 @@ class Channel:
         frame = self._box.take(src)
         if frame is not None:
             return self._open(frame)
-        self._flush(True)
+        self._flush()
         return await self._wait(src, self._timeout if timeout is None else timeout)
 
     def _has_from(self, src: int) -> Callable[[], bool]:

@@ -140,10 +140,6 @@ class Router(Delivery):
         # credit goes back in batches (see the note on flow control, and ``took``): smaller
         # ones would cost the sender more credit frames, each a packet of its own
         self.batch, self._batch_bytes = max(1, window // 2), window_bytes // 4
-        self._hold_credit = 2 * self.batch <= window  # see the note on credit (``took``)
-        # credit owed: messages, bytes (changed in place: see ``owed``)
-        self._owed: dict[tuple[int, int], list[int]] = {}
-        self._paying = False  # whether the owed credit goes when this iteration ends
         self.limits = limits or frame_limits()
         # the most bytes of a small frame's body (see ``small``)
         self.small_room = min(link.small_room, self.limits.max_message_bytes)
@@ -416,16 +412,12 @@ class Router(Delivery):
     def expect(self) -> None:
         """A task begins to wait for a frame: send what it issued now, not when the iteration
         ends (the answer cannot come before the question has left), and watch closely."""
-        self.flush(waiting=True)
+        self.flush()
         self.link.expect()
 
-    def flush(self, waiting: bool = False) -> None:
-        """Send the small frames issued so far now, not when the loop iteration ends.
-
-        ``waiting``: for a task about to wait for a message, which a lone batch of credit
-        cannot be holding back (see ``took``): that goes when the iteration ends."""
-        if self._owed:
-            self._pay(waiting and self._hold_credit)
+    def flush(self) -> None:
+        """Send the small frames issued so far (credit too) now, not when the loop iteration
+        ends."""
         self.link.flush()
 
     def patrol(self) -> None:
@@ -496,15 +488,12 @@ class Router(Delivery):
 
         Note on credit
         --------------
-        A batch of credit is owed, not sent, when it is taken: it goes as a small frame when
-        the loop iteration ends, with whatever else goes to its sender before, or when a task
-        begins to wait (``flush``), one frame for every batch owed on a channel. A task about
-        to wait leaves a lone batch owed (``flush(waiting=True)``): a batch is at most half a
-        window, so a sender that waits for it has messages on their way to the waiting task
-        (beside what it holds of the window: under a batch uncredited, one batch owed), which
-        take it further. Only a message larger than the room left (it waits until no more
-        than a batch is out) may wait for that credit until this rank's loop turns, or the
-        waiting task's spin ends (``spin``).
+        A batch of credit is queued as a small frame to its sender as soon as the batch is
+        taken (``Link.queue_small``): it goes at the next flush (the loop iteration's end, a
+        task about to wait), or just before the next frame to its sender, whichever is first.
+        So it is on the link before anything this rank sends its sender after taking the
+        batch: a sender that waits for an answer to a window's worth of messages has its
+        credit back when the answer comes, and does not wait for it when it sends again.
         """
         if type(entry) is Message:
             src, charge = entry[0], 0
@@ -526,38 +515,8 @@ class Router(Delivery):
         done[0] = done[1] = 0
         if src == self.rank:
             self._credit(self.rank, tag, messages, nbytes)
-            return
-        owed = self._owed.get((src, tag))
-        if owed is None:
-            self._owed[(src, tag)] = [messages, nbytes]
-            if not self._paying:  # (once an iteration)
-                self._paying = True
-                self._loop.call_soon(self._pay_all)
-        else:
-            owed[0] += messages
-            owed[1] += nbytes
-
-    def _pay_all(self) -> None:
-        """The iteration ended: send the credit still owed."""
-        self._paying = False
-        if self._closed:
-            self._owed.clear()  # (its peers are closing too: nothing waits for it)
-        elif self._owed:
-            self._pay(False)
-            self.link.flush()
-
-    def _pay(self, hold: bool) -> None:
-        """Queue a credit frame for each channel credit is owed on, but (``hold``) a lone
-        batch to a rank nothing else goes to now (see the note on credit)."""
-        owed, batch, batch_bytes = self._owed, self.batch, self._batch_bytes
-        for key in list(owed):
-            messages, nbytes = owed[key]
-            src, tag = key
-            if hold and messages <= batch and nbytes <= batch_bytes and not self.link.queued(src):
-                continue
-            del owed[key]
-            if not self._closed and src not in self.dead:
-                self.link.send_small(src, Kind.CREDIT, tag, 0, _credit_body(messages, nbytes))
+        elif not self._closed and src not in self.dead:  # (closing: its peers close too)
+            self.link.queue_small(src, Kind.CREDIT, tag, 0, _credit_body(messages, nbytes))
 
     async def close(self, timeout: float) -> None:
         """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
