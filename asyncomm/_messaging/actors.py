@@ -48,7 +48,7 @@ from asyncomm._core.errors import (
 )
 from asyncomm._core.wire import Codec
 from asyncomm._messaging.channels import Channel
-from asyncomm._messaging.mailbox import Encoded, Entry, Message, src_of
+from asyncomm._messaging.mailbox import Encoded, Entry, Message
 from asyncomm._messaging.router import Router
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -183,7 +183,7 @@ class Host:
 
     def _refused(self, frame: Entry, exc: Exception) -> None:
         self._loop.call_exception_handler({
-            "message": f"asyncomm: rank {self.rank}: an actor message from rank {src_of(frame)} "
+            "message": f"asyncomm: rank {self.rank}: an actor message from rank {frame.src} "
                        "was refused", "exception": exc})
 
     async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:

@@ -110,7 +110,7 @@ class Mailbox:
             return
         self.frames.append(entry)
         if self.waiters:
-            self.came(entry[0] if type(entry) is Message else entry.src)
+            self.came(entry.src)
 
     def came(self, src: int) -> None:
         """Something from ``src`` was kept: wake the first receiver waiting for it."""
@@ -135,27 +135,22 @@ class Mailbox:
         frames = self.frames
         if not frames:
             return False
-        if src_of(frames[0]) == src:  # (a waiting recv asks this again and again)
+        if frames[0].src == src:  # (a waiting recv asks this again and again)
             return True
-        return any(src_of(entry) == src for entry in frames)
+        return any(entry.src == src for entry in frames)
 
     def take(self, src: int | None) -> Entry | None:
         """Pop the first entry (from ``src``, if given), or return ``None``."""
         frames = self.frames
         if not frames:
             return None
-        if src is None or src_of(frames[0]) == src:
+        if src is None or frames[0].src == src:
             return frames.popleft()
         for i, entry in enumerate(frames):
-            if src_of(entry) == src:
+            if entry.src == src:
                 del frames[i]
                 return entry
         return None
-
-
-def src_of(entry: Entry) -> int:
-    """Return the rank that sent ``entry``."""
-    return entry[0] if type(entry) is Message else entry.src  # type: ignore[union-attr]
 
 
 DATA = Kind.DATA.value  # an int: compared on every message

@@ -495,20 +495,17 @@ class Router(Delivery):
         batch: a sender that waits for an answer to a window's worth of messages has its
         credit back when the answer comes, and does not wait for it when it sends again.
         """
-        if type(entry) is Message:
-            src, charge = entry[0], 0
-        else:
-            src, charge = entry.src, entry.charge  # type: ignore[union-attr]
-            if charge < 0:
-                return  # refused: it held no credit
+        src = entry.src
+        charge = 0 if type(entry) is Message else entry.charge  # type: ignore[union-attr]
+        if charge < 0:
+            return  # refused: it held no credit
         done = box.taken.get(src)
         if done is None:
             done = box.taken[src] = [0, 0]
         done[0] += 1
         done[1] += charge
         if done[0] >= self.batch or done[1] >= self._batch_bytes:
-            self._return_credit(src, entry[1] if type(entry) is Message
-                                else entry.tag, done)  # type: ignore[union-attr]
+            self._return_credit(src, entry.tag, done)
 
     def _return_credit(self, src: int, tag: int, done: list[int]) -> None:
         messages, nbytes = done
