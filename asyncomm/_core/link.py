@@ -257,8 +257,8 @@ class Link(ABC):
 
     def queue_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
         """Queue a small frame in ``dst``'s packet, never alone: it goes at the next ``flush``,
-        or just before the next frame to ``dst`` that leaves at once (credit: a receiver that
-        then blocks its loop has not left its message behind it)."""
+        or just before the next frame to ``dst`` that leaves at once, which it does not keep
+        from leaving so (credit: see ``Router.took``)."""
         queued = self._outbox.small(dst, kind, tag, seq, body)
         if queued and self._begun(dst, queued):
             self._outbox.small(dst, kind, tag, seq, body)
