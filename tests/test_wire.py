@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import pickle
 import struct
 from collections.abc import Iterator
@@ -628,7 +627,7 @@ def test_a_frame_sent_alone_is_laid_out_as_the_outbox_lays_it(kind: int, tag: in
     would send had it been queued alone, and decodes to that frame."""
     body = msgpack.packb(obj)
     outbox = small.Outbox(1 << 20)
-    outbox.small(3, kind, tag, seq, body)
+    outbox.put(3, kind, tag, seq, body)
     alone = small.Outbox.alone(kind, tag, seq, body)
     assert outbox.take(3) == alone
     assert small.unpack_packet(memoryview(alone)[PREAMBLE.size:]) == [[kind, tag, seq, obj]]
@@ -648,10 +647,9 @@ def test_the_outbox_lays_out_each_frame_in_order(sends: list[tuple[int, int, byt
     for kind, tag, data in sends:
         body = msgpack.packb(data)
         seq = seqs[tag] if kind == Kind.DATA else 0
-        queue = outbox.data if kind == Kind.DATA else functools.partial(outbox.small, kind=kind)
-        if queue(1, tag=tag, seq=seq, body=body) < 0:  # full: sent, then queued in the next
+        if outbox.put(1, kind, tag, seq, body) < 0:  # full: sent, then queued in the next
             packets.append(outbox.take(1))
-            assert queue(1, tag=tag, seq=seq, body=body) == 1
+            assert outbox.put(1, kind, tag, seq, body) == 1
         queued.append((kind, tag, seq, data))
         seqs[tag] += kind == Kind.DATA
     packets.append(outbox.take(1))

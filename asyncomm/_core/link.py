@@ -147,7 +147,6 @@ class Link(ABC):
         self.small_room = min(small.BYTES, room - _RUN_HEAD_BYTES - small.PACKET_HEAD_BYTES)
         # small frames queued, per destination (the most bytes of a packet: within ``room``)
         self._outbox = Outbox(PREAMBLE.size + room)
-        self._queue_data = self._outbox.data
         self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
         self.batching = False  # whether large frames' envelopes go in batches (see the note)
         self._waiting = False  # whether frames wait (their flush in ``due``: see ``spin``)
@@ -259,9 +258,9 @@ class Link(ABC):
         """Queue a small frame in ``dst``'s packet, never alone: it goes at the next ``flush``,
         or just before the next frame to ``dst`` that leaves at once, which it does not keep
         from leaving so (credit: see ``Router.took``)."""
-        queued = self._outbox.small(dst, kind, tag, seq, body)
+        queued = self._outbox.put(dst, kind, tag, seq, body)
         if queued and self._begun(dst, queued):
-            self._outbox.small(dst, kind, tag, seq, body)
+            self._outbox.put(dst, kind, tag, seq, body)
 
     def post(self, window: Any, dst: int, tag: int, obj: object, room: int,
              max_ndim: int, limit: int) -> bool:
@@ -274,19 +273,10 @@ class Link(ABC):
         body = small.encode(obj, room, max_ndim)
         if body is None:
             return False
-        self.send_data(dst, tag, window.seq, body)
+        self.send_small(dst, DATA, tag, window.seq, body)
         window.messages_out = out + 1
         window.seq += 1
         return True
-
-    def send_data(self, dst: int, tag: int, seq: int, body: bytes) -> None:
-        """Send message ``seq`` of channel ``tag`` (``send_small``'s ``DATA``)."""
-        if dst not in self._went:
-            self._send_alone(dst, Outbox.alone(DATA, tag, seq, body))
-            return
-        queued = self._queue_data(dst, tag, seq, body)
-        if queued and self._begun(dst, queued):
-            self._queue_data(dst, tag, seq, body)
 
     def _send_alone(self, dst: int, packet: bytearray) -> None:
         """Send the first small frame to ``dst`` since the last flush at once, a packet of its
@@ -303,7 +293,7 @@ class Link(ABC):
         self._send_packet(packet, dst)
 
     def _begun(self, dst: int, queued: int = 1) -> bool:
-        """Something for ``dst`` began to wait (``queued``, as ``Outbox.data`` answers: 1 a
+        """Something for ``dst`` began to wait (``queued``, as ``Outbox.put`` answers: 1 a
         packet or batch begun, -1 a full packet): it goes at the next ``flush``, when the
         iteration ends (once), or a task begins to wait (the loop's ``due`` list). Return
         whether the packet was full: it is sent now, and the caller queues its frame again."""

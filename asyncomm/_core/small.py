@@ -522,13 +522,14 @@ class Outbox:
         self.packet_frames = 1 << 61
         self._packets: dict[int, Packet] = {}
 
-    def data(self, dst: int, tag: int, seq: int, body: bytes) -> int:
-        """Queue message ``seq`` of channel ``tag`` for ``dst`` (answered as ``small``). The
-        message after the last one queued for ``dst`` on the same channel (the commonest, in
-        a burst) adds its body to that run; after a lone message, it makes that a run first.
-        Any other goes as a lone message."""
+    def put(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> int:
+        """Queue a small frame of ``kind`` for ``dst``: 0 queued in the packet that waits, 1
+        queued as the first of a new packet, -1 not queued: the packet is full (the caller
+        sends it, ``take``, and calls again). A message (``DATA``) after the last one queued
+        for ``dst`` on the same channel (the commonest, in a burst) adds its body to that
+        run; after a lone message, it makes that a run first. Any other frame goes alone."""
         packet = self._packets.get(dst)
-        if packet is not None and packet.frames < self.packet_frames:
+        if kind == DATA and packet is not None and packet.frames < self.packet_frames:
             if (packet.next == seq and packet.run == tag
                     and len(packet) + len(body) <= self.packet_bytes):
                 packet += body
@@ -547,14 +548,12 @@ class Outbox:
                 packet.frames += 1
                 packet.next, packet.lone = seq + 1, -1
                 return 0
-        return self.small(dst, DATA, tag, seq, body)
+        return self._lone(packet, dst, kind, tag, seq, body)
 
-    def small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> int:
-        """Queue a small frame of ``kind`` for ``dst``, a lone one (a message may begin a run,
-        see ``data``): 0 queued in the packet that waits, 1 queued as the first of a new
-        packet, -1 not queued: the packet is full (the caller sends it, ``take``, and calls
-        again)."""
-        packet = self._packets.get(dst)
+    def _lone(self, packet: Packet | None, dst: int, kind: int, tag: int, seq: int,
+              body: bytes) -> int:
+        """``put``'s frame that does not extend a run, in ``dst``'s ``packet`` (``None``:
+        none waits); a message's may begin one."""
         started = 0
         if packet is None:
             packet = self._start(dst)

@@ -219,7 +219,7 @@ class Router(Delivery):
                 except ProtocolError as exc:  # (what this rank encoded: never)
                     self._small(dst, _DATA_KIND, tag, seq, exc)
             else:
-                self.link.send_data(dst, tag, seq, frame)
+                self.link.send_small(dst, _DATA_KIND, tag, seq, frame)
             return
         head, buffers = frame
         head = wire.with_seq(head, seq)
