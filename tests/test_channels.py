@@ -430,7 +430,7 @@ async def check_credit_owed_on_two_channels(comm: Comm) -> list[str]:
                 await c.recv(0)  # (a link keeps order: a's and b's messages are here)
                 for ch in (a, b):
                     for _ in range(batch):
-                        await ch.recv(0)  # taken at once: both batches owed in one turn
+                        await ch.recv(0)  # taken at once: both batches returned in one turn
                 await asyncio.sleep(0)  # (the loop turns)
                 await c.send("took", 0)
         await comm.barrier()
