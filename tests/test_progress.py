@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from asyncomm import Comm, CommTimeoutError
-from asyncomm._core import spin as spinning
-from asyncomm._core.polling import Ticker
-from asyncomm._core.spin import FAIR_S, MISSES, Spin, due_at
+from asyncomm._core import polling
+from asyncomm._core.polling import FAIR_S, MISSES, Spin, Ticker, due_at
 from asyncomm.testing import World, fresh
 
 
@@ -186,7 +185,7 @@ async def check_a_turn_given_loses_no_message(comm: Comm) -> int:
     # checked after the turn: several in 2000 exchanges).
     async with fresh(comm, env={"ASYNCOMM_PROBE_S": "60"}) as sub:
         ch, peer, t = sub.channel(1), 1 - sub.rank, torch.zeros(2)
-        fair, spinning.FAIR_S = spinning.FAIR_S, 20e-6
+        fair, polling.FAIR_S = polling.FAIR_S, 20e-6
         try:
             for _ in range(2000):
                 if sub.rank == 0:
@@ -196,7 +195,7 @@ async def check_a_turn_given_loses_no_message(comm: Comm) -> int:
                     await ch.recv(peer, timeout=20)
                     await ch.send(t, peer)
         finally:
-            spinning.FAIR_S = fair
+            polling.FAIR_S = fair
         return sub.rank
 
 

@@ -659,7 +659,11 @@ def test_the_outbox_lays_out_each_frame_in_order(sends: list[tuple[int, int, byt
 
 
 class _Delivered(Delivery):
-    """A delivery with the router's two hooks as no-ops (credit, control frames)."""
+    """A delivery with the router's two hooks as no-ops (credit, control frames), and no
+    link: nothing is taken from it, so it returns no credit."""
+
+    def __init__(self) -> None:
+        super().__init__(0, wire.Limits(), None, 64, 64 << 20)  # type: ignore[arg-type]
 
     def _credit(self, src: int, tag: int, messages: int, nbytes: int) -> None:
         pass
@@ -684,7 +688,7 @@ def test_forged_packets_are_taken_without_raising(packets: list[list[object]]) -
     """Any packet that decodes -- frames, runs, out of sequence, malformed -- is taken
     without raising (the link's poll would die of it): what is kept is a message of its
     channel or a refusal."""
-    delivery, one_by_one = _Delivered(0, wire.Limits()), _Delivered(0, wire.Limits())
+    delivery, one_by_one = _Delivered(), _Delivered()
     for items in packets:
         try:
             data = msgpack.packb(items)

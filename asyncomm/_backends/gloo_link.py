@@ -75,10 +75,10 @@ from asyncomm._backends import gloo_p2p
 from asyncomm._backends.gloo_lane import Lane
 from asyncomm._core import tags, wire
 from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError, gist
-from asyncomm._core.handle import Handle
+from asyncomm._core.handle import Classify, Handle
 from asyncomm._core.link import Arrivals, Link, Transport, bye_from, proxy_bye, signal
 from asyncomm._core.messages import BATCH, PREAMBLE, Pending, envelopes
-from asyncomm._core.progress import Classify, Inbox, Waiters
+from asyncomm._core.progress import Inbox, Waiters
 
 SHORT = gloo_p2p.SHORT  # a message may be shorter than its receive (see gloo_p2p's note)
 # the most bytes of a link message on gloo (its receives' size; padded to it where not SHORT)

@@ -35,11 +35,10 @@ from asyncomm._core.errors import (
     PeerFailedError,
     truncated,
 )
-from asyncomm._core.handle import Handle
+from asyncomm._core.handle import Handle, Sink
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.polling import Poller
-from asyncomm._core.progress import Sink
 
 _TEST = MPI.Request.Test
 # the MPI datatype of each dtype, by its handle (a key of the persistent requests kept)

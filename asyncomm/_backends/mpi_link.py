@@ -16,11 +16,10 @@ from mpi4py import MPI
 
 from asyncomm._core import tags
 from asyncomm._core.errors import CommError, ProtocolError
-from asyncomm._core.handle import Handle
+from asyncomm._core.handle import Classify, Handle
 from asyncomm._core.link import Link, Transport
 from asyncomm._core.messages import PREAMBLE, Pending
 from asyncomm._core.polling import Poller
-from asyncomm._core.progress import Classify
 
 DATATYPES: dict[torch.dtype, Any] = {
     torch.bool: MPI.C_BOOL,

@@ -42,10 +42,9 @@ from asyncomm._backends import mpi_kept
 from asyncomm._backends.mpi_link import DATATYPES, spec
 from asyncomm._core import ops
 from asyncomm._core.errors import CommClosedError, CommError
-from asyncomm._core.handle import Handle
+from asyncomm._core.handle import Handle, Sink
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.polling import Poller
-from asyncomm._core.progress import Sink
 
 KINDS = 64  # kinds of all-reduce counted per communicator (later kinds are never kept)
 KEPT_BYTES = 4096  # the largest all-reduce kept (larger ones are not bound by latency)

@@ -53,10 +53,11 @@ from asyncomm._core import settings, tags
 from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
 from asyncomm._core.env import LaunchEnv
 from asyncomm._core.errors import CommClosedError, CommError, CommTimeoutError, PeerFailedError
+from asyncomm._core.handle import Sink
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
-from asyncomm._core.progress import FutureBridge, Inbox, Reaper, Sink, Waiters
-from asyncomm._core.spin import Spin
+from asyncomm._core.polling import Spin
+from asyncomm._core.progress import FutureBridge, Inbox, Reaper, Waiters
 
 T = TypeVar("T")
 
@@ -128,8 +129,7 @@ def _settle_at_exit() -> None:
     Then collect what reference cycles still hold (a closed communicator's
     works and futures among them): left to the interpreter's finalization,
     their destruction needs the GIL on threads that can no longer take it, and
-    gloo's threads end the process (std::terminate). Seen in 4 of 14 runs of
-    a program that destroys its own group after ``asyncomm.run``; 0 of 20 so.
+    gloo's threads end the process (std::terminate).
     """
     gloo_halt.exit_if_halted()
     for backend in list(_open):

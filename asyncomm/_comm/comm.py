@@ -378,7 +378,7 @@ class Comm(Collectives, Peers):
         a message. Call this before blocking the loop (a raw blocking call on
         ``comm.raw``) after a burst of sends if a peer needs them meanwhile.
         """
-        self._router.flush()
+        self._router.link.flush()
 
     def serve(self, actor: Actor, name: str) -> None:
         """Serve ``actor`` on this rank under ``name``; any rank calls it through ``actor()``.

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from asyncomm._core.errors import CommError, PeerFailedError, describe, gist
+from asyncomm._core.handle import Classify, Sink
 from asyncomm._core.ops import ReduceOp
-from asyncomm._core.progress import Classify, Sink
 
 if TYPE_CHECKING:
     from asyncomm._core.handle import Handle

@@ -1,4 +1,5 @@
-"""``Handle``: the awaitable result of one issued operation; ``Deadlines``: their timeouts."""
+"""``Handle``: the awaitable result of one issued operation; ``Deadlines``: their timeouts;
+``deliver``: how a progress engine settles a handle (a ``Sink``) with its request's outcome."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Generator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError, describe, restated
 
@@ -18,6 +19,41 @@ T = TypeVar("T")
 _PENDING, _DONE, _FAILED = 0, 1, 2
 
 FROM_BACKEND: Any = object()  # a handle whose result is the value its backend reports
+
+Finish = Callable[[Any], object]
+Classify = Callable[[BaseException], type[CommError]]
+
+
+class Sink(Protocol):
+    """What a finished request is reported to (on the loop thread)."""
+
+    def _succeed(self, value: object) -> None: ...
+
+    def _fail(self, kind: type[CommError], cause: BaseException) -> None: ...
+
+    def _abandon(self, kind: type[CommError], cause: BaseException) -> None:
+        """Fail without releasing buffers: the backend may still use them."""
+
+
+# What a ``finish`` returns where the request was taken care of already (its task saw it
+# done first): nothing to deliver. (The sink may still be pending then: a peer's failure is
+# held until the communicator can say which rank it was, and must not be succeeded over.)
+TAKEN: Any = object()
+
+
+def deliver(sink: Sink, finish: Finish | None, outcome: Any, classify: Classify) -> None:
+    """Settle ``sink`` with ``finish(outcome)``, or (no ``finish``) with the outcome itself;
+    not at all where ``finish`` returns ``TAKEN``."""
+    if finish is None:
+        sink._succeed(outcome)
+        return
+    try:
+        value = finish(outcome)
+    except BaseException as exc:  # the backend's error, re-raised by finish
+        sink._fail(classify(exc), exc)
+    else:
+        if value is not TAKEN:
+            sink._succeed(value)
 
 
 class Handle(Generic[T]):

@@ -63,8 +63,8 @@ from asyncomm._core.messages import (
     pack_frame,
     unpack_frame,
 )
+from asyncomm._core.polling import due_at
 from asyncomm._core.small import DATA, Outbox
-from asyncomm._core.spin import due_at
 from asyncomm._core.wire import Head
 
 _PREAMBLE_AT = PREAMBLE.unpack_from
@@ -257,7 +257,7 @@ class Link(ABC):
     def queue_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
         """Queue a small frame in ``dst``'s packet, never alone: it goes at the next ``flush``,
         or just before the next frame to ``dst`` that leaves at once, which it does not keep
-        from leaving so (credit: see ``Router.took``)."""
+        from leaving so (credit: see ``Delivery.took``, ``_messaging.mailbox``)."""
         queued = self._outbox.put(dst, kind, tag, seq, body)
         if queued and self._begun(dst, queued):
             self._outbox.put(dst, kind, tag, seq, body)

@@ -28,46 +28,12 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from asyncomm._core import instrument
-from asyncomm._core.errors import CommClosedError, CommError
-from asyncomm._core.spin import Spin
-
-Finish = Callable[[Any], object]
-Classify = Callable[[BaseException], type[CommError]]
-
-
-class Sink(Protocol):
-    """What a finished request is reported to (on the loop thread)."""
-
-    def _succeed(self, value: object) -> None: ...
-
-    def _fail(self, kind: type[CommError], cause: BaseException) -> None: ...
-
-    def _abandon(self, kind: type[CommError], cause: BaseException) -> None:
-        """Fail without releasing buffers: the backend may still use them."""
-
-
-# What a ``finish`` returns where the request was taken care of already (its task saw it
-# done first): nothing to deliver. (The sink may still be pending then: a peer's failure is
-# held until the communicator can say which rank it was, and must not be succeeded over.)
-TAKEN: Any = object()
-
-
-def deliver(sink: Sink, finish: Finish | None, outcome: Any, classify: Classify) -> None:
-    """Settle ``sink`` with ``finish(outcome)``, or (no ``finish``) with the outcome itself;
-    not at all where ``finish`` returns ``TAKEN``."""
-    if finish is None:
-        sink._succeed(outcome)
-        return
-    try:
-        value = finish(outcome)
-    except BaseException as exc:  # the backend's error, re-raised by finish
-        sink._fail(classify(exc), exc)
-    else:
-        if value is not TAKEN:
-            sink._succeed(value)
+from asyncomm._core.errors import CommClosedError
+from asyncomm._core.handle import TAKEN, Classify, Finish, Sink, deliver
+from asyncomm._core.polling import Spin
 
 
 class Inbox:

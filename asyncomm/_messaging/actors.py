@@ -192,7 +192,7 @@ class Host:
         while True:
             # its next request may be microseconds away: send its answers, then spin first
             if not items:
-                self._router.flush()
+                self._router.link.flush()
                 if not self._spin_until(inbox.nonempty):
                     self._router.link.expect()  # it parks: the poller watches closely
             message = items.popleft() if items else await inbox.get()
@@ -255,7 +255,7 @@ class Host:
     async def _call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
                     kwargs: dict[str, Any], timeout: float | None) -> Any:
         *_, call_id, future = self.request(rank, name, method, args, kwargs)
-        self._router.flush()  # the request leaves now: its answer may be quick
+        self._router.link.flush()  # the request leaves now: its answer may be quick
         if self._spin_until(future.done):  # an answer within microseconds: no loop turn, no timer
             del self._calls[call_id]
             ok, result = future.result()
@@ -278,7 +278,7 @@ class Host:
     async def results_of(self, posted: list[Posted], timeout: float | None) -> list[Any]:
         """Send the calls ``request`` posted; their results, in order (the first error
         raised). As ``_call`` waits: a spin first, parked then."""
-        self._router.flush()
+        self._router.link.flush()
         futures = [future for *_, future in posted]
         if self._spin_until(lambda: all(future.done() for future in futures)):
             for *_, call_id, _ in posted:
@@ -289,7 +289,7 @@ class Host:
 
     def flush(self) -> None:
         """Send the calls posted so far now."""
-        self._router.flush()
+        self._router.link.flush()
 
     async def result_of(self, posted: Posted, timeout: float | None) -> Any:
         """The result of a call ``request`` posted and sent (its error, where it failed)."""

@@ -48,7 +48,7 @@ class Channel:
         self._windows: dict[int, Window] = {}  # per destination, as the router keeps them
         self._window = router.window  # the most messages out per destination
         self._post = router.link.post
-        self._flush = router.flush
+        self._flush = router.link.flush
         self._spin_until = router.link.spin_until
         self._polls = router.link.polls  # whether ``spin_until`` may find anything
         self._refused = router.link.refused
@@ -220,7 +220,7 @@ class Channel:
 
     async def _wait(self, src: int | None, limit: float, spun: bool = False) -> Message:
         """Wait for a message from ``src`` (any if ``None``) for up to ``limit`` seconds; the
-        caller sent what this rank issued first (``Router.flush``: it may be answered).
+        caller sent what this rank issued first (``Link.flush``: it may be answered).
         ``spun``: the caller spun for it already (``recv``), and found none."""
         router, box = self._router, self._box
         loop = asyncio.get_running_loop()
@@ -322,7 +322,7 @@ class Channel:
         return Message(entry.src, self.tag, self.opened(entry))  # type: ignore[union-attr]
 
     def _took(self, message: Message) -> Message:
-        """Count a small message taken (for credit: ``Router.took``); return it."""
+        """Count a small message taken (for credit: ``Delivery.took``); return it."""
         self._router.took(message, self._box)
         return message
 

@@ -13,13 +13,16 @@ refused on their channel (or, where the channel cannot be told, the source's str
 broken), and frames whose buffers are still on their way holding back their source's
 later ones. A packet of small frames is decoded in one call (see ``Delivery.packet``), with
 no object or call per frame on the commonest paths (a run of a channel's messages, checked
-once and kept in one step; the channel's next message alone).
+once and kept in one step; the channel's next message alone). As its user takes messages,
+it returns their credit to their senders in batches (``took``; the router's note on flow
+control says why).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -27,6 +30,7 @@ import torch
 
 from asyncomm._core import small, wire
 from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError
+from asyncomm._core.link import Link
 from asyncomm._core.messages import Pending
 from asyncomm._core.wire import Head, Kind
 
@@ -181,12 +185,27 @@ def wake(waiter: asyncio.Future[Any]) -> None:
 RUN = small.RUN
 
 
+@functools.lru_cache(maxsize=64)
+def _credit_body(messages: int, nbytes: int) -> bytes:
+    """Return the body of a credit frame (a batch of small messages: the same, kept)."""
+    body = small.encode([messages, nbytes])
+    assert body is not None
+    return body
+
+
 class Delivery:
     """Frames that arrive, into the mailboxes of their channels (the router's receive side)."""
 
-    def __init__(self, rank: int, limits: wire.Limits) -> None:
+    def __init__(self, rank: int, limits: wire.Limits, link: Link, window: int,
+                 window_bytes: int) -> None:
         self.rank = rank
         self.limits = limits
+        self.link = link  # (channels send their small frames straight to it)
+        # credit goes back in batches (see ``took``, and the router's note on flow control):
+        # smaller ones would cost the sender more credit frames, each a packet of its own
+        self.batch, self._batch_bytes = max(1, window // 2), window_bytes // 4
+        self._closed = False
+        self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
         self._mailboxes: dict[int, Mailbox] = {}
         # frames of a source queued behind one whose buffers are on their way (a small
         # frame as its tag, seq and message)
@@ -408,6 +427,40 @@ class Delivery:
                 f"{frame.src} where {expected} was due")
         box.seqs[frame.src] = frame.seq + 1
         box.put(frame)
+
+    # -- credit returned as messages are taken ----------------------------------------
+
+    def took(self, entry: Entry, box: Mailbox) -> None:
+        """Count a message the user took from ``box``; return credit to its sender in batches.
+
+        Note on credit
+        --------------
+        A batch of credit is queued as a small frame to its sender as soon as the batch is
+        taken (``Link.queue_small``): it goes at the next flush (the loop iteration's end, a
+        task about to wait), or just before the next frame to its sender, whichever is first.
+        So it is on the link before anything this rank sends its sender after taking the
+        batch: a sender that waits for an answer to a window's worth of messages has its
+        credit back when the answer comes, and does not wait for it when it sends again.
+        """
+        src = entry.src
+        charge = 0 if type(entry) is Message else entry.charge  # type: ignore[union-attr]
+        if charge < 0:
+            return  # refused: it held no credit
+        done = box.taken.get(src)
+        if done is None:
+            done = box.taken[src] = [0, 0]
+        done[0] += 1
+        done[1] += charge
+        if done[0] >= self.batch or done[1] >= self._batch_bytes:
+            self._return_credit(src, entry.tag, done)
+
+    def _return_credit(self, src: int, tag: int, done: list[int]) -> None:
+        messages, nbytes = done
+        done[0] = done[1] = 0
+        if src == self.rank:
+            self._credit(self.rank, tag, messages, nbytes)
+        elif not self._closed and src not in self.dead:  # (closing: its peers close too)
+            self.link.queue_small(src, Kind.CREDIT, tag, 0, _credit_body(messages, nbytes))
 
     def _credit(self, src: int, tag: int, messages: int, nbytes: int) -> None:
         """Credit came back from ``src`` for channel ``tag`` (the router counts it)."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import functools
 import logging
 import math
 import time
@@ -60,10 +59,7 @@ from asyncomm._core.wire import Codec, Kind
 from asyncomm._messaging.mailbox import (
     Delivery,
     Encoded,
-    Entry,
     Frame,
-    Mailbox,
-    Message,
     charge,
     wake,
 )
@@ -103,14 +99,6 @@ def _as_tensor(buffer: wire.Buffer) -> torch.Tensor:
         return torch.frombuffer(buffer, dtype=torch.uint8)
 
 
-@functools.lru_cache(maxsize=64)
-def _credit_body(messages: int, nbytes: int) -> bytes:
-    """Return the body of a credit frame (a batch of small messages: the same, kept)."""
-    body = small.encode([messages, nbytes])
-    assert body is not None
-    return body
-
-
 class Window:
     """A sender's credit towards one (receiver, channel)."""
 
@@ -137,20 +125,15 @@ class Router(Delivery):
         self.probe = probe  # where channels and actors report, while someone records
         self.probe_s = probe_s  # see the note on dead peers
         self.window, self.window_bytes = window, window_bytes
-        # credit goes back in batches (see the note on flow control, and ``took``): smaller
-        # ones would cost the sender more credit frames, each a packet of its own
-        self.batch, self._batch_bytes = max(1, window // 2), window_bytes // 4
         self.limits = limits or frame_limits()
         # the most bytes of a small frame's body (see ``small``)
         self.small_room = min(link.small_room, self.limits.max_message_bytes)
-        super().__init__(rank, self.limits)
+        super().__init__(rank, self.limits, link, window, window_bytes)
         self._windows: dict[tuple[int, int], Window] = {}
         self._byes: set[int] = set()  # ranks whose router said goodbye
         self._loop = asyncio.get_running_loop()
         self._all_byes: asyncio.Future[None] = self._loop.create_future()
         self._inflight: set[Any] = set()
-        self._closed = False
-        self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
         self.told: dict[int, BaseException] = {}  # peers that said they failed, and what
         self._quiet: set[int] = set()  # of those, the ones whose earlier sends are in
         self._left: set[int] = set()  # peers that closed without waiting for the others
@@ -162,7 +145,6 @@ class Router(Delivery):
         self.stall_s = 0.0
         self.explain: Callable[[Sequence[int]], Awaitable[str]] | None = None
         self._explaining: set[asyncio.Task[None]] = set()  # (``aside``)
-        self.link = link  # (channels send their small frames straight to it)
         self._patrol: asyncio.TimerHandle | None = None
         if self.size > 1:
             self.link.open(self, self.limits)
@@ -341,7 +323,7 @@ class Router(Delivery):
         """Whether a message of ``nbytes`` may go now."""
         out, out_bytes = window.messages_out, window.bytes_out
         # A message too large for the room left passes once all that is out may be credit the
-        # receiver holds back until a batch is full (see ``took``): else it would never pass.
+        # receiver holds back until a batch is full (``Delivery.took``): else it would never pass.
         return (out == 0
                 or (out < self.batch and out_bytes < self._batch_bytes)
                 or (out < self.window and out_bytes + nbytes <= self.window_bytes))
@@ -412,13 +394,8 @@ class Router(Delivery):
     def expect(self) -> None:
         """A task begins to wait for a frame: send what it issued now, not when the iteration
         ends (the answer cannot come before the question has left), and watch closely."""
-        self.flush()
-        self.link.expect()
-
-    def flush(self) -> None:
-        """Send the small frames issued so far (credit too) now, not when the loop iteration
-        ends."""
         self.link.flush()
+        self.link.expect()
 
     def patrol(self) -> None:
         """Wake every waiting receiver within ``probe_s`` (to check its peers, its deadline):
@@ -482,38 +459,6 @@ class Router(Delivery):
             self.mailbox(tag).put(Frame.refused(frame.src, tag, ProtocolError(
                 f"rank {self.rank}: channel {tag}: frame of kind {frame.kind} from rank "
                 f"{frame.src} refused")))
-
-    def took(self, entry: Entry, box: Mailbox) -> None:
-        """Count a message the user took from ``box``; return credit to its sender in batches.
-
-        Note on credit
-        --------------
-        A batch of credit is queued as a small frame to its sender as soon as the batch is
-        taken (``Link.queue_small``): it goes at the next flush (the loop iteration's end, a
-        task about to wait), or just before the next frame to its sender, whichever is first.
-        So it is on the link before anything this rank sends its sender after taking the
-        batch: a sender that waits for an answer to a window's worth of messages has its
-        credit back when the answer comes, and does not wait for it when it sends again.
-        """
-        src = entry.src
-        charge = 0 if type(entry) is Message else entry.charge  # type: ignore[union-attr]
-        if charge < 0:
-            return  # refused: it held no credit
-        done = box.taken.get(src)
-        if done is None:
-            done = box.taken[src] = [0, 0]
-        done[0] += 1
-        done[1] += charge
-        if done[0] >= self.batch or done[1] >= self._batch_bytes:
-            self._return_credit(src, entry.tag, done)
-
-    def _return_credit(self, src: int, tag: int, done: list[int]) -> None:
-        messages, nbytes = done
-        done[0] = done[1] = 0
-        if src == self.rank:
-            self._credit(self.rank, tag, messages, nbytes)
-        elif not self._closed and src not in self.dead:  # (closing: its peers close too)
-            self.link.queue_small(src, Kind.CREDIT, tag, 0, _credit_body(messages, nbytes))
 
     async def close(self, timeout: float) -> None:
         """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
