@@ -32,22 +32,19 @@ if TYPE_CHECKING:
 
 # Where each public name lives. Importing them is deferred to their first use so that the
 # command line (``asyncomm run`` spawning ranks, ``--help``) starts without loading torch.
-_HOMES = {
-    "Actor": "_messaging.actors", "ActorRef": "_messaging.actors",
-    "endpoint": "_messaging.actors",
-    "Channel": "_messaging.channels", "Message": "_messaging.channels",
-    "Mesh": "_messaging.meshes",
-    "Comm": "_comm",
-    "compute": "_overlap.compute",
-    "CommClosedError": "_core.errors", "CommError": "_core.errors",
-    "CommTimeoutError": "_core.errors", "MismatchError": "_core.errors",
-    "PeerFailedError": "_core.errors", "ProtocolError": "_core.errors",
-    "RemoteError": "_core.errors",
-    "GradSync": "_overlap.gradsync",
-    "Handle": "_core.handle",
-    "ReduceOp": "_core.ops",
-    "init": "_runtime", "run": "_runtime",
-}
+_HOMES = {name: home for home, names in (
+    ("_comm", ("Comm",)),
+    ("_core.errors", ("CommClosedError", "CommError", "CommTimeoutError", "MismatchError",
+                      "PeerFailedError", "ProtocolError", "RemoteError")),
+    ("_core.handle", ("Handle",)),
+    ("_core.ops", ("ReduceOp",)),
+    ("_messaging.actors", ("Actor", "ActorRef", "endpoint")),
+    ("_messaging.channels", ("Channel", "Message")),
+    ("_messaging.meshes", ("Mesh",)),
+    ("_overlap.compute", ("compute",)),
+    ("_overlap.gradsync", ("GradSync",)),
+    ("_runtime", ("init", "run")),
+) for name in names}
 
 
 def __getattr__(name: str) -> object:
@@ -70,27 +67,7 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Actor",
-    "ActorRef",
-    "Channel",
-    "Comm",
-    "CommClosedError",
-    "CommError",
-    "CommTimeoutError",
-    "GradSync",
-    "Handle",
-    "Mesh",
-    "Message",
-    "MismatchError",
-    "PeerFailedError",
-    "ProtocolError",
-    "ReduceOp",
-    "RemoteError",
-    "__version__",
-    "compute",
-    "endpoint",
-    "init",
-    "run",
-    "trace",
-]
+__all__ = ["Actor", "ActorRef", "Channel", "Comm", "CommClosedError", "CommError",
+           "CommTimeoutError", "GradSync", "Handle", "Mesh", "Message", "MismatchError",
+           "PeerFailedError", "ProtocolError", "ReduceOp", "RemoteError", "__version__",
+           "compute", "endpoint", "init", "run", "trace"]

@@ -84,10 +84,10 @@ class init:
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
                         tb: TracebackType | None) -> None:
-        if (self._comm is not None and self._comm.size > 1 and isinstance(error, Exception)
-                and not isinstance(error, PeerFailedError)):
-            await self._comm._tell(_deed(error))  # (where ``run`` did not already)
         if self._comm is not None:
+            if (self._comm.size > 1 and isinstance(error, Exception)
+                    and not isinstance(error, PeerFailedError)):
+                await self._comm._tell(_deed(error))  # (where ``run`` did not already)
             # Leaving on an error: the other ranks may never close, so do not wait for them.
             await self._comm._close(linger=30.0 if error is None else 0.0)
         await _compute.shutdown(asyncio.get_running_loop())
@@ -195,7 +195,7 @@ async def _failed(comm: Comm, exc: BaseException) -> None:
     says so in one line instead of a traceback of its own; under MPI it then waits for the
     failing rank to end the job. The launcher names the rank that failed first.
     """
-    grace, ends_job = settings.read().grace_s, comm._ends_job_on_error
+    grace, ends_job = settings.read().grace_s, comm._backend.ends_job_on_error
     if isinstance(exc, PeerFailedError):
         prefix = f"asyncomm: rank {comm.rank} stopped: "
         if not ends_job:

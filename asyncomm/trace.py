@@ -115,7 +115,7 @@ def ddp(model: DistributedDataParallel) -> DistributedDataParallel:
         recording = _recorder.recorder()
         if recording is None:
             return done
-        timed = _timed(done, "all_reduce", nbytes, start, "ddp:all_reduce")
+        timed = _timed(recording, done, "all_reduce", nbytes, start, "ddp:all_reduce")
         issued.append(timed)
         if last:
             waiting = time.perf_counter()
@@ -137,16 +137,14 @@ def work(handle: Any, kind: str, tensor: torch.Tensor | None = None) -> Any:
     recording = _recorder.recorder()
     if recording is not None:
         nbytes = tensor.nbytes if tensor is not None else 0
-        _timed(handle.get_future(), kind, nbytes, time.perf_counter(), f"torch:{kind}")
+        _timed(recording, handle.get_future(), kind, nbytes, time.perf_counter(),
+               f"torch:{kind}")
     return handle
 
 
-def _timed(done: torch.futures.Future[Any], kind: str, nbytes: int, start: float,
-           name: str) -> torch.futures.Future[Any]:
-    """``done``, chained to record the span from ``start`` to its completion."""
-    recording = _recorder.recorder()
-    if recording is None:
-        return done
+def _timed(recording: _recorder.Recorder, done: torch.futures.Future[Any], kind: str,
+           nbytes: int, start: float, name: str) -> torch.futures.Future[Any]:
+    """``done``, chained to record the span from ``start`` to its completion in ``recording``."""
 
     def record(future: torch.futures.Future[Any]) -> Any:
         recording.torch_op(kind, nbytes, start, time.perf_counter(), name)

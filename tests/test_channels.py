@@ -1252,11 +1252,10 @@ async def check_small_beside_a_stream(comm: Comm) -> None:
             endpoint = link._endpoint
             send = endpoint.send_raw
 
-            def watched(sink: Any, tensor: torch.Tensor, dst: int, tag: int,
-                        eager: bool = True, copied: bool = False) -> None:
+            def watched(sink: Any, tensor: torch.Tensor, dst: int, tag: int) -> None:
                 nonlocal data_through_gloo
                 data_through_gloo += tag != tags.LINK_MESSAGE
-                send(sink, tensor, dst, tag, eager, copied)
+                send(sink, tensor, dst, tag)
 
             endpoint.send_raw = watched
         big, small, back = sub.channel(908), sub.channel(909), sub.channel(910)
@@ -1356,10 +1355,9 @@ async def check_padded_link_messages(comm: Comm) -> list[int]:
             endpoint: Any = sub._router.link._endpoint  # type: ignore[attr-defined]
             send = endpoint.send_raw
 
-            def measured(sink: Any, tensor: torch.Tensor, dst: int, tag: int,
-                         eager: bool = True, copied: bool = False) -> None:
+            def measured(sink: Any, tensor: torch.Tensor, dst: int, tag: int) -> None:
                 lengths.append(tensor.numel())
-                send(sink, tensor, dst, tag, eager, copied)
+                send(sink, tensor, dst, tag)
 
             endpoint.send_raw = measured
             await check_large_envelopes_share_messages(sub)
@@ -1459,7 +1457,8 @@ async def check_corrupt_small_frames(comm: Comm) -> None:
             assert (await ch.recv(0)).data == "v1"
             assert (await other.recv(0)).data == "o0"
             await sub.barrier()
-            cut = small.packet_head(1) + small.head(1, 911, 1)[:-3]  # a frame's head, cut
+            head = small.HEAD.pack(small.FRAME_BYTE, 1, small.U64_BYTE, 911, small.U64_BYTE, 1)
+            cut = small.PACKET_HEAD.pack(small.ARRAY_BYTE, 1) + head[:-3]  # a frame's head, cut
             link._arrive(0, bytearray(struct.pack("<IIII", 0, len(cut), 0, 1) + cut))  # as if sent
             with pytest.raises(asyncomm.ProtocolError, match="stream from rank 0 broken"):
                 await other.recv(0, timeout=10.0)

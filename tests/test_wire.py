@@ -29,7 +29,6 @@ from asyncomm._core.wire import (
     decode,
     decode_head,
     encode,
-    head_size,
 )
 from asyncomm._messaging.mailbox import Delivery, Frame, Message
 
@@ -176,7 +175,6 @@ def test_golden_head_bytes() -> None:
     assert head.hex() == (
         "41434d46010400000700000000000000030000000000000001000000110000004800000004000103"
         "00000000000000060000000000000082a16193c7000101c0a174d60200000000")
-    assert head_size(head[:PREFIX_BYTES]) == len(head)
 
 
 def test_tags_and_limits_at_encode() -> None:
@@ -290,8 +288,6 @@ def test_tighter_limits() -> None:
                    Limits(max_ndim=1), Limits(max_message_bytes=63)]:
         with pytest.raises(ProtocolError):
             decode_head(head, limits)
-    with pytest.raises(ProtocolError):
-        head_size(head[:PREFIX_BYTES], Limits(max_head_bytes=PREFIX_BYTES))
 
 
 @pytest.mark.usefixtures("no_allocation_or_unpickling")
@@ -523,7 +519,7 @@ def inline(payload: bytes) -> bytes:
 def test_hostile_small_frames_are_refused_before_allocation(body: bytes, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
         small.decode(body)
-    packet = small.packet_head(1) + small.head(1, 7, 0) + body
+    packet = packet_head(1) + frame_head(1, 7, 0) + body
     with pytest.raises(ProtocolError, match=message):  # in a packet, the same
         small.unpack_packet(packet)
 
@@ -539,10 +535,26 @@ def test_random_small_bodies_are_refused_or_plain(data: bytes, marked: bytes) ->
     assert plain(out)
 
 
+def frame_head(kind: int, tag: int, seq: int) -> bytes:
+    """A small frame's head (``small.HEAD``)."""
+    return small.HEAD.pack(small.FRAME_BYTE, kind, small.U64_BYTE, tag, small.U64_BYTE, seq)
+
+
+def run_head(tag: int, seq: int, count: int) -> bytes:
+    """The head of a run of ``count`` messages of channel ``tag`` from ``seq`` on."""
+    return small.RUN_HEAD.pack(small.FRAME_BYTE, small.RUN, small.U64_BYTE, tag,
+                               small.U64_BYTE, seq, small.ARRAY_BYTE, count)
+
+
+def packet_head(frames: int) -> bytes:
+    """The head of a packet of ``frames`` small frames."""
+    return small.PACKET_HEAD.pack(small.ARRAY_BYTE, frames)
+
+
 def frames_of(*frames: tuple[int, int, int, bytes]) -> bytes:
     """A packet's bytes: its head, then each frame's head and body."""
-    return small.packet_head(len(frames)) + b"".join(
-        small.head(kind, tag, seq) + body for kind, tag, seq, body in frames)
+    return packet_head(len(frames)) + b"".join(
+        frame_head(kind, tag, seq) + body for kind, tag, seq, body in frames)
 
 
 def test_a_packet_decodes_in_one_call_and_a_bad_frame_alone() -> None:
@@ -569,15 +581,15 @@ def test_a_packet_decodes_in_one_call_and_a_bad_frame_alone() -> None:
 def test_a_run_carries_consecutive_messages_of_one_channel() -> None:
     t = torch.arange(3.0)
     bodies = [small.encode(x) or b"" for x in ({"a": [1, 2]}, t, "s")]
-    run = small.run_head(9, 40, len(bodies)) + b"".join(bodies)
-    packet = small.packet_head(2) + small.head(1, 5, 0) + bodies[2] + run
+    run = run_head(9, 40, len(bodies)) + b"".join(bodies)
+    packet = packet_head(2) + frame_head(1, 5, 0) + bodies[2] + run
     items = small.unpack_packet(packet)
     assert items[0] == [1, 5, 0, "s"] and items[1][:3] == [small.RUN, 9, 40]
     assert same(items[1][3], [{"a": [1, 2]}, t, "s"])
     # one by one, a run is its messages, numbered from its first (a bad one refused alone)
     assert [f[:3] for f in small.split_packet(packet)] == [  # type: ignore[index]
         (1, 5, 0), (1, 9, 40), (1, 9, 41), (1, 9, 42)]
-    bad = small.packet_head(1) + small.run_head(9, 7, 3) + bodies[0] + b"\xc7\x01\x03\x63" + \
+    bad = packet_head(1) + run_head(9, 7, 3) + bodies[0] + b"\xc7\x01\x03\x63" + \
         bodies[2]
     with pytest.raises(ProtocolError):
         small.unpack_packet(bad)
@@ -608,7 +620,7 @@ def test_a_packet_decodes_to_what_each_frame_would(objs: list[object], seqs: int
     assert same([item[3] for item in items], expected)
     split = list(small.split_packet(frames_of(*frames)))  # one by one: the same
     assert same([frame[3] for frame in split], expected)  # type: ignore[index]
-    run = small.packet_head(1) + small.run_head(7, seqs, len(frames)) + b"".join(
+    run = packet_head(1) + run_head(7, seqs, len(frames)) + b"".join(
         f[3] for f in frames)  # as one run: the same messages, numbered from its first
     (item,) = small.unpack_packet(run)
     assert item[:3] == [small.RUN, 7, seqs] and same(item[3], expected)

@@ -401,10 +401,6 @@ class _RingOut(_Ring):
         return _RingOut(sock, fd)
 
     def write(self, tensor: torch.Tensor, done: Done) -> None:
-        self._write(tensor)
-        done(None)
-
-    def _write(self, tensor: torch.Tensor) -> None:
         sent, size, address = 0, tensor.nbytes, tensor.data_ptr()  # (see the note on memory)
         while sent < size:
             free = RING_BYTES - (self._done - self._other)
@@ -420,6 +416,7 @@ class _RingOut(_Ring):
             self._writes += 1
             if not self._writes % 16 or free - n < RING_BYTES // 2:
                 self._hear(block=False)  # (the reader's counts never pile up unread)
+        done(None)
 
 
 class _RingIn(_Ring):

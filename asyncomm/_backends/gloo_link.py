@@ -74,6 +74,7 @@ import torch
 from asyncomm._backends import gloo_p2p
 from asyncomm._backends.gloo_lane import Lane
 from asyncomm._core import tags, wire
+from asyncomm._core.backend import nothing
 from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError, gist
 from asyncomm._core.handle import Classify, Handle
 from asyncomm._core.link import Arrivals, Link, Transport, bye_from, proxy_bye, signal
@@ -99,10 +100,8 @@ def _ping_message() -> torch.Tensor:
 class Endpoint(Transport, Protocol):
     """What the gloo link needs of its backend beyond receives: its eager sends."""
 
-    def send_raw(self, sink: Any, tensor: torch.Tensor, dst: int, tag: int,
-                 eager: bool = True, copied: bool = False) -> None:
-        """Issue a send of the bytes as they are (``eager``: done at once, of a copy unless
-        ``tensor`` is one already, never written again)."""
+    def send_raw(self, sink: Any, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Issue a send of ``tensor``'s bytes, a buffer never written again (eager)."""
 
 
 class _OnLoop:
@@ -145,15 +144,6 @@ def _later(head: wire.Head, seq: int) -> Pending:
     return Pending(head, [], seq, left=1)
 
 
-def _nothing(_: object) -> None:
-    return None
-
-
-def _settle(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
-
-
 def _reraise(exc: BaseException, _: object) -> None:
     raise exc
 
@@ -191,9 +181,6 @@ class GlooLink(Link):
                                           daemon=True)
         self._listener.start()
 
-    def _packet(self, packet: bytes | bytearray) -> bytes | bytearray:
-        return packet  # sent as it is (padded where it must be: see ``_post``)
-
     def probe(self, dst: int) -> BaseException | None:
         """Send ``dst`` a PING; a send to a dead peer fails at once (see the note). A peer
         whose data lane broke is gone, though a PING to it may still be written.
@@ -211,7 +198,7 @@ class GlooLink(Link):
         except RuntimeError as exc:
             return exc
         self._pinging.add(dst)
-        self._waiters.watch(work.wait, _Pinged(self, dst), _nothing)
+        self._waiters.watch(work.wait, _Pinged(self, dst), nothing)
         return None
 
     def goodbye(self, gone: frozenset[int] = frozenset()) -> list[Handle[None]]:
@@ -296,7 +283,7 @@ class GlooLink(Link):
             tensor = torch.cat([tensor, tensor.new_zeros(ENVELOPE_BYTES - tensor.numel())])
         try:  # eager (sent as it is: every link message is a buffer of its own, never
             # written again once it goes; the send's work holds it until gloo is done)
-            self._endpoint.send_raw(handle, tensor, dst, tag, eager=True, copied=True)
+            self._endpoint.send_raw(handle, tensor, dst, tag)
         except RuntimeError as exc:  # gloo closed dst's connection: it died
             handle._fail(self._classify(exc), exc)
         except CommError as exc:
@@ -306,7 +293,7 @@ class GlooLink(Link):
     def _written(self, handle: Handle[None], error: PeerFailedError | None) -> None:
         """On a lane thread (its writer, or the one hearing its reader took the bytes):
         settle a data message's handle on the loop."""
-        self._inbox.put(handle, _nothing if error is None
+        self._inbox.put(handle, nothing if error is None
                         else functools.partial(_reraise, error), None)
 
     # -- the listener thread --------------------------------------------------------------
@@ -330,7 +317,7 @@ class GlooLink(Link):
             if not self._stopped:  # note on teardown), or gloo refuses receives (the note
                 self._deaf(exc)  # on dead peers)
             return
-        self._on_loop(_settle, self._drained)
+        self._on_loop(self._drained.set_result, None)  # (set only here, once)
 
     def _listen_posting(self, posted: collections.deque[tuple[torch.Tensor, Any]],
                         post: Callable[[], None]) -> None:

@@ -27,7 +27,7 @@ from asyncomm._backends import mpi_kept
 from asyncomm._backends.mpi_link import AT_ONCE_BYTES, DATATYPES, PostedLink, ProbeLink, spec
 from asyncomm._backends.mpi_reduce import MPI_OPS, Reductions, in_turn, mpi_operator
 from asyncomm._core import small, tags
-from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
+from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, nothing, remembering
 from asyncomm._core.errors import (
     CommClosedError,
     CommError,
@@ -52,9 +52,8 @@ _DATATYPE_HANDLES = {dtype: datatype.handle for dtype, datatype in DATATYPES.ite
 #
 # A pending receive is not cancelled: a message a peer sends after this rank closed
 # would then wait, unmatched, until MPI gives the freed communicator's context to a
-# new one, and be received there (seen: a pipeline's late 96-byte message truncated
-# in a later pipeline's receive of 64 bytes, on the same tag). Left pending, the
-# receive keeps the context from reuse and takes the late message itself.
+# new one, and be received there, by a later receive on the same tag. Left pending,
+# the receive keeps the context from reuse and takes the late message itself.
 #
 # The list outlives the interpreter's teardown (one reference nobody drops): MPI's
 # finalize runs after it (mpi4py's exit hook), and progresses what is still pending,
@@ -85,15 +84,14 @@ def classify(exc: BaseException) -> type[CommError]:
     noted as ``gist`` reads them)."""
     text = str(exc).lower()
     if "truncat" in text:
-        found = _TRUNCATION.search(str(exc))
-        if getattr(exc, "__notes__", None):
-            pass  # (noted before)
-        elif found:
-            sender, one, other = map(int, found.groups())
-            exc.add_note(str(truncated(sender, max(one, other), min(one, other))))
-        else:  # (MPICH's large messages: the sizes are not said)
-            exc.add_note("the message was larger than the buffer (truncated; MPI does not say "
-                         "by how much)")
+        if not getattr(exc, "__notes__", None):  # (else noted before)
+            found = _TRUNCATION.search(str(exc))
+            if found:
+                sender, one, other = map(int, found.groups())
+                exc.add_note(str(truncated(sender, max(one, other), min(one, other))))
+            else:  # (MPICH's large messages: the sizes are not said)
+                exc.add_note("the message was larger than the buffer (truncated; MPI does not "
+                             "say by how much)")
         return MismatchError
     if any(sign in text for sign in _PEER_GONE):
         return PeerFailedError
@@ -135,10 +133,6 @@ def _unflatten(flat: torch.Tensor,
         return None
 
     return copy_out
-
-
-def _nothing(_: Any) -> object:
-    return None
 
 
 class MpiBackend(Backend):
@@ -221,7 +215,7 @@ class MpiBackend(Backend):
         # ``keep`` the temporaries (flat copies) until the request is done. No finish:
         # the request's outcome (its source) is the value.
         if keep is not None:
-            request_finish = finish or _nothing
+            request_finish = finish or nothing
 
             def finish(outcome: Any, _keep: object = keep) -> object:
                 return request_finish(outcome)
@@ -307,8 +301,7 @@ class MpiBackend(Backend):
             reductions.start(sink, kept, tensor, self._average(tensor, op))
             return
         request = self._comm.Iallreduce(MPI.IN_PLACE, spec(tensor), mpi_op)
-        self._poller.watch(request, sink, None if op is not ReduceOp.AVG else
-                           self._average(tensor, op))
+        self._poller.watch(request, sink, self._average(tensor, op))
 
     @in_turn
     def reduce(self, sink: Sink, tensor: torch.Tensor, dst: int, op: ReduceOp) -> None:
@@ -368,8 +361,7 @@ class MpiBackend(Backend):
 
     # -- point to point --------------------------------------------------------------
 
-    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
-             eager: bool = True) -> None:
+    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self._watch(sink, self._comm.Isend(spec(tensor), dst, tag))
 
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:

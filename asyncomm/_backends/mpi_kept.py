@@ -19,9 +19,6 @@ and those in flight are orphans like any other request.
 
 Small all-reduces are kept too, by their kind rather than their buffer (a
 persistent collective is made collectively: see ``mpi_reduce``).
-
-The backend keeps a ``Requests`` of each kind (sends, receives): a dict from
-key to ``[request, last handle]``, and how to make that kind's requests.
 """
 
 from __future__ import annotations
@@ -69,21 +66,15 @@ class Requests:
 
     def start(self, key: Key, tensor: Any) -> tuple[Any, list[Any] | None]:
         """Start the operation of ``key`` on ``tensor``'s memory: its kept persistent request
-        where that is idle, else as ``begin`` starts it. Return the request and its entry in
-        ``_kept`` (``None``: not kept). Raises ``MPI.Exception`` with nothing issued."""
+        where that is idle; else a request of its own (``once``) the first time the buffer,
+        peer and tag come, or while the kept one is in flight; a persistent one (``init``),
+        kept, the second time. Return the request and its entry in ``_kept`` (``None``: not
+        kept). Raises ``MPI.Exception`` with nothing issued."""
         last = self._kept.get(key)
         if last is not None and last[1]._keep is None:  # the commonest: idle
             last[0].Start()
             return last[0], last
-        return self.begin(key, last, spec(tensor))
-
-    def begin(self, key: Key, last: list[Any] | None,
-              buffer: list[Any]) -> tuple[Any, list[Any] | None]:
-        """Start an operation whose buffer, peer and tag have no idle persistent request: a
-        request of its own (``once``) the first time they come, or while the kept one is
-        in flight; a persistent one (``init``), kept, the second time. Return the request,
-        and its entry in ``_kept`` (``None``: not kept)."""
-        _, peer, tag = key
+        buffer, (_, peer, tag) = spec(tensor), key
         if last is SEEN:
             request = self._init(buffer, peer, tag)
             try:

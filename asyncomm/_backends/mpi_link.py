@@ -105,9 +105,6 @@ class MpiLink(Link):
     def expect(self) -> None:
         self._poller.kick()
 
-    def _packet(self, packet: bytes | bytearray) -> bytes | bytearray:
-        return packet  # sized exactly: sent as it is
-
     def _post(self, buffer: bytes | bytearray | torch.Tensor, dst: int,
               tag: int) -> Handle[None] | None:
         try:
@@ -115,15 +112,11 @@ class MpiLink(Link):
             request = self._comm.Isend(message, dst, tag)
             if request.Test():
                 return None  # the common case: small messages are sent at once
-        except MPI.Exception as failure:
-            return self._failed_send(failure, dst, tag)
+        except MPI.Exception as failure:  # refused as it was posted
+            handle: Handle[None] = Handle(self._loop, (self._rank, "send", None, dst, tag), None)
+            handle._fail(self._classify(failure), failure)
+            return handle
         return self._watched(request, "send", dst, tag, buffer)
-
-    def _failed_send(self, failure: BaseException, dst: int, tag: int) -> Handle[None]:
-        """The handle of a send to ``dst`` that MPI refused as it was posted."""
-        handle: Handle[None] = Handle(self._loop, (self._rank, "send", None, dst, tag), None)
-        handle._fail(self._classify(failure), failure)
-        return handle
 
     def _fetch_into(self, pending: Pending, tensor: torch.Tensor, src: int) -> None:
         # MPI copies a large message into its receive on this rank's calls, mostly all in
@@ -146,6 +139,11 @@ class MpiLink(Link):
         handle: Handle[None] = Handle(self._loop, (self._rank, op, None, peer, tag), None, buffer)
         self._poller.watch(request, handle, None, active)
         return handle
+
+    def _refuse(self, src: int, error: ProtocolError) -> None:
+        """A message from ``src`` could not be taken: its stream ends with ``error``."""
+        assert self._arrivals is not None
+        self._arrivals.refuse(src, error, None)
 
     @abstractmethod
     def pump(self) -> bool:
@@ -191,8 +189,6 @@ class ProbeLink(MpiLink):
 
     def _take(self, message: Any, src: int, nbytes: int) -> bool:
         """Receive a message found by probe; return whether it was a packet, taken whole."""
-        arrivals = self._arrivals
-        assert arrivals is not None
         if nbytes > MESSAGE_BYTES:  # no sender of ours sends it: taken and dropped unread
             # (whole: a receive that truncates a message killed Open MPI 5's process)
             buffer = bytearray(nbytes)
@@ -202,8 +198,8 @@ class ProbeLink(MpiLink):
                 pass
             else:
                 self._watched(request, "recv", src, tags.LINK_MESSAGE, buffer, active=False)
-            arrivals.refuse(src, ProtocolError(f"message of {nbytes} bytes from rank {src} "
-                                               f"(the most is {MESSAGE_BYTES})"), None)
+            self._refuse(src, ProtocolError(f"message of {nbytes} bytes from rank {src} "
+                                            f"(the most is {MESSAGE_BYTES})"))
             return False
         buffer = bytearray(nbytes)
         before = self._behind.get(src) if self._behind else None
@@ -241,8 +237,7 @@ class ProbeLink(MpiLink):
 
     def _lost(self, src: int, error: BaseException) -> None:
         """A message from ``src`` was found but could not be received: its stream ends."""
-        assert self._arrivals is not None
-        self._arrivals.refuse(src, ProtocolError(f"message from rank {src} lost: {error}"), None)
+        self._refuse(src, ProtocolError(f"message from rank {src} lost: {error}"))
 
     def _forget(self, src: int, task: asyncio.Task[None]) -> None:
         if self._behind.get(src) is task:
@@ -333,7 +328,8 @@ class PostedLink(MpiLink):
         except MPI.Exception as exc:  # (not seen: the receive completed above)
             self._receive_failed(exc)
         if message is None:
-            self._oversized(src, error)
+            self._refuse(src, ProtocolError(
+                f"message from rank {src} beyond {MESSAGE_BYTES} bytes: {error}"))
         else:
             self._arrive(src, message)
         return True
@@ -345,9 +341,3 @@ class PostedLink(MpiLink):
             "message": f"asyncomm: rank {self._rank}: the link's receive failed; "
                        "channel messages are no longer received",
             "exception": error})
-
-    def _oversized(self, src: int, error: BaseException) -> None:
-        """A message from ``src`` was cut short by MPI: its stream ends."""
-        assert self._arrivals is not None
-        self._arrivals.refuse(src, ProtocolError(
-            f"message from rank {src} beyond {MESSAGE_BYTES} bytes: {error}"), None)

@@ -72,7 +72,6 @@ _BF16_KERNELS: dict[ReduceOp, Callable[[torch.Tensor, torch.Tensor], object]] = 
     ReduceOp.MIN: lambda acc, x: torch.minimum(acc, x, out=acc),
     ReduceOp.MAX: lambda acc, x: torch.maximum(acc, x, out=acc),
 }
-_bf16_ops: dict[ReduceOp, Any] = {}
 # the MPI operator of each (dtype, op) given so far (``mpi_operator``)
 MPI_OPS: dict[tuple[torch.dtype, ReduceOp], Any] = {}
 
@@ -93,18 +92,15 @@ def mpi_operator(dtype: torch.dtype, op: ReduceOp) -> Any:
 
 
 def _bf16_op(op: ReduceOp) -> Any:
-    """Return (making it once) the MPI operator reducing bfloat16 words with ``op``."""
-    mpi_op = _bf16_ops.get(op)
-    if mpi_op is None:
-        kernel = _BF16_KERNELS[op]
+    """Make the MPI operator reducing bfloat16 words with ``op`` (once: ``MPI_OPS`` keeps it)."""
+    kernel = _BF16_KERNELS[op]
 
-        def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-            x = torch.frombuffer(bytearray(inbuf), dtype=torch.bfloat16)
-            acc = torch.frombuffer(inoutbuf, dtype=torch.bfloat16)
-            kernel(acc, x)
+    def reduce(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
+        x = torch.frombuffer(bytearray(inbuf), dtype=torch.bfloat16)
+        acc = torch.frombuffer(inoutbuf, dtype=torch.bfloat16)
+        kernel(acc, x)
 
-        mpi_op = _bf16_ops[op] = MPI.Op.Create(reduce, commute=True)
-    return mpi_op
+    return MPI.Op.Create(reduce, commute=True)
 
 
 _TEST = MPI.Request.Test

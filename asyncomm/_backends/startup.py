@@ -135,14 +135,12 @@ async def base_store(env: LaunchEnv, timeout: float) -> Any:
         store = await reach_store(functools.partial(
             dist.TCPStore, env.master_addr, env.master_port,  # type: ignore[attr-defined]
             env.size, is_master=env.hosts_store, timeout=datetime.timedelta(seconds=timeout),
-            wait_for_workers=False), env.rank, env.master_addr, env.master_port,
-            env.hosts_store, timeout)
+            wait_for_workers=False), env, timeout)
     with _store_lock:
         return _stores.setdefault(key, store)
 
 
-async def reach_store(make: Callable[[], T], rank: int, host: str, port: int, hosting: bool,
-                      timeout: float) -> T:
+async def reach_store(make: Callable[[], T], env: LaunchEnv, timeout: float) -> T:
     """Make this rank's rendezvous store (``make``: its server, or a client) within ``timeout``.
 
     torch's store client bounds its wait for a connection, not for the answer to
@@ -155,6 +153,7 @@ async def reach_store(make: Callable[[], T], rank: int, host: str, port: int, ho
         CommTimeoutError: no store answered within ``timeout``.
         CommError: the store's port is taken (this rank hosts it).
     """
+    rank, host, port = env.rank, env.master_addr, env.master_port
     made = on_daemon(make, "asyncomm-store")
     try:
         return await asyncio.wait_for(asyncio.shield(made), timeout + STORE_GRACE_S)
@@ -164,7 +163,7 @@ async def reach_store(make: Callable[[], T], rank: int, host: str, port: int, ho
             f"rank {rank}: init: the rendezvous store at {host}:{port} did not answer within "
             f"{timeout:g} s: is MASTER_PORT another program's?") from None
     except Exception as exc:
-        if hosting and ("EADDRINUSE" in str(exc) or "address already in use" in str(exc)):
+        if env.hosts_store and ("EADDRINUSE" in str(exc) or "address already in use" in str(exc)):
             raise CommError(f"rank {rank}: init: cannot host the rendezvous store on port "
                             f"{port} of {host}: it is taken (MASTER_PORT; another job or "
                             "program has it)") from exc
@@ -182,7 +181,7 @@ class Watch:
         self._timeout = timeout
         self._own: Any = None  # the watcher's own client, made on first use
 
-    async def run(self, step: Callable[[], T], what: str) -> T:
+    async def run(self, step: Callable[[], T]) -> T:
         """Run ``step`` on a daemon thread; raise as soon as a peer announces a failure.
 
         A failure of ``step`` itself is announced and re-raised (see the note on
@@ -209,15 +208,15 @@ class Watch:
                     _hand(loop, failed, others, None)
                     return
 
-        done = on_daemon(announced, f"asyncomm-{what}")
-        threading.Thread(target=watch, name=f"asyncomm-{what}-watch", daemon=True).start()
+        done = on_daemon(announced, "asyncomm-init")
+        threading.Thread(target=watch, name="asyncomm-init-watch", daemon=True).start()
         try:
             await asyncio.wait((done, failed), return_when=asyncio.FIRST_COMPLETED)
         finally:
             finished.set()
         if done.done():
             return done.result()
-        raise PeerFailedError(f"rank {self.rank}: {what}: {_said(failed.result())}")
+        raise PeerFailedError(f"rank {self.rank}: init: {_said(failed.result())}")
 
     def _failures(self) -> dict[int, str]:
         try:
@@ -317,8 +316,3 @@ def no_deadline(pg: dist.ProcessGroup, name: str) -> None:
             pg._get_backend(torch.device("cpu"))._set_default_timeout(FOREVER)
         except (AttributeError, RuntimeError):  # a torch without it: gloo's deadline stays
             pass
-
-
-def destroyer(pg: dist.ProcessGroup) -> Callable[[], None]:
-    """Return what destroys ``pg``."""
-    return lambda: dist.destroy_process_group(pg)

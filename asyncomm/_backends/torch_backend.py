@@ -50,7 +50,7 @@ import torch.distributed as dist
 from asyncomm._backends import gloo_halt, gloo_lane, gloo_net, gloo_p2p, startup
 from asyncomm._backends.gloo_link import GlooLink
 from asyncomm._core import settings, tags
-from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, remembering
+from asyncomm._core.backend import Backend, InFlight, Posted, Tensors, nothing, remembering
 from asyncomm._core.env import LaunchEnv
 from asyncomm._core.errors import CommClosedError, CommError, CommTimeoutError, PeerFailedError
 from asyncomm._core.handle import Sink
@@ -70,13 +70,11 @@ _EAGER_IN_FLIGHT = 64
 # The global ranks at each gloo address of the world (see open_torch): errors name them.
 _hosts: dict[str, list[int]] = {}
 
-# gloo fails (and closes) a receive still waiting at its group's timeout. The twin's
-# standing channel receive may wait as long as the program runs, and the twin is made
-# only once every rank has joined, so its group never times out: asyncomm's own
-# deadlines bound what waits on it.
-_OWN_TIMEOUT = 365 * 24 * 3600.0
-
-_FOREVER = gloo_p2p.FOREVER  # how long a point-to-point wait may take
+# How long a point-to-point wait may take, and the twin's group's timeout: gloo fails (and
+# closes) a receive still waiting at its group's timeout, and the twin's standing channel
+# receive may wait as long as the program runs. The twin is made only once every rank has
+# joined, so its group never times out: asyncomm's own deadlines bound what waits on it.
+_FOREVER = gloo_p2p.FOREVER
 
 # Dtypes gloo cannot move in collectives ("Invalid scalar type"; its point-to-point moves
 # any bytes): they travel as their bytes, and int16, which reduces, widened to int32.
@@ -161,10 +159,6 @@ def _wait_briefly(work: Any, seconds: float) -> bool:
     return bool(work.is_completed())
 
 
-def _none(_: object) -> object:
-    return None
-
-
 def _blocking_wait() -> bool:
     """Whether nccl's ``wait()`` blocks the host (``TORCH_NCCL_BLOCKING_WAIT``)."""
     value = os.environ.get("TORCH_NCCL_BLOCKING_WAIT", os.environ.get("NCCL_BLOCKING_WAIT", ""))
@@ -227,7 +221,7 @@ class TorchBackend(Backend):
     def _collective(self, sink: Sink, work: Any,
                     then: Callable[[], object] | None = None) -> None:
         if self.cuda:
-            self._enqueued(sink, work, _none)
+            self._enqueued(sink, work, nothing)
             return
         finish = _value
         if then is not None:  # a widened reduction copies its result back (see _GLOO_LACKS)
@@ -238,11 +232,10 @@ class TorchBackend(Backend):
 
         self._bridge.watch(work.get_future(), sink, finish, functools.partial(_wait_briefly, work))
 
-    def _enqueued(self, sink: Sink, work: Any, finish: Callable[[Any], object],
-                  blocks: bool = False) -> None:
+    def _enqueued(self, sink: Sink, work: Any, finish: Callable[[Any], object]) -> None:
         """Settle the sink of an nccl work now, or on a waiter thread if its ``wait()``
-        ``blocks`` the host (see the note on CUDA)."""
-        if blocks or self._blocking:  # a waiter thread's wait, not the loop's
+        blocks the host (see the note on CUDA)."""
+        if self._blocking:  # a waiter thread's wait, not the loop's
             self._waiters.watch(work.wait, sink, finish)
             return
 
@@ -281,7 +274,7 @@ class TorchBackend(Backend):
         self._raise_if_failed()
         work = self._pg.barrier()
         if self.cuda:  # nccl's wait() of a barrier blocks the host until every rank is in
-            self._enqueued(sink, work, _none, blocks=True)
+            self._waiters.watch(work.wait, sink, nothing)
         else:
             self._collective(sink, work)
 
@@ -323,7 +316,7 @@ class TorchBackend(Backend):
         if self.cuda:
             self._collective(sink, work)
         else:  # no future on CPU
-            self._waiters.watch(work.wait, sink, _none if then is None else (lambda _: then()))
+            self._waiters.watch(work.wait, sink, nothing if then is None else (lambda _: then()))
 
     def all_to_all(self, sink: Sink, outputs: Tensors, inputs: Tensors) -> None:
         self._collective(sink, self._pg.alltoall(self._all_moved(outputs),
@@ -331,18 +324,17 @@ class TorchBackend(Backend):
 
     # -- point to point -----------------------------------------------------------
 
-    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
-             eager: bool = True) -> None:
+    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self._raise_if_failed(dst)
         if self.cuda:
-            self._p2p(sink, self._pg.send([tensor], dst, tag), _none)
+            self._p2p(sink, self._pg.send([tensor], dst, tag), nothing)
             return
         first, data, data_tag = self._outgoing.message(tensor, dst)  # see gloo_p2p
         if data is None:  # the payload is in the first message, a copy
-            self.send_raw(sink, first, dst, tag, eager, copied=True)
+            self.send_raw(sink, first, dst, tag)
             return
         # (not the eager reaper's: the header waits for the receive too)
-        self._waiters.watch(self._send_large(first, data, dst, tag, data_tag), sink, _none)
+        self._waiters.watch(self._send_large(first, data, dst, tag, data_tag), sink, nothing)
 
     def _send_large(self, first: torch.Tensor, data: torch.Tensor, dst: int, tag: int,
                     data_tag: int) -> Callable[[], None]:
@@ -359,21 +351,15 @@ class TorchBackend(Backend):
 
         return sent
 
-    def send_raw(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
-                 eager: bool = True, copied: bool = False) -> None:
-        """Send ``tensor``'s bytes as they are (no header: the link's own messages).
-
-        ``eager``: send a copy and settle ``sink`` at once, if small enough (``copied``:
-        ``tensor`` is one already).
-        """
-        if (eager and tensor.nbytes <= self._eager_bytes + gloo_p2p.HEADER.size
-                and self._eager.in_flight < _EAGER_IN_FLIGHT):
-            # See the module note on eager sends.
-            work = self._pg.send([tensor if copied else tensor.clone()], dst, tag)
+    def send_raw(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Send the bytes of ``tensor``, a buffer of its own (done at once if small enough)."""
+        if (tensor.nbytes <= self._eager_bytes + gloo_p2p.HEADER.size
+                and self._eager.in_flight < _EAGER_IN_FLIGHT):  # see the note on eager sends
+            work = self._pg.send([tensor], dst, tag)
             self._eager.watch(functools.partial(work.wait, _FOREVER), dst)
             sink._succeed(None)
             return
-        self._p2p(sink, self._pg.send([tensor], dst, tag), _none)
+        self._p2p(sink, self._pg.send([tensor], dst, tag), nothing)
 
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
         self._raise_if_failed(src)
@@ -452,9 +438,13 @@ class TorchBackend(Backend):
 
     def link(self) -> Link:
         tuned = settings.read()
+        # The lane says where it listens in the default group's store, on the address
+        # gloo's device binds to.
+        store = dist.distributed_c10d._get_default_store()  # type: ignore[attr-defined]
+        address = gloo_net.own_address(os.environ) or "127.0.0.1"
         self._link = GlooLink(self, self._pg, self._loop, self._inbox, self._waiters, classify,
-                              functools.partial(gloo_lane.Lane, self.rank, _default_store(),
-                                                f"lane/{self._label}", _lane_address(),
+                              functools.partial(gloo_lane.Lane, self.rank, store,
+                                                f"lane/{self._label}", address,
                                                 tuned.lane_shm, tuned.lane_direct))
         return self._link
 
@@ -467,7 +457,7 @@ class TorchBackend(Backend):
         members = [self._global_ranks[r] for r in ranks]
         label = f"{self._label}.{self._splits}"
         user = await self._new_group(members, self._user_backend, label, self._timeout)
-        own = await self._new_group(members, "gloo", label + ".own", _OWN_TIMEOUT)
+        own = await self._new_group(members, "gloo", label + ".own", _FOREVER.total_seconds())
         return user, own
 
     async def shrink(self, failed: Callable[[], Sequence[int]], timeout: float
@@ -489,8 +479,10 @@ class TorchBackend(Backend):
         pg = await self._loop.run_in_executor(None, startup.make_group, members, name, label,
                                               timeout)
         startup.no_deadline(pg, name)
-        return TorchBackend(name, pg, members, self._loop, self._timeout, startup.destroyer(pg),
-                            label=label, user_backend=name)
+        # (a twin's too: the groups split from it run the user's on the user's backend)
+        return TorchBackend(name, pg, members, self._loop, self._timeout,
+                            functools.partial(dist.destroy_process_group, pg), label=label,
+                            user_backend=self._user_backend)
 
     def close(self) -> None:
         if self._closed:
@@ -627,7 +619,7 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
         """Run a joining step off the loop; with a watch, failing fast (see ``startup``)."""
         if watch is None:
             return await loop.run_in_executor(None, step)
-        return await watch.run(step, "init")
+        return await watch.run(step)
 
     if owns:
         store = await startup.base_store(env, timeout)
@@ -667,11 +659,10 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
     ranks = list(range(world.size()))
     # asyncomm's own traffic (objects) is CPU bytes: always gloo.
     label = f"asyncomm{_generation}"
-    own_timeout = datetime.timedelta(seconds=_OWN_TIMEOUT)
 
     def own_group() -> dist.ProcessGroup:
         try:
-            return startup.make_group(ranks, "gloo", label + ".own", own_timeout)
+            return startup.make_group(ranks, "gloo", label + ".own", _FOREVER)
         except RuntimeError as exc:
             _explained(exc, env.rank)
             raise
@@ -679,18 +670,9 @@ async def open_torch(name: str, env: LaunchEnv, timeout: float,
     own_pg = await joined(own_group)
     release = dist.destroy_process_group if owns else None
     user = TorchBackend(name, world, ranks, loop, timeout, release, label, name)
-    own = TorchBackend("gloo", own_pg, ranks, loop, timeout, startup.destroyer(own_pg), label, name)
+    own = TorchBackend("gloo", own_pg, ranks, loop, timeout,
+                       functools.partial(dist.destroy_process_group, own_pg), label, name)
     return user, own
-
-
-def _default_store() -> Any:
-    """Return the store of torch's default group (the data lane says where it listens there)."""
-    return dist.distributed_c10d._get_default_store()  # type: ignore[attr-defined]
-
-
-def _lane_address() -> str:
-    """Return the address the data lane listens on: the one gloo's device binds to."""
-    return gloo_net.own_address(os.environ) or "127.0.0.1"
 
 
 def _explained(error: RuntimeError, rank: int) -> None:

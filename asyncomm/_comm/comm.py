@@ -632,11 +632,6 @@ class Comm(Collectives, Peers):
         """Whether operations in flight progress while the loop is held (gloo's; not MPI's)."""
         return self._backend.progresses_alone
 
-    @property
-    def _ends_job_on_error(self) -> bool:
-        """Whether ``_abort_job`` ends every rank's process (else it does nothing)."""
-        return self._backend.ends_job_on_error
-
     def _abort_job(self, code: int) -> None:
         watchdog.stand_down(self._loop)  # (the loop is held until the job ends)
         self._backend.abort_job(code)

@@ -35,6 +35,12 @@ _TOLD_S = 0.25
 _NAMING_S = 2.0
 
 
+def _tensor_of(handle: Handle[Any]) -> str:
+    """Return `` (this rank's tensor: <shape>)`` for an error, or "" if it has none."""
+    shape = status.shape(handle._keep)
+    return f" (this rank's tensor: {shape})" if shape else ""
+
+
 class Peers:
     """Mixed into ``Comm``: its peers' state and failures (see the module's note)."""
 
@@ -93,18 +99,9 @@ class Peers:
             hint = "" if self._checker is not None else (
                 " If the ranks' collectives differ, rerun with ASYNCOMM_DEBUG=1: every "
                 "collective is then checked across ranks first (fingerprints).")
-            mine = status.shape(handle._keep)
-            mine = f" (this rank's tensor: {mine})" if mine else ""
-            handle._expire(timeout, f"{mine}. Meanwhile {said}.{hint}")
+            handle._expire(timeout, f"{_tensor_of(handle)}. Meanwhile {said}.{hint}")
 
         self._router.aside(explain())
-
-    def _needs(self, handle: Handle[Any]) -> list[int]:
-        """Return the peers ``handle`` waits for: its peer, or every other rank."""
-        peer = handle.peer
-        if peer is not None:
-            return [peer]
-        return [r for r in range(self._backend.size) if r != self._rank]
 
     def _check_peers(self, waiting: list[Handle[Any]]) -> None:
         """Operations have waited ``PROBE_S``: are the peers they need still there?
@@ -113,7 +110,8 @@ class Peers:
         dead peers); ``_peer_died`` then fails what needs it. Only where the
         backend can tell (gloo): under MPI a dead rank ends the job.
         """
-        self._router.check_peers({peer for handle in waiting for peer in self._needs(handle)})
+        others = self._router.others
+        self._router.check_peers({peer for handle in waiting for peer in others(handle.peer)})
 
     def _peer_died(self, peer: int, cause: BaseException | None = None) -> None:
         """``peer`` is gone, or said it failed (``cause``): fail what needs it, pending a
@@ -141,9 +139,8 @@ class Peers:
         async def explain() -> None:
             said = await self._peers_say(self._router.others(None))
             for handle in pending:
-                mine = status.shape(handle._keep)
-                mine = f" (this rank's tensor: {mine})" if mine else ""
-                handle._abandon(type(error), type(error)(f"{error}{mine}. Meanwhile {said}"))
+                handle._abandon(type(error),
+                                type(error)(f"{error}{_tensor_of(handle)}. Meanwhile {said}"))
 
         self._router.aside(explain())
 
@@ -151,8 +148,8 @@ class Peers:
         """The backend failed ``handle`` because a peer is gone, without saying which: fail it
         naming the failed rank it needs, if one is known already, or once one is (a notice, or
         a probe: ``_fail_needing`` finds it still pending); else as the backend said it."""
-        needs = self._needs(handle)
         router = self._router
+        needs = router.others(handle.peer)
         known = next((p for p in needs if p in router.dead or p in router.told), None)
         if known is not None:
             self._name(handle, known, router.dead.get(known) or router.told[known])
@@ -177,7 +174,7 @@ class Peers:
 
     def _fail_needing(self, peer: int, cause: BaseException) -> None:
         for handle, _ in self._deadlines.pending():
-            needs = self._needs(handle)
+            needs = self._router.others(handle.peer)
             if peer in needs and (handle.peer is not None or handle.op != "recv"
                                   or all(p in self._router.dead or p == peer for p in needs)):
                 self._name(handle, peer, cause)
@@ -192,12 +189,12 @@ class Peers:
             elif not self._closed:  # (else it still says its goodbye)
                 self._peer_died(peer, cause)
 
-    async def _tell(self, what: str, when: float | None = None) -> None:
-        """This rank failed (at ``when``, epoch s), having done ``what``: tell the launcher
-        and every other rank of the world, once; return once each has heard (or not)."""
+    async def _tell(self, what: str) -> None:
+        """This rank failed (now), having done ``what``: tell the launcher and every other
+        rank of the world, once; return once each has heard (or not)."""
         world, me = self._label.split(".")[0], self._world_ranks[self._rank]
         if (world, me) not in status.failed:
-            when = time.time() if when is None else when
+            when = time.time()
             status.failed.add((world, me))
             status.to_launcher(f"{status.FAILED_AT}{when:.6f}")
             await status.tell([a for r, a in enumerate(self._addresses) if r != me], world,
@@ -205,5 +202,6 @@ class Peers:
 
     def _stalled(self, stalled: list[tuple[Handle[Any], float]]) -> None:
         """Warn, once each, of operations pending for ``ASYNCOMM_STALL_S`` or longer."""
+        router = self._router
         for handle, waited in stalled:
-            self._router.warn_stalled(describe(*handle._what), waited, self._needs(handle))
+            router.warn_stalled(describe(*handle._what), waited, router.others(handle.peer))

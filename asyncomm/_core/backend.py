@@ -206,9 +206,8 @@ class Backend(ABC):
         """Issue an all-to-all: ``outputs[j]`` receives rank j's ``inputs[rank]``."""
 
     @abstractmethod
-    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int,
-             eager: bool = True) -> None:
-        """Issue a send; ``eager=False`` forbids completing early by sending a copy."""
+    def send(self, sink: Sink, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        """Issue a send."""
 
     @abstractmethod
     def recv(self, sink: Sink, tensor: torch.Tensor, src: int | None, tag: int) -> None:
@@ -263,6 +262,11 @@ class Backend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Fail what is in flight, release the communicator and join threads. Idempotent."""
+
+
+def nothing(_: object) -> object:
+    """A finish that makes an operation's result ``None``, whatever it completed with."""
+    return None
 
 
 def remembering(backend: Backend, classify: Classify) -> Classify:

@@ -165,13 +165,8 @@ class Handle(Generic[T]):
         return self.result()
 
     def add_done_callback(self, callback: Callable[[Handle[T]], None]) -> None:
-        """Call ``callback(self)`` on the loop thread once the operation ends (now, if it has).
-
-        Unlike a future's, the callback runs at once, in the same loop iteration.
-
-        Args:
-            callback: called with this handle; ``result()`` gives its result or raises.
-        """
+        """Call ``callback(self)`` on the loop thread once the operation ends (now, if it has):
+        unlike a future's, at once, in the same loop iteration."""
         if self._state != _PENDING:
             callback(self)
         elif self._callbacks is None:
@@ -323,20 +318,20 @@ class Deadlines:
     _COMPACT = 4096
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
-                 expire: Callable[[Handle[Any], float], None] | None = None,
-                 default: float = math.inf,
-                 stall_s: float = 0.0,
-                 stalled: Callable[[list[tuple[Handle[Any], float]]], None] | None = None,
-                 check_s: float = 0.0,
-                 waiting: Callable[[list[Handle[Any]]], None] | None = None) -> None:
+                 expire: Callable[[Handle[Any], float], None],
+                 default: float,
+                 stall_s: float,
+                 stalled: Callable[[list[tuple[Handle[Any], float]]], None],
+                 check_s: float,
+                 waiting: Callable[[list[Handle[Any]]], None]) -> None:
         self._loop = loop
         self._queues: dict[float, _Queue] = {}
-        self._expire = expire or (lambda handle, timeout: handle._expire(timeout))
-        self._stall_s = stall_s if stalled is not None else 0.0
+        self._expire = expire
+        self._stall_s = stall_s
         self._stalled = stalled
         self._stall_timer: asyncio.TimerHandle | None = None
         self._reported: weakref.WeakSet[Handle[Any]] = weakref.WeakSet()
-        self._check_s = check_s if waiting is not None else 0.0
+        self._check_s = check_s
         self._waiting = waiting
         self._check_timer: asyncio.TimerHandle | None = None
         # added in this loop iteration: (handle, timeout, issued at), queued when it ends;
@@ -391,7 +386,7 @@ class Deadlines:
             return
         now = time.monotonic()
         long = [handle for handle, issued in pending if now - issued >= self._check_s]
-        if long and self._waiting is not None:
+        if long:
             self._waiting(long)
         self._check_timer = self._loop.call_later(self._check_s, self._check)
 
@@ -412,7 +407,7 @@ class Deadlines:
         stalled = [(h, now - issued) for h, issued in waiting if now - issued >= self._stall_s]
         for handle, _ in stalled:
             self._reported.add(handle)
-        if stalled and self._stalled is not None:
+        if stalled:
             self._stalled(stalled)
         later = [issued for h, issued in waiting if now - issued < self._stall_s]
         if later:  # the oldest handle not reported yet stalls then

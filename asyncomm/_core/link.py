@@ -69,8 +69,6 @@ from asyncomm._core.wire import Head
 
 _PREAMBLE_AT = PREAMBLE.unpack_from
 _HEADS = 1024  # heads a link keeps decoded
-_PREAMBLE_INTO, _PREAMBLE_BYTES = PREAMBLE.pack_into, PREAMBLE.size
-_RUN_HEAD_BYTES = small.RUN_HEAD.size
 
 
 BYE: bytes = wire.encode(wire.Kind.EOS, tags.BYE, 0, None)[0]  # a link's goodbye (see close)
@@ -103,9 +101,6 @@ class Arrivals(Protocol):
     def packet(self, src: int, view: memoryview, at: int, end: int) -> None:
         """The small frames of a packet from ``src`` in ``view[at:end]`` (read it at once): a
         msgpack array (see ``small``), refused (``refuse``) from the first frame not whole."""
-
-    def items(self, src: int, items: list[Any]) -> None:
-        """The small frames of a packet from ``src``, decoded (``small.unpack_packet``'s)."""
 
     def later(self, src: int, pending: Pending) -> None:
         """A frame from ``src`` whose buffers are on their way (it comes before later ones)."""
@@ -144,7 +139,7 @@ class Link(ABC):
         self._heads: dict[bytes, Head] = {}
         self._buffers = Buffers()  # large frames' receive buffers, lent again once free
         # the body of a small frame: what fits a packet with a run's head, up to small.BYTES
-        self.small_room = min(small.BYTES, room - _RUN_HEAD_BYTES - small.PACKET_HEAD_BYTES)
+        self.small_room = min(small.BYTES, room - small.RUN_HEAD.size - small.PACKET_HEAD_BYTES)
         # small frames queued, per destination (the most bytes of a packet: within ``room``)
         self._outbox = Outbox(PREAMBLE.size + room)
         self._batches: dict[int, bytearray] = {}  # large frames' envelopes, per destination
@@ -203,16 +198,6 @@ class Link(ABC):
     async def join(self, timeout: float) -> None:  # noqa: B027
         """Wait (up to ``timeout`` in all, off the loop) for the link's threads to end."""
 
-    def _message(self, nbytes: int) -> bytearray:
-        """Return a zeroed message buffer of at least ``nbytes``."""
-        return bytearray(nbytes)
-
-    def _packet(self, packet: bytes | bytearray) -> bytes | bytearray:
-        """Return the message that carries ``packet`` (laid out whole: its heads are in)."""
-        message = self._message(len(packet))
-        message[:len(packet)] = packet
-        return message
-
     @abstractmethod
     def _post(self, buffer: bytes | bytearray | torch.Tensor, dst: int,
               tag: int) -> Handle[None] | None:
@@ -240,15 +225,9 @@ class Link(ABC):
         self._outbox.packet_frames = frames
 
     def send_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
-        """Send a small frame (``body`` at most ``small_room`` bytes) to ``dst``.
-
-        The first to ``dst`` since the last ``flush`` leaves at once (``_send_alone``);
-        later ones are queued in ``dst``'s packet, which goes at the next ``flush`` (see
-        ``_begun``), or once the frame does not fit in it: beyond the link's room, or its
-        ``packet_frames`` frames (where the link sets that, a long burst reaches its
-        receiver in pieces, decoded while later ones are issued). A failure to send a
-        packet fails ``dst`` (``Arrivals.failed``).
-        """
+        """Send a small frame (``body`` at most ``small_room`` bytes) to ``dst``: the first since
+        the last ``flush`` at once (``_send_alone``), later ones queued until the next ``flush``
+        or until the packet is full. A failure to send a packet fails ``dst``."""
         if dst not in self._went:
             self._send_alone(dst, Outbox.alone(kind, tag, seq, body))
             return
@@ -279,11 +258,8 @@ class Link(ABC):
         return True
 
     def _send_alone(self, dst: int, packet: bytearray) -> None:
-        """Send the first small frame to ``dst`` since the last flush at once, a packet of its
-        own: a task that sent and then blocks the loop (a raw blocking call) has not left its
-        message behind. Later ones wait together for the next ``flush``, asked for at the
-        iteration's end here. What waits for ``dst`` already (a pending batch, frames
-        ``queue_small`` queued) goes first."""
+        """Send the first small frame to ``dst`` since the last flush at once, so that a task
+        that then blocks the loop has not left it behind; what waits for ``dst`` goes first."""
         self._went.add(dst)
         if not self._flush_asked:
             self._flush_asked = True
@@ -336,7 +312,7 @@ class Link(ABC):
             self._send_packet(packet, dst)
 
     def _send_packet(self, packet: bytearray, dst: int) -> None:
-        handle = self._post(self._packet(packet), dst, tags.LINK_MESSAGE)
+        handle = self._post(packet, dst, tags.LINK_MESSAGE)
         if handle is not None:
             handle.add_done_callback(self._packet_sent)
 
@@ -370,7 +346,7 @@ class Link(ABC):
             self._send_batch(dst)
         follow = 0 if inline else len(buffers) + (len(head) > self.room)
         body = size if inline else len(head) if follow == len(buffers) else 0
-        message = self._message(at + body)
+        message = bytearray(at + body)
         PREAMBLE.pack_into(message, 0, len(head), size if inline else 0, follow, 0)
         if inline:
             pack_frame(head, buffers, memoryview(message)[at:at + size])
@@ -391,7 +367,7 @@ class Link(ABC):
             self._send_batch(dst)
             batch = None
         if batch is None:
-            batch = self._batches[dst] = bytearray(_PREAMBLE_BYTES)  # laid when it goes
+            batch = self._batches[dst] = bytearray(PREAMBLE.size)  # laid when it goes
             self._begun(dst)
         batch += PREAMBLE.pack(len(head), 0, follow, 0)
         batch += head
@@ -400,10 +376,8 @@ class Link(ABC):
         batch = self._batches.pop(dst, None)
         if batch is None:
             return
-        _PREAMBLE_INTO(batch, 0, 0, len(batch) - _PREAMBLE_BYTES, 0, BATCH)
-        handle = self._post(batch, dst, tags.LINK_MESSAGE)
-        if handle is not None:
-            handle.add_done_callback(self._packet_sent)
+        PREAMBLE.pack_into(batch, 0, 0, len(batch) - PREAMBLE.size, 0, BATCH)
+        self._send_packet(batch, dst)
 
     # -- receiving ---------------------------------------------------------------------
 

@@ -14,9 +14,6 @@ from asyncomm._core.errors import CommError, ProtocolError
 from asyncomm._core.handle import Handle
 from asyncomm._core.wire import Head
 
-__all__ = ["ALIGN", "BATCH", "PACKET", "PREAMBLE", "Pending", "envelopes", "frame_size",
-           "pack_frame", "unpack_frame"]
-
 PREAMBLE = struct.Struct("<IIII")  # head bytes, frame bytes inline (0: none), data messages, form
 PACKET = 1  # the preamble's form of a packet of small frames (0: a frame)
 BATCH = 2  # the preamble's form of a batch: the envelopes of large frames

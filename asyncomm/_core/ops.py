@@ -54,17 +54,8 @@ BITWISE = frozenset({ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR})
 
 # The dtypes every backend moves and reduces (CPU); others move but may not reduce.
 REDUCIBLE_DTYPES = (
-    torch.bool,
-    torch.uint8,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.float16,
-    torch.bfloat16,
-    torch.float32,
-    torch.float64,
-)
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_reduce(dtype: torch.dtype, op: ReduceOp, what: str) -> None:

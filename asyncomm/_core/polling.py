@@ -1,13 +1,8 @@
 """Polling: how a waiting task, or the loop, finds that a request is done.
 
-``Spin`` is spin-then-park: a task that awaits something that may come within
-microseconds (a reply on its way, a collective its peers have entered) first
-polls for it itself, then parks and is woken. ``Poller`` tests MPI's requests
-in flight from loop callbacks, at every iteration while completions are
-expected and backing off when idle, and lets a task about to wait test its own
-request (``spin``); ``Ticker`` wakes a backing-off poller finer than the loop's
-millisecond timers. The engines that complete requests on threads are in
-``progress``.
+``Spin`` spins, then parks, for a task awaiting a request; ``Poller`` tests MPI's requests from
+the loop; ``Ticker`` wakes a backing-off poller finer than the loop's millisecond timers. The
+engines that complete requests on threads are in ``progress``.
 """
 
 from __future__ import annotations
@@ -171,9 +166,8 @@ class Ticker:
     late, several times a pipeline step. So for ``TICKING_S`` after its last
     news a poller backing off also asks the ticker, a thread that sleeps
     ``tick_s`` (the OS sleeps finer than the loop) and then schedules the
-    poll on the loop; the millisecond timer stays as a floor. Waking the loop
-    costs a few percent of a core while ticking, nothing once a rank's waits
-    are long (see ``bench idle``).
+    poll on the loop; the millisecond timer stays as a floor. It ticks only
+    then, so a rank whose waits are long is not woken by it.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, tick_s: float) -> None:

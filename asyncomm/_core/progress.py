@@ -1,21 +1,9 @@
-"""Progress: carry the completion of backend requests onto the rank's event loop.
+"""Progress: carry the completion of backend requests from threads onto the rank's event loop.
 
-Three engines, one per way a backend can report that a request is done:
-
-- ``FutureBridge``: the backend completes a future on one of its own threads
-  (torch collectives); a task awaiting it first waits for it itself a while
-  (a bounded ``wait``, as ``Spin`` says), else its callback hops to the loop
-  through the ``Inbox``.
-- ``Waiters``: the request only completes inside a blocking ``wait()`` (gloo
-  send/recv cannot be polled). Reusable threads block in ``wait()``, one per
-  request *in flight*, so a receive that waits long never delays another
-  request's completion. Idle threads are kept for reuse and retire after a while.
-- ``Poller`` (in ``polling``): the request must be tested (MPI), from the loop.
-
-Every engine calls the backend's ``finish(outcome)`` on the loop thread (copy
-results out, read a source rank) and then settles a ``Sink`` (the ``Handle``).
-Backend exceptions are classified by the backend's ``classify`` into a
-``CommError`` subclass; the sink words the message.
+``FutureBridge``, ``Waiters`` and ``Reaper`` carry completions from backend threads through the
+``Inbox``; ``polling.Poller`` tests requests from the loop. Every engine runs the backend's
+``finish`` on the loop and settles a ``Sink`` (``handle.deliver``); backend exceptions are
+classified into ``CommError`` subclasses.
 """
 
 from __future__ import annotations

@@ -73,15 +73,12 @@ from asyncomm._core.wire import (
     unpack,
 )
 
-__all__ = ["HEAD", "RUN", "RUN_HEAD", "BYTES", "encode", "decode", "unpack_packet",
-           "split_packet", "packet_head", "run_head", "inline_buffer", "PACKET_HEAD"]
-
 # a small frame's head, msgpack: fixarray 4, kind (a positive fixint), uint64 tag, uint64 seq
 HEAD: Final = struct.Struct(">BBBQBQ")
 FRAME_BYTE, U64_BYTE = 0x94, 0xcf  # its fixed bytes: HEAD.pack(FRAME_BYTE, kind, U64_BYTE, ...)
 TAG_AT, SEQ_AT = struct.calcsize(">BBB"), struct.calcsize(">BBBQB")  # where its uint64s lie
-_ARRAY: Final = struct.Struct(">BI")  # a packet's head: array 32, its frames
-PACKET_HEAD: Final = _ARRAY
+PACKET_HEAD: Final = struct.Struct(">BI")  # a packet's head: array 32, its frames
+PACKET_HEAD_BYTES: Final = PACKET_HEAD.size
 ARRAY_BYTE: Final = 0xdd  # msgpack's array 32
 # A run's kind (a small frame's only: a wire frame has none such), and its head: a frame's,
 # then an array 32 of its bodies, their count laid last (``RUN_COUNT_AT``) once it is known.
@@ -253,9 +250,7 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
     except _TooBig:
         return None
     except _Refused as e:
-        where = "data" + "".join(reversed(e.path))
-        raise TypeError(f"the default codec cannot carry {e.what} at {where}; "
-                        f'use comm.channel(tag, codec="pickle")') from None
+        raise e.error() from None
     return body if len(body) <= room else None
 
 
@@ -263,9 +258,11 @@ _STRIDED: Final = torch.strided
 _FLAT_ITEMS: Final = frozenset({type(None), bool, int, float, str, torch.Tensor})
 # Tensors laid out before, by (dtype, shape): the descriptor's bytes, a lone tensor's body
 # prefix, the bytes, whether it cannot be a conj view (not complex), ndim, and a ctypes
-# array of its bytes (to copy them: half the cost of ``ctypes.string_at``). A tensor found
-# here still has its memory checked (strided, contiguous, host, no neg or conj bit).
+# array of its bytes (to copy them: cheaper than ``ctypes.string_at``).
 class _Known(NamedTuple):
+    """What is kept of a tensor laid out before; a tensor found here still has its memory
+    checked (strided, contiguous, host, no neg or conj bit: ``_known``)."""
+
     descriptor: bytes  # as in a head
     lone: bytes  # the body's prefix of a message that is this tensor alone
     nbytes: int
@@ -312,27 +309,6 @@ def _lone_small(code: int, shape: tuple[int, ...], nbytes: int) -> bytes:
            else struct.pack(">BHb", 0xc8, size, _EXT_INLINE) if size < 1 << 16
            else struct.pack(">BIb", 0xc9, size, _EXT_INLINE))
     return ext + descriptor
-
-
-def head(kind: int, tag: int, seq: int) -> bytes:
-    """Return a small frame's head (``kind`` below 128, ``tag`` and ``seq`` below 2**64)."""
-    return _HEAD_PACK(FRAME_BYTE, kind, U64_BYTE, tag, U64_BYTE, seq)
-
-
-_HEAD_PACK = HEAD.pack
-
-
-def run_head(tag: int, seq: int, count: int) -> bytes:
-    """Return the head of a run of ``count`` messages of channel ``tag`` from ``seq`` on."""
-    return RUN_HEAD.pack(FRAME_BYTE, RUN, U64_BYTE, tag, U64_BYTE, seq, ARRAY_BYTE, count)
-
-
-def packet_head(frames: int) -> bytes:
-    """Return the head of a packet of ``frames`` small frames (before their bytes)."""
-    return _ARRAY.pack(0xdd, frames)
-
-
-PACKET_HEAD_BYTES: Final = _ARRAY.size
 
 
 def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
@@ -482,13 +458,12 @@ def _inline_descriptor(raw: bytes) -> Descriptor:
 # -- the outbox ----------------------------------------------------------------------
 
 _small_head, _SMALL_HEAD_BYTES = HEAD.pack, HEAD.size
-_RUN_HEAD_BYTES = RUN_HEAD.size
-_lay_count, _COUNT_AT = struct.Struct(">I").pack_into, RUN_COUNT_AT
+_lay_count = struct.Struct(">I").pack_into
 # a lone message's head becomes a run's: its kind set, then these bytes (array 32, count)
 _RUN_MORE = bytes([ARRAY_BYTE]) + bytes(4)
-_RUN_MORE_BYTES = _RUN_HEAD_BYTES - _SMALL_HEAD_BYTES
+_RUN_MORE_BYTES = RUN_HEAD.size - _SMALL_HEAD_BYTES
 # a lone message's channel and sequence number, read back from its head (``HEAD``)
-_U64_AT, _TAG_OFFSET, _SEQ_OFFSET = struct.Struct(">Q").unpack_from, TAG_AT, SEQ_AT
+_U64_AT = struct.Struct(">Q").unpack_from
 _PACKET_AT = PREAMBLE.size + PACKET_HEAD_BYTES  # a packet's first frame
 _PREAMBLE_INTO, _PREAMBLE_BYTES = PREAMBLE.pack_into, PREAMBLE.size
 _lay_packet_head = PACKET_HEAD.pack_into  # (buffer, at, ARRAY_BYTE, frames)
@@ -538,8 +513,8 @@ class Outbox:
                 return 0
             at = packet.lone
             if (at >= 0 and len(packet) + _RUN_MORE_BYTES + len(body) <= self.packet_bytes
-                    and _U64_AT(packet, at + _SEQ_OFFSET)[0] + 1 == seq
-                    and _U64_AT(packet, at + _TAG_OFFSET)[0] == tag):
+                    and _U64_AT(packet, at + SEQ_AT)[0] + 1 == seq
+                    and _U64_AT(packet, at + TAG_AT)[0] == tag):
                 # the second of a run: the lone message's head becomes the run's
                 packet[at + 1] = RUN
                 packet[at + _SMALL_HEAD_BYTES:at + _SMALL_HEAD_BYTES] = _RUN_MORE
@@ -562,7 +537,7 @@ class Outbox:
                 or packet.frames >= self.packet_frames):
             return -1
         elif packet.next >= 0:  # a run is open: it ends here
-            _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
+            _lay_count(packet, packet.run_at + RUN_COUNT_AT, packet.frames - packet.run_from)
             packet.next = -1
         packet.lone = len(packet) if kind == DATA else -1
         packet += _small_head(FRAME_BYTE, kind, U64_BYTE, tag, U64_BYTE, seq)
@@ -583,7 +558,7 @@ class Outbox:
         if packet is None:
             return None
         if packet.next >= 0:  # a run is open: its count
-            _lay_count(packet, packet.run_at + _COUNT_AT, packet.frames - packet.run_from)
+            _lay_count(packet, packet.run_at + RUN_COUNT_AT, packet.frames - packet.run_from)
         _PREAMBLE_INTO(packet, 0, 0, len(packet) - _PREAMBLE_BYTES, 0, PACKET)
         _lay_packet_head(packet, _PREAMBLE_BYTES, ARRAY_BYTE, packet.items)
         return packet

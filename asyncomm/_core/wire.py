@@ -41,9 +41,6 @@ import torch
 
 from asyncomm._core.errors import ProtocolError
 
-__all__ = ["Kind", "Codec", "BufferKind", "Limits", "Descriptor", "Head", "encode",
-           "decode_head", "allocate", "decode", "head_size", "PREFIX_BYTES", "INLINE_BYTES"]
-
 MAGIC: Final = b"ACMF"
 VERSION: Final = 1
 INLINE_BYTES: Final = 1 << 16
@@ -152,6 +149,12 @@ class _Refused(Exception):
         self.what = what
         self.path: list[str] = []
 
+    def error(self) -> TypeError:
+        """Return the ``TypeError`` that tells the caller what was refused, and where."""
+        where = "data" + "".join(reversed(self.path))
+        return TypeError(f"the default codec cannot carry {self.what} at {where}; "
+                         f'use comm.channel(tag, codec="pickle")')
+
 
 _Laid = tuple[int, int, tuple[int, ...], int]  # a descriptor as laid out: code, kind, shape, nbytes
 
@@ -174,9 +177,6 @@ class _Outgoing:
 
     def tensor(self, t: torch.Tensor) -> msgpack.ExtType:
         return _tensor(t, self)
-
-    def mark_tuple(self) -> None:
-        """A tuple was lowered (its marker is an extension)."""
 
 
 def _tensor(t: torch.Tensor, out: _Outgoing) -> msgpack.ExtType:
@@ -284,7 +284,6 @@ def _lower_items(obj: list[Any] | tuple[Any, ...], out: _Outgoing, is_tuple: boo
     items: list[Any] = []
     if is_tuple:
         items.append(_TUPLE_EXT)
-        out.mark_tuple()
     for i, item in enumerate(obj):
         kind = type(item)
         if kind in _AS_IS or (kind is int and _INT_MIN <= item < _U64):
@@ -309,16 +308,11 @@ def _structure(obj: object, out: _Outgoing) -> bytes:
             if len(structure) <= INLINE_BYTES:  # then so is every bytes value in it: none goes out
                 return structure
     try:
-        if type(obj) is torch.Tensor:  # a lone tensor, the commonest message with a buffer
-            _tensor(obj, out)
-            return _LONE_REF
         lowered = _lower(obj, out)
-        # A lone tensor (or array, or large bytes) always has the same structure.
-        return _LONE_REF if lowered is _REFS[0] else _pack(lowered)
     except _Refused as e:
-        where = "data" + "".join(reversed(e.path))
-        raise TypeError(f"the default codec cannot carry {e.what} at {where}; "
-                        f'use comm.channel(tag, codec="pickle")') from None
+        raise e.error() from None
+    # A lone tensor (or array, or large bytes) always has the same structure.
+    return _LONE_REF if lowered is _REFS[0] else _pack(lowered)
 
 
 class _Packers(threading.local):
@@ -422,15 +416,6 @@ def _head(kind: int, codec: int, tag: int, seq: int, descriptors: list[_Laid],
     prefix = _PREFIX.pack(MAGIC, VERSION, kind, codec, 0, tag, seq, len(descriptors),
                           len(structure), size)
     return b"".join((prefix, body, structure))
-
-
-def head_size(prefix: bytes | memoryview, limits: Limits = Limits()) -> int:
-    """Return the length of the whole head from its first ``PREFIX_BYTES`` bytes.
-
-    Raises:
-        ProtocolError: not a frame of this version, or a head longer than ``limits`` allow.
-    """
-    return _prefix(memoryview(prefix), limits)[0]
 
 
 def _prefix(data: bytes | memoryview, limits: Limits) -> tuple[int, ...]:
@@ -562,8 +547,6 @@ def decode(head: Head, buffers: list[torch.Tensor], expect: Codec) -> object:
             return unpack(structure, _no_ext, passing=_HasExt)
         except _HasExt:
             pass
-    elif len(data) == 1 and structure == _LONE_REF:  # a lone tensor: what msgpack would return
-        return _rebuild(descriptors[0], data[0])
     return _unpack(structure, descriptors, data)
 
 

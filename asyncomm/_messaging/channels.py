@@ -138,11 +138,11 @@ class Channel:
         limit = self._timeout if timeout is None else timeout
         trace = router.probe.recording if self._traced else None
         if trace is None:
-            await router.send(frame, self.tag, dst, None if limit == math.inf else limit)
+            await router.send(frame, self.tag, dst, limit)
             return
         start, error = time.perf_counter(), None
         try:
-            await router.send(frame, self.tag, dst, None if limit == math.inf else limit)
+            await router.send(frame, self.tag, dst, limit)
         except BaseException as exc:
             error = exc
             raise
@@ -314,17 +314,8 @@ class Channel:
         return len(ended - {self._router.rank}) >= self._router.size - 1
 
     def _open(self, entry: Entry) -> Message:
-        if type(entry) is Message:
-            if self._small_room and (not self._traced or self._probe_of.recording is None):
-                return self._took(entry)  # the commonest: nothing to check, nothing to trace
-            self.opened(entry)
-            return entry
-        return Message(entry.src, self.tag, self.opened(entry))  # type: ignore[union-attr]
-
-    def _took(self, message: Message) -> Message:
-        """Count a small message taken (for credit: ``Delivery.took``); return it."""
-        self._router.took(message, self._box)
-        return message
+        data = self.opened(entry)
+        return entry if type(entry) is Message else Message(entry.src, self.tag, data)
 
     def listen(self, listener: Callable[[Entry], None]) -> None:
         """Hand every message to ``listener`` as it arrives, instead of queuing it.
@@ -344,8 +335,11 @@ class Channel:
         Raises:
             ProtocolError: the frame was refused on arrival, or is of the wrong codec.
         """
-        if type(entry) is Message and self._small_room and not self._traced:
-            return self._took(entry)[2]  # the commonest: an actor's request or reply
+        if type(entry) is Message and self._small_room and (
+                not self._traced or self._probe_of.recording is None):
+            # the commonest (an actor's request or reply): nothing to check, nothing to trace
+            self._router.took(entry, self._box)
+            return entry[2]
         router = self._router
         router.took(entry, self._box)
         if type(entry) is Message:  # a small message: decoded on arrival (the default codec's)
@@ -390,9 +384,8 @@ class Channel:
         router = self._router
         if router._closed:
             return
-        for dst in range(router.size):
-            if dst != router.rank:
-                router.notify(Kind.EOS, self.tag, dst)
+        for dst in router.others(None):
+            router.notify(Kind.EOS, self.tag, dst)
 
 
 def codec_of(name: str) -> Codec:

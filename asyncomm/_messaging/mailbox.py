@@ -35,11 +35,6 @@ from asyncomm._core.messages import Pending
 from asyncomm._core.wire import Head, Kind
 
 
-def charge_of(head: Head) -> int:
-    """Return the bytes a frame holds of its window, as its sender counts (``size_of``)."""
-    return max(0, head.size + head.payload_bytes - small.BYTES)
-
-
 class Message(NamedTuple):
     """A received message: who sent it, on which channel, and what."""
 
@@ -48,12 +43,7 @@ class Message(NamedTuple):
     data: Any
 
 
-def message(src: int, tag: int, data: object) -> Message:
-    """Return ``Message(src, tag, data)``, made as the tuple it is (cheaper than ``__new__``)."""
-    return _new(Message, (src, tag, data))  # type: ignore[no-any-return]
-
-
-_new: Any = tuple.__new__
+_new: Any = tuple.__new__  # ``_new(Message, (src, tag, data))``: cheaper than ``Message(...)``
 
 
 # A message ready to send: a small frame's body (see ``small``), or a frame's head and buffers.
@@ -77,7 +67,9 @@ class Frame:
 
     @classmethod
     def whole(cls, src: int, head: Head, buffers: list[torch.Tensor], seq: int) -> Frame:
-        return cls(src, head.kind, head.tag, seq, head, buffers, charge_of(head))
+        # the bytes it holds of its window (as ``charge`` counts)
+        return cls(src, head.kind, head.tag, seq, head, buffers,
+                   max(0, head.size + head.payload_bytes - small.BYTES))
 
     @classmethod
     def refused(cls, src: int, tag: int, error: CommError, seq: int = 0,
@@ -172,7 +164,7 @@ def size_of(frame: Encoded) -> int:
 
 
 def charge(frame: Encoded) -> int:
-    """Return the bytes a message holds of its window, as its receiver counts (``charge_of``):
+    """Return the bytes a message holds of its window, as its receiver counts (``Frame.whole``):
     its first ``small.BYTES`` are free, as all a small message's are (see ``router``)."""
     return 0 if isinstance(frame, bytes) else max(0, size_of(frame) - small.BYTES)
 
@@ -339,7 +331,7 @@ class Delivery:
             box.put(Frame.refused(src, tag, ProtocolError(f"rank {self.rank}: channel {tag}: "
                                                           f"{why}"), seq, 0))
             return
-        box.put(message(src, tag, obj))
+        box.put(_new(Message, (src, tag, obj)))
 
     def _small_control(self, src: int, kind: int, tag: int, obj: object) -> None:
         if kind == Kind.CREDIT:  # not queued: credit may overtake what is on its way

@@ -41,11 +41,12 @@ import math
 import time
 import warnings
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from asyncomm._core import instrument, settings, small, tags, wire
+from asyncomm._core.backend import Backend
 from asyncomm._core.errors import (
     CommClosedError,
     CommError,
@@ -57,6 +58,7 @@ from asyncomm._core.errors import (
 from asyncomm._core.link import Link
 from asyncomm._core.wire import Codec, Kind
 from asyncomm._messaging.mailbox import (
+    DATA,
     Delivery,
     Encoded,
     Frame,
@@ -65,7 +67,8 @@ from asyncomm._messaging.mailbox import (
 )
 
 _log = logging.getLogger("asyncomm")
-_DATA_KIND = int(Kind.DATA)
+WINDOW = 64  # messages of one channel a sender may have unconsumed at one receiver
+WINDOW_BYTES = 64 << 20  # and bytes (see the note on flow control)
 
 
 def frame_limits() -> wire.Limits:
@@ -74,19 +77,6 @@ def frame_limits() -> wire.Limits:
     limits would refuse, ``ProtocolError``)."""
     largest = settings.read().max_message_bytes
     return wire.Limits() if largest is None else wire.Limits(max_message_bytes=largest)
-
-
-class Releasing(Protocol):
-    """What a router asks of its communicator's backend when closing (``Backend.stuck``)."""
-
-    def stuck(self) -> list[int]:
-        """Return the tags of receives only a peer's message can end."""
-
-    def release(self, peer: int, tag: int) -> None:
-        """Send ``peer`` the empty message that ends its stuck receive on ``tag``."""
-
-    async def released(self, timeout: float) -> None:
-        """Wait (up to ``timeout``) until no receive is stuck any more."""
 
 
 def _as_tensor(buffer: wire.Buffer) -> torch.Tensor:
@@ -117,18 +107,17 @@ class Window:
 class Router(Delivery):
     """This rank's receive loop and send side for every channel of one communicator."""
 
-    def __init__(self, rank: int, size: int, link: Link, peers: Releasing,
-                 probe: instrument.Probe, probe_s: float = 0.5, window: int = 64,
-                 window_bytes: int = 64 << 20, limits: wire.Limits | None = None) -> None:
+    def __init__(self, rank: int, size: int, link: Link, peers: Backend,
+                 probe: instrument.Probe, probe_s: float = 0.5) -> None:
         self.rank, self.size = rank, size
         self.peers = peers  # the communicator's backend: receives only a peer's message ends
         self.probe = probe  # where channels and actors report, while someone records
         self.probe_s = probe_s  # see the note on dead peers
-        self.window, self.window_bytes = window, window_bytes
-        self.limits = limits or frame_limits()
+        self.window, self.window_bytes = WINDOW, WINDOW_BYTES
+        self.limits = frame_limits()
         # the most bytes of a small frame's body (see ``small``)
         self.small_room = min(link.small_room, self.limits.max_message_bytes)
-        super().__init__(rank, self.limits, link, window, window_bytes)
+        super().__init__(rank, self.limits, link, WINDOW, WINDOW_BYTES)
         self._windows: dict[tuple[int, int], Window] = {}
         self._byes: set[int] = set()  # ranks whose router said goodbye
         self._loop = asyncio.get_running_loop()
@@ -162,10 +151,6 @@ class Router(Delivery):
             body = small.encode(obj, self.small_room, self.limits.max_ndim)
             if body is not None:
                 return body
-        return self.frame_of(tag, obj, codec)
-
-    def frame_of(self, tag: int, obj: object, codec: Codec) -> tuple[bytes, list[torch.Tensor]]:
-        """Encode ``obj`` for channel ``tag`` as a frame (for a message known not small)."""
         head, buffers = wire.encode(Kind.DATA, tag, 0, obj, codec, self.limits)
         return head, [_as_tensor(b) for b in buffers]
 
@@ -177,8 +162,7 @@ class Router(Delivery):
                 dst != self.rank and dst not in self.dead and not self._closed)
         return window
 
-    async def send(self, frame: Encoded, tag: int, dst: int,
-                   timeout: float | None = None) -> None:
+    async def send(self, frame: Encoded, tag: int, dst: int, timeout: float = math.inf) -> None:
         """Send an encoded message; wait for credit first, then until its buffers are free."""
         if self._closed:
             raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
@@ -197,11 +181,11 @@ class Router(Delivery):
         if isinstance(frame, bytes):  # a small frame: its bytes are copied already
             if dst == self.rank:
                 try:
-                    self._small(dst, _DATA_KIND, tag, seq, small.decode(frame, self.limits))
+                    self._small(dst, DATA, tag, seq, small.decode(frame, self.limits))
                 except ProtocolError as exc:  # (what this rank encoded: never)
-                    self._small(dst, _DATA_KIND, tag, seq, exc)
+                    self._small(dst, DATA, tag, seq, exc)
             else:
-                self.link.send_small(dst, _DATA_KIND, tag, seq, frame)
+                self.link.send_small(dst, DATA, tag, seq, frame)
             return
         head, buffers = frame
         head = wire.with_seq(head, seq)
@@ -329,12 +313,12 @@ class Router(Delivery):
                 or (out < self.window and out_bytes + nbytes <= self.window_bytes))
 
     async def _acquire(self, window: Window, nbytes: int, tag: int, dst: int,
-                       timeout: float | None) -> None:
+                       timeout: float) -> None:
         """Wait for credit for a message of ``nbytes``, in turn with other senders."""
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         window.waiters.append(waiter)
-        deadline = math.inf if timeout is None else time.monotonic() + timeout
+        deadline = time.monotonic() + timeout  # (inf: no deadline)
         try:
             while True:
                 if self._closed:
@@ -347,7 +331,6 @@ class Router(Delivery):
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    assert timeout is not None
                     raise CommTimeoutError(f"rank {self.rank}: channel {tag} send to peer "
                                            f"{dst}: no credit after {timeout:g} s")
                 await asyncio.wait((waiter,), timeout=min(left, self.probe_s))
@@ -426,8 +409,8 @@ class Router(Delivery):
         """Ask a live peer to end the communicator's receives only its message can end (sent
         before the goodbye, so the peer handles it before it closes)."""
         stuck = self.peers.stuck()
-        helper = next((p for p in range(self.size)
-                       if p != self.rank and p not in self.dead and p not in self._left), None)
+        helper = next((p for p in self.others(None) if p not in self.dead and p not in self._left),
+                      None)
         if stuck and helper is not None:
             self.notify(Kind.EOS, tags.RELEASE, helper, stuck)
             self._released = True
@@ -471,8 +454,8 @@ class Router(Delivery):
         if self._closed:
             return
         if self.size > 1:  # who is gone says no goodbye: ask everyone still expected
-            for peer in range(self.size):
-                if peer != self.rank and peer not in self._byes:
+            for peer in self.others(None):
+                if peer not in self._byes:
                     self._probed.pop(peer, None)
                     self.alive(peer)
         self._closed = True
@@ -480,9 +463,8 @@ class Router(Delivery):
             window.open = False  # small frames go through ``send`` now, which refuses them
         if self.size > 1:
             if timeout <= 0:  # so that nobody asks this rank to release anything
-                for peer in range(self.size):
-                    if peer != self.rank:
-                        self.notify(Kind.EOS, tags.LEAVING, peer)
+                for peer in self.others(None):
+                    self.notify(Kind.EOS, tags.LEAVING, peer)
             self._ask_release()
             self._inflight.update(self.link.goodbye(frozenset(self.dead)))
             self._count_byes()

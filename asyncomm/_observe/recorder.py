@@ -176,31 +176,26 @@ class Recorder:
         threads: dict[int, int] = {}
         ends = {index: rest for index, *rest in self.ends}
         for index, event in enumerate(list(self.events)):  # a copy: the worker may append
+            record: dict[str, Any]
             if event[0] == "step":
-                events.append({"cat": "step", "kind": "step", "start": event[1],
-                               "end": event[1]})
-                continue
-            if event[0] == "stall":
-                events.append({"cat": "stall", "kind": "stall", "start": event[1],
-                               "end": event[2], "thread": threads.setdefault(event[3],
-                                                                            len(threads))})
-                continue
-            if event[0] == "wait":
-                events.append({"cat": "wait", "kind": "wait", "name": event[1],
-                               "start": event[2], "end": event[3]})
-                continue
-            if event[0] == "compute":
+                record = {"cat": "step", "kind": "step", "start": event[1], "end": event[1]}
+            elif event[0] == "stall":
+                record = {"cat": "stall", "kind": "stall", "start": event[1], "end": event[2],
+                          "thread": threads.setdefault(event[3], len(threads))}
+            elif event[0] == "wait":
+                record = {"cat": "wait", "kind": "wait", "name": event[1], "start": event[2],
+                          "end": event[3]}
+            elif event[0] == "compute":
                 name, start, end, ident = event[1:]
-                thread = threads.setdefault(ident, len(threads))
-                events.append({"cat": "compute", "kind": "compute", "name": name,
-                               "start": start, "end": end, "thread": thread})
-                continue
-            record = dict(zip(FIELDS, event, strict=True))
-            ended = ends.get(index)
-            if ended is not None:
-                record["end"], record["error"] = ended[0], ended[1]
-                if ended[2] is not None:
-                    record["peer"] = ended[2]
+                record = {"cat": "compute", "kind": "compute", "name": name, "start": start,
+                          "end": end, "thread": threads.setdefault(ident, len(threads))}
+            else:
+                record = dict(zip(FIELDS, event, strict=True))
+                ended = ends.get(index)
+                if ended is not None:
+                    record["end"], record["error"] = ended[0], ended[1]
+                    if ended[2] is not None:
+                        record["peer"] = ended[2]
             events.append(record)
         return {"format": FORMAT, "version": VERSION, "rank": self.rank, "size": self.size,
                 "host": socket.gethostname(), "pid": os.getpid(),

@@ -182,19 +182,16 @@ def merge(directory: str | Path) -> dict[str, Any]:
     """
     ranks = load(directory)
     offsets = _clock(ranks)
-    spans: list[tuple[int, dict[str, Any]]] = []
-    for doc, offset in zip(ranks, offsets, strict=True):
-        pid = doc["rank"] if doc["rank"] is not None else doc["pid"]
-        for event in doc["events"]:
-            if event["end"] is None:
-                continue
-            spans.append((pid, {**event, "start": event["start"] + offset,
-                                "end": event["end"] + offset}))
-    zero = min((span["start"] for _, span in spans), default=0.0)
+    pids = [doc["rank"] if doc["rank"] is not None else doc["pid"] for doc in ranks]
+    spans: dict[int, list[dict[str, Any]]] = {}  # per pid, its completed events, time-shifted
+    for doc, offset, pid in zip(ranks, offsets, pids, strict=True):
+        spans.setdefault(pid, []).extend(
+            {**event, "start": event["start"] + offset, "end": event["end"] + offset}
+            for event in doc["events"] if event["end"] is not None)
+    zero = min((span["start"] for own in spans.values() for span in own), default=0.0)
     events: list[dict[str, Any]] = []
-    for doc in ranks:
-        pid = doc["rank"] if doc["rank"] is not None else doc["pid"]
-        mine = [span for p, span in spans if p == pid and span["cat"] != "step"]
+    for pid in pids:
+        mine = [span for span in spans[pid] if span["cat"] != "step"]
         compute = [s for s in mine if s["cat"] == "compute"]
         comm = [s for s in mine if s["cat"] not in ("compute", "stall", "wait")]
         _lanes(compute, COMPUTE_TID)
@@ -215,7 +212,7 @@ def merge(directory: str | Path) -> dict[str, Any]:
                            "args": {"name": lane}})
         for span in mine:
             events.append(_event(pid, span, zero))
-        for index, mark in enumerate(s for p, s in spans if p == pid and s["cat"] == "step"):
+        for index, mark in enumerate(s for s in spans[pid] if s["cat"] == "step"):
             events.append({"name": f"step {index}", "cat": "step", "ph": "i", "s": "p",
                            "pid": pid, "tid": COMPUTE_TID, "ts": (mark["start"] - zero) * 1e6})
     return {"traceEvents": events, "displayTimeUnit": "ms",

@@ -22,16 +22,11 @@ _watched: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Watchdog] = (
     weakref.WeakKeyDictionary())
 
 
-def threshold_s() -> float:
-    """Return how long the loop may be held before the watchdog speaks."""
-    return settings.read().blocked_s
-
-
 def watch(loop: asyncio.AbstractEventLoop, label: str) -> None:
     """Watch ``loop`` (the running one) until it closes; once per loop, later calls do nothing."""
     if loop in _watched:
         return
-    dog = _watched[loop] = _Watchdog(loop, label, threshold_s())
+    dog = _watched[loop] = _Watchdog(loop, label, settings.read().blocked_s)
     dog.start()
 
 

@@ -9,12 +9,7 @@ default: computes in call order, not oversubscribing the cores), made on first u
 stopped by ``shutdown`` (``init`` calls it on leaving): no thread is left behind. On CUDA
 a worker computes on a side stream of its own, synchronised before the await resumes.
 
-Note on the hand-over
----------------------
-Results come back through an ``Inbox`` (see ``_core.progress``): a queue and
-an eventfd that the worker writes without holding the GIL, so the woken loop
-thread does not at once wait for the worker to let go of it, as after
-``call_soon_threadsafe`` (what ``run_in_executor`` uses).
+Results come back through an ``Inbox``: see its note on waking the loop (``_core.progress``).
 """
 
 from __future__ import annotations

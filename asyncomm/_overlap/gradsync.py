@@ -181,7 +181,6 @@ class GradSync:
         self._params = [p for _, p in named]
         self._find_unused = find_unused_parameters
         self._scale = 1.0 / comm.size
-        self._where: list[tuple[int, int]] = []  # (bucket, position) of each parameter
         self._use(self._assign(int(bucket_mb * _MB)))
         for bucket in self._buckets:
             first = self._params[bucket.indices[0]]
@@ -212,7 +211,7 @@ class GradSync:
 
     def _use(self, buckets: list[_Bucket]) -> None:
         self._buckets = buckets
-        self._where = [(0, 0)] * len(self._params)
+        self._where: list[tuple[int, int]] = [(0, 0)] * len(self._params)  # (bucket, position)
         for b, bucket in enumerate(buckets):
             for position, i in enumerate(bucket.indices):
                 self._where[i] = (b, position)

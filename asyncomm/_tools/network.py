@@ -58,10 +58,8 @@ class Network:
     """``count`` hosts on one switch; see the module's note."""
 
     def __init__(self, count: int, rate: str | None = None, delay: str | None = None) -> None:
-        if count < 1:
-            raise ValueError(f"a network needs at least one host, not {count}")
-        if count > 250:
-            raise ValueError(f"at most 250 hosts on one network, not {count}")
+        if not 1 <= count <= 250:  # each host is one address of the network's /24
+            raise ValueError(f"a network has 1 to 250 hosts, not {count}")
         self.count, self.rate, self.delay = count, rate, delay
         tag = int.from_bytes(os.urandom(3), "big") >> 4  # not ``random``: tests reseed it alike
         self._id = f"ac{tag:05x}"  # ≤ 7 characters: interface names have 15 at most

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import json
 import random
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -144,16 +142,14 @@ async def soak(comm: Comm, seconds: float, seed: int) -> dict[str, Any]:
     return {"rounds": rounds, "ops": dict(counts), "seconds": time.monotonic() - start}
 
 
-def run(seconds: float, json_path: Path | None = None, seed: int = 0) -> int:
+def run(seconds: float) -> int:
     """Every rank's part of ``asyncomm bench soak``: soak, then rank 0 reports."""
     async def main(comm: Comm) -> tuple[int, dict[str, Any]]:
-        return comm.rank, await soak(comm, seconds, seed)
+        return comm.rank, await soak(comm, seconds, seed=0)
 
     rank, result = asyncomm.run(main)
     if rank == 0:
         ops = ", ".join(f"{kind} {count}" for kind, count in sorted(result["ops"].items()))
         print(f"soak: {result['rounds']} rounds in {result['seconds']:.1f} s, every result "
               f"checked, no errors; operations per rank: {ops}", flush=True)
-        if json_path is not None:
-            json_path.write_text(json.dumps(result) + "\n")
     return 0

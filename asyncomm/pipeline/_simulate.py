@@ -52,13 +52,10 @@ def _matching(action: Action) -> Action:
     return Action(_PEER[action.op], action.stage + step, action.microbatch)
 
 
-def _where(schedule: Schedule, rank: int, index: int) -> str:
-    return f"{schedule.name}: rank {rank} index {index} ({schedule.actions[rank][index]})"
-
-
 def _fail(schedule: Schedule, rank: int, index: int, what: str) -> ScheduleError:
     action = schedule.actions[rank][index]
-    return ScheduleError(f"{_where(schedule, rank, index)}: {what}", rank, index, action)
+    return ScheduleError(f"{schedule.name}: rank {rank} index {index} ({action}): {what}",
+                         rank, index, action)
 
 
 def _check_actions(schedule: Schedule) -> dict[Action, tuple[int, int]]:

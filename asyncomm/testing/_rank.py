@@ -2,7 +2,7 @@
 
 ``python -m asyncomm.testing`` runs this on every rank (under the launcher
 the world chose); each check runs on a communicator of its own (see
-``_isolated``), and its result or traceback goes back with the number of the
+``serve``), and its result or traceback goes back with the number of the
 request it answers. ``SIGUSR1`` writes every task's and thread's stack to
 the rank's output, for the report of a check that hangs.
 """
@@ -61,23 +61,18 @@ async def serve(comm: asyncomm.Comm) -> None:
         if command == "stop":
             break
         try:
-            result = await _isolated(_load(path, qualname), comm, args)
+            check = _load(path, qualname)
+            # a communicator of the check's own, over every rank: what it leaves (operations
+            # in flight, channels, actors, groups) closes with it, so the next check starts
+            # clean; a check that raised leaves without waiting
+            async with fresh(comm) as mine:
+                result = await check(mine, *args)
         except BaseException as exc:  # from the check's frame down
             tb = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
             conn.send(("error", request, "".join(traceback.format_exception(type(exc), exc, tb))))
         else:
             conn.send(("ok", request, result))
     conn.close()
-
-
-async def _isolated(check: Callable[..., Any], comm: asyncomm.Comm, args: tuple[Any, ...]) -> Any:
-    """Run ``check`` on a communicator of its own over every rank, closed after it.
-
-    What a check leaves (operations in flight, channels, actors, groups) closes with
-    it, so the next check starts clean. A check that raised leaves without waiting.
-    """
-    async with fresh(comm) as mine:
-        return await check(mine, *args)
 
 
 def _print_tasks() -> None:

@@ -30,12 +30,11 @@ if TYPE_CHECKING:
     from asyncomm._comm import Comm
 
 BACKENDS = ("gloo", "mpi")
-# section -> the module that measures it (and renders its table)
+# section -> the module that measures it (and renders its table); a record's "bench" is a
+# section or a module's name, so ``SECTIONS.get(bench, bench)`` is the module that renders it
 SECTIONS = {"pingpong": "core", "allreduce": "core", "all": "core", "idle": "core",
             "channels": "channels", "gradsync": "gradsync", "pipeline": "pipeline",
             "soak": "soak"}
-_TABLES = {"core": "core", "idle": "core", "channels": "channels", "gradsync": "gradsync",
-           "pipeline": "pipeline"}  # a record's "bench" -> the module that renders it
 
 
 def _sections(text: str) -> tuple[str, ...]:
@@ -221,6 +220,6 @@ def table(records: Sequence[Record]) -> str:
     parts = [header]
     for section in dict.fromkeys(r["bench"] for r in records):
         mine = [r for r in records if r["bench"] == section]
-        module = importlib.import_module(f"asyncomm._tools.bench.{_TABLES[section]}")
+        module = importlib.import_module(f"asyncomm._tools.bench.{SECTIONS.get(section, section)}")
         parts.append("\n".join(module.table(mine)))
     return "\n".join(parts)

@@ -71,12 +71,6 @@ class Case:
     prime: int = 0  # untimed calls before the first round (beside its warm-up)
 
 
-def _exchange(rank: int, send: Callable[[], Any], recv: Callable[[], Any],
-              blocking: bool) -> Timed:
-    """A ping-pong between ranks 0 and 1 (the core bench's)."""
-    return pair(rank, send, recv, send, recv, blocking)
-
-
 def _repeat(call: Callable[[], Any]) -> Callable[[], None]:
     """``IN_FLIGHT`` blocking calls of ``call``, one after the other."""
     def calls() -> None:
@@ -160,13 +154,7 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
 
     rank, peer = comm.rank, 1 - comm.rank if comm.rank < 2 else 0
     ack = comm.channel(_TAGS["ack"])
-
-    def ack_send() -> Any:
-        return ack.send(0, peer)
-
-    def ack_recv() -> Any:
-        return ack.recv(peer)
-
+    ack_send, ack_recv = functools.partial(ack.send, 0, peer), functools.partial(ack.recv, peer)
     cases = []
     ch = comm.channel(_TAGS["pingpong"])
     for size in sizes:  # ping-pong: channel vs blocking send/recv of the same bytes
@@ -176,8 +164,8 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
         raw = variants(comm, t, peer)["raw"]
         cases.append(Case("pingpong", size, {
             "raw": timed("pingpong", raw, rank),
-            "asyncomm": _exchange(rank, functools.partial(ch.send, t, peer),
-                                  lambda: ch.recv(peer), blocking=False),
+            "asyncomm": pair(rank, functools.partial(ch.send, t, peer), lambda: ch.recv(peer),
+                             blocking=False),
         }, warmup, iters, 0.5))
 
     big = torch.zeros(STREAM_BYTES // 4)  # stream: IN_FLIGHT sends in flight, then an ack
@@ -222,9 +210,9 @@ def _channel_cases(comm: Comm, sizes: Sequence[int], quick: bool) -> list[Case]:
         return now[0].recv(peer)
 
     cases.append(Case("channels", tiny.nbytes, {
-        "1 channel": _exchange(rank, lambda: one.send(tiny, peer), lambda: one.recv(peer),
-                               blocking=False),
-        f"{OPEN_CHANNELS} channels": _exchange(rank, rotate_send, rotate_recv, blocking=False),
+        "1 channel": pair(rank, lambda: one.send(tiny, peer), lambda: one.recv(peer),
+                          blocking=False),
+        f"{OPEN_CHANNELS} channels": pair(rank, rotate_send, rotate_recv, blocking=False),
     }, 50, OPEN_CHANNELS // 20 if quick else OPEN_CHANNELS, 0.5,
         prime=OPEN_CHANNELS // 20 if quick else OPEN_CHANNELS))
     return cases  # (priming has every channel carry a message each way before timing;
@@ -250,33 +238,33 @@ def _burst_case(comm: Comm, rank: int, peer: int, ack_send: Callable[[], Any],
     }, max(1, iters // 10), iters, IN_FLIGHT)
 
 
-class _Echo:
-    """The actor of the ``actor`` row (made an ``Actor`` where asyncomm is imported)."""
+def _echo_class() -> type[Any]:
+    """The actor of the ``actor`` and ``mesh`` rows (imports asyncomm, hence torch, when called)."""
+    import asyncomm
 
-    def echo(self, x: Any) -> Any:
-        return x
+    class Echo(asyncomm.Actor):
+        @asyncomm.endpoint
+        def echo(self, x: Any) -> Any:
+            return x
+
+    return Echo
 
 
 def _actor_case(comm: Comm, rank: int, peer: int, quick: bool) -> Case:
     """Round trips of an actor call (rank 0 calls rank 1's echo) vs of a channel."""
     import torch
 
-    import asyncomm
-
-    class Echo(asyncomm.Actor):
-        echo = asyncomm.endpoint(_Echo.echo)
-
     t = torch.zeros(2)
     if rank == 1:
-        comm.serve(Echo(), "bench-echo")
+        comm.serve(_echo_class()(), "bench-echo")
     echo = comm.actor(1, "bench-echo").echo
     ch = comm.channel(_TAGS["echo"])
 
     warmup, iters = iterations(t.nbytes, quick)
     iters = max(2, iters // 2)
     return Case("actor", t.nbytes, {
-        "channel": _exchange(rank, functools.partial(ch.send, t, peer), lambda: ch.recv(peer),
-                             blocking=False),
+        "channel": pair(rank, functools.partial(ch.send, t, peer), lambda: ch.recv(peer),
+                        blocking=False),
         "actor call": Timed(functools.partial(echo, t) if rank == 0 else None, False),
     }, warmup, iters, 1.0)
 
@@ -286,13 +274,8 @@ async def _mesh_cases(comm: Comm, quick: bool) -> list[Case]:
     same actor calls issued together (gathered), and one after another."""
     import torch
 
-    import asyncomm
-
-    class Echo(asyncomm.Actor):
-        echo = asyncomm.endpoint(_Echo.echo)
-
     t = torch.zeros(2)
-    mesh = await comm.spawn(Echo, name="bench-mesh", ranks=range(1, comm.size))
+    mesh = await comm.spawn(_echo_class(), name="bench-mesh", ranks=range(1, comm.size))
     refs = [mesh[r] for r in mesh.ranks]
 
     async def together() -> None:

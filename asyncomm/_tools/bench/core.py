@@ -94,16 +94,18 @@ def timed(op: str, calls: Calls, rank: int) -> Timed:
     """One iteration of ``op`` on this rank (a step of ``None``: this rank sits it out)."""
     if op == "allreduce":
         return Timed(calls.allreduce, calls.blocking)
-    return pair(rank, calls.send, calls.recv, calls.send, calls.recv, calls.blocking)
+    return pair(rank, calls.send, calls.recv, blocking=calls.blocking)
 
 
 def pair(rank: int, send: Callable[[], Any], recv: Callable[[], Any],
-         answer: Callable[[], Any], hear: Callable[[], Any], blocking: bool) -> Timed:
+         answer: Callable[[], Any] | None = None, hear: Callable[[], Any] | None = None, *,
+         blocking: bool) -> Timed:
     """One call between ranks 0 and 1: rank 0 runs ``send`` then ``hear``, rank 1 ``recv``
-    then ``answer`` (a ping-pong: the same send and receive; a burst: then an ack)."""
+    then ``answer`` (a ping-pong, without ``answer`` and ``hear``: ``send`` and ``recv``
+    again; a burst: then an ack)."""
     if rank > 1:
         return Timed(None, blocking)
-    first, second = (send, hear) if rank == 0 else (recv, answer)
+    first, second = (send, hear or recv) if rank == 0 else (recv, answer or send)
     if blocking:
         def both() -> None:
             first()

@@ -110,9 +110,8 @@ async def _steps(comm: Comm, widths: Sequence[int], steps: int, prime: int) -> l
             loss_of(ddp).backward()  # type: ignore[no-untyped-call]
 
         variants["ddp"] = Timed(ddp_step, False)
-    variants["gradsync"] = Timed(gradsync_step("gradsync", False), False)
-    variants["gradsync+compute"] = Timed(gradsync_step("gradsync+compute", True), False)
-    variants["gradsync buckets"] = Timed(gradsync_step("gradsync buckets", False), False)
+    for name in shared:  # only "gradsync+compute" runs its backward through compute
+        variants[name] = Timed(gradsync_step(name, name == "gradsync+compute"), False)
     samples = await alternate(comm, variants, steps, 0, 1, prime)
     for sync in syncs.values():
         sync.close()
@@ -192,9 +191,8 @@ def table(records: Sequence[Record]) -> list[str]:
              f"{'variant':<18}{'step ms':>9}{'exposed ms':>12}{'wait ms':>9}{'vs ddp':>8}"
              "  target"]
     for r in steps:
-        target = ""
-        if r["target"] is not None:
-            target = f"{r['target']}: {'met' if r['ratio_ddp'] <= STEP_TARGET else 'MISSED'}"
+        target = "" if r["target"] is None else (
+            f"{r['target']}: {'met' if r['ratio_ddp'] <= STEP_TARGET else 'MISSED'}")
         wait = "" if r["wait_ms"] is None else f"{r['wait_ms']:.1f}"
         ratio = "" if r["ratio_ddp"] is None else f"{r['ratio_ddp']:.2f}"
         lines.append(f"{r['variant']:<18}{r['ms']:>9.1f}{r['exposed_ms']:>12.1f}{wait:>9}"

@@ -74,13 +74,6 @@ class FixedCost(nn.Module):
         return through + weight
 
 
-async def _slowest(comm: Comm, seconds: float) -> float:
-    """The largest of every rank's ``seconds``."""
-    t = torch.tensor([seconds], dtype=torch.float64)
-    await comm.all_reduce(t, "max")
-    return float(t.item())
-
-
 async def _timed(comm: Comm, step: Callable[[], Awaitable[Any]], steps: int) -> float:
     """Seconds per step of ``steps`` steps after a warm-up step, the slowest rank's."""
     await step()
@@ -88,7 +81,9 @@ async def _timed(comm: Comm, step: Callable[[], Awaitable[Any]], steps: int) -> 
     start = time.perf_counter()
     for _ in range(steps):
         await step()
-    return await _slowest(comm, (time.perf_counter() - start) / steps)
+    per_step = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
+    await comm.all_reduce(per_step, "max")
+    return float(per_step.item())
 
 
 def _torch_step(comm: Comm, name: str, modules: dict[int, nn.Module], n_stages: int,
@@ -107,14 +102,9 @@ def _torch_step(comm: Comm, name: str, modules: dict[int, nn.Module], n_stages: 
     async def step() -> None:
         for module in modules.values():
             module.zero_grad()
-        if first and last:
-            schedule.step(x, target=y, losses=[])
-        elif first:
-            schedule.step(x)
-        elif last:
-            schedule.step(target=y, losses=[])
-        else:
-            schedule.step()
+        # the first stage takes the input; the last the target, and a list for the losses
+        schedule.step(*([x] if first else []), target=y if last else None,
+                      losses=[] if last else None)
 
     return step
 
