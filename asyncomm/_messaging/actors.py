@@ -44,6 +44,7 @@ from asyncomm._core.errors import (
     CommError,
     CommTimeoutError,
     PeerFailedError,
+    ProtocolError,
     RemoteError,
 )
 from asyncomm._core.wire import Codec
@@ -138,14 +139,16 @@ class Host:
                                                                              inbox)))
 
     async def _serve_requests(self) -> None:
-        try:
-            await self._route_requests()
-        except PeerFailedError:  # every other rank is gone or closed: nothing more comes
-            pass
-
-    async def _route_requests(self) -> None:
-        async for message in self._requests:  # the listener takes them; but errors, ends
-            self._route(message)
+        while True:
+            try:
+                # the listener takes the requests; what comes here is an error or the end
+                async for message in self._requests:
+                    self._route(message)
+                return
+            except PeerFailedError:  # every other rank is gone or closed: nothing more comes
+                return
+            except ProtocolError as exc:  # a frame refused on arrival: said, and on
+                self._refused(exc)
 
     def _route(self, message: Message) -> None:
         name = message.data[1]
@@ -171,7 +174,7 @@ class Host:
             self._route(entry if type(entry) is Message  # type: ignore[arg-type]
                         else Message(entry.src, tags.ACTOR_REQUEST, data))
         except Exception as exc:  # a malformed message: say so, and go on with the next
-            self._refused(entry, exc)
+            self._refused(exc, entry.src)
 
     def _on_reply(self, frame: Entry) -> None:
         """The replies' listener: settle each call as its reply arrives."""
@@ -179,12 +182,15 @@ class Host:
             reply: Any = self._replies.opened(frame)
             self._settle(*reply)
         except Exception as exc:
-            self._refused(frame, exc)
+            self._refused(exc, frame.src)
 
-    def _refused(self, frame: Entry, exc: Exception) -> None:
+    def _refused(self, exc: Exception, src: int | None = None) -> None:
+        """Say that an actor message was refused (its error names its sender where the
+        sender is not given)."""
+        sender = "" if src is None else f" from rank {src}"
         self._loop.call_exception_handler({
-            "message": f"asyncomm: rank {self.rank}: an actor message from rank {frame.src} "
-                       "was refused", "exception": exc})
+            "message": f"asyncomm: rank {self.rank}: an actor message{sender} was refused",
+            "exception": exc})
 
     async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:
         endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far
@@ -394,6 +400,9 @@ class Host:
                 if waited >= self._router.probe_s:  # no reply for a while: are the callees there?
                     waited = 0.0
                     self._router.check_peers({pending[0] for pending in self._calls.values()})
+                continue
+            except ProtocolError as exc:  # a frame refused on arrival: said, and on
+                self._refused(exc)
                 continue
             except (CommClosedError, PeerFailedError):  # nobody left to reply
                 self._fail_closed()
