@@ -354,7 +354,7 @@ def test_recv_cancelled_as_its_message_arrives(world: World) -> None:
 async def check_woken_then_cancelled(comm: Comm) -> None:
     # Two receives wait; a message wakes the first, which is cancelled before it runs:
     # the second must be woken in its place (no patrol here to wake it later: probe off).
-    ch = Channel(comm._router, 303, wire.Codec.DEFAULT, math.inf, probe=False)
+    ch = Channel(comm._router, 303, wire.Codec.DEFAULT, math.inf)
     for i in range(10):
         first, second = asyncio.ensure_future(ch.recv()), asyncio.ensure_future(ch.recv())
         for _ in range(3):
@@ -1053,7 +1053,7 @@ def count_packets(comm: Comm) -> list[int]:
 async def check_burst_is_one_message(comm: Comm, n: int) -> None:
     async with fresh(comm) as sub:
         ch = sub.channel(900)
-        n = min(n, sub._router.link.packet_frames // 2)  # 2 frames a turn, in one packet
+        n = min(n, sub._router.link._outbox.packet_frames // 2)  # 2 frames a turn, in one packet
         if sub.rank == 0:
             posted = count_packets(sub)
             await ch.send("first", 1)  # the first of a burst leaves at once
@@ -1143,7 +1143,7 @@ async def check_long_burst_in_packets(comm: Comm) -> None:
     # iteration ends. Order and content are kept across packets.
     async with fresh(comm) as sub:
         ch = sub.channel(901)
-        frames = sub._router.link.packet_frames
+        frames = sub._router.link._outbox.packet_frames
         n = min(frames + 3, WINDOW // 2)  # within one window: no credit wait
         if sub.rank == 0:
             posted = count_packets(sub)

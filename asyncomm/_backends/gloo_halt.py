@@ -1,25 +1,21 @@
 """When gloo's own thread fails: the process lives on, and says why.
 
-gloo checks what arrives on its own I/O thread, and the exception it raises
-there -- ``gloo::EnforceNotMet`` when a collective's data or a message is of
-another size than this rank expects -- has no catcher: C++ calls
-``std::terminate``, which kills the process (SIGABRT), whatever Python was
-doing. A program can cause that from Python (ranks that all-reduce tensors
-of different sizes), so a process with a gloo communicator takes over
-``std::terminate`` (``watch``): an exception of gloo's own parks the thread
-that raised it for good, and the listeners are told, once, on their loops,
-which fail what is pending (``MismatchError``). Any other exception goes on
-to the handler that was there before, which ends the process as before
-(nccl's watchdog ends it so on purpose).
+gloo checks what arrives on its own I/O thread, and the exception it raises there --
+``gloo::EnforceNotMet`` when a collective's data or a message is of another size than this rank
+expects -- has no catcher: C++ calls ``std::terminate``, which kills the process (SIGABRT), whatever
+Python was doing. A program can cause that from Python (ranks that all-reduce tensors of different
+sizes), so a process with a gloo communicator takes over ``std::terminate`` (``watch``): an
+exception of gloo's own parks the thread that raised it for good, and the listeners are told, once,
+on their loops, which fail what is pending (``MismatchError``). Any other exception goes on to the
+handler that was there before, which ends the process as before (nccl's watchdog ends it so on
+purpose).
 
-The parked thread is gloo's I/O thread: gloo can move nothing more in this
-process, and cannot be shut down (destroying a group joins that thread). So
-once it halted, closing a group leaves gloo alone, and the process ends with
-``os._exit(1)`` once its exit work is done (``exit_if_halted``).
+The parked thread is gloo's I/O thread: gloo can move nothing more in this process, and cannot be
+shut down (destroying a group joins that thread). So once it halted, closing a group leaves gloo
+alone, and the process ends with ``os._exit(1)`` once its exit work is done (``exit_if_halted``).
 
-The handler is a ctypes callback, which takes the GIL: at exit the previous
-handler comes back (``restore``) before the interpreter finalizes, when a
-thread that takes the GIL is ended instead.
+The handler is a ctypes callback, which takes the GIL: at exit the previous handler comes back
+(``restore``) before the interpreter finalizes, when a thread that takes the GIL is ended instead.
 """
 
 from __future__ import annotations

@@ -12,36 +12,33 @@ thread does; see the note on memory for peers on one host.
 
 Note on order and matching
 --------------------------
-A connection is FIFO and a source's data is asked for in the order of its envelopes (the
-listener's order), so the n-th buffer read from a source is the n-th buffer it wrote to
-this rank: nothing is tagged, and bytes written before their envelope arrives wait in the
-connection. Each direction has its own connection and threads: a writer held by a receiver
-that does not read holds no other peer's data, and no reader waits for a writer (no cycle
-of ranks can deadlock the lane).
+A connection is FIFO and a source's data is asked for in the order of its envelopes (the listener's
+order), so the n-th buffer read from a source is the n-th buffer it wrote to this rank: nothing is
+tagged, and bytes written before their envelope arrives wait in the connection. Each direction has
+its own connection and threads: a writer held by a receiver that does not read holds no other peer's
+data, and no reader waits for a writer (no cycle of ranks can deadlock the lane).
 
 Note on memory
 --------------
-Peers on one host (the same listening address) skip the socket's copies. First choice,
-*direct*: the writer only says where a buffer is and how large (16 bytes on the socket);
-the reader copies it straight out of the writer's process into its own buffer
-(``process_vm_readv``, one copy, without the GIL) and says so (one byte), and the writer's
-``done`` follows then (a thread per destination hears it: the writer never waits). The
-sending rank then spends no CPU on the bytes, where a ring costs a copy on each side. The
-reader takes the offer only after reading a token from where the offer says (same host,
-same processes, and the kernel lets it: Yama's ``ptrace_scope`` >= 1 or a container's
-seccomp forbid it); else it declines and the writer offers a *ring*: ``RING_BYTES`` of
-shared memory per direction, the writer copying bytes in (``memmove``, without the GIL) and
-sending the count written so far; the reader copies them out and sends back the count read
-once it has read another quarter of the ring (the writer takes them every 16 copies, and
-whenever it runs low: they never pile up unread). A file in ``/dev/shm`` carries the ring
-only for the handshake: the writer unlinks it once the reader mapped it. A ring declined
-(another container's ``/dev/shm`` behind the address), or none to be made, leaves the
-socket. ``ASYNCOMM_LANE_DIRECT=0`` skips the direct offer, ``ASYNCOMM_LANE_SHM=0`` both.
-The copies take the tensors' addresses and sizes only: a torch call that lets the GIL go
-(``reshape``, ``view``) costs a hand-off between the loop and the lane's threads. The
-reader takes a frame's buffers only when its bytes are next (``recv``'s ``take``), not when
-its envelope came: a stream's buffers are then mostly the ones its receiver just freed,
-still in the cache.
+Peers on one host (the same listening address) skip the socket's copies. First choice, *direct*: the
+writer only says where a buffer is and how large (16 bytes on the socket); the reader copies it
+straight out of the writer's process into its own buffer (``process_vm_readv``, one copy, without
+the GIL) and says so (one byte), and the writer's ``done`` follows then (a thread per destination
+hears it: the writer never waits). The sending rank then spends no CPU on the bytes, where a ring
+costs a copy on each side. The reader takes the offer only after reading a token from where the
+offer says (same host, same processes, and the kernel lets it: Yama's ``ptrace_scope`` >= 1 or a
+container's seccomp forbid it); else it declines and the writer offers a *ring*: ``RING_BYTES`` of
+shared memory per direction, the writer copying bytes in (``memmove``, without the GIL) and sending
+the count written so far; the reader copies them out and sends back the count read once it has read
+another quarter of the ring (the writer takes them every 16 copies, and whenever it runs low: they
+never pile up unread). A file in ``/dev/shm`` carries the ring only for the handshake: the writer
+unlinks it once the reader mapped it. A ring declined (another container's ``/dev/shm`` behind the
+address), or none to be made, leaves the socket. ``ASYNCOMM_LANE_DIRECT=0`` skips the direct offer,
+``ASYNCOMM_LANE_SHM=0`` both. The copies take the tensors' addresses and sizes only: a torch call
+that lets the GIL go (``reshape``, ``view``) costs a hand-off between the loop and the lane's
+threads. The reader takes a frame's buffers only when its bytes are next (``recv``'s ``take``), not
+when its envelope came: a stream's buffers are then mostly the ones its receiver just freed, still
+in the cache.
 
 Note on connecting
 ------------------
@@ -58,6 +55,7 @@ is retried: a lost buffer breaks its frame, and the peer's frames behind it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import functools
 import mmap
@@ -142,10 +140,8 @@ class Lane:
             queues = [*self._writers.values(), *self._readers.values()]
         for items in queues:
             items.put(None)
-        try:
+        with contextlib.suppress(OSError):
             self._server.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` in all for the threads to end (after ``close``)."""
@@ -374,10 +370,8 @@ class _Ring:
     def close(self) -> None:
         self._sock.close()
         del self._ring
-        try:
+        with contextlib.suppress(BufferError):  # (a view still lives: the mapping goes with it)
             self._map.close()
-        except BufferError:  # (a view still lives: the mapping goes with it)
-            pass
 
 
 class _RingOut(_Ring):
@@ -499,10 +493,8 @@ class _DirectOut(_Tcp):
             if self._failure is None:
                 self._failure = PeerFailedError(f"{self._lost}: {exc}")
             failed, self._pending = self._pending, collections.deque()
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)  # (``hear`` ends too)
-        except OSError:
-            pass
         if failed:  # (a connection that ends with nothing pending lost nothing)
             self._losing(self._failure)
         for _, done in failed:
@@ -510,10 +502,8 @@ class _DirectOut(_Tcp):
 
     def close(self) -> None:
         """Nothing more to write: the reader's word on what it has still comes."""
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
         self._leave()
 
     def _leave(self) -> None:

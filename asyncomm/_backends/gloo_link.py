@@ -18,17 +18,15 @@ Large frames' bytes travel on connections of asyncomm's own, not through gloo's 
 thread holds it while it moves a message, and a send posted meanwhile waits (a credit frame
 sent during a stream would wait out whole data messages); with no data on the pairs, a link
 message waits for nothing but other link messages. A data message needs no order against
-its envelope: its receiver reads a source's lane in the order of that source's envelopes,
-and bytes written early wait in the connection.
+its envelope (see ``gloo_lane``'s note on order and matching).
 
 Note on batches and message sizes
 ---------------------------------
-The envelopes of large frames travel in batches (see the note on the layout in
-``_core.link``): on gloo a batch spares every frame but its first an eager send, a
-listener's wake-up and a receive re-posted, on both ranks. The listener asks for the data of
-a batch's frames in order and tells the loop of them in one hand-off. On Linux, link
-messages are as long as what they hold; elsewhere they are padded to ``ENVELOPE_BYTES``
-(see ``gloo_p2p``'s note on sizes).
+The envelopes of large frames travel in batches (see the note on the layout in ``_core.link``): on
+gloo a batch spares every frame but its first an eager send, a listener's wake-up and a receive
+re-posted, on both ranks. The listener asks for the data of a batch's frames in order and tells the
+loop of them in one hand-off. On Linux, link messages are as long as what they hold; elsewhere they
+are padded to ``ENVELOPE_BYTES`` (see ``gloo_p2p``'s note on sizes).
 
 Note on draining
 ----------------
@@ -41,22 +39,21 @@ is in are exactly the ones the DRAINs fill.
 
 Note on dead peers
 ------------------
-gloo fails an operation on a connection that closed (its peer died), but not an any-source
-receive, which belongs to no connection: the listener never learns of a death. Except in two
-ways, both when a peer dies while sending to this rank. The receive its message was being
-read into fails, alone: it is replaced and the listener goes on. And a message it had
-announced with no receive posted yet stays announced: gloo then tries every later
-any-source receive on the dead connection first, and fails to post it. The rank can hear no
-one on this group any more; every peer's stream ends with that reason (``_deaf``), and a
-shrink makes new groups (that needs no listener: the survivors agree through the store). ``probe``
-sends the peer a PING message, which the listener drops; if the peer is gone, the send fails
-at once (gloo closed its connection when the socket did). A frame whose data a dead peer
-never wrote fails when the lane's connection closes. A dead rank drains no one and says no
-goodbye, so each rank drains the nearest *live* rank below it and first says the dead
-ranks' goodbyes to it (proxy ``BYE``s, see ``_core.link``): the count above holds as long as
-the live ranks agree on who is dead (they probe everyone just before saying goodbye). A rank
-left with no live peer cannot be drained: its listener stays blocked in its receive (a
-daemon thread) until the process exits.
+gloo fails an operation on a connection that closed (its peer died), but not an any-source receive,
+which belongs to no connection: the listener never learns of a death. Except in two ways, both when
+a peer dies while sending to this rank. The receive its message was being read into fails, alone: it
+is replaced and the listener goes on. And a message it had announced with no receive posted yet
+stays announced: gloo then tries every later any-source receive on the dead connection first, and
+fails to post it. The rank can hear no one on this group any more; every peer's stream ends with
+that reason (``_deaf``), and a shrink makes new groups (that needs no listener: the survivors agree
+through the store). ``probe`` sends the peer a PING message, which the listener drops; if the peer
+is gone, the send fails at once (gloo closed its connection when the socket did). A frame whose data
+a dead peer never wrote fails when the lane's connection closes. A dead rank drains no one and says
+no goodbye, so each rank drains the nearest *live* rank below it and first says the dead ranks'
+goodbyes to it (proxy ``BYE``s, see ``_core.link``): the count above holds as long as the live ranks
+agree on who is dead (they probe everyone just before saying goodbye). A rank left with no live peer
+cannot be drained: its listener stays blocked in its receive (a daemon thread) until the process
+exits.
 """
 
 from __future__ import annotations
@@ -76,7 +73,7 @@ from asyncomm._backends.gloo_lane import Lane
 from asyncomm._core import tags, wire
 from asyncomm._core.backend import nothing
 from asyncomm._core.errors import CommError, PeerFailedError, ProtocolError, gist
-from asyncomm._core.handle import Classify, Handle
+from asyncomm._core.handle import Classify, Handle, reraise
 from asyncomm._core.link import Arrivals, Link, Transport, bye_from, proxy_bye, signal
 from asyncomm._core.messages import BATCH, PREAMBLE, Pending, envelopes
 from asyncomm._core.progress import Inbox, Waiters
@@ -144,10 +141,6 @@ def _later(head: wire.Head, seq: int) -> Pending:
     return Pending(head, [], seq, left=1)
 
 
-def _reraise(exc: BaseException, _: object) -> None:
-    raise exc
-
-
 class GlooLink(Link):
     """Link messages of ``ENVELOPE_BYTES`` on gloo, data on a lane (see the note on threads)."""
 
@@ -156,7 +149,6 @@ class GlooLink(Link):
         super().__init__(backend, loop, ENVELOPE_BYTES - _AT)
         self._endpoint = backend
         self._pg = pg
-        self._size = backend.size
         self._inbox = inbox
         self._waiters = waiters
         self._classify = classify
@@ -166,8 +158,8 @@ class GlooLink(Link):
         self._stopped = False
         self._drained = loop.create_future()  # the listener has nothing posted
         self._ping = _ping_message()  # only read: every probe sends the same bytes
-        self._can_drain = True  # False once no live peer is left to drain this rank
         # as goodbye found them: the live ranks that drain this one and that this one drains
+        # (None: no live peer is left to drain this rank)
         self._drainer: int | None = None
         self._drains: int | None = None
         self._undrainable = loop.create_future()  # done if the drainer died first
@@ -203,10 +195,9 @@ class GlooLink(Link):
 
     def goodbye(self, gone: frozenset[int] = frozenset()) -> list[Handle[None]]:
         """Say goodbye to every live peer; drain the nearest live rank below (see the notes)."""
-        rank = self._backend.rank
-        below = [(rank - k) % self._size for k in range(1, self._size)]
+        rank, size = self._backend.rank, self._backend.size
+        below = [(rank - k) % size for k in range(1, size)]
         live = [r for r in below if r not in gone]
-        self._can_drain = bool(live)
         self._drainer = live[-1] if live else None  # (the nearest live rank above)
         self._drains = live[0] if live else None
         handles: list[Handle[None]] = []
@@ -220,7 +211,7 @@ class GlooLink(Link):
         return handles
 
     async def drained(self) -> None:
-        if self._can_drain:  # else nobody is left to fill the receives still posted
+        if self._drains is not None:  # else nobody is left to fill the receives still posted
             await asyncio.wait([self._drained, self._undrainable],
                                return_when=asyncio.FIRST_COMPLETED)
 
@@ -284,17 +275,15 @@ class GlooLink(Link):
         try:  # eager (sent as it is: every link message is a buffer of its own, never
             # written again once it goes; the send's work holds it until gloo is done)
             self._endpoint.send_raw(handle, tensor, dst, tag)
-        except RuntimeError as exc:  # gloo closed dst's connection: it died
-            handle._fail(self._classify(exc), exc)
-        except CommError as exc:
-            handle._fail(type(exc), exc)
+        except (RuntimeError, CommError) as exc:  # RuntimeError: gloo closed dst's connection
+            handle._fail(self._classify(exc), exc)  # (it died); a CommError keeps its class
         return handle
 
     def _written(self, handle: Handle[None], error: PeerFailedError | None) -> None:
         """On a lane thread (its writer, or the one hearing its reader took the bytes):
         settle a data message's handle on the loop."""
         self._inbox.put(handle, nothing if error is None
-                        else functools.partial(_reraise, error), None)
+                        else functools.partial(reraise, error), None)
 
     # -- the listener thread --------------------------------------------------------------
 
@@ -325,7 +314,7 @@ class GlooLink(Link):
         for _ in range(DEPTH):
             post()
         said: set[int] = set()  # who said goodbye (a live rank says it for a dead one)
-        others = self._size - 1
+        others = self._backend.size - 1
         while posted:  # see the note on draining
             envelope, work = posted.popleft()
             try:
@@ -368,7 +357,7 @@ class GlooLink(Link):
             f"rank {rank} can hear no one on this communicator any more: gloo refuses its "
             f"receives since a peer died while sending to it ({gist(cause)}); comm.shrink() "
             "makes a communicator of the survivors")
-        for src in range(self._size):
+        for src in range(self._backend.size):
             if src != rank:
                 self._on_loop(self._arrivals.refuse, src, error, None)
 

@@ -2,16 +2,15 @@
 
 Note on interfaces
 ------------------
-docs/several-hosts.md ("gloo's interface") says why and when in full. Unless
-``GLOO_SOCKET_IFNAME`` names an interface, torch binds gloo to the address the hostname
-resolves to, often loopback: across hosts each rank would advertise a loopback address. So
-when ``GLOO_SOCKET_IFNAME`` is unset, the hostname resolves only to loopback (or not at
-all) and the world spans several hosts (``MASTER_ADDR`` is not this host's, or the launcher
-says so), ``choose`` picks the interface whose address routes to ``MASTER_ADDR`` (the
-address the kernel would send from; on its own host, the interface that holds it) and
-``apply`` sets ``GLOO_SOCKET_IFNAME`` to it for this process, for torch's default group and
-asyncomm's own. ``ASYNCOMM_GLOO_IFNAME=0`` turns the choice off; ``explain`` words a
-connection that fails anyway.
+docs/several-hosts.md ("gloo's interface") says why and when in full. Unless ``GLOO_SOCKET_IFNAME``
+names an interface, torch binds gloo to the address the hostname resolves to, often loopback: across
+hosts each rank would advertise a loopback address. So when ``GLOO_SOCKET_IFNAME`` is unset, the
+hostname resolves only to loopback (or not at all) and the world spans several hosts
+(``MASTER_ADDR`` is not this host's, or the launcher says so), ``choose`` picks the interface whose
+address routes to ``MASTER_ADDR`` (the address the kernel would send from; on its own host, the
+interface that holds it) and ``apply`` sets ``GLOO_SOCKET_IFNAME`` to it for this process, for
+torch's default group and asyncomm's own. ``ASYNCOMM_GLOO_IFNAME=0`` turns the choice off;
+``explain`` words a connection that fails anyway.
 """
 
 from __future__ import annotations
@@ -122,10 +121,7 @@ def route_to(host: str) -> str | None:
 
 def interface_of(address: str) -> str | None:
     """Return the name of the interface that holds ``address``, or ``None``."""
-    for name, held in interfaces():
-        if held == address:
-            return name
-    return None
+    return next((name for name, held in interfaces() if held == address), None)
 
 
 def interfaces() -> Iterator[tuple[str, str]]:

@@ -2,32 +2,27 @@
 
 Note on sizes
 -------------
-A gloo receive given a buffer smaller than the message that matches it
-fails an assertion on gloo's own thread, which halts gloo in the process
-(``gloo_halt``: else ``std::terminate`` would kill it), from a Python call
-with a buffer too small. So
-asyncomm's sends on gloo begin with a 16-byte header (a magic number, a data
-tag, the payload's size):
+A gloo receive given a buffer smaller than the message that matches it fails an assertion on gloo's
+own thread, which halts gloo in the process (``gloo_halt``: else ``std::terminate`` would kill it),
+from a Python call with a buffer too small. So asyncomm's sends on gloo begin with a 16-byte header
+(a magic number, a data tag, the payload's size):
 
-- a payload of at most 64 KiB follows the header in the same message, which
-  every receive takes into a buffer of ``first_bytes()`` (a copy on each
-  side: these sends copy anyway, as eager sends);
-- a larger one travels as a second message on a tag of the reserved range
-  (``tags.GLOO_DATA``), which the receive posts once the header has said that
-  the payload fits its buffer, straight into it; one that does not fit is
-  taken whole and dropped. The data tags are used round robin per peer, a
-  tag not again before its data was received, so a receive can only match
-  its own data, whatever other receives wait on the same source and tag.
+- a payload of at most 64 KiB follows the header in the same message, which every receive takes into
+  a buffer of ``first_bytes()`` (a copy on each side: these sends copy anyway, as eager sends);
+- a larger one travels as a second message on a tag of the reserved range (``tags.GLOO_DATA``),
+  which the receive posts once the header has said that the payload fits its buffer, straight into
+  it; one that does not fit is taken whole and dropped. The data tags are used round robin per peer,
+  a tag not again before its data was received, so a receive can only match its own data, whatever
+  other receives wait on the same source and tag.
 
-A receive into a buffer too small fails with ``MismatchError``, as MPI's
-does; a smaller message fills the buffer's beginning, as on MPI. The cost:
-the header's copy, and for a large payload one more small message before it
-(the receive posts its data only once the header is in).
+A receive into a buffer too small fails with ``MismatchError``, as MPI's does; a smaller message
+fills the buffer's beginning, as on MPI. The cost: the header's copy, and for a large payload one
+more small message before it (the receive posts its data only once the header is in).
 
-gloo's TCP transport (Linux) takes a message into a longer receive; its
-libuv transport (macOS, Windows) reads as many bytes as the receive holds.
-There (``SHORT`` false) every first message is padded to the receives' size,
-4 KiB, and payloads above 4 KiB less the header travel as data messages.
+gloo's TCP transport (Linux) takes a message into a longer receive; its libuv transport (macOS,
+Windows) reads as many bytes as the receive holds. There (``SHORT`` false) every first message is
+padded to the receives' size, 4 KiB, and payloads above 4 KiB less the header travel as data
+messages.
 """
 
 from __future__ import annotations

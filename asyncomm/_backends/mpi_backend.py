@@ -9,7 +9,9 @@ go through one flat buffer unless they already are consecutive views of one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import functools
 import logging
 import os
 import re
@@ -35,7 +37,7 @@ from asyncomm._core.errors import (
     PeerFailedError,
     truncated,
 )
-from asyncomm._core.handle import Handle, Sink
+from asyncomm._core.handle import Handle, Sink, reraise
 from asyncomm._core.link import Link
 from asyncomm._core.ops import ReduceOp
 from asyncomm._core.polling import Poller
@@ -45,10 +47,9 @@ _TEST = MPI.Request.Test
 _DATATYPE_HANDLES = {dtype: datatype.handle for dtype, datatype in DATATYPES.items()}
 
 
-# Requests still in MPI's hands when their communicator was freed, with their sinks
-# (which hold the buffers MPI may still write into): kept for the life of the process,
-# never tested again (testing one that a late message failed, once its communicator is
-# freed, makes MPICH abort the process).
+# Requests still in MPI's hands when their communicator was freed, with their sinks (which hold the
+# buffers MPI may still write into): kept for the life of the process, never tested again (testing
+# one that a late message failed, once its communicator is freed, makes MPICH abort the process).
 #
 # A pending receive is not cancelled: a message a peer sends after this rank closed
 # would then wait, unmatched, until MPI gives the freed communicator's context to a
@@ -138,8 +139,7 @@ def _unflatten(flat: torch.Tensor,
 class MpiBackend(Backend):
     """An MPI communicator driven by polling from the event loop.
 
-    Quick sends and receives start persistent requests kept for their buffers
-    (``mpi_kept``).
+    Quick sends and receives start persistent requests kept for their buffers (``mpi_kept``).
     """
 
     name = "mpi"
@@ -255,9 +255,8 @@ class MpiBackend(Backend):
             request, kept = self._sends.start((where, dst, tag), tensor)
         except MPI.Exception:
             return None  # nothing issued: the usual path issues it again, words its error
-        # Its handle is made once it is posted; done after two tests (the commonest, a
-        # small send), it is made done; else the poller follows it, and ``kept`` notes it
-        # in flight.
+        # Its handle is made once it is posted; done after two tests (the commonest, a small send),
+        # it is made done; else the poller follows it, and ``kept`` notes it in flight.
         try:
             if _TEST(request, self._status) or _TEST(request, self._status):
                 return Handle(self._loop, what, None, None, True)  # (made done)
@@ -443,10 +442,7 @@ class MpiBackend(Backend):
             self._watch(sink, message.Irecv(spec(tensor)), active=False)
             return
         scratch = bytearray(size)  # taken whole, and dropped
-
-        def refuse(_: object) -> object:
-            raise truncated(sender, size, tensor.nbytes)
-
+        refuse = functools.partial(reraise, truncated(sender, size, tensor.nbytes))
         self._watch(sink, message.Irecv([scratch, MPI.BYTE]), refuse, keep=scratch)
 
     def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Posted:
@@ -576,10 +572,8 @@ class _PostedRequest(Posted):
     def cancel(self) -> None:
         if self._what[1] != "recv":
             return  # cancelling a send is erroneous in MPI
-        try:
+        with contextlib.suppress(MPI.Exception):  # completed (and freed by its wait) meanwhile
             self._request.Cancel()  # MPI ends the wait of the thread inside it
-        except MPI.Exception:
-            pass  # completed (and freed by its wait) meanwhile
 
 
 async def open_mpi(loop: asyncio.AbstractEventLoop) -> tuple[Backend, Backend]:

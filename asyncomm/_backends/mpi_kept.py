@@ -2,27 +2,25 @@
 
 Note on persistent requests
 ---------------------------
-A quick send or receive (see the note in ``Comm``) of a buffer (address,
-bytes, MPI datatype), peer and tag seen before starts a persistent request
-kept for them: the loops of a program send and receive the same tensors
-again and again, and ``MPI_Start`` of a kept request costs less than posting
-a new one (see docs/benchmarks.md). The first time, a request of its own is
-posted and the buffer noted: one made and freed for every fresh buffer would
-cost more than it saves. Each kept request remembers the handle of its last
-operation: it is started again only once that handle's buffers are released
-(the operation is over, also when its await timed out or was cancelled and
-MPI finished it later); while it is in flight, the next operation on the
-same buffer, peer and tag posts a request of its own. At most ``KEPT``
-buffers of each kind are noted or kept (when that many are, those not in
-flight are forgotten, their requests freed); closing frees the idle ones,
-and those in flight are orphans like any other request.
+A quick send or receive (see the note in ``Comm``) of a buffer (address, bytes, MPI datatype), peer
+and tag seen before starts a persistent request kept for them: the loops of a program send and
+receive the same tensors again and again, and ``MPI_Start`` of a kept request costs less than
+posting a new one (see docs/benchmarks.md). The first time, a request of its own is posted and the
+buffer noted: one made and freed for every fresh buffer would cost more than it saves. Each kept
+request remembers the handle of its last operation: it is started again only once that handle's
+buffers are released (the operation is over, also when its await timed out or was cancelled and MPI
+finished it later); while it is in flight, the next operation on the same buffer, peer and tag posts
+a request of its own. At most ``KEPT`` buffers of each kind are noted or kept (when that many are,
+those not in flight are forgotten, their requests freed); closing frees the idle ones, and those in
+flight are orphans like any other request.
 
-Small all-reduces are kept too, by their kind rather than their buffer (a
-persistent collective is made collectively: see ``mpi_reduce``).
+Small all-reduces are kept too, by their kind rather than their buffer (a persistent collective is
+made collectively: see ``mpi_reduce``).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -99,10 +97,8 @@ class Requests:
             if last._keep is None or request is None:
                 del kept[key]
                 if request is not None:
-                    try:
+                    with contextlib.suppress(MPI.Exception):
                         request.Free()
-                    except MPI.Exception:
-                        pass
 
     def close(self) -> None:
         """Free the idle requests and forget every one (those in flight are left to finish)."""

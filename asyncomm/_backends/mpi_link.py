@@ -81,7 +81,7 @@ class MpiLink(Link):
         self._poller = poller
         self._classify = classify
         self._status = MPI.Status()
-        self.packet_frames = PACKET_FRAMES
+        self._outbox.packet_frames = PACKET_FRAMES
         self._open = False
 
     def open(self, arrivals: Any, limits: Any) -> None:
@@ -260,17 +260,16 @@ class PostedLink(MpiLink):
 
     Note on the posted receive
     --------------------------
-    A persistent any-source receive of ``MESSAGE_BYTES`` stays started on the link's tag:
-    MPI matches each message to it as it lands, and the poller finds it with one ``Test``
-    (a probe's matched receive costs a probe, a receive and a buffer sized from the probe).
-    Each message is copied out and the receive started again at once, before the message
-    is taken, so the next one lands in it; messages that come meanwhile wait in MPI's
-    queue, in order (one source's messages match the receive in the order they were sent).
-    No sender of ours sends a link message beyond ``MESSAGE_BYTES``; a larger one is cut
-    short by MPI (``MPI_ERR_TRUNCATE``, its source known): refused as a probed one would
-    be, and the receive goes on. Only where a truncated receive is safe (MPICH; Open MPI's
-    crashed the process: ``mpi_backend.PROBE_FIRST``); elsewhere the link probes
-    (``ProbeLink``).
+    A persistent any-source receive of ``MESSAGE_BYTES`` stays started on the link's tag: MPI
+    matches each message to it as it lands, and the poller finds it with one ``Test`` (a probe's
+    matched receive costs a probe, a receive and a buffer sized from the probe). Each message is
+    copied out and the receive started again at once, before the message is taken, so the next one
+    lands in it; messages that come meanwhile wait in MPI's queue, in order (one source's messages
+    match the receive in the order they were sent). No sender of ours sends a link message beyond
+    ``MESSAGE_BYTES``; a larger one is cut short by MPI (``MPI_ERR_TRUNCATE``, its source known):
+    refused as a probed one would be, and the receive goes on. Only where a truncated receive is
+    safe (MPICH; Open MPI's crashed the process: ``mpi_backend.PROBE_FIRST``); elsewhere the link
+    probes (``ProbeLink``).
     """
 
     def __init__(self, backend: Transport, comm: Any, loop: asyncio.AbstractEventLoop,

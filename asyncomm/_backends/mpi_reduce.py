@@ -3,34 +3,31 @@ all-reduces by persistent requests, made and started in step on every rank.
 
 Note on kept all-reduces
 ------------------------
-An all-reduce of a small CPU tensor started by a kept persistent request
-(``MPI_Allreduce_init`` once, then ``MPI_Start``) costs less than a new
-``MPI_Iallreduce``. But a persistent collective is itself a collective: every rank must make
-and start its own in the same order as its other collectives, and it
-matches only the requests made with it. So whether an all-reduce is kept,
-and by which request, depends here only on what every rank knows alike: its
-*kind* (bytes, dtype, reduction) and how many of its kind came before --
-never on this rank's buffers or timing.
+An all-reduce of a small CPU tensor started by a kept persistent request (``MPI_Allreduce_init``
+once, then ``MPI_Start``) costs less than a new ``MPI_Iallreduce``. But a persistent collective is
+itself a collective: every rank must make and start its own in the same order as its other
+collectives, and it matches only the requests made with it. So whether an all-reduce is kept, and by
+which request, depends here only on what every rank knows alike: its *kind* (bytes, dtype,
+reduction) and how many of its kind came before -- never on this rank's buffers or timing.
 
-- The first ``KINDS`` kinds of at most ``KEPT_BYTES`` are counted; from the
-  second all-reduce of a kind on, ``SLOTS`` requests of its own serve it in
-  turn (each made the first time its turn comes). Later kinds, larger ones,
-  bfloat16 (a reduction of Python's) and averages go as before.
-- Each request reduces a buffer of its own: the tensor is copied in before
-  the start and out when it is done (a request made over the user's first
-  tensor would have to take a later tensor's data into that one's memory).
-- A request still in flight when its turn comes again holds back that
-  all-reduce and every collective issued after it, in order, until it is
-  done: never waited for, as the rank it waits for may be waiting for this
-  one. ``split`` (a collective too) waits until nothing is held.
-- A library without persistent collectives (``Allreduce_init`` raises) keeps
-  none from then on, on every rank alike.
+- The first ``KINDS`` kinds of at most ``KEPT_BYTES`` are counted; from the second all-reduce of a
+  kind on, ``SLOTS`` requests of its own serve it in turn (each made the first time its turn comes).
+  Later kinds, larger ones, bfloat16 (a reduction of Python's) and averages go as before.
+- Each request reduces a buffer of its own: the tensor is copied in before the start and out when it
+  is done (a request made over the user's first tensor would have to take a later tensor's data into
+  that one's memory).
+- A request still in flight when its turn comes again holds back that all-reduce and every
+  collective issued after it, in order, until it is done: never waited for, as the rank it waits for
+  may be waiting for this one. ``split`` (a collective too) waits until nothing is held.
+- A library without persistent collectives (``Allreduce_init`` raises) keeps none from then on, on
+  every rank alike.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -315,10 +312,8 @@ class Reductions:
             sink._fail(CommClosedError, CommClosedError("the communicator was closed"))
         for kept in self._kept:
             if kept.last._keep is None:
-                try:
+                with contextlib.suppress(MPI.Exception):
                     kept.request.Free()
-                except MPI.Exception:
-                    pass
         self._kept.clear()
 
 

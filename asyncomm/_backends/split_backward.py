@@ -1,9 +1,8 @@
 """torch's split of a stage's backward into its input's and its weights' gradients.
 
-torch keeps it in ``torch.distributed.pipelining`` (private ``_backward``:
-``stage_backward_input`` and ``stage_backward_weight``), so it is reached from
-here, where the engines are imported; the pipeline executor uses it for zero-bubble
-schedules (see ``pipeline._passes``' note on splitting).
+torch keeps it in ``torch.distributed.pipelining`` (private ``_backward``: ``stage_backward_input``
+and ``stage_backward_weight``), so it is reached from here, where the engines are imported; the
+pipeline executor uses it for zero-bubble schedules (see ``pipeline._passes``' note on splitting).
 """
 
 from __future__ import annotations

@@ -2,23 +2,21 @@
 
 Note on failing fast
 --------------------
-Joining a gloo group blocks in torch until every rank has connected to
-every other; a rank that cannot (a wrong interface, a refused connection)
-raises, while its peers -- on other hosts, where no launcher sees the
-failure -- would wait for it until the group's timeout. So each joining
-step runs on a daemon thread (a thread blocked in gloo's connect cannot be
-interrupted, and must not keep the process from exiting), a rank whose step
-fails appends a line saying why to the rendezvous store's key ``failed``,
-and every rank that waits looks for that key every ``POLL_S``, from a daemon
-thread and on a store client of its own (the joining thread's client may be
-blocked in a wait; a store that stops answering holds nobody up): once it is
-there, the wait ends with ``PeerFailedError`` naming the failed ranks and
-their reasons.
+Joining a gloo group blocks in torch until every rank has connected to every other; a rank that
+cannot (a wrong interface, a refused connection) raises, while its peers -- on other hosts, where no
+launcher sees the failure -- would wait for it until the group's timeout. So each joining step runs
+on a daemon thread (a thread blocked in gloo's connect cannot be interrupted, and must not keep the
+process from exiting), a rank whose step fails appends a line saying why to the rendezvous store's
+key ``failed``, and every rank that waits looks for that key every ``POLL_S``, from a daemon thread
+and on a store client of its own (the joining thread's client may be blocked in a wait; a store that
+stops answering holds nobody up): once it is there, the wait ends with ``PeerFailedError`` naming
+the failed ranks and their reasons.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import functools
 import json
@@ -44,10 +42,8 @@ _FAILED = "failed"
 def announce(store: Any, rank: int, why: str) -> None:
     """Tell the other ranks (through ``store``) that ``rank`` failed to join, and why."""
     line = why.replace("\n", " ").replace("\t", " ")
-    try:
+    with contextlib.suppress(Exception):  # the store itself may be what failed
         store.append(_FAILED, f"{rank}\t{line}\n")
-    except Exception:  # the store itself may be what failed
-        pass
 
 
 def failures(store: Any) -> dict[int, str]:
@@ -104,10 +100,8 @@ def _hand(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: A
         else:
             future.set_result(value)
 
-    try:
+    with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
         loop.call_soon_threadsafe(settle)
-    except RuntimeError:
-        pass  # the loop is gone: nobody waits any more
 
 
 def _ignored(future: asyncio.Future[Any]) -> None:
@@ -143,11 +137,10 @@ async def base_store(env: LaunchEnv, timeout: float) -> Any:
 async def reach_store(make: Callable[[], T], env: LaunchEnv, timeout: float) -> T:
     """Make this rank's rendezvous store (``make``: its server, or a client) within ``timeout``.
 
-    torch's store client bounds its wait for a connection, not for the answer to
-    its first question: a port some other program listens on (a squatted
-    ``MASTER_PORT``) would hold a rank until that program lets go. And torch
-    says a port taken when this rank hosts the store in its own words only.
-    Both are worded here.
+    torch's store client bounds its wait for a connection, not for the answer to its first question:
+    a port some other program listens on (a squatted ``MASTER_PORT``) would hold a rank until that
+    program lets go. And torch says a port taken when this rank hosts the store in its own words
+    only. Both are worded here.
 
     Raises:
         CommTimeoutError: no store answered within ``timeout``.
@@ -184,8 +177,7 @@ class Watch:
     async def run(self, step: Callable[[], T]) -> T:
         """Run ``step`` on a daemon thread; raise as soon as a peer announces a failure.
 
-        A failure of ``step`` itself is announced and re-raised (see the note on
-        failing fast).
+        A failure of ``step`` itself is announced and re-raised (see the note on failing fast).
         """
         loop = asyncio.get_running_loop()
         failed: asyncio.Future[dict[int, str]] = loop.create_future()
@@ -239,14 +231,12 @@ def agree(store: Any, key: str, rank: int, size: int, failed: Callable[[], Seque
 
     Note on shrinking
     -----------------
-    Each survivor writes, under ``key``, the ranks it knows have failed, then
-    waits until every rank has either written or been named failed by one that
-    has. It writes again whenever it learns of another failure (``failed()``
-    grows): a rank that fails after the others began to wait is named by them,
-    or they would wait for it to the deadline. The first to see every rank
-    accounted for writes its answer (the ranks that wrote, less those named
-    failed) with ``compare_set``, so that all take the same one even where
-    their views differ in the meantime; the rest read it.
+    Each survivor writes, under ``key``, the ranks it knows have failed, then waits until every rank
+    has either written or been named failed by one that has. It writes again whenever it learns of
+    another failure (``failed()`` grows): a rank that fails after the others began to wait is named
+    by them, or they would wait for it to the deadline. The first to see every rank accounted for
+    writes its answer (the ranks that wrote, less those named failed) with ``compare_set``, so that
+    all take the same one even where their views differ in the meantime; the rest read it.
 
     Raises:
         CommTimeoutError: within ``timeout``, some rank neither wrote nor was named failed.
@@ -279,12 +269,10 @@ def make_group(members: list[int], backend: str, label: str,
 
     Note on names
     -------------
-    ``dist.new_group`` names a group either by a counter every rank of the
-    world must advance together, or (``use_local_synchronization``) by a
-    hash that also counts the groups this process already has -- which
-    differs between ranks that belong to different groups. asyncomm names
-    its groups itself, after the parent and how many groups it split off,
-    which every member agrees on.
+    ``dist.new_group`` names a group either by a counter every rank of the world must advance
+    together, or (``use_local_synchronization``) by a hash that also counts the groups this process
+    already has -- which differs between ranks that belong to different groups. asyncomm names its
+    groups itself, after the parent and how many groups it split off, which every member agrees on.
     """
     c10d = dist.distributed_c10d
     try:
@@ -304,15 +292,12 @@ def make_group(members: list[int], backend: str, label: str,
 def no_deadline(pg: dist.ProcessGroup, name: str) -> None:
     """Leave deadlines to asyncomm: gloo's own, once the group is made, never passes.
 
-    gloo fails a collective still running at the group's timeout and closes
-    every connection of the group with it. asyncomm's deadline (the same
-    number) would race it, and lose the error that says what the other
-    ranks were doing (see ``_status``); a collective given up on stays in
-    flight instead, as a receive does, until it completes or the
-    communicator closes. nccl keeps its own: its watchdog acts on it.
+    gloo fails a collective still running at the group's timeout and closes every connection of the
+    group with it. asyncomm's deadline (the same number) would race it, and lose the error that says
+    what the other ranks were doing (see ``_status``); a collective given up on stays in flight
+    instead, as a receive does, until it completes or the communicator closes. nccl keeps its own:
+    its watchdog acts on it.
     """
-    if name == "gloo":
-        try:
+    if name == "gloo":  # (raised by a torch without the call: gloo's deadline stays)
+        with contextlib.suppress(AttributeError, RuntimeError):
             pg._get_backend(torch.device("cpu"))._set_default_timeout(FOREVER)
-        except (AttributeError, RuntimeError):  # a torch without it: gloo's deadline stays
-            pass

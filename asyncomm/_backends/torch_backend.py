@@ -1,21 +1,19 @@
 """torch.distributed backends: gloo (CPU tensors) and nccl (CUDA tensors).
 
-Collectives complete through their futures (``FutureBridge``; a task that
-awaits a gloo collective first waits for its work itself, a bounded while). gloo's
-send/recv have no future and cannot be polled, so they complete in
-``Waiters``. Operations go straight to the ``ProcessGroup`` methods, whose
-ranks are the group's own.
+Collectives complete through their futures (``FutureBridge``; a task that awaits a gloo collective
+first waits for its work itself, a bounded while). gloo's send/recv have no future and cannot be
+polled, so they complete in ``Waiters``. Operations go straight to the ``ProcessGroup`` methods,
+whose ranks are the group's own.
 
 Note on eager sends
 -------------------
-gloo's send completes only once the receiver has posted its receive (a
-rendezvous), and each completion reported through a waiter thread costs two
-thread hand-offs. A CPU send of at most ``ASYNCOMM_EAGER_BYTES`` (64 KiB)
-therefore sends a copy and completes at once, as MPI's eager protocol does;
-one reaper thread sees the copies off. At most 64 are in flight per
-communicator (later sends complete as usual). If a copy's transfer fails,
-the next point-to-point operation with that peer, and the next collective,
-raise that error (a failed send to one peer does not fail sends to others).
+gloo's send completes only once the receiver has posted its receive (a rendezvous), and each
+completion reported through a waiter thread costs two thread hand-offs. A CPU send of at most
+``ASYNCOMM_EAGER_BYTES`` (64 KiB) therefore sends a copy and completes at once, as MPI's eager
+protocol does; one reaper thread sees the copies off. At most 64 are in flight per communicator
+(later sends complete as usual). If a copy's transfer fails, the next point-to-point operation with
+that peer, and the next collective, raise that error (a failed send to one peer does not fail sends
+to others).
 
 Note on CUDA (nccl)
 -------------------
@@ -32,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import collections
+import contextlib
 import datetime
 import functools
 import gc
@@ -101,10 +100,8 @@ def classify(exc: BaseException) -> type[CommError]:
 def _abort(pg: dist.ProcessGroup) -> None:
     """Make gloo close every connection of ``pg``, failing all it has pending (see close)."""
     scratch = torch.empty(1, dtype=torch.uint8)
-    try:
+    with contextlib.suppress(RuntimeError):  # the timeout, as intended
         pg.recv_anysource([scratch], tags.GLOO_ABORT).wait(datetime.timedelta(milliseconds=1))
-    except RuntimeError:
-        pass  # the timeout, as intended
 
 
 class _Destroyed:
@@ -124,17 +121,14 @@ _open: weakref.WeakSet[TorchBackend] = weakref.WeakSet()
 def _settle_at_exit() -> None:
     """End what open groups still have in flight before the interpreter finalizes.
 
-    Then collect what reference cycles still hold (a closed communicator's
-    works and futures among them): left to the interpreter's finalization,
-    their destruction needs the GIL on threads that can no longer take it, and
-    gloo's threads end the process (std::terminate).
+    Then collect what reference cycles still hold (a closed communicator's works and futures among
+    them): left to the interpreter's finalization, their destruction needs the GIL on threads that
+    can no longer take it, and gloo's threads end the process (std::terminate).
     """
     gloo_halt.exit_if_halted()
     for backend in list(_open):
-        try:
+        with contextlib.suppress(Exception):  # exiting: nothing left to tell
             backend._settle()
-        except Exception:  # exiting: nothing left to tell
-            pass
     gc.collect()
     gloo_halt.restore()
 
@@ -201,7 +195,6 @@ class TorchBackend(Backend):
         self._waiters = Waiters(self._inbox)
         self._link: GlooLink | None = None
         self._any_source: collections.Counter[int] = collections.Counter()  # tags pending
-        self._closed = False
         self._halt_listeners: list[Callable[[CommError], None]] = []
         if not self.cuda:
             gloo_halt.watch(loop, self)
@@ -394,17 +387,11 @@ class TorchBackend(Backend):
 
     def post_send(self, tensor: torch.Tensor, dst: int, tag: int) -> Posted:
         self._raise_if_failed(dst)
-        what = (self.rank, "send", dst, tag)
-        if self.cuda:
-            return _PostedWork(functools.partial(self._pg.send([tensor], dst, tag).wait,
-                                                 _FOREVER), self, what)
-        first, data, data_tag = self._outgoing.message(tensor, dst)
-        sent: Callable[[], object]
-        if data is None:
-            sent = functools.partial(self._pg.send([first], dst, tag).wait, _FOREVER)
-        else:
-            sent = self._send_large(first, data, dst, tag, data_tag)
-        return _PostedWork(sent, self, what)
+        first, data, data_tag = ((tensor, None, 0) if self.cuda  # (see gloo_p2p)
+                                 else self._outgoing.message(tensor, dst))
+        sent = (functools.partial(self._pg.send([first], dst, tag).wait, _FOREVER)
+                if data is None else self._send_large(first, data, dst, tag, data_tag))
+        return _PostedWork(sent, self, (self.rank, "send", dst, tag))
 
     def post_recv(self, tensor: torch.Tensor, src: int, tag: int) -> Posted:
         self._raise_if_failed(src)
@@ -485,9 +472,8 @@ class TorchBackend(Backend):
                             user_backend=self._user_backend)
 
     def close(self) -> None:
-        if self._closed:
+        if self not in _open:  # closed already
             return
-        self._closed = True
         _open.discard(self)
         if gloo_halt.halted_by is not None:  # gloo cannot end anything now: left as it is
             self._inbox.close()
@@ -496,10 +482,8 @@ class TorchBackend(Backend):
         self._eager.close(timeout=2.0)  # copies still on their way get a moment to arrive
         self._settle()
         if self._release is not None and dist.is_initialized():
-            try:
+            with contextlib.suppress(ValueError, RuntimeError):  # already gone with the world
                 self._release()
-            except (ValueError, RuntimeError):
-                pass  # already gone with the world
         self._waiters.close(timeout=2.0)
         self._inbox.close()
         if self._release is not None:
@@ -532,34 +516,27 @@ class TorchBackend(Backend):
 
         Note on teardown
         ----------------
-        A thread that wakes inside a gloo call -- a waiter returning from
-        ``wait()``, a thread inside a ``Posted.wait``, gloo's own thread
-        running a future's Python callback -- once the interpreter has begun
-        to exit is ended by ``pthread_exit``, and the unwinding through
-        gloo's C++ frames calls ``std::terminate``:
-        the process dies of SIGABRT after the program succeeded. Such a late
-        wake comes from an operation still pending at close (a timed-out
-        receive or send, a posted one a thread may yet wait for, a collective
-        a peer never joined, an eager send nobody receives), when the peer's
-        exit closes the connection during ours. gloo can neither cancel nor
-        abort an operation, but a receive waited for with a short timeout
-        makes it close every connection of the group ("application
-        timeout"), which fails every pending
-        operation tied to a connection at once, here and now. So an owned
-        group with anything in flight is ended that way, and the threads and
-        callbacks it wakes are waited for, before it is destroyed. Peers see
-        the connection close, as they would at its destruction; their other
-        connections are untouched.
+        A thread that wakes inside a gloo call -- a waiter returning from ``wait()``, a thread
+        inside a ``Posted.wait``, gloo's own thread running a future's Python callback -- once the
+        interpreter has begun to exit is ended as ``FutureBridge``'s note on callbacks at exit says:
+        the process dies of SIGABRT after the program succeeded. Such a late wake comes from an
+        operation still pending at close (a timed-out receive or send, a posted one a thread may yet
+        wait for, a collective a peer never joined, an eager send nobody receives), when the peer's
+        exit closes the connection during ours. gloo can neither cancel nor abort an operation, but
+        a receive waited for with a short timeout makes it close every connection of the group
+        ("application timeout"), which fails every pending operation tied to a connection at once,
+        here and now. So an owned group with anything in flight is ended that way, and the threads
+        and callbacks it wakes are waited for, before it is destroyed. Peers see the connection
+        close, as they would at its destruction; their other connections are untouched.
 
-        But gloo loses a send whose write met its connection closing (the peer left
-        mid-transfer): its ``wait()`` never returns (a deadline would, but one that
-        passes closes the group), and its thread stays parked, named ``asyncomm-lost``.
+        But gloo loses a send whose write met its connection closing (the peer left mid-transfer):
+        its ``wait()`` never returns (a deadline would, but one that passes closes the group), and
+        its thread stays parked, named ``asyncomm-lost``.
 
-        An any-source receive belongs to no connection: closing them does not end
-        it, and no message can reach it afterwards. Before closing, the router asks a
-        live peer to end it with an empty message (``stuck``/``release``); one still
-        pending stays parked in its thread, harmlessly (nothing can wake it). A group
-        the user made (``init`` adopted it) is left alone.
+        An any-source receive belongs to no connection: closing them does not end it, and no message
+        can reach it afterwards. Before closing, the router asks a live peer to end it with an empty
+        message (``stuck``/``release``); one still pending stays parked in its thread, harmlessly
+        (nothing can wake it). A group the user made (``init`` adopted it) is left alone.
         """
         if (self._release is None or self.size == 1 or not dist.is_initialized()
                 or not self._busy()):

@@ -1,12 +1,8 @@
-"""``Collectives``: the collective operations of ``Comm``, each checked, then issued.
-
-Every collective is issued when it is called, in program order, and returns a
-``Handle``; every rank of the communicator must call the same collectives in
-the same order. Arguments are checked before anything is sent: a bad one
-raises ``TypeError`` or ``ValueError`` at the call. The handle fails with
-``CommTimeoutError`` (its deadline passed: ``timeout``, or the communicator's),
-``PeerFailedError`` (a rank it needs is gone), ``MismatchError`` (the ranks
-disagree, where the backend or debug mode can tell) or ``CommClosedError``.
+"""``Collectives``: the collective operations of ``Comm``, each checked, then issued (as
+``Comm``'s docstring says); every rank of the communicator must call the same collectives in
+the same order. The handle fails with ``CommTimeoutError`` (its deadline passed: ``timeout``,
+or the communicator's), ``PeerFailedError`` (a rank it needs is gone), ``MismatchError`` (the
+ranks disagree, where the backend or debug mode can tell) or ``CommClosedError``.
 """
 
 from __future__ import annotations
@@ -43,9 +39,6 @@ class Collectives:
     _last_op: str
     _last_tensor: object
     _issue: Callable[..., Handle[Any]]
-
-    def _what(self, op: str) -> str:
-        return f"rank {self._rank}: {op}"
 
     def barrier(self, *, timeout: float | None = None) -> Handle[None]:
         """Wait until every rank has called ``barrier``.
@@ -140,9 +133,8 @@ class Collectives:
         """
         t = self._args.tensor(tensor, "all_gather", writes=False)
         outs = self._outputs(out, t, "all_gather")
-        result = outs if out is None else out
-        return self._issue("all_gather", self._backend.all_gather, (outs, t), result, (t, outs),
-                           timeout)
+        return self._issue("all_gather", self._backend.all_gather, (outs, t),
+                           outs if out is None else out, (t, outs), timeout)
 
     def gather(self, tensor: torch.Tensor | np.ndarray, dst: int,  # type: ignore[type-arg]
                out: Sequence[Any] | None = None, *,
@@ -183,7 +175,7 @@ class Collectives:
         parts: list[torch.Tensor] | None = None
         if self._rank == src:
             if chunks is None:
-                raise ValueError(f"{self._what('scatter')}: src {src} must give chunks")
+                raise ValueError(f"{self._args.what('scatter')}: src {src} must give chunks")
             parts = self._args.tensors(chunks, "scatter", "chunks", like=t, writes=False)
         return self._issue("scatter", self._backend.scatter, (t, parts, src), tensor, (t, parts),
                            timeout)
@@ -223,10 +215,9 @@ class Collectives:
         ins = self._args.tensors(inputs, "all_to_all", "inputs", like=None, writes=False)
         outs = self._args.tensors(outputs, "all_to_all", "outputs", like=None)
         if outs[0].dtype != ins[0].dtype:
-            raise TypeError(f"{self._what('all_to_all')}: outputs are {outs[0].dtype}, "
+            raise TypeError(f"{self._args.what('all_to_all')}: outputs are {outs[0].dtype}, "
                             f"inputs {ins[0].dtype}")
-        result = list(outputs)
-        return self._issue("all_to_all", self._backend.all_to_all, (outs, ins), result,
+        return self._issue("all_to_all", self._backend.all_to_all, (outs, ins), list(outputs),
                            (outs, ins), timeout)
 
     def _outputs(self, out: Sequence[torch.Tensor] | None, like: torch.Tensor,

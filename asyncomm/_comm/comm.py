@@ -82,8 +82,7 @@ class Comm(Collectives, Peers):
         chosen = settings.read()
         self._timed_out: collections.deque[tuple[tuple[Any, ...], float]] = (
             collections.deque(maxlen=4))  # the last operations whose deadline passed
-        self._stall_s = chosen.stall_s
-        self._deadlines = Deadlines(loop, self._expired, self._timeout, self._stall_s,
+        self._deadlines = Deadlines(loop, self._expired, self._timeout, chosen.stall_s,
                                     self._stalled,
                                     chosen.probe_s if own.probes_peers else 0.0, self._check_peers)
         status.register(label, self)
@@ -95,7 +94,7 @@ class Comm(Collectives, Peers):
         # see the note on quick operations (false once closed: the usual path says so)
         self._quick = backend.quick and self._checker is None
         # Every communicator routes channel frames, so that closing is symmetric: each
-        # router waits for every other's goodbye (see the note in _channels).
+        # router waits for every other's goodbye (see the note on closing in _core.link).
         recorder.start_from_env()  # before the probe: traced from the first operation
         self._probe = instrument.Probe(backend.rank, backend.size, backend.name)
         self._router = Router(backend.rank, backend.size, own.link(), backend, self._probe,
@@ -106,7 +105,7 @@ class Comm(Collectives, Peers):
             own.on_halt(self._halted)
         self._failed: set[int] = set()  # see ``failed``
         self._hold = self._held  # every handle's (``Peers._held``): bound once, not per op
-        self._router.stall_s, self._router.explain = self._stall_s, self._peers_say
+        self._router.stall_s, self._router.explain = chosen.stall_s, self._peers_say
         # Eager too: a call to an actor not served (yet) fails the same way on every rank.
         self._host = Host(self._router, self.rank, timeout)
         self._channels: dict[int, Channel] = {}
@@ -152,7 +151,7 @@ class Comm(Collectives, Peers):
 
     def _open(self, op: str) -> None:
         if self._closed:
-            raise CommClosedError(f"{self._what(op)}: the communicator is closed")
+            raise CommClosedError(f"{self._args.what(op)}: the communicator is closed")
 
     # -- issuing ------------------------------------------------------------------
 
@@ -197,10 +196,8 @@ class Comm(Collectives, Peers):
                 return
             handle._settle(2, None)  # never started
             raise
-        except CommError as exc:
-            handle._fail(type(exc), exc)
         except Exception as exc:
-            handle._fail(CommError, exc)
+            handle._fail(type(exc) if isinstance(exc, CommError) else CommError, exc)
 
     # -- point to point -------------------------------------------------------------
 
@@ -226,8 +223,8 @@ class Comm(Collectives, Peers):
         t = self._args.tensor(tensor, "send", writes=False)
         dst = self._args.peer(dst, "send", "dst", self_ok=False)
         tag = self._args.tag(tag, "send")
-        return self._issue("send", self._backend.send, (t, dst, tag), None, t, timeout,
-                           peer=dst, tag=tag)
+        return self._issue("send", self._backend.send, (t, dst, tag), None, t, timeout, peer=dst,
+                           tag=tag)
 
     def recv(self, tensor: torch.Tensor | np.ndarray,  # type: ignore[type-arg]
              src: int | None = None, tag: int = 0, *, timeout: float | None = None) -> Handle[int]:
@@ -324,10 +321,8 @@ class Comm(Collectives, Peers):
                 await asyncio.wait([previous])
             try:
                 value = await body()
-            except CommError as exc:
-                handle._fail(type(exc), exc)
             except Exception as exc:
-                handle._fail(CommError, exc)
+                handle._fail(type(exc) if isinstance(exc, CommError) else CommError, exc)
             else:
                 handle._succeed(value)
 
@@ -363,11 +358,11 @@ class Comm(Collectives, Peers):
         existing = self._channels.get(tag)
         if existing is not None:
             if existing.codec is not wanted or who not in (None, existing.senders):
-                raise ValueError(f"{self._what('channel')}: channel {tag} is open with codec "
+                raise ValueError(f"{self._args.what('channel')}: channel {tag} is open with codec "
                                  f"{existing.codec.name.lower()}, senders {existing.senders}")
             return existing
         made = Channel(self._router, tag, wanted, self._args.deadline(timeout, "channel"),
-                       traced=True, senders=who)
+                       user=True, senders=who)
         self._channels[tag] = made
         return made
 
@@ -412,7 +407,7 @@ class Comm(Collectives, Peers):
         """
         rank = self._args.peer(rank, "actor", "rank")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"{self._what('actor')}: name must be a non-empty str")
+            raise ValueError(f"{self._args.what('actor')}: name must be a non-empty str")
         self._open("actor")
         return ActorRef(self._host, rank, name)
 
@@ -439,7 +434,7 @@ class Comm(Collectives, Peers):
         try:
             return pickle.dumps(obj, protocol=5)
         except (pickle.PicklingError, AttributeError, TypeError) as exc:
-            raise TypeError(f"{self._what(op)}: cannot pickle {type(obj).__name__}: {exc}") \
+            raise TypeError(f"{self._args.what(op)}: cannot pickle {type(obj).__name__}: {exc}") \
                 from exc
 
     def broadcast_object(self, obj: Any, src: int, *, timeout: float | None = None) -> Handle[Any]:
@@ -523,12 +518,12 @@ class Comm(Collectives, Peers):
     def _members(self, ranks: Iterable[int], op: str) -> list[int]:
         """``ranks``, checked (ranks of this communicator, no duplicates, not none), sorted."""
         if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Iterable):
-            raise TypeError(f"{self._what(op)}: ranks must be an iterable of ints")
+            raise TypeError(f"{self._args.what(op)}: ranks must be an iterable of ints")
         members = sorted(self._args.peer(r, op, "rank") for r in ranks)
         if not members:
-            raise ValueError(f"{self._what(op)}: ranks is empty")
+            raise ValueError(f"{self._args.what(op)}: ranks is empty")
         if len(set(members)) != len(members):
-            raise ValueError(f"{self._what(op)}: ranks has duplicates: {members}")
+            raise ValueError(f"{self._args.what(op)}: ranks has duplicates: {members}")
         return members
 
     def _child(self, made: tuple[Backend, Backend], members: list[int], label: str) -> Comm:
@@ -586,7 +581,7 @@ class Comm(Collectives, Peers):
         """
         members = list(range(self.size)) if ranks is None else self._members(ranks, "spawn")
         if not isinstance(name, str) or not name:
-            raise ValueError(f"{self._what('spawn')}: name must be a non-empty str")
+            raise ValueError(f"{self._args.what('spawn')}: name must be a non-empty str")
         self._open("spawn")
         if self.rank in members:
             self.serve(cls(*args, **kwargs), name)
@@ -599,7 +594,7 @@ class Comm(Collectives, Peers):
         """Close this communicator and the groups made from it; idempotent.
 
         Collective: waits (up to 30 s) for every other rank to close too (see
-        the note on closing in ``_backends._link``). Operations still in flight fail
+        the note on closing in ``_core.link``). Operations still in flight fail
         with ``CommClosedError``; later calls raise it at once.
         """
         await self._close(linger=30.0)

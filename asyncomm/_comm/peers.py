@@ -106,7 +106,7 @@ class Peers:
     def _check_peers(self, waiting: list[Handle[Any]]) -> None:
         """Operations have waited ``PROBE_S``: are the peers they need still there?
 
-        A dead peer is probed as the channels' are (see ``_channels``' note on
+        A dead peer is probed as the channels' are (see the router's note on
         dead peers); ``_peer_died`` then fails what needs it. Only where the
         backend can tell (gloo): under MPI a dead rank ends the job.
         """

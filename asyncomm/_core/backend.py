@@ -1,10 +1,9 @@
 """The backend interface: what a communicator asks of torch.distributed or MPI.
 
-A ``Backend`` issues non-blocking primitives and reports each one's end to a ``Sink``
-through one of the progress engines. One is chosen when a communicator is made
-(``asyncomm._backends``); nothing above asks which it is. Ranks, tags and buffers reach a
-backend already checked by ``Comm``: tensors are contiguous, on the backend's device, with
-matching shapes.
+A ``Backend`` issues non-blocking primitives and reports each one's end to a ``Sink`` through one of
+the progress engines. One is chosen when a communicator is made (``asyncomm._backends``); nothing
+above asks which it is. Ranks, tags and buffers reach a backend already checked by ``Comm``: tensors
+are contiguous, on the backend's device, with matching shapes.
 """
 
 from __future__ import annotations

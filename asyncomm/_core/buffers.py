@@ -2,25 +2,23 @@
 
 Note on recycling
 -----------------
-A frame's buffers become the received tensors (no copy), and fresh memory costs a page
-fault per page whether or not the allocator hands freed memory back
-(docs/channels-and-actors.md, "Large messages' memory"). So a large buffer is a
-``bytearray`` lent here, the tensor a view of it (``torch.frombuffer``). Every tensor, view
-or array over it holds a reference to the bytearray through its storage, so one whose only
-references are this pool's is free again (``sys.getrefcount``) and is lent again to a frame
-buffer of its size. At most ``limit`` bytes are kept, lent and free (beyond that a buffer is
-fresh memory nobody keeps): a rank that stops receiving leaves at most ``limit`` bytes
-behind until its link closes.
+A frame's buffers become the received tensors (no copy), and fresh memory costs a page fault per
+page whether or not the allocator hands freed memory back (docs/channels-and-actors.md, "Large
+messages' memory"). So a large buffer is a ``bytearray`` lent here, the tensor a view of it
+(``torch.frombuffer``). Every tensor, view or array over it holds a reference to the bytearray
+through its storage, so one whose only references are this pool's is free again
+(``sys.getrefcount``) and is lent again to a frame buffer of its size. At most ``limit`` bytes are
+kept, lent and free (beyond that a buffer is fresh memory nobody keeps): a rank that stops receiving
+leaves at most ``limit`` bytes behind until its link closes.
 
 Note on reuse
 -------------
-The buffer lent again is the one freed last: it is still in the cache (its
-message was just read). Messages are mostly consumed in the order they came,
-so the buffers lent first are the ones freed first: every ``take`` moves the
-oldest lent buffers that are free to the free ones (stopping at the first still
-used: cheap however many messages the user keeps), and the whole lent list is
-looked through only when that finds none (looked through only once none is
-free, a burst's leftovers would be lent in turn, each out of the cache).
+The buffer lent again is the one freed last: it is still in the cache (its message was just read).
+Messages are mostly consumed in the order they came, so the buffers lent first are the ones freed
+first: every ``take`` moves the oldest lent buffers that are free to the free ones (stopping at the
+first still used: cheap however many messages the user keeps), and the whole lent list is looked
+through only when that finds none (looked through only once none is free, a burst's leftovers would
+be lent in turn, each out of the cache).
 """
 
 from __future__ import annotations

@@ -2,13 +2,12 @@
 
 Note on environment variables
 -----------------------------
-``asyncomm run`` sets the same variables torchrun does (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) plus ``ASYNCOMM_STORE=client``,
-which says that the launcher itself hosts the rendezvous store (bound to
-loopback), so rank 0 must not start a second one. torchrun's agent store is
-announced by ``TORCHELASTIC_USE_AGENT_STORE=True`` and treated the same way.
-MPI launchers are recognised by the rank variables of MPICH (Hydra/PMI),
-Open MPI and PMIx; their processes default to the MPI backend.
+``asyncomm run`` sets the same variables torchrun does (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``) plus ``ASYNCOMM_STORE=client``, which says that the launcher
+itself hosts the rendezvous store (bound to loopback), so rank 0 must not start a second one.
+torchrun's agent store is announced by ``TORCHELASTIC_USE_AGENT_STORE=True`` and treated the same
+way. MPI launchers are recognised by the rank variables of MPICH (Hydra/PMI), Open MPI and PMIx;
+their processes default to the MPI backend.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import math
 import threading
 import time
 import weakref
 from collections.abc import Callable, Generator
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NoReturn, Protocol, TypeVar
 
 from asyncomm._core.errors import CommError, CommTimeoutError, PeerFailedError, describe, restated
 
@@ -56,13 +57,18 @@ def deliver(sink: Sink, finish: Finish | None, outcome: Any, classify: Classify)
             sink._succeed(value)
 
 
+def reraise(error: BaseException, _: object) -> NoReturn:
+    """With ``error`` bound (``functools.partial``): the finish of a request that failed on
+    a thread."""
+    raise error
+
+
 class Handle(Generic[T]):
     """The awaitable result of an operation that was issued when it was called.
 
-    ``await handle`` gives the result; awaiting it again gives it again.
-    Cancelling the awaiting task (or its own deadline passing) does not
-    un-issue the operation: the handle keeps the buffers the operation uses
-    alive until the backend has finished with them.
+    ``await handle`` gives the result; awaiting it again gives it again. Cancelling the awaiting
+    task (or its own deadline passing) does not un-issue the operation: the handle keeps the buffers
+    the operation uses alive until the backend has finished with them.
     """
 
     __slots__ = (
@@ -214,10 +220,8 @@ class Handle(Generic[T]):
         return True
 
     async def _quiet(self) -> None:
-        try:
+        with contextlib.suppress(BaseException):  # the error is raised by result()
             await self
-        except BaseException:  # the error is raised by result()
-            pass
 
     def _add_event(self, event: threading.Event) -> None:
         if self._state != _PENDING:
@@ -290,29 +294,23 @@ class Deadlines:
 
     Note on cost
     ------------
-    Most handles settle within the loop iteration that issued them (an
-    awaited request tested inline, an eager send): ``add`` only notes the
-    handle and when it was issued, and once the iteration ends (one loop
-    callback for all of them) those still pending join their queues, with
-    the time they were issued. The quick operations' handles (``add_default``:
-    the default timeout) are noted bare, and their deadlines counted from the
-    iteration's end (one clock read for all, not one per operation on the
-    hot path of an awaited point-to-point operation). Handles of one timeout are added
-    in deadline order, so each timeout has
-    a FIFO queue whose head is the next to expire: adding is an append, and
-    a single loop timer waits for the head (none for ``math.inf``). Settled
-    handles leave lazily (only weak references are queued, so they never
-    hold buffers), and a queue is compacted when settled entries pile up
-    behind a long wait. Stalls are looked for by one timer, armed only while
-    something is pending, at the time the oldest handle not reported yet
+    Most handles settle within the loop iteration that issued them (an awaited request tested
+    inline, an eager send): ``add`` only notes the handle and when it was issued, and once the
+    iteration ends (one loop callback for all of them) those still pending join their queues, with
+    the time they were issued. The quick operations' handles (``add_default``: the default timeout)
+    are noted bare, and their deadlines counted from the iteration's end (one clock read for all,
+    not one per operation on the hot path of an awaited point-to-point operation). Handles of one
+    timeout are added in deadline order, so each timeout has a FIFO queue whose head is the next to
+    expire: adding is an append, and a single loop timer waits for the head (none for ``math.inf``).
+    Settled handles leave lazily (only weak references are queued, so they never hold buffers), and
+    a queue is compacted when settled entries pile up behind a long wait. Stalls are looked for by
+    one timer, armed only while something is pending, at the time the oldest handle not reported yet
     would stall: nothing is done per handle for them.
 
-    ``expire(handle, timeout)`` is called when a deadline passes (the owner
-    words the error); ``stalled(handles)`` with handles pending ``stall_s``
-    or longer, each once, oldest first; ``waiting(handles)`` every
-    ``check_s`` with the handles pending that long (the owner checks on the
-    peers they wait for), by a timer armed likewise only while something is
-    pending.
+    ``expire(handle, timeout)`` is called when a deadline passes (the owner words the error);
+    ``stalled(handles)`` with handles pending ``stall_s`` or longer, each once, oldest first;
+    ``waiting(handles)`` every ``check_s`` with the handles pending that long (the owner checks on
+    the peers they wait for), by a timer armed likewise only while something is pending.
     """
 
     _COMPACT = 4096

@@ -2,12 +2,11 @@
 
 Note on cost
 ------------
-Each communicator owns a ``Probe``; its operations, channel messages and
-actor calls read ``probe.recording`` and report only when it is set: one
-attribute check each while nobody records. An observer (the trace recorder)
-``install``s itself: every open probe, and every probe made later, then
-reports to it, under the id its ``attach`` gave. Compute spans report through
-``span``. Nothing here knows what a recorder does with the reports.
+Each communicator owns a ``Probe``; its operations, channel messages and actor calls read
+``probe.recording`` and report only when it is set: one attribute check each while nobody records.
+An observer (the trace recorder) ``install``s itself: every open probe, and every probe made later,
+then reports to it, under the id its ``attach`` gave. Compute spans report through ``span``. Nothing
+here knows what a recorder does with the reports.
 """
 
 from __future__ import annotations

@@ -6,28 +6,25 @@ link that suits them (``Backend.link``).
 
 Note on the layout
 ------------------
-A frame travels as one *message* on tag ``tags.LINK_MESSAGE``: a preamble (head bytes,
-frame bytes inline, data messages following; see ``messages``), then the frame in one
-piece if it fits in the link's ``room``. If not, the message holds only the head (or
-nothing, for a head beyond the room) and the buffers follow as *data messages* on
-``tags.LINK_DATA`` from the same source, in order: the receiver posts their receives as
-soon as the message arrives, so frames from one source never mix.
+A frame travels as one *message* on tag ``tags.LINK_MESSAGE``: a preamble (head bytes, frame bytes
+inline, data messages following; see ``messages``), then the frame in one piece if it fits in the
+link's ``room``. If not, the message holds only the head (or nothing, for a head beyond the room)
+and the buffers follow as *data messages* on ``tags.LINK_DATA`` from the same source, in order: the
+receiver posts their receives as soon as the message arrives, so frames from one source never mix.
 
-Small frames (see ``small``) travel in *packets* (preamble form ``PACKET``, one msgpack
-array decoded in one call). The first frame to a rank since the last ``flush`` goes at
-once, in a packet of its own; those issued after it wait together in ``small.Outbox``
-until the next ``flush``: when the loop iteration ends, or a task begins to wait (no
-timer, so nothing waits for more than the rest of the iteration). On links that batch
-(``batching``: gloo), the envelopes of large frames issued to one rank within one
-iteration travel together as one *batch* (form ``BATCH``: each frame's preamble and head),
-sent when the iteration ends or once the next does not fit in the room; their data
-messages are issued at once, in order. (On MPI, data messages sent before their envelope
-would arrive unexpected, and be copied twice.) A frame sent another way first sends its
-destination's packet and batch, so frames leave in the order they were issued. The frame
-bytes are the same on every link; only how a message is found differs. gloo's receives
-must know their size: every message fits a fixed size, and a thread keeps any-source
-receives of that size posted (``gloo_link``). MPI finds messages by matched probe, or in a
-receive kept posted (``mpi_link``).
+Small frames (see ``small``) travel in *packets* (preamble form ``PACKET``, one msgpack array
+decoded in one call). The first frame to a rank since the last ``flush`` goes at once, in a packet
+of its own; those issued after it wait together in ``small.Outbox`` until the next ``flush``: when
+the loop iteration ends, or a task begins to wait (no timer, so nothing waits for more than the rest
+of the iteration). On links that batch (``batching``: gloo), the envelopes of large frames issued to
+one rank within one iteration travel together as one *batch* (form ``BATCH``: each frame's preamble
+and head), sent when the iteration ends or once the next does not fit in the room; their data
+messages are issued at once, in order. (On MPI, data messages sent before their envelope would
+arrive unexpected, and be copied twice.) A frame sent another way first sends its destination's
+packet and batch, so frames leave in the order they were issued. The frame bytes are the same on
+every link; only how a message is found differs. gloo's receives must know their size: every message
+fits a fixed size, and a thread keeps any-source receives of that size posted (``gloo_link``). MPI
+finds messages by matched probe, or in a receive kept posted (``mpi_link``).
 
 Note on closing
 ---------------
@@ -214,15 +211,6 @@ class Link(ABC):
         return handle
 
     # -- sending -----------------------------------------------------------------------
-
-    @property
-    def packet_frames(self) -> int:
-        """The most frames a packet holds (see ``send_small``)."""
-        return self._outbox.packet_frames
-
-    @packet_frames.setter
-    def packet_frames(self, frames: int) -> None:
-        self._outbox.packet_frames = frames
 
     def send_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
         """Send a small frame (``body`` at most ``small_room`` bytes) to ``dst``: the first since

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 
 import torch
@@ -41,10 +42,8 @@ class ReduceOp(enum.Enum):
         if isinstance(op, ReduceOp):
             return op
         if isinstance(op, str):
-            try:
+            with contextlib.suppress(ValueError):
                 return cls(op.lower())
-            except ValueError:
-                pass
             names = ", ".join(member.value for member in cls)
             raise ValueError(f"unknown reduce op {op!r}: expected one of {names}")
         raise TypeError(f"op must be a ReduceOp or its name, not {type(op).__name__}")

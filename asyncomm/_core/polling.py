@@ -35,10 +35,7 @@ _due: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[Callable[[], obj
 def due_at(loop: asyncio.AbstractEventLoop) -> list[Callable[[], object]]:
     """Return ``loop``'s work due at its iteration's end (see ``Spin``'s note on what is due): one
     list per loop, which its owners append to and remove from in place."""
-    due = _due.get(loop)
-    if due is None:
-        due = _due[loop] = []
-    return due
+    return _due.setdefault(loop, [])
 
 
 class Spin:
@@ -50,28 +47,24 @@ class Spin:
 
     Note on misses
     --------------
-    A spin that found nothing cost its ``max_s`` for nothing. After ``MISSES``
-    such waits in a row (a rank whose waits are long: idle, or computing), a
-    task spins only every ``MISSES``-th wait until one finds what it waits for
-    again; so request-response traffic is caught without parking, and a rank
-    that waits long wastes at most ``max_s`` in every ``MISSES`` waits.
+    A spin that found nothing cost its ``max_s`` for nothing. After ``MISSES`` such waits in a row
+    (a rank whose waits are long: idle, or computing), a task spins only every ``MISSES``-th wait
+    until one finds what it waits for again; so request-response traffic is caught without parking,
+    and a rank that waits long wastes at most ``max_s`` in every ``MISSES`` waits.
 
     Note on fairness
     ----------------
-    A task that finds what it spins for goes on without a loop iteration, so
-    tasks that succeed one after the other (a ping-pong) could keep the loop
-    from everything else. Each spin therefore asks the loop for a turn, and no
-    task spins while a turn asked for more than ``FAIR_S`` ago has not come:
-    it yields that turn instead (``refused``).
+    A task that finds what it spins for goes on without a loop iteration, so tasks that succeed one
+    after the other (a ping-pong) could keep the loop from everything else. Each spin therefore asks
+    the loop for a turn, and no task spins while a turn asked for more than ``FAIR_S`` ago has not
+    come: it yields that turn instead (``refused``).
 
     Note on what is due
     -------------------
-    Some work waits for the loop iteration's end: a link's packet of small
-    frames (so that the frames of one iteration travel together). A task that
-    spins holds the loop, so the iteration cannot end while it does; and what
-    it waits for may be the peer's answer to that very work. So such work is
-    also listed in its loop's ``due`` list, and a task about to spin does it
-    first.
+    Some work waits for the loop iteration's end: a link's packet of small frames (so that the
+    frames of one iteration travel together). A task that spins holds the loop, so the iteration
+    cannot end while it does; and what it waits for may be the peer's answer to that very work. So
+    such work is also listed in its loop's ``due`` list, and a task about to spin does it first.
     """
 
     __slots__ = ("_due", "_loop", "_turn", "max_s", "misses", "refused", "tests")
@@ -159,14 +152,12 @@ class Ticker:
 
     Note on ticking
     ---------------
-    An event loop's timers count whole milliseconds (libuv's, and the
-    selectors' waits): a poller that backs off polls at once or a millisecond
-    later, nothing in between. A rank whose stage computes on a thread while
-    its next activation arrives then saw each message up to a millisecond
-    late, several times a pipeline step. So for ``TICKING_S`` after its last
-    news a poller backing off also asks the ticker, a thread that sleeps
-    ``tick_s`` (the OS sleeps finer than the loop) and then schedules the
-    poll on the loop; the millisecond timer stays as a floor. It ticks only
+    An event loop's timers count whole milliseconds (libuv's, and the selectors' waits): a poller
+    that backs off polls at once or a millisecond later, nothing in between. A rank whose stage
+    computes on a thread while its next activation arrives then saw each message up to a millisecond
+    late, several times a pipeline step. So for ``TICKING_S`` after its last news a poller backing
+    off also asks the ticker, a thread that sleeps ``tick_s`` (the OS sleeps finer than the loop)
+    and then schedules the poll on the loop; the millisecond timer stays as a floor. It ticks only
     then, so a rank whose waits are long is not woken by it.
     """
 
@@ -257,56 +248,48 @@ def computing(loop: asyncio.AbstractEventLoop) -> list[int]:
     ``asyncomm.compute`` counts its jobs in and out (on the loop thread); pollers
     read it (see the note on busy polling).
     """
-    cell = _computes.get(loop)
-    if cell is None:
-        cell = _computes[loop] = [0]
-    return cell
+    return _computes.setdefault(loop, [0])
 
 
 class Poller:
     """Complete requests by testing them from the loop: every turn while busy, less when idle.
 
-    The backend supplies ``test(request, scratch)`` -> whether it is done
-    (``outcome()`` then says what it reported, from ``scratch``: both are
-    called on every test, so they are best the engine's own, such as
-    ``MPI.Request.Test`` and ``Status.Get_source``, with no Python frame) and
-    ``testsome(requests)`` -> ``[(index, outcome), ...]`` for the completed
-    ones; an outcome that is an exception fails its request.
+    The backend supplies ``test(request, scratch)`` -> whether it is done (``outcome()`` then says
+    what it reported, from ``scratch``: both are called on every test, so they are best the engine's
+    own, such as ``MPI.Request.Test`` and ``Status.Get_source``, with no Python frame) and
+    ``testsome(requests)`` -> ``[(index, outcome), ...]`` for the completed ones; an outcome that is
+    an exception fails its request.
 
     Note on busy polling
     --------------------
-    (docs/api.md, "How completion reaches the loop", gives the defaults.) After the last
-    issue or completion the loop polls with ``call_soon`` for a while, then backs off
-    exponentially: for ``active_busy_s`` while *active* requests (collectives and sends,
-    which MPI advances only inside MPI calls) are in flight, so that large transfers are
-    not slowed, else for ``busy_s``, then polling at most every ``max_backoff_s``.
-    *Probes* (``probe``) are called at every poll, with or without requests in flight: the
-    MPI channel link finds its messages so. ``kick`` resets the back-off. While a compute
-    runs on the loop's threads (counted by ``computing``) and the ticker wakes the poller,
-    it does not poll busily for receives: a busy loop takes the core and the GIL the
-    compute needs, and the ticker sees their messages within ``tick_s``.
+    (docs/api.md, "How completion reaches the loop", gives the defaults.) After the last issue or
+    completion the loop polls with ``call_soon`` for a while, then backs off exponentially: for
+    ``active_busy_s`` while *active* requests (collectives and sends, which MPI advances only inside
+    MPI calls) are in flight, so that large transfers are not slowed, else for ``busy_s``, then
+    polling at most every ``max_backoff_s``. *Probes* (``probe``) are called at every poll, with or
+    without requests in flight: the MPI channel link finds its messages so. ``kick`` resets the
+    back-off. While a compute runs on the loop's threads (counted by ``computing``) and the ticker
+    wakes the poller, it does not poll busily for receives: a busy loop takes the core and the GIL
+    the compute needs, and the ticker sees their messages within ``tick_s``.
 
     Note on spinning
     ----------------
-    ``watch`` tests a request twice as it is issued (an eager send is often done at once;
-    MPICH's first test of a small collective often only starts it). A task that awaits a
-    request first tests it ``spin_tests`` times itself (``spin``, from
-    ``Handle.__await__``): one that completes within microseconds then costs no loop
-    iteration, one that takes longer parks the task. A channel receive, an actor call or
-    an idle actor about to wait spins (``spin_until``: the requests and the probes) as
-    ``Spin`` says.
+    ``watch`` tests a request twice as it is issued (an eager send is often done at once; MPICH's
+    first test of a small collective often only starts it). A task that awaits a request first tests
+    it ``spin_tests`` times itself (``spin``, from ``Handle.__await__``): one that completes within
+    microseconds then costs no loop iteration, one that takes longer parks the task. A channel
+    receive, an actor call or an idle actor about to wait spins (``spin_until``: the requests and
+    the probes) as ``Spin`` says.
 
     Note on stalls
     --------------
-    MPI moves the data of a request only inside MPI calls (MPICH without its
-    asynchronous progress thread), and every test advances every request of the
-    process. A request in flight while nothing tests it (the loop held by a
-    computation, or backing off) is not progressing, and communication that
-    sits so under compute is not hidden by it. While tracing, each time
-    requests are issued or tested with requests in flight, a gap of over
-    ``STALL_S`` since the end of the process's last test is reported as a stall
-    (``Recording.stalled``); communication under compute during a stall is not
-    counted as hidden (docs/tracing.md).
+    MPI moves the data of a request only inside MPI calls (MPICH without its asynchronous progress
+    thread), and every test advances every request of the process. A request in flight while nothing
+    tests it (the loop held by a computation, or backing off) is not progressing, and communication
+    that sits so under compute is not hidden by it. While tracing, each time requests are issued or
+    tested with requests in flight, a gap of over ``STALL_S`` since the end of the process's last
+    test is reported as a stall (``Recording.stalled``); communication under compute during a stall
+    is not counted as hidden (docs/tracing.md).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
@@ -412,12 +395,11 @@ class Poller:
     def spin(self, sink: Any) -> bool:
         """Test ``sink``'s request a bounded number of times; settle it now if it completes.
 
-        Only ``tests`` times, never for a while: tasks that await requests are often
-        many at once (a gather of sends), and each would hold the others back. Return
-        whether its task is to yield the loop a turn and test again: when the loop's
-        turn is due first (``Spin.allowed``), or while the wait is young (within
-        ``max_s`` of its first test: an answer a little slower than the tests then costs
-        a loop turn, not a park and a poll's wake-up).
+        Only ``tests`` times, never for a while: tasks that await requests are often many at once (a
+        gather of sends), and each would hold the others back. Return whether its task is to yield
+        the loop a turn and test again: when the loop's turn is due first (``Spin.allowed``), or
+        while the wait is young (within ``max_s`` of its first test: an answer a little slower than
+        the tests then costs a loop turn, not a park and a poll's wake-up).
         """
         spin, test, scratch = self._spin, self._test, self._scratch
         if not spin.allowed():
@@ -580,9 +562,8 @@ class Poller:
     def drain(self) -> list[tuple[Any, Sink, bool]]:
         """Stop polling and fail every pending sink as closed.
 
-        Return the pending requests with their sinks: the backend must keep
-        the sinks (which hold the buffers) for as long as the requests may
-        still use them.
+        Return the pending requests with their sinks: the backend must keep the sinks (which hold
+        the buffers) for as long as the requests may still use them.
         """
         self._enlist()  # (first: enlisting asks for a poll, cancelled here)
         if self._timer is not None:

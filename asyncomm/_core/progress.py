@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import os
 import queue
 import threading
@@ -20,7 +21,7 @@ from typing import Any
 
 from asyncomm._core import instrument
 from asyncomm._core.errors import CommClosedError
-from asyncomm._core.handle import TAKEN, Classify, Finish, Sink, deliver
+from asyncomm._core.handle import TAKEN, Classify, Finish, Sink, deliver, reraise
 from asyncomm._core.polling import Spin
 
 
@@ -29,12 +30,11 @@ class Inbox:
 
     Note on waking the loop
     -----------------------
-    ``call_soon_threadsafe`` wakes the loop while the calling thread still
-    holds the GIL, so the woken loop thread at once blocks on the GIL again
-    (one more thread hand-off, costly on small machines). ``os.write``
-    releases the GIL around the system call: the loop thread wakes to a
-    free GIL. Completions queue up between wake-ups and are delivered in
-    one batch; a wake-up is written only when none is pending.
+    ``call_soon_threadsafe`` wakes the loop while the calling thread still holds the GIL, so the
+    woken loop thread at once blocks on the GIL again (one more thread hand-off, costly on small
+    machines). ``os.write`` releases the GIL around the system call: the loop thread wakes to a free
+    GIL. Completions queue up between wake-ups and are delivered in one batch; a wake-up is written
+    only when none is pending.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, classify: Classify) -> None:
@@ -94,25 +94,22 @@ class FutureBridge:
 
     Note on spinning
     ----------------
-    The callback's hop costs two thread hand-offs (the backend's thread takes
-    the GIL, the loop wakes): on a small machine they are most of a small
-    collective's time. So a request watched with a bounded ``wait`` is not
-    given its callback when it is issued: a task that awaits its handle waits
-    for it itself, in one blocking call that releases the GIL, for up to
-    ``Spin.max_s`` (or only looks, after many waits that timed out: see
-    ``Spin``).
-    The callback is given only to the requests still pending when the loop
-    iteration that issued them ends, and to those whose task gave up.
+    The callback's hop costs two thread hand-offs (the backend's thread takes the GIL, the loop
+    wakes): on a small machine they are most of a small collective's time. So a request watched with
+    a bounded ``wait`` is not given its callback when it is issued: a task that awaits its handle
+    waits for it itself, in one blocking call that releases the GIL, for up to ``Spin.max_s`` (or
+    only looks, after many waits that timed out: see ``Spin``). The callback is given only to the
+    requests still pending when the loop iteration that issued them ends, and to those whose task
+    gave up.
 
     Note on callbacks at exit
     -------------------------
-    The callback given to a backend future is Python: the backend's thread
-    takes the GIL to run it, and again to release it. A thread that wants
-    the GIL once the interpreter has begun to finalize is ended with
-    ``pthread_exit``, whose unwinding through the backend's C++ frames calls
-    ``std::terminate``. So a future must not be left pending when the process
-    exits: ``pending`` says whether any callback still exists (each is held
-    weakly here, and dies once the backend has run and released it).
+    The callback given to a backend future is Python: the backend's thread takes the GIL to run it,
+    and again to release it. A thread that wants the GIL once the interpreter has begun to finalize
+    is ended with ``pthread_exit``, whose unwinding through the backend's C++ frames calls
+    ``std::terminate``. So a future must not be left pending when the process exits: ``pending``
+    says whether any callback still exists (each is held weakly here, and dies once the backend has
+    run and released it).
     """
 
     def __init__(self, inbox: Inbox, loop: asyncio.AbstractEventLoop,
@@ -207,12 +204,11 @@ class Waiters:
 
     Note on threads
     ---------------
-    One thread is busy per request in flight; threads are reused, never
-    created per request while idle ones exist. Invariant: ``_idle`` counts
-    threads free to take a queued job, so a job never waits behind a
-    blocked ``wait()``. A request watched as ``endless`` may never end
-    once its communicator is gone (see ``TorchBackend``'s note on teardown):
-    closing does not wait for its thread, which stays parked in ``wait()``.
+    One thread is busy per request in flight; threads are reused, never created per request while
+    idle ones exist. Invariant: ``_idle`` counts threads free to take a queued job, so a job never
+    waits behind a blocked ``wait()``. A request watched as ``endless`` may never end once its
+    communicator is gone (see ``TorchBackend``'s note on teardown): closing does not wait for its
+    thread, which stays parked in ``wait()``.
     """
 
     def __init__(self, inbox: Inbox, idle_s: float = 30.0) -> None:
@@ -264,21 +260,11 @@ class Waiters:
             try:
                 wait()
             except BaseException as exc:
-                error: BaseException | None = exc
-            else:
-                error = None
+                finish = functools.partial(reraise, exc)
             with self._lock:  # free before the report: the loop may post the next job at once
                 del self._waiting[me]
                 self._idle += 1
-            self._report(sink, finish, error)
-
-    def _report(self, sink: Sink, finish: Finish, error: BaseException | None) -> None:
-        if error is not None:
-            def finish_with_error(_: object, exc: BaseException = error) -> object:
-                raise exc
-
-            finish = finish_with_error
-        self._inbox.put(sink, finish, None)
+            self._inbox.put(sink, finish, None)
 
     def waiting(self, endless: bool = False) -> int:
         """Return how many threads are inside a ``wait()``: the endless ones, or the others."""
@@ -309,11 +295,10 @@ class Waiters:
 class Reaper:
     """See off requests nobody awaits (eager sends), in batches, on one thread.
 
-    ``watch(wait)`` queues a request; the thread wakes when ``batch`` are
-    queued (or every ``period_s``) and calls ``wait()`` on each in turn, so
-    it costs one wake-up per batch rather than one per request. A request
-    that raised is kept in ``failures``, under the key it was watched with
-    (its destination), for its owner to report.
+    ``watch(wait)`` queues a request; the thread wakes when ``batch`` are queued (or every
+    ``period_s``) and calls ``wait()`` on each in turn, so it costs one wake-up per batch rather
+    than one per request. A request that raised is kept in ``failures``, under the key it was
+    watched with (its destination), for its owner to report.
     """
 
     def __init__(self, batch: int = 16, period_s: float = 0.1) -> None:

@@ -1,37 +1,31 @@
 """Small frames: the layout of a small message, encoded and decoded in one step each.
 
-A message of the DEFAULT codec whose bytes all fit in ``BYTES`` may travel
-instead of a frame (``wire``) as a *small frame*: plain msgpack, every
-buffer inline as an extension (code 3) holding its descriptor (as in a
-frame's head), then its bytes::
+A message of the DEFAULT codec whose bytes all fit in ``BYTES`` may travel instead of a frame
+(``wire``) as a *small frame*: plain msgpack, every buffer inline as an extension (code 3) holding
+its descriptor (as in a frame's head), then its bytes::
 
     small frame  fixarray 4: kind | tag | seq | the message (its *body*)
     inline       ext 3: descriptor (as above) | the buffer's bytes
 
-The frame's first three items are fixed-width (``HEAD``: a positive fixint
-and two uint64), so a sender lays the head of a message whose body is packed
-already in one step. Consecutive messages of one channel to one rank travel
-as a *run*: one head, then their bodies as one array (``RUN_HEAD``)::
+The frame's first three items are fixed-width (``HEAD``: a positive fixint and two uint64), so a
+sender lays the head of a message whose body is packed already in one step. Consecutive messages of
+one channel to one rank travel as a *run*: one head, then their bodies as one array (``RUN_HEAD``)::
 
     run          fixarray 4: RUN | tag | first seq | array 32 of bodies
 
-(message ``i`` of a run has sequence number ``first seq + i``), so each
-message after a run's first costs its sender its body's bytes alone, and
-its receiver no head. Small frames and runs to one rank are laid one after
-the other as the items of one msgpack array (a *packet*, see ``link``),
-and a packet is decoded in one ``unpack`` call (``unpack_packet``): every
-extension and tuple checked as a frame's would be (a message decodes to
-what its frame would), none allocated before it is. A packet that does not
-decode as a whole is taken apart frame by frame (``split_packet``), so a
-malformed frame fails its own channel only.
+(message ``i`` of a run has sequence number ``first seq + i``), so each message after a run's first
+costs its sender its body's bytes alone, and its receiver no head. Small frames and runs to one rank
+are laid one after the other as the items of one msgpack array (a *packet*, see ``link``), and a
+packet is decoded in one ``unpack`` call (``unpack_packet``): every extension and tuple checked as a
+frame's would be (a message decodes to what its frame would), none allocated before it is. A packet
+that does not decode as a whole is taken apart frame by frame (``split_packet``), so a malformed
+frame fails its own channel only.
 
-The outbox (``Outbox``) queues small frames per destination as packets until
-they are sent. A packet is one link message (see ``link``'s note on the
-layout): room for the preamble and the packet's head (laid when it goes:
-``take``), then each frame's head and body (``HEAD``), read on arrival as one
-msgpack array. A lone message becomes a run when the next of its channel
-follows (its channel and sequence number read back from its head then:
-nothing is kept for it before).
+The outbox (``Outbox``) queues small frames per destination as packets until they are sent. A packet
+is one link message (see ``link``'s note on the layout): room for the preamble and the packet's head
+(laid when it goes: ``take``), then each frame's head and body (``HEAD``), read on arrival as one
+msgpack array. A lone message becomes a run when the next of its channel follows (its channel and
+sequence number read back from its head then: nothing is kept for it before).
 """
 
 from __future__ import annotations
@@ -256,9 +250,8 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
 
 _STRIDED: Final = torch.strided
 _FLAT_ITEMS: Final = frozenset({type(None), bool, int, float, str, torch.Tensor})
-# Tensors laid out before, by (dtype, shape): the descriptor's bytes, a lone tensor's body
-# prefix, the bytes, whether it cannot be a conj view (not complex), ndim, and a ctypes
-# array of its bytes (to copy them: cheaper than ``ctypes.string_at``).
+
+
 class _Known(NamedTuple):
     """What is kept of a tensor laid out before; a tensor found here still has its memory
     checked (strided, contiguous, host, no neg or conj bit: ``_known``)."""
@@ -268,14 +261,14 @@ class _Known(NamedTuple):
     nbytes: int
     real: bool  # not complex: it cannot be a conj view
     ndim: int
-    array: type[ctypes.Array[ctypes.c_char]]  # its bytes, to copy them
+    array: type[ctypes.Array[ctypes.c_char]]  # its bytes, to copy (cheaper than string_at)
 
     def data(self, t: torch.Tensor) -> bytes:
         """Return a copy of ``t``'s bytes (``t`` laid out as it lies)."""
         return self.array.from_address(t.data_ptr()).raw
 
 
-_KNOWN: dict[tuple[torch.dtype, torch.Size], _Known] = {}
+_KNOWN: dict[tuple[torch.dtype, torch.Size], _Known] = {}  # tensors laid out before, by kind
 
 
 def _known(t: torch.Tensor, max_ndim: int) -> _Known | None:
@@ -323,8 +316,7 @@ def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
 def unpack_packet(data: bytes | memoryview, limits: Limits = _LIMITS) -> list[Any]:
     """Return the items of a packet (each should be a frame: ``[kind, tag, seq, message]``).
 
-    The caller checks each item's shape; the messages are checked here, as ``decode``
-    checks a body.
+    The caller checks each item's shape; the messages are checked here, as ``decode`` checks a body.
 
     Raises:
         ProtocolError: a malformed packet or frame (``split_packet`` tells which).

@@ -1,9 +1,8 @@
 """Every tag asyncomm keeps for itself, in one table.
 
-Two spaces. *Backend tags* name the raw point-to-point messages of a backend
-(``comm.send``/``recv`` take ``0 <= tag <= comm.max_tag``); the top
-``RESERVED`` tags of each backend's range are asyncomm's own. *Channel tags*
-are virtual: they travel in frame heads (``comm.channel`` takes
+Two spaces. *Backend tags* name the raw point-to-point messages of a backend (``comm.send``/``recv``
+take ``0 <= tag <= comm.max_tag``); the top ``RESERVED`` tags of each backend's range are asyncomm's
+own. *Channel tags* are virtual: they travel in frame heads (``comm.channel`` takes
 ``0 <= tag <= MAX_CHANNEL``); the tags above are asyncomm's own traffic.
 """
 

@@ -1,11 +1,10 @@
 """The wire format: one frame layout and two codecs, the same bytes on every backend.
 
-A frame is a *head* followed by raw *buffers*. The head is a fixed prefix, one descriptor
-per buffer and the *structure* (the message with every buffer replaced by a reference to
-it). Buffers travel from their own memory: tensors, arrays and large ``bytes`` are never
-copied into the head. This module does no I/O; a transport sends ``encode``'s head and
-buffers, and the other side calls ``decode_head`` -> ``allocate`` -> (receive into the
-buffers) -> ``decode``.
+A frame is a *head* followed by raw *buffers*. The head is a fixed prefix, one descriptor per buffer
+and the *structure* (the message with every buffer replaced by a reference to it). Buffers travel
+from their own memory: tensors, arrays and large ``bytes`` are never copied into the head. This
+module does no I/O; a transport sends ``encode``'s head and buffers, and the other side calls
+``decode_head`` -> ``allocate`` -> (receive into the buffers) -> ``decode``.
 
 Note: layout (integers little-endian; buffers hold little-endian elements)::
 

@@ -94,9 +94,8 @@ class Host:
         self._router = router
         self._timeout = timeout
         self.probe = router.probe  # (its recording, if any: calls are traced then)
-        # They do not probe: every rank serves, and most wait for nothing in particular.
-        self._requests = Channel(router, tags.ACTOR_REQUEST, Codec.DEFAULT, math.inf, probe=False)
-        self._replies = Channel(router, tags.ACTOR_REPLY, Codec.DEFAULT, math.inf, probe=False)
+        self._requests = Channel(router, tags.ACTOR_REQUEST, Codec.DEFAULT, math.inf)
+        self._replies = Channel(router, tags.ACTOR_REPLY, Codec.DEFAULT, math.inf)
         self._actors: dict[str, _Inbox] = {}
         self._workers: list[asyncio.Task[None]] = []
         self._calls: dict[int, tuple[int, asyncio.Future[Any], str, str]] = {}
@@ -170,17 +169,14 @@ class Host:
     def _on_request(self, entry: Entry) -> None:
         """The requests' listener: route each to its actor as it arrives."""
         try:
-            data: Any = self._requests.opened(entry)
-            self._route(entry if type(entry) is Message  # type: ignore[arg-type]
-                        else Message(entry.src, tags.ACTOR_REQUEST, data))
+            self._route(self._requests.opened(entry))
         except Exception as exc:  # a malformed message: say so, and go on with the next
             self._refused(exc, entry.src)
 
     def _on_reply(self, frame: Entry) -> None:
         """The replies' listener: settle each call as its reply arrives."""
         try:
-            reply: Any = self._replies.opened(frame)
-            self._settle(*reply)
+            self._settle(*self._replies.opened(frame)[2])
         except Exception as exc:
             self._refused(exc, frame.src)
 
@@ -246,7 +242,7 @@ class Host:
 
     async def _traced_call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
                            kwargs: dict[str, Any], timeout: float | None) -> Any:
-        trace = self._router.probe.recording
+        trace = self.probe.recording
         assert trace is not None
         start, error = time.perf_counter(), None
         try:
@@ -255,8 +251,8 @@ class Host:
             error = exc
             raise
         finally:
-            trace.message("actor_call", 0, rank, None, self._router.probe.id, start,
-                          error, f"{name}.{method}")
+            trace.message("actor_call", 0, rank, None, self.probe.id, start, error,
+                          f"{name}.{method}")
 
     async def _call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
                     kwargs: dict[str, Any], timeout: float | None) -> Any:

@@ -30,18 +30,19 @@ class Channel:
     """
 
     def __init__(self, router: Router, tag: int, codec: Codec, timeout: float,
-                 traced: bool = False, probe: bool = True,
-                 senders: frozenset[int] | None = None) -> None:
+                 user: bool = False, senders: frozenset[int] | None = None) -> None:
         self._router = router
         # the ranks that send on it (None: every rank): a receive from any ends with them
         self.senders = senders
         self.tag = tag
         self.codec = codec
         self._timeout = timeout
-        self._probe = probe  # whether a waiting recv checks its peers (see the note)
         self._box = router.mailbox(tag)
         self._closed = False
-        self._traced = traced  # the user's channels are traced; the actors' own are not
+        # a user's channel (``comm.channel``) is traced, says stalls and its peers' state, and
+        # probes them while a recv waits; the actors' own do none of this (they do not probe:
+        # every rank serves, and most wait for nothing in particular)
+        self._user = user
         self._received = 0  # bytes of the last message opened, for the trace
         # small messages of the default codec: the most bytes of one (0: none are small)
         self._small_room = router.small_room if codec is Codec.DEFAULT else 0
@@ -80,7 +81,7 @@ class Channel:
         try:
             if window is None:  # another codec, or a rank not checked before
                 await self._send_slowly(obj, dst, timeout)
-            elif ((self._traced and self._probe_of.recording is not None)
+            elif ((self._user and self._probe_of.recording is not None)
                   or not self._post(window, dst, self.tag, obj, self._small_room,
                                     self._max_ndim, self._window)):  # (commonest: queued)
                 await self._send(self._router.encode(self.tag, obj, self.codec), dst, timeout)
@@ -109,7 +110,7 @@ class Channel:
             window = self._windows[dst] = self._router.window_to(dst, self.tag)
         # Queued by ``Link.post`` if small and the window lets it; else ``send`` waits for
         # credit, says why it cannot send, delivers to this rank itself, or traces it.
-        if self._traced and self._probe_of.recording is not None:
+        if self._user and self._probe_of.recording is not None:
             return False
         return self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
                           self._window)
@@ -136,7 +137,7 @@ class Channel:
     async def _send(self, frame: Encoded, dst: int, timeout: float | None) -> None:
         router = self._router
         limit = self._timeout if timeout is None else timeout
-        trace = router.probe.recording if self._traced else None
+        trace = router.probe.recording if self._user else None
         if trace is None:
             await router.send(frame, self.tag, dst, limit)
             return
@@ -172,12 +173,12 @@ class Channel:
         spun = False
         if src is not None and (type(src) is not int or not 0 <= src < self._size):
             self._check_rank("recv", "src", src)
-        if not self._traced or self._probe_of.recording is None:
+        if not self._user or self._probe_of.recording is None:
             box = self._box
             while True:
                 entry = box.take(src)
                 if entry is not None:
-                    return self._open(entry)
+                    return self.opened(entry)
                 limit = self._timeout if timeout is None else timeout
                 if spun:  # (what was found is not there: taken meanwhile)
                     return await self._wait(src, limit)
@@ -207,7 +208,7 @@ class Channel:
     async def _recv(self, src: int | None, timeout: float | None) -> Message:
         frame = self._box.take(src)
         if frame is not None:
-            return self._open(frame)
+            return self.opened(frame)
         self._flush()
         return await self._wait(src, self._timeout if timeout is None else timeout)
 
@@ -224,9 +225,10 @@ class Channel:
         ``spun``: the caller spun for it already (``recv``), and found none."""
         router, box = self._router, self._box
         loop = asyncio.get_running_loop()
-        started = time.monotonic()  # (the user's channels say a stall, and the peers' state)
+        started = time.monotonic()
         deadline = started + limit
-        stall_at = started + (router.stall_s or math.inf) if self._traced else math.inf
+        stall_at = started + (router.stall_s or math.inf) if self._user else math.inf
+        what = f"channel {self.tag} recv from peer {'any' if src is None else src}"
         while True:  # ``recv`` found nothing just now: check, wait, then spin again
             if box.ended and self._ended(src):
                 who = "every other rank" if src is None else f"rank {src}"
@@ -236,13 +238,11 @@ class Channel:
                                       "communicator is closed")
             gone = self._gone(src) if router.dead or router.told else None
             if gone:
-                peer = "any" if src is None else src
-                raise router.gone(f"channel {self.tag} recv from peer {peer}", *gone)
+                raise router.gone(what, *gone)
             now = time.monotonic()
             if now >= deadline or now >= stall_at:  # (a stall is said once, while it waits)
-                what = f"channel {self.tag} recv from peer {'any' if src is None else src}"
                 if now >= deadline:
-                    raise (await router.timed_out(what, limit, router.others(src)) if self._traced
+                    raise (await router.timed_out(what, limit, router.others(src)) if self._user
                            else CommTimeoutError(f"rank {router.rank}: {what} timed out after "
                                                  f"{limit:g} s"))
                 stall_at = math.inf
@@ -254,20 +254,20 @@ class Channel:
             elif self._spin_until(box.has_frames if src is None else self._has_from(src)):
                 frame = box.take(src)  # (there: ``spin_until`` says so)
                 if frame is not None:
-                    return self._open(frame)
+                    return self.opened(frame)
             if self._refused():  # no spin until the loop turns: yield it, then spin again
                 await asyncio.sleep(0)
                 frame = box.take(src)  # (the loop may have put it here meanwhile)
                 if frame is not None:
-                    return self._open(frame)
+                    return self.opened(frame)
                 continue
             waiter: asyncio.Future[None] = loop.create_future()
             entry = (src, waiter)
             box.waiters.append(entry)
             left, timer = deadline - now, None
-            if left <= router.probe_s or (not self._probe and left != math.inf):
+            if left <= router.probe_s or (not self._user and left != math.inf):
                 timer = loop.call_later(left, wake, waiter)  # the deadline is near
-            elif self._probe:
+            elif self._user:
                 router.patrol()  # woken within probe_s, to check the peers
             try:
                 await waiter  # woken: something came (or an end of stream, a death, a timer)
@@ -282,8 +282,8 @@ class Channel:
                     box.waiters.remove(entry)
             frame = box.take(src)
             if frame is not None:
-                return self._open(frame)
-            if self._probe and time.monotonic() < deadline:  # nothing yet: are they there?
+                return self.opened(frame)
+            if self._user and time.monotonic() < deadline:  # nothing yet: are they there?
                 router.check_peers(self._expected(src))
 
     def _expected(self, src: int | None) -> list[int]:
@@ -298,7 +298,7 @@ class Channel:
 
     def _gone(self, src: int | None) -> list[int]:
         """The peers, dead or that said they failed, that leave a recv from ``src`` nobody
-        to wait for (see the note)."""
+        to wait for (see the router's note on dead peers)."""
         silent = self._router.silent
         expected = self._expected(src)
         if expected and all(silent(p) for p in expected):
@@ -313,10 +313,6 @@ class Channel:
             return self.senders - {self._router.rank} <= ended
         return len(ended - {self._router.rank}) >= self._router.size - 1
 
-    def _open(self, entry: Entry) -> Message:
-        data = self.opened(entry)
-        return entry if type(entry) is Message else Message(entry.src, self.tag, data)
-
     def listen(self, listener: Callable[[Entry], None]) -> None:
         """Hand every message to ``listener`` as it arrives, instead of queuing it.
 
@@ -326,39 +322,40 @@ class Channel:
         """
         self._box.listener = listener
 
-    def opened(self, entry: Entry) -> object:
-        """Count ``entry`` as taken from this channel (as a listener does); return its data.
+    def opened(self, entry: Entry) -> Message:
+        """Count ``entry`` as taken from this channel (as a listener does); return it as the
+        ``Message`` a receiver gets (``entry`` itself where it is one).
 
         Args:
-            entry: what the listener was handed.
+            entry: what the listener was handed (or ``recv`` took).
 
         Raises:
             ProtocolError: the frame was refused on arrival, or is of the wrong codec.
         """
         if type(entry) is Message and self._small_room and (
-                not self._traced or self._probe_of.recording is None):
+                not self._user or self._probe_of.recording is None):
             # the commonest (an actor's request or reply): nothing to check, nothing to trace
             self._router.took(entry, self._box)
-            return entry[2]
+            return entry
         router = self._router
         router.took(entry, self._box)
         if type(entry) is Message:  # a small message: decoded on arrival (the default codec's)
-            if self._traced and router.probe.recording is not None:  # its bytes, as sent
+            if self._user and router.probe.recording is not None:  # its bytes, as sent
                 self._received = len(small_encode(entry[2], self._small_room, self._max_ndim)
                                      or b"") if self._small_room else 0
             if not self._small_room:
                 raise ProtocolError(f"rank {router.rank}: channel {self.tag}: message from "
                                     f"rank {entry[0]}: frame of codec DEFAULT on a channel "
                                     f"of codec {self.codec.name}; refused")
-            return entry[2]
+            return entry
         frame: Frame = entry  # type: ignore[assignment]
-        if self._traced and router.probe.recording is not None:
+        if self._user and router.probe.recording is not None:
             self._received = max(frame.charge, 0)
         if frame.error is not None:
             raise frame.error
         assert frame.head is not None
         try:
-            return wire.decode(frame.head, frame.buffers, self.codec)
+            return Message(frame.src, self.tag, wire.decode(frame.head, frame.buffers, self.codec))
         except ProtocolError as exc:
             raise ProtocolError(f"rank {router.rank}: channel {self.tag}: message from "
                                 f"rank {frame.src}: {exc}") from exc

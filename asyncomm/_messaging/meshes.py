@@ -4,7 +4,7 @@ Note on calling a mesh
 ----------------------
 A mesh is a name and a list of ranks over the actors' ``Host``: it holds no
 connection of its own. A call to several members posts every request first
-(``Host.request``, which checks each member is there before any is sent),
+(``Host.request``, once each member is checked to be there, before any is sent),
 sends them together (one flush: one message per member in the same loop
 iteration), then waits for the replies, so N members cost one round trip, not
 N. Members that died fail their calls as any actor call to them does; a
@@ -118,12 +118,14 @@ class MeshEndpoint:
     def __init__(self, mesh: Mesh, method: str) -> None:
         self._mesh, self._method = mesh, method
 
-    def _post(self, ranks: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any]
-              ) -> list[Posted]:
+    def _post(self, ranks: Sequence[int], args: tuple[Any, ...], kwargs: dict[str, Any],
+              tell: bool = False) -> list[Posted]:
+        """Post a call (or a ``tell``) to each of ``ranks``; the calls ``Host.request`` posted."""
         host, name, method = self._mesh._host, self._mesh.name, self._method
         for rank in ranks:  # before anything is sent: a dead or closed member fails the call
             host.check_open(rank, name, method)
-        return [host.request(rank, name, method, args, kwargs) for rank in ranks]
+        post: Callable[..., Any] = host.tell if tell else host.request
+        return [post(rank, name, method, args, kwargs) for rank in ranks]
 
     async def call(self, *args: Any, timeout: float | None = None, **kwargs: Any) -> list[Any]:
         """Call every member; a list of their results, in ``mesh.ranks`` order."""
@@ -165,8 +167,4 @@ class MeshEndpoint:
 
     def broadcast(self, *args: Any, **kwargs: Any) -> None:
         """Tell every member (no result, no error back)."""
-        host, name, method = self._mesh._host, self._mesh.name, self._method
-        for rank in self._mesh.ranks:
-            host.check_open(rank, name, method)
-        for rank in self._mesh.ranks:
-            host.tell(rank, name, method, args, kwargs)
+        self._post(self._mesh.ranks, args, kwargs, tell=True)

@@ -4,9 +4,7 @@ It holds the receive side of asyncomm's private twin communicator, through a ``L
 backend's choosing (see ``_core.link``: in order per pair of ranks, the same frame bytes on
 every backend), and delivers each frame that arrives, in order per source, into its
 channel's mailbox (see ``mailbox``). Channels (``channels``) and actors (``actors``) are
-built on it. A channel's ``close()`` sends EOS to every other rank: a receiver's iteration
-ends when every other rank has closed its end and the mailbox is empty (``recv`` then
-raises ``CommClosedError``).
+built on it. A channel's ``close()`` sends EOS to every other rank (see ``Channel.close``).
 
 Note on flow control
 --------------------
@@ -109,15 +107,14 @@ class Router(Delivery):
 
     def __init__(self, rank: int, size: int, link: Link, peers: Backend,
                  probe: instrument.Probe, probe_s: float = 0.5) -> None:
-        self.rank, self.size = rank, size
+        super().__init__(rank, frame_limits(), link, WINDOW, WINDOW_BYTES)
+        self.size = size
         self.peers = peers  # the communicator's backend: receives only a peer's message ends
         self.probe = probe  # where channels and actors report, while someone records
         self.probe_s = probe_s  # see the note on dead peers
         self.window, self.window_bytes = WINDOW, WINDOW_BYTES
-        self.limits = frame_limits()
         # the most bytes of a small frame's body (see ``small``)
         self.small_room = min(link.small_room, self.limits.max_message_bytes)
-        super().__init__(rank, self.limits, link, WINDOW, WINDOW_BYTES)
         self._windows: dict[tuple[int, int], Window] = {}
         self._byes: set[int] = set()  # ranks whose router said goodbye
         self._loop = asyncio.get_running_loop()
@@ -439,9 +436,7 @@ class Router(Delivery):
             box.ended.add(frame.src)
             box.wake()
         else:
-            self.mailbox(tag).put(Frame.refused(frame.src, tag, ProtocolError(
-                f"rank {self.rank}: channel {tag}: frame of kind {frame.kind} from rank "
-                f"{frame.src} refused")))
+            self.refuse(frame.src, ProtocolError(f"frame of kind {frame.kind}"), tag)
 
     async def close(self, timeout: float) -> None:
         """Say goodbye to every rank, wait (up to ``timeout``) for theirs, stop receiving.
@@ -483,5 +478,4 @@ class Router(Delivery):
             box.wake()
         for window in self._windows.values():
             for waiter in window.waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+                wake(waiter)

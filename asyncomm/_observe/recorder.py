@@ -46,6 +46,9 @@ VERSION = 1
 # The fields of a recorded communication, in the order of its tuple (see the note on cost).
 FIELDS = ("cat", "kind", "bytes", "peer", "tag", "seq", "comm", "start", "end", "error",
           "name")
+# The fields of the other records' tuples, after their kind (thread: its ident).
+_OTHER_FIELDS = {"step": ("start",), "stall": ("start", "end", "thread"),
+                 "wait": ("name", "start", "end"), "compute": ("name", "start", "end", "thread")}
 
 _perf = time.perf_counter
 _recorder: Recorder | None = None
@@ -177,18 +180,13 @@ class Recorder:
         ends = {index: rest for index, *rest in self.ends}
         for index, event in enumerate(list(self.events)):  # a copy: the worker may append
             record: dict[str, Any]
-            if event[0] == "step":
-                record = {"cat": "step", "kind": "step", "start": event[1], "end": event[1]}
-            elif event[0] == "stall":
-                record = {"cat": "stall", "kind": "stall", "start": event[1], "end": event[2],
-                          "thread": threads.setdefault(event[3], len(threads))}
-            elif event[0] == "wait":
-                record = {"cat": "wait", "kind": "wait", "name": event[1], "start": event[2],
-                          "end": event[3]}
-            elif event[0] == "compute":
-                name, start, end, ident = event[1:]
-                record = {"cat": "compute", "kind": "compute", "name": name, "start": start,
-                          "end": end, "thread": threads.setdefault(ident, len(threads))}
+            fields = _OTHER_FIELDS.get(event[0])
+            if fields is not None:
+                record = {"cat": event[0], "kind": event[0],
+                          **dict(zip(fields, event[1:], strict=True))}
+                record.setdefault("end", record["start"])  # a step mark: a moment
+                if "thread" in record:  # threads numbered 0, 1, ... as first seen
+                    record["thread"] = threads.setdefault(record["thread"], len(threads))
             else:
                 record = dict(zip(FIELDS, event, strict=True))
                 ended = ends.get(index)

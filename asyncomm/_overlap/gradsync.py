@@ -193,13 +193,7 @@ class GradSync:
                        and all(p.device.type == "cpu" for p in self._params))
         self._lock = threading.Lock()  # hooks may fire on several autograd threads at once
         self._syncing = True  # False inside no_sync()
-        self._ready = [False] * len(self._params)  # got its gradient this synchronised step
-        self._used = [False] * len(self._params)  # since the last synchronised step
-        self._next = 0  # the next bucket to issue
-        self._issued: asyncio.Future[None] | None = None  # wait() waits for the last turns
-        self._error: Exception | None = None  # an all-reduce that could not be issued
-        self._reached: set[int] | None = None  # ids of the parameters forward reached
-        self._foreseen: list[int] = []  # unused parameters the first hook puts in
+        self._reset()
         self._hooks: list[Any] = [p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
             self._make_hook(i)) for i, p in enumerate(self._params)]
         if find_unused_parameters:
@@ -215,6 +209,30 @@ class GradSync:
         for b, bucket in enumerate(buckets):
             for position, i in enumerate(bucket.indices):
                 self._where[i] = (b, position)
+
+    def _reset(self) -> None:
+        """Start the next step (the first too: a step's state is set here); a bucket left in
+        flight gets a fresh buffer."""
+        with self._lock:
+            for bucket in self._buckets:
+                if bucket.handle is not None and not bucket.handle.done():
+                    if bucket.flat is not None:  # the old one is still in use
+                        bucket.flat = torch.zeros_like(bucket.flat)
+                    elif bucket.in_place and bucket.reduced is not None:
+                        param = self._params[bucket.indices[0]]  # its .grad is in use too
+                        param.grad = bucket.reduced.clone()
+                bucket.reduced = bucket.flat
+                bucket.in_place = False
+                bucket.handle = None
+                bucket.pending = len(bucket.indices)
+                bucket.fences.clear()
+            self._ready = [False] * len(self._params)  # got its gradient this synchronised step
+            self._used = [False] * len(self._params)  # since the last synchronised step
+            self._next = 0  # the next bucket to issue
+            self._issued: asyncio.Future[None] | None = None  # wait() waits for the last turns
+            self._error: Exception | None = None  # an all-reduce that could not be issued
+            self._reached: set[int] | None = None  # ids of the parameters forward reached
+            self._foreseen: list[int] = []  # unused parameters the first hook puts in
 
     @property
     def buckets(self) -> list[list[str]]:
@@ -465,29 +483,6 @@ class GradSync:
             f"so their buckets were never all-reduced: {shown}. Parameters that do not take "
             "part in every step need GradSync(..., find_unused_parameters=True); "
             "parameters that never do can be frozen (requires_grad=False)")
-
-    def _reset(self) -> None:
-        """Start the next step; a bucket left in flight gets a fresh buffer."""
-        with self._lock:
-            for bucket in self._buckets:
-                if bucket.handle is not None and not bucket.handle.done():
-                    if bucket.flat is not None:  # the old one is still in use
-                        bucket.flat = torch.zeros_like(bucket.flat)
-                    elif bucket.in_place and bucket.reduced is not None:
-                        param = self._params[bucket.indices[0]]  # its .grad is in use too
-                        param.grad = bucket.reduced.clone()
-                bucket.reduced = bucket.flat
-                bucket.in_place = False
-                bucket.handle = None
-                bucket.pending = len(bucket.indices)
-                bucket.fences.clear()
-            self._ready = [False] * len(self._params)
-            self._used = [False] * len(self._params)
-            self._next = 0
-            self._issued = None
-            self._error = None
-            self._reached = None
-            self._foreseen = []
 
     def close(self) -> None:
         """Remove the hooks from the model's parameters; the model trains alone again."""

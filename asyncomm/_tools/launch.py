@@ -189,33 +189,25 @@ def launch(script_argv: list[str], n: int, backend: str | None = None,
         for stale in directory.glob("rank*.json"):
             stale.unlink()
         base["ASYNCOMM_TRACE"] = str(directory)
+    base.update(env or {})
     if hosts is not None:
         with network.Network(hosts, rate, delay) as net:
             if backend == "mpi":
-                return _launch_mpi(script_argv, n, {**base, **(env or {})}, net)
-            return _launch_hosts(script_argv, n, {**base, **(env or {})}, net, keep_going)
+                return _launch_mpi(script_argv, n, base, net)
+            return _launch_hosts(script_argv, n, base, net, keep_going)
     if backend == "mpi":
-        return _launch_mpi(script_argv, n, {**base, **(env or {})})
-    base["GLOO_SOCKET_IFNAME"] = loopback_interface()
-    base["PYTHONUNBUFFERED"] = "1"  # our pumps split lines, so let ranks write at once
-    for name in _MPI_RANK_VARS:  # an enclosing MPI job must not make ranks look like MPI's
-        base.pop(name, None)
-    return _launch_local(script_argv, n, {**base, **(env or {})}, keep_going, fork)
+        return _launch_mpi(script_argv, n, base)
+    return _launch_local(script_argv, n, base, keep_going, fork)
 
 
 def _launch_local(script_argv: list[str], n: int, base: dict[str, str],
                   keep_going: bool, fork: bool) -> int:
     """Start n ranks of ``python *script_argv``, host their store, and supervise them."""
+    for name in _MPI_RANK_VARS:  # an enclosing MPI job must not make ranks look like MPI's
+        base.pop(name, None)
     listening = _listen_on_loopback()
-    shared = {
-        "WORLD_SIZE": str(n),
-        "LOCAL_WORLD_SIZE": str(n),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(listening.getsockname()[1]),
-        "ASYNCOMM_STORE": "client",
-        "TORCHELASTIC_USE_AGENT_STORE": "True",  # plain torch scripts connect as clients too
-    }
-    envs = [{**base, **shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
+    envs = [{**base, **mine, "PYTHONUNBUFFERED": "1"}  # our pumps split lines: write at once
+            for mine in local_world(n, listening.getsockname()[1])]
     if fork and forked.possible():  # torch loads once, here, rather than in every rank
         import torch  # noqa: F401  (the store's, and every rank's)
 
@@ -275,15 +267,13 @@ def _launch_mpi(script_argv: list[str], n: int, env: dict[str, str],
         raise FileNotFoundError("mpiexec not found; pip install 'asyncomm[mpi]' provides one")
     python = [sys.executable, "-c", _LINE_BUFFERED + _RUNNER, *script_argv]
     with tempfile.TemporaryDirectory() as folder:
-        spread: list[str] = []
+        where = mpiexec.local_options(program)
         if net is not None:
             env = {**network.MPI_OVER_THE_LINK, **env}  # see network's note on MPI
-            spread = ["-launcher", "ssh", "-launcher-exec", str(net.ssh_stand_in(Path(folder))),
-                      "-hosts", ",".join(net.addresses), "-ppn", str(n // net.count),
-                      "-iface", network.INTERFACE]
-        local = mpiexec.local_options(program) if net is None else []
-        cmd = [program, "-n", str(n), *spread, *local, *mpiexec.label_options(program),
-               *python]
+            where = ["-launcher", "ssh", "-launcher-exec", str(net.ssh_stand_in(Path(folder))),
+                     "-hosts", ",".join(net.addresses), "-ppn", str(n // net.count),
+                     "-iface", network.INTERFACE]
+        cmd = [program, "-n", str(n), *where, *mpiexec.label_options(program), *python]
         if net is not None:
             cmd = net.command(0, cmd)
         world = asyncio.run(_supervise([_spawn(cmd, {**env, "ASYNCOMM_BACKEND": "mpi"})],
@@ -318,6 +308,16 @@ def _dead_ranks(statuses: list[int], first: int | None) -> str:
         return "; ".join(f"rank {r} exited with code {c}" for r, c in exited)
     killed = [(r, s & 0x7F) for r, s in enumerate(statuses) if s & 0x7F and first in (None, r)]
     return "; ".join(f"rank {r} {_how(-sig)}" for r, sig in killed)
+
+
+def local_world(n: int, port: int) -> list[dict[str, str]]:
+    """Each of ``n`` ranks' variables to meet on this host, as torchrun's: gloo on loopback,
+    the store on loopback ``port``, hosted by the launcher (plain torch scripts connect to
+    it as clients too)."""
+    shared = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": str(port), "ASYNCOMM_STORE": "client",
+              "TORCHELASTIC_USE_AGENT_STORE": "True", "GLOO_SOCKET_IFNAME": loopback_interface()}
+    return [{**shared, "RANK": str(r), "LOCAL_RANK": str(r)} for r in range(n)]
 
 
 def loopback_interface() -> str:

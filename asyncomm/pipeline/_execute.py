@@ -5,8 +5,9 @@ travel, what a failure does and how the loss is scaled; the notes keep what the 
 
 Note on how a step runs
 -----------------------
-Each rank executes its own action list in order. Every receive of the step is posted when
-it starts (the router buffers what arrives anyway) and awaited only by the F or B that
+Each rank executes its own action list in order, unchecked: ``validate`` (in ``__init__``)
+has made sure that every action finds what it needs. Every receive of the step is posted
+when it starts (the router buffers what arrives anyway) and awaited only by the F or B that
 needs its tensor; sends are awaited at the step's end (their tensors are never written
 again). Passes run through ``asyncomm.compute``, or on the loop thread itself (``_inline``)
 once nothing needs the loop to move the messages: from the second step on, on a backend
@@ -92,9 +93,6 @@ class Incoming:
 
     def __init__(self, handle: Any, buffer: torch.Tensor) -> None:
         self._handle, self._buffer = handle, buffer
-
-    def done(self) -> bool:
-        return bool(self._handle.done())
 
     def cancel(self) -> bool:
         return False
@@ -262,9 +260,7 @@ class Pipeline:
             ValueError: inputs or targets missing where needed, a batch that
                 does not split into equal microbatches, or (``fixed_shapes``) a
                 message whose shape or dtype differs from the first step's.
-            RuntimeError: the schedule asks for a tensor that is not there
-                (cannot happen to a schedule that passed ``validate``), or an
-                earlier step of this pipeline raised.
+            RuntimeError: the pipeline is closed, or an earlier step of it raised.
             RemoteError: another rank's step raised (see the note on failure).
         """
         xs = self._microbatches(inputs, "inputs") if self.first else None
@@ -505,14 +501,12 @@ class Pipeline:
         """Post every receive of this rank's list; a local hand-over waits for its send."""
         loop = asyncio.get_running_loop()
         for action in self.actions:
-            if action.op is Op.RECV_F:
-                key = (_FORWARD, action.stage - 1, action.microbatch)
-                peer = self.schedule.rank_of(action.stage - 1)
-            elif action.op is Op.RECV_B:
-                key = (_BACKWARD, action.stage + 1, action.microbatch)
-                peer = self.schedule.rank_of(action.stage + 1)
-            else:
+            if action.op not in (Op.RECV_F, Op.RECV_B):
                 continue
+            forward = action.op is Op.RECV_F
+            sender = action.stage - 1 if forward else action.stage + 1
+            key = (_FORWARD if forward else _BACKWARD, sender, action.microbatch)
+            peer = self.schedule.rank_of(sender)
             if peer == self.rank:
                 inbox[key] = loop.create_future()
             elif self._p2p is not None:
@@ -531,30 +525,15 @@ class Pipeline:
         self._shapes[key] = (data.shape, data.dtype)
         return data
 
-    async def _take(self, index: int, action: Action, key: tuple[int, int, int],
-                    inbox: Inbox) -> torch.Tensor:
-        fut = inbox.get(key)
-        if fut is None:
-            raise RuntimeError(f"{self._what(index, action)}: no receive posted for it (a "
-                               "RECV is missing from the schedule)")
-        if not fut.done() and not isinstance(fut, (asyncio.Task, Incoming)):  # a local hand-over
-            raise RuntimeError(f"{self._what(index, action)}: the local hand-over it needs "
-                               "has not been sent yet (SEND after its use)")
-        return await fut
-
     def _send(self, index: int, action: Action, direction: int, tensor: torch.Tensor | None,
               inbox: Inbox, sends: list[Awaitable[None]]) -> None:
-        if tensor is None:
-            op = "F" if direction == _FORWARD else "B"
-            raise RuntimeError(f"{self._what(index, action)}: nothing to send (its {op} has "
-                               "not run, or was sent already)")
+        assert tensor is not None  # (see the note on how a step runs)
         dst_stage = action.stage + 1 if direction == _FORWARD else action.stage - 1
         peer = self.schedule.rank_of(dst_stage)
         key = (direction, action.stage, action.microbatch)
         if peer == self.rank:
-            fut = inbox.get(key)
-            if not isinstance(fut, asyncio.Future):
-                raise RuntimeError(f"{self._what(index, action)}: no matching RECV on this rank")
+            fut = inbox[key]
+            assert isinstance(fut, asyncio.Future)  # a local hand-over's
             fut.set_result(tensor)
             return
         if self._p2p is None:
@@ -580,16 +559,12 @@ class Pipeline:
                        ys: list[Any] | None, inbox: Inbox, times: list[float],
                        losses: list[torch.Tensor]) -> None:
         stage, mb = action.stage, action.microbatch
-        module = self.stages.get(stage)
-        if module is None:
-            raise RuntimeError(f"{self._what(index, action)}: stage {stage} is not on this rank")
-        if slot.output is not None:
-            raise RuntimeError(f"{self._what(index, action)}: forward ran twice")
+        module = self.stages[stage]
         if stage == 0:
             assert xs is not None
             x = xs[mb]
         else:
-            x = (await self._take(index, action, (_FORWARD, stage - 1, mb), inbox)).detach()
+            x = (await inbox[_FORWARD, stage - 1, mb]).detach()
             if x.is_floating_point() or x.is_complex():
                 x.requires_grad_(True)
         target = ys[mb] if ys is not None and stage == self.schedule.n_stages - 1 else None
@@ -615,11 +590,9 @@ class Pipeline:
     async def _backward(self, index: int, action: Action, slot: Slot, inbox: Inbox,
                         times: list[float], n: int) -> None:
         stage, mb = action.stage, action.microbatch
-        if slot.output is None or slot.backward_done:
-            raise RuntimeError(f"{self._what(index, action)}: backward before forward, or twice")
         grad = None
         if slot.loss is None:
-            grad = await self._take(index, action, (_BACKWARD, stage + 1, mb), inbox)
+            grad = await inbox[_BACKWARD, stage + 1, mb]
         if self._split:  # B: the input's gradient only; what W needs is kept
             grad_input, took = await self._pass(functools.partial(
                 input_gradient, slot, grad, n, stage, self._trainable[stage],
@@ -638,8 +611,6 @@ class Pipeline:
                        n: int) -> None:
         """W: the weights' gradients of a split backward, from what its B kept; then free it."""
         stage, mb = action.stage, action.microbatch
-        if not slot.weights_pending:
-            raise RuntimeError(f"{self._what(index, action)}: weight gradient before its B")
         with self._quiet(index):
             took = await self._pass(functools.partial(weight_gradient, slot, n,
                                                       self._trainable[stage]), f"W{mb}@s{stage}")

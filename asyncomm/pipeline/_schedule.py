@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -368,22 +369,24 @@ def interleaved_1f1b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 2
 
     compute = []
     for rank in range(n_ranks):
-        if n_microbatches == n_ranks:
-            warmup = total
-        else:
-            warmup = min((p - rank - 1) * 2 + (v - 1) * p, total)
+        warmup = (total if n_microbatches == n_ranks
+                  else min((p - rank - 1) * 2 + (v - 1) * p, total))
         forwards = [Action(Op.F, chunk(k, True) * p + rank, microbatch(k)) for k in range(total)]
         backwards = [Action(Op.B, chunk(k, False) * p + rank, microbatch(k)) for k in range(total)]
         compute.append(_one_f_one_b_order(forwards, backwards, warmup))
     return from_compute(compute, name="interleaved", n_stages=p * v, n_microbatches=n_microbatches)
 
 
-def _one_f_one_b_order(forwards: Sequence[Action], backwards: Sequence[Action],
-                       warmup: int) -> list[Action]:
-    """Interleave: ``warmup`` forwards, then one forward one backward, then the backwards left."""
+def _one_f_one_b_order(forwards: Sequence[Action], backwards: Sequence[Action], warmup: int,
+                       weights: Sequence[Action] = (), delay: int = 0) -> list[Action]:
+    """Interleave: ``warmup`` forwards, then one forward one backward, then the backwards left;
+    with ``weights``, each W (oldest first) where :func:`~asyncomm.pipeline.zbh1` puts it."""
     total = len(forwards)
-    order = list(forwards[:warmup])
-    for k in range(total - warmup):
-        order += [forwards[warmup + k], backwards[k]]
-    order += backwards[total - warmup :]
-    return order
+    order, pending = list(forwards[:warmup]), deque(weights)
+    for k, backward in enumerate(backwards):
+        if warmup + k < total:
+            order.append(forwards[warmup + k])
+        order.append(backward)
+        if pending and (k >= delay or warmup + k >= total):
+            order.append(pending.popleft())
+    return order + list(pending)

@@ -25,7 +25,9 @@ from asyncomm.pipeline._schedule import Action, Op, Schedule
 
 _MAX_ROWS = 1000  # rows of the default grid before its step coarsens
 
-_PEER = {Op.SEND_F: Op.RECV_F, Op.RECV_F: Op.SEND_F, Op.SEND_B: Op.RECV_B, Op.RECV_B: Op.SEND_B}
+# a message's other end, and its stage less this end's (SEND_F of s feeds RECV_F of s + 1)
+_PEER = {Op.SEND_F: (Op.RECV_F, 1), Op.RECV_F: (Op.SEND_F, -1), Op.SEND_B: (Op.RECV_B, -1),
+         Op.RECV_B: (Op.SEND_B, 1)}
 
 
 class ScheduleError(ValueError):
@@ -47,9 +49,8 @@ class ScheduleError(ValueError):
 
 def _matching(action: Action) -> Action:
     """Return the send that feeds receive ``action``, or the receive that takes send ``action``."""
-    # SEND_F of s feeds RECV_F of s + 1; SEND_B of s feeds RECV_B of s - 1.
-    step = {Op.SEND_F: 1, Op.RECV_F: -1, Op.SEND_B: -1, Op.RECV_B: 1}[action.op]
-    return Action(_PEER[action.op], action.stage + step, action.microbatch)
+    op, step = _PEER[action.op]
+    return Action(op, action.stage + step, action.microbatch)
 
 
 def _fail(schedule: Schedule, rank: int, index: int, what: str) -> ScheduleError:

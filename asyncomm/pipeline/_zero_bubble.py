@@ -2,17 +2,14 @@
 
 Both split every backward into ``B`` (the input's gradient, which the previous stage
 waits for) and ``W`` (the weights', which nobody waits for). ZB-H1 follows 1F1B with
-each rank's Ws delayed (see :func:`zbh1`). For ZB-V a greedy list scheduler places
-them with unit costs (F = B = W = 1, free messages): at each time step a free rank
-runs, by priority, a ready ``B`` (the oldest microbatch first), else a ready ``F`` if it
-holds fewer activations than its limit, else its oldest pending ``W``. An activation is
-held from its ``F`` until its ``W`` (what ``W`` needs is what ``B`` kept), so the limit
-bounds memory, and a rank at its limit runs a ``W`` to make room: ``W``\\ s fill what would
-have been bubbles.
-
-- ZB-V: two stages per rank in a V (rank ``r`` hosts stages ``r`` and ``2 * n_ranks - 1 -
-  r``, so the first and last stage are both on rank 0), every rank's limit ``2 *
-  n_ranks`` stage activations (half-size stages: 1F1B's peak memory again).
+each rank's Ws delayed (see :func:`zbh1`). For ZB-V (two stages per rank in a V: see
+:func:`v_placement`) a greedy list scheduler places them with unit costs (F = B = W = 1,
+free messages): at each time step a free rank runs, by priority, a ready ``B`` (the oldest
+microbatch first), else a ready ``F`` if it holds fewer activations than its limit, else
+its oldest pending ``W``. An activation is held from its ``F`` until its ``W`` (what ``W``
+needs is what ``B`` kept), so the limit (``2 * n_ranks`` stage activations: half-size
+stages, 1F1B's peak memory again) bounds memory, and a rank at its limit runs a ``W`` to
+make room: ``W``\\ s fill what would have been bubbles.
 
 The orders go through :func:`from_compute`, which places the messages.
 """
@@ -22,7 +19,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
-from asyncomm.pipeline._schedule import Action, Op, Schedule, _check_counts, from_compute
+from asyncomm.pipeline._schedule import (
+    Action,
+    Op,
+    Schedule,
+    _check_counts,
+    _one_f_one_b_order,
+    from_compute,
+)
 
 
 def zbh1(n_ranks: int, n_microbatches: int) -> Schedule:
@@ -36,23 +40,12 @@ def zbh1(n_ranks: int, n_microbatches: int) -> Schedule:
     Arguments and errors as :func:`~asyncomm.pipeline.gpipe`'s.
     """
     _check_counts(n_ranks=n_ranks, n_microbatches=n_microbatches)
-    orders = [_zbh1_order(rank, n_ranks, n_microbatches) for rank in range(n_ranks)]
+    orders = []
+    for rank in range(n_ranks):  # 1F1B's order, each W delayed by ``rank`` backwards
+        f, b, w = ([Action(op, rank, m) for m in range(n_microbatches)]
+                   for op in (Op.F, Op.B, Op.W))
+        orders.append(_one_f_one_b_order(f, b, min(n_ranks - rank - 1, n_microbatches), w, rank))
     return from_compute(orders, name="zbh1", n_stages=n_ranks, n_microbatches=n_microbatches)
-
-
-def _zbh1_order(rank: int, n_ranks: int, n_microbatches: int) -> list[Action]:
-    forwards = [Action(Op.F, rank, m) for m in range(n_microbatches)]
-    backwards = [Action(Op.B, rank, m) for m in range(n_microbatches)]
-    weights = deque(Action(Op.W, rank, m) for m in range(n_microbatches))
-    warmup = min(n_ranks - rank - 1, n_microbatches)
-    order = forwards[:warmup]
-    for k in range(n_microbatches - warmup):  # steady: W delayed by ``rank`` iterations
-        order += [forwards[warmup + k], backwards[k]]
-        if k >= rank:
-            order.append(weights.popleft())
-    for backward in backwards[n_microbatches - warmup:]:  # cool-down
-        order += [backward, weights.popleft()]
-    return order + list(weights)
 
 
 def v_placement(n_ranks: int) -> tuple[int, ...]:

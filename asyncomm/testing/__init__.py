@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import asyncomm
+from asyncomm._core.env import _MPI_RANK_VARS
 
 _ADDRESS = "ASYNCOMM_TEST_ADDRESS"  # where a rank connects back to (read by ``_rank``)
 _KEY = "ASYNCOMM_TEST_KEY"
@@ -93,7 +94,7 @@ class World:
             # few pooled worlds would take most of a small machine's cores from the
             # tests. A longer cap only delays the first poll after a long idle spell.
             env.setdefault("ASYNCOMM_MAX_BACKOFF_US", "20000")
-            for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "RANK", "WORLD_SIZE"):
+            for name in (*_MPI_RANK_VARS, "RANK", "WORLD_SIZE"):
                 env.pop(name, None)
             command = [sys.executable, "-m", "asyncomm.testing"]  # see ``_rank``
             self._logs = [Path(self._logdir.name) / f"rank{r}.log" for r in range(self.size)]
@@ -106,13 +107,8 @@ class World:
                              *command], env, self._logs[0])
             else:
                 self._store, store_port = _launch.host_store()
-                shared = {"WORLD_SIZE": str(self.size), "MASTER_ADDR": "127.0.0.1",
-                          "MASTER_PORT": str(store_port), "ASYNCOMM_STORE": "client",
-                          "TORCHELASTIC_USE_AGENT_STORE": "True",
-                          "GLOO_SOCKET_IFNAME": _launch.loopback_interface()}
-                for rank in range(self.size):
-                    self._spawn(command, {**env, **shared, "RANK": str(rank),
-                                          "LOCAL_RANK": str(rank)}, self._logs[rank])
+                for rank, mine in enumerate(_launch.local_world(self.size, store_port)):
+                    self._spawn(command, {**env, **mine}, self._logs[rank])
             conns: dict[int, Connection] = {}
             pids: dict[int, int] = {}
             deadline = time.monotonic() + START_TIMEOUT_S

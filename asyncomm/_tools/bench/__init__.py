@@ -106,14 +106,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _sizes_for(args: argparse.Namespace, section: str) -> tuple[int, ...]:
-    if args.sizes:
-        return tuple(args.sizes)
-    return CHANNEL_SIZES if section == "channels" else QUICK_SIZES if args.quick else (
-        DEFAULT_SIZES)
-
-
-def _rounds_for(args: argparse.Namespace, section: str) -> int:
-    return int(args.rounds or (3 if args.quick else 9 if section == "channels" else 5))
+    return tuple(args.sizes or (CHANNEL_SIZES if section == "channels" else
+                                QUICK_SIZES if args.quick else DEFAULT_SIZES))
 
 
 def _path(args: argparse.Namespace) -> Path:
@@ -183,7 +177,7 @@ def _worker(args: argparse.Namespace) -> int:
         found: list[Record] = []
         for section in dict.fromkeys("all" if s in ("pingpong", "allreduce") and "all" in
                                      args.what else s for s in args.what):
-            rounds = _rounds_for(args, section)
+            rounds = int(args.rounds or (3 if args.quick else 9 if section == "channels" else 5))
             meta = harness.meta(comm, rounds, args.quick)
             module = importlib.import_module(f"asyncomm._tools.bench.{SECTIONS[section]}")
             if section == "idle":
