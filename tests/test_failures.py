@@ -370,10 +370,12 @@ KILLED = """
 import asyncio, os, signal, asyncomm
 
 async def main(comm):
-    ch = comm.channel(3)
-    await comm.barrier()
-    if comm.rank == 1:
+    ch, ready = comm.channel(3), comm.channel(4)
+    if comm.rank == 1:  # killed once the others wait on it in recv only (a barrier it had
+        for _ in range(2):  # passed might still be completing on them, and fail there)
+            await ready.recv()
         os.kill(os.getpid(), signal.SIGKILL)
+    await ready.send("in", 1)
     try:
         await ch.recv(1)
     except asyncomm.PeerFailedError as exc:
