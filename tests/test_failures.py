@@ -123,11 +123,13 @@ async def check_a_stalled_operation_is_reported_once(comm: Comm, flag: str) -> l
 
 def test_a_stalled_operation_is_reported_once(world2: World, tmp_path: Path) -> None:
     warned = world2.run(check_a_stalled_operation_is_reported_once, str(tmp_path / "warned"))
-    assert warned[1] == [], warned
-    assert len(warned[0]) == 1, warned
+    # (a loaded machine may stall the closing barrier too, on either rank: not this test's)
+    recvs = [[words for words in said if "recv #" in words] for said in warned]
+    assert recvs[1] == [], warned
+    assert len(recvs[0]) == 1, warned
     # (pending for 0.3 s or more: how much more, a loaded machine decides)
     assert re.match(r"asyncomm: rank 0: recv #1 peer 1 tag 3 has been pending for "
-                    r"\d+\.\d s ", warned[0][0]), warned
+                    r"\d+\.\d s ", recvs[0][0]), warned
     assert ("(ASYNCOMM_STALL_S=0.3); it goes on waiting. Meanwhile rank 1: nothing issued on "
             "this communicator yet.") in warned[0][0], warned
 
