@@ -270,7 +270,7 @@ async def check_a_malformed_actor_frame(comm: Comm) -> list[str] | None:
             if sub.rank == 0:
                 ref = sub.actor(1, "steady")
                 with pytest.raises(asyncomm.CommTimeoutError, match=r"steady\.slow on rank 1"):
-                    await asyncio.wait_for(ref.slow(6.0, timeout=2.5), 30.0)
+                    await asyncio.wait_for(ref.slow(10.0, timeout=2.5), 30.0)
                 assert await ref.double(3) == 6
                 deadline = time.monotonic() + 30
                 while (sum(f"frame {1 << 40} " in words for words in said) < 2

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from asyncomm._core import settings
 
-_MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
+MPI_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MPI_LOCALRANKID")
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     )
 
-    if any(name in env for name in _MPI_RANK_VARS):
+    if any(name in env for name in MPI_RANK_VARS):
         launcher, rank, size = "mpi", -1, -1  # MPI itself knows; see the MPI backend
         auto = "mpi"
     elif "RANK" in env and "WORLD_SIZE" in env:

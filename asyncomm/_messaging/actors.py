@@ -44,7 +44,6 @@ from asyncomm._core.errors import (
     CommError,
     CommTimeoutError,
     PeerFailedError,
-    ProtocolError,
     RemoteError,
 )
 from asyncomm._core.wire import Codec
@@ -138,16 +137,11 @@ class Host:
                                                                              inbox)))
 
     async def _serve_requests(self) -> None:
-        while True:
-            try:
-                # the listener takes the requests; what comes here is an error or the end
-                async for message in self._requests:
-                    self._route(message)
-                return
-            except PeerFailedError:  # every other rank is gone or closed: nothing more comes
-                return
-            except ProtocolError as exc:  # a frame refused on arrival: said, and on
-                self._refused(exc)
+        try:
+            async for message in self._requests:  # the listener takes them: this ends
+                self._route(message)
+        except PeerFailedError:  # every other rank is gone or closed: nothing more comes
+            pass
 
     def _route(self, message: Message) -> None:
         name = message.data[1]
@@ -171,22 +165,19 @@ class Host:
         try:
             self._route(self._requests.opened(entry))
         except Exception as exc:  # a malformed message: say so, and go on with the next
-            self._refused(exc, entry.src)
+            self._refused(entry, exc)
 
     def _on_reply(self, frame: Entry) -> None:
         """The replies' listener: settle each call as its reply arrives."""
         try:
             self._settle(*self._replies.opened(frame)[2])
         except Exception as exc:
-            self._refused(exc, frame.src)
+            self._refused(frame, exc)
 
-    def _refused(self, exc: Exception, src: int | None = None) -> None:
-        """Say that an actor message was refused (its error names its sender where the
-        sender is not given)."""
-        sender = "" if src is None else f" from rank {src}"
+    def _refused(self, frame: Entry, exc: Exception) -> None:
         self._loop.call_exception_handler({
-            "message": f"asyncomm: rank {self.rank}: an actor message{sender} was refused",
-            "exception": exc})
+            "message": f"asyncomm: rank {self.rank}: an actor message from rank {frame.src} "
+                       "was refused", "exception": exc})
 
     async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:
         endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far
@@ -396,9 +387,6 @@ class Host:
                 if waited >= self._router.probe_s:  # no reply for a while: are the callees there?
                     waited = 0.0
                     self._router.check_peers({pending[0] for pending in self._calls.values()})
-                continue
-            except ProtocolError as exc:  # a frame refused on arrival: said, and on
-                self._refused(exc)
                 continue
             except (CommClosedError, PeerFailedError):  # nobody left to reply
                 self._fail_closed()

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from asyncomm._core.env import _MPI_RANK_VARS
+from asyncomm._core.env import MPI_RANK_VARS
 from asyncomm._core.errors import plain
 from asyncomm._core.settings import BACKENDS
 from asyncomm._tools import forked, mpiexec, network
@@ -203,7 +203,7 @@ def launch(script_argv: list[str], n: int, backend: str | None = None,
 def _launch_local(script_argv: list[str], n: int, base: dict[str, str],
                   keep_going: bool, fork: bool) -> int:
     """Start n ranks of ``python *script_argv``, host their store, and supervise them."""
-    for name in _MPI_RANK_VARS:  # an enclosing MPI job must not make ranks look like MPI's
+    for name in MPI_RANK_VARS:  # an enclosing MPI job must not make ranks look like MPI's
         base.pop(name, None)
     listening = _listen_on_loopback()
     envs = [{**base, **mine, "PYTHONUNBUFFERED": "1"}  # our pumps split lines: write at once
@@ -229,7 +229,7 @@ def _launch_hosts(script_argv: list[str], n: int, base: dict[str, str],
     """Start n ranks spread over the hosts of ``net``, as torchrun on each host would: rank 0
     hosts the store on the first host, and asyncomm finds gloo's interface, as under torchrun."""
     per_host = n // net.count
-    for name in (*_MPI_RANK_VARS, "GLOO_SOCKET_IFNAME", "ASYNCOMM_STORE",
+    for name in (*MPI_RANK_VARS, "GLOO_SOCKET_IFNAME", "ASYNCOMM_STORE",
                  "TORCHELASTIC_USE_AGENT_STORE"):
         base.pop(name, None)
     shared = {"WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(per_host),

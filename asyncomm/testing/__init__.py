@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 import asyncomm
-from asyncomm._core.env import _MPI_RANK_VARS
+from asyncomm._core.env import MPI_RANK_VARS
 
 _ADDRESS = "ASYNCOMM_TEST_ADDRESS"  # where a rank connects back to (read by ``_rank``)
 _KEY = "ASYNCOMM_TEST_KEY"
@@ -94,7 +94,7 @@ class World:
             # few pooled worlds would take most of a small machine's cores from the
             # tests. A longer cap only delays the first poll after a long idle spell.
             env.setdefault("ASYNCOMM_MAX_BACKOFF_US", "20000")
-            for name in (*_MPI_RANK_VARS, "RANK", "WORLD_SIZE"):
+            for name in (*MPI_RANK_VARS, "RANK", "WORLD_SIZE"):
                 env.pop(name, None)
             command = [sys.executable, "-m", "asyncomm.testing"]  # see ``_rank``
             self._logs = [Path(self._logdir.name) / f"rank{r}.log" for r in range(self.size)]
