@@ -44,6 +44,7 @@ from asyncomm._core.errors import (
     CommError,
     CommTimeoutError,
     PeerFailedError,
+    ProtocolError,
     RemoteError,
 )
 from asyncomm._core.wire import Codec
@@ -137,11 +138,16 @@ class Host:
                                                                              inbox)))
 
     async def _serve_requests(self) -> None:
-        try:
-            async for message in self._requests:  # the listener takes them: this ends
-                self._route(message)
-        except PeerFailedError:  # every other rank is gone or closed: nothing more comes
-            pass
+        while True:
+            try:
+                # the listener takes the requests; what comes here is an error or the end
+                async for message in self._requests:
+                    self._route(message)
+                return
+            except PeerFailedError:  # every other rank is gone or closed: nothing more comes
+                return
+            except ProtocolError as exc:  # a frame refused on arrival: said, and on
+                self._refused(exc)
 
     def _route(self, message: Message) -> None:
         name = message.data[1]
@@ -165,19 +171,22 @@ class Host:
         try:
             self._route(self._requests.opened(entry))
         except Exception as exc:  # a malformed message: say so, and go on with the next
-            self._refused(entry, exc)
+            self._refused(exc, entry.src)
 
     def _on_reply(self, frame: Entry) -> None:
         """The replies' listener: settle each call as its reply arrives."""
         try:
             self._settle(*self._replies.opened(frame)[2])
         except Exception as exc:
-            self._refused(frame, exc)
+            self._refused(exc, frame.src)
 
-    def _refused(self, frame: Entry, exc: Exception) -> None:
+    def _refused(self, exc: Exception, src: int | None = None) -> None:
+        """Say that an actor message was refused (its error names its sender where the
+        sender is not given)."""
+        sender = "" if src is None else f" from rank {src}"
         self._loop.call_exception_handler({
-            "message": f"asyncomm: rank {self.rank}: an actor message from rank {frame.src} "
-                       "was refused", "exception": exc})
+            "message": f"asyncomm: rank {self.rank}: an actor message{sender} was refused",
+            "exception": exc})
 
     async def _run(self, actor: Actor, name: str, inbox: _Inbox) -> None:
         endpoints: dict[str, Callable[..., Any]] = {}  # the bound endpoints found so far
@@ -387,6 +396,9 @@ class Host:
                 if waited >= self._router.probe_s:  # no reply for a while: are the callees there?
                     waited = 0.0
                     self._router.check_peers({pending[0] for pending in self._calls.values()})
+                continue
+            except ProtocolError as exc:  # a frame refused on arrival: said, and on
+                self._refused(exc)
                 continue
             except (CommClosedError, PeerFailedError):  # nobody left to reply
                 self._fail_closed()

@@ -85,8 +85,7 @@ Entry = Message | Frame  # what a mailbox keeps: a small message, or a frame
 class Mailbox:
     """Messages of one channel in arrival order, who waits for them, who has closed their end.
 
-    With a ``listener``, everything is handed to it on arrival instead (actors'), refused
-    frames too: it opens each (``Channel.opened``), which raises a refused frame's error.
+    With a ``listener``, every good message is handed to it on arrival instead (actors').
     """
 
     __slots__ = ("ended", "frames", "listener", "seqs", "taken", "waiters")
@@ -101,7 +100,8 @@ class Mailbox:
 
     def put(self, entry: Entry) -> None:
         """Keep ``entry`` (or hand it to the listener); wake a receiver waiting for it."""
-        if self.listener is not None:
+        if self.listener is not None and (type(entry) is Message
+                                          or entry.error is None):  # type: ignore[union-attr]
             self.listener(entry)
             return
         self.frames.append(entry)
