@@ -532,6 +532,65 @@ def test_a_peer_dying_mid_stream_fails_what_needs_it(tmp_path: Path, lane: str,
     assert "Traceback" not in err, err
 
 
+DYING_MID_FRAME_WITH_CALLS = """
+import asyncio, os, torch, asyncomm
+from asyncomm import CommTimeoutError, PeerFailedError
+
+class Sleeper(asyncomm.Actor):
+    @asyncomm.endpoint
+    async def nap(self, seconds):
+        await asyncio.sleep(seconds)
+        return "woke"
+
+async def main():
+    comm = await asyncomm.init(backend="gloo", timeout=60)
+    comm.serve(Sleeper(), "sleeper")
+    ch, big = comm.channel(20), torch.ones(1 << 22)  # 16 MiB frames: their bytes on the lane
+    if comm.rank == 0:  # the lane connected both ways
+        await ch.send(big, 2)
+        await ch.recv(2)
+    elif comm.rank == 2:
+        await ch.recv(0)
+        await ch.send(big, 0)
+    await comm.barrier()
+    if comm.rank == 2:  # frames issued, their bytes half read (or not at all), then gone
+        sends = [asyncio.ensure_future(ch.send(big * (i + 2), 0)) for i in range(8)]
+        await asyncio.sleep(0.05)
+        os._exit(3)
+    if comm.rank == 1:
+        await comm.channel(21).recv(0)
+    else:
+        try:
+            while True:
+                await ch.recv(2)
+        except PeerFailedError as exc:
+            print("recv:", exc, flush=True)
+        try:  # rank 2's broken stream reached every channel here, the actors' replies too
+            print("call:", await comm.actor(1, "sleeper").nap(6, timeout=2.5), flush=True)
+        except CommTimeoutError as exc:
+            print("call: CommTimeoutError", exc, flush=True)
+        print("next call:", await comm.actor(1, "sleeper").nap(0), flush=True)
+        await comm.channel(21).send("done", 1)
+    await comm.close()
+
+asyncomm._runtime.run_loop(main())
+"""
+
+
+def test_a_peer_dying_mid_frame_leaves_the_calls_to_the_living_kept(tmp_path: Path) -> None:
+    # a frame lost with its dead sender fails every channel's wait on that sender, the
+    # actors' reply channel too: their reply loop goes on for the living ranks, so a call to
+    # one still expires at its deadline (it kept none once the loop had ended)
+    ranks = by_hand(DYING_MID_FRAME_WITH_CALLS, tmp_path, 3)
+    assert ranks[2][0] == 3, ranks[2][2]
+    for code, out, err in ranks[:2]:
+        assert code == 0, out + err
+        assert "Traceback" not in err, err
+    out = ranks[0][1]
+    assert "call: CommTimeoutError" in out and "sleeper.nap on rank 1" in out, out
+    assert "next call: woke" in out, out
+
+
 def test_a_dead_peer_fails_the_operations_that_need_it(tmp_path: Path) -> None:
     ranks = by_hand(DYING, tmp_path, 3)
     assert ranks[2][0] == 3, ranks[2][2]

@@ -144,8 +144,9 @@ class Host:
                 async for message in self._requests:
                     self._route(message)
                 return
-            except PeerFailedError:  # every other rank is gone or closed: nothing more comes
-                return
+            except PeerFailedError:  # a rank died (mid-frame, perhaps): over once all have
+                if self._nobody_left(self._requests):
+                    return
             except ProtocolError as exc:  # a frame refused on arrival: said, and on
                 self._refused(exc)
 
@@ -400,15 +401,26 @@ class Host:
             except ProtocolError as exc:  # a frame refused on arrival: said, and on
                 self._refused(exc)
                 continue
-            except (CommClosedError, PeerFailedError):  # nobody left to reply
+            except (CommClosedError, PeerFailedError):  # a rank died (mid-frame, perhaps)
                 self._fail_closed()
                 for rank in self._router.dead:
                     self.fail_calls(rank)
-                return
+                if self._nobody_left(self._replies):
+                    return
+                continue
             waited = 0.0
             call_id, ok, result = message.data
             self._settle(call_id, ok, result)
             self._fail_closed()
+
+    def _nobody_left(self, channel: Channel) -> bool:
+        """Whether a receive on ``channel`` now ends at once, every time: the communicator
+        is closed, or every other rank is gone, said it failed, or closed the channel. (A
+        stream broken by a rank that died mid-frame fails a receive once, while the living
+        may still send.)"""
+        ended, silent = channel._box.ended, self._router.silent
+        return self._router._closed or all(silent(rank) or rank in ended
+                                           for rank in self._router.others(None))
 
     def _expire_calls(self) -> None:
         """Expire the calls whose deadline (kept in ``_deadlines``) has passed."""
