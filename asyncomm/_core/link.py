@@ -214,10 +214,10 @@ class Link(ABC):
 
     def send_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
         """Send a small frame (``body`` at most ``small_room`` bytes) to ``dst``: the first since
-        the last ``flush`` at once (``_send_alone``), later ones queued until the next ``flush``
-        or until the packet is full. A failure to send a packet fails ``dst``."""
+        the last ``flush`` at once (``_send_first``), later ones queued until the next
+        ``flush`` or until the packet is full. A failure to send a packet fails ``dst``."""
         if dst not in self._went:
-            self._send_alone(dst, Outbox.alone(kind, tag, seq, body))
+            self._send_first(dst, kind, tag, seq, body)
             return
         self.queue_small(dst, kind, tag, seq, body)
 
@@ -245,16 +245,21 @@ class Link(ABC):
         window.seq += 1
         return True
 
-    def _send_alone(self, dst: int, packet: bytearray) -> None:
+    def _send_first(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
         """Send the first small frame to ``dst`` since the last flush at once, so that a task
-        that then blocks the loop has not left it behind; what waits for ``dst`` goes first."""
+        that then blocks the loop has not left it behind; what waits for ``dst`` (credit, say)
+        goes first, in the same packet where it is one."""
         self._went.add(dst)
         if not self._flush_asked:
             self._flush_asked = True
             self._loop.call_soon(self._flush_at_turn_end)
-        if self._waiting:  # (frames wait for some rank: for dst?)
+        if self._outbox.queued(dst):
+            self.queue_small(dst, kind, tag, seq, body)
             self._flush_to(dst)
-        self._send_packet(packet, dst)
+            return
+        if self._batches:  # (frames wait for some rank: for dst?)
+            self._send_batch(dst)
+        self._send_packet(Outbox.alone(kind, tag, seq, body), dst)
 
     def _begun(self, dst: int, queued: int = 1) -> bool:
         """Something for ``dst`` began to wait (``queued``, as ``Outbox.put`` answers: 1 a
