@@ -253,13 +253,11 @@ class Link(ABC):
         if not self._flush_asked:
             self._flush_asked = True
             self._loop.call_soon(self._flush_at_turn_end)
-        if self._outbox.queued(dst):
+        if self._outbox.queued(dst) or self._batches:  # (frames wait for some rank: for dst?)
             self.queue_small(dst, kind, tag, seq, body)
             self._flush_to(dst)
-            return
-        if self._batches:  # (frames wait for some rank: for dst?)
-            self._send_batch(dst)
-        self._send_packet(Outbox.alone(kind, tag, seq, body), dst)
+        else:  # the commonest: nothing waits, a packet of its own laid out in one step
+            self._send_packet(Outbox.alone(kind, tag, seq, body), dst)
 
     def _begun(self, dst: int, queued: int = 1) -> bool:
         """Something for ``dst`` began to wait (``queued``, as ``Outbox.put`` answers: 1 a

@@ -414,13 +414,9 @@ class Host:
             self._fail_closed()
 
     def _nobody_left(self, channel: Channel) -> bool:
-        """Whether a receive on ``channel`` now ends at once, every time: the communicator
-        is closed, or every other rank is gone, said it failed, or closed the channel. (A
-        stream broken by a rank that died mid-frame fails a receive once, while the living
-        may still send.)"""
-        ended, silent = channel._box.ended, self._router.silent
-        return self._router._closed or all(silent(rank) or rank in ended
-                                           for rank in self._router.others(None))
+        """Whether every receive on ``channel`` now fails at once (a stream a rank broke as it
+        died fails one, while the living may still send)."""
+        return self._router._closed or channel._ended(None) or bool(channel._gone(None))
 
     def _expire_calls(self) -> None:
         """Expire the calls whose deadline (kept in ``_deadlines``) has passed."""
