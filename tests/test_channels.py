@@ -888,6 +888,7 @@ async def check_end_of_stream(comm: Comm, n: int) -> None:
         for src in (1, 2):
             assert [d if isinstance(d, int) else int(d[-1]) for d in got[src]] == list(range(n))
         for peer in (None, 1, 2):
+            assert ch.over(peer)  # every receive fails at once now
             with pytest.raises(asyncomm.CommClosedError, match="channel 800"):
                 await ch.recv(peer)
         async for _ in ch:

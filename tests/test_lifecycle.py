@@ -565,6 +565,7 @@ async def main():
                 await ch.recv(2)
         except PeerFailedError as exc:
             print("recv:", exc, flush=True)
+        print("over:", ch.over(), flush=True)  # rank 1 may still send
         try:  # rank 2's broken stream reached every channel here, the actors' replies too
             print("call:", await comm.actor(1, "sleeper").nap(6, timeout=2.5), flush=True)
         except CommTimeoutError as exc:
@@ -587,6 +588,7 @@ def test_a_peer_dying_mid_frame_leaves_the_calls_to_the_living_kept(tmp_path: Pa
         assert code == 0, out + err
         assert "Traceback" not in err, err
     out = ranks[0][1]
+    assert "over: False" in out, out
     assert "call: CommTimeoutError" in out and "sleeper.nap on rank 1" in out, out
     assert "next call: woke" in out, out
 

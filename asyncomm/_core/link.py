@@ -253,7 +253,7 @@ class Link(ABC):
         if not self._flush_asked:
             self._flush_asked = True
             self._loop.call_soon(self._flush_at_turn_end)
-        if self._outbox.queued(dst) or self._batches:  # (frames wait for some rank: for dst?)
+        if self._waiting and (self._outbox.queued(dst) or self._batches):  # (some for dst?)
             self.queue_small(dst, kind, tag, seq, body)
             self._flush_to(dst)
         else:  # the commonest: nothing waits, a packet of its own laid out in one step

@@ -145,7 +145,7 @@ class Host:
                     self._route(message)
                 return
             except PeerFailedError:  # a rank died (mid-frame, perhaps): over once all have
-                if self._nobody_left(self._requests):
+                if self._requests.over():
                     return
             except ProtocolError as exc:  # a frame refused on arrival: said, and on
                 self._refused(exc)
@@ -405,18 +405,13 @@ class Host:
                 self._fail_closed()
                 for rank in self._router.dead:
                     self.fail_calls(rank)
-                if self._nobody_left(self._replies):
+                if self._replies.over():
                     return
                 continue
             waited = 0.0
             call_id, ok, result = message.data
             self._settle(call_id, ok, result)
             self._fail_closed()
-
-    def _nobody_left(self, channel: Channel) -> bool:
-        """Whether every receive on ``channel`` now fails at once (a stream a rank broke as it
-        died fails one, while the living may still send)."""
-        return self._router._closed or channel._ended(None) or bool(channel._gone(None))
 
     def _expire_calls(self) -> None:
         """Expire the calls whose deadline (kept in ``_deadlines``) has passed."""

@@ -313,6 +313,19 @@ class Channel:
             return self.senders - {self._router.rank} <= ended
         return len(ended - {self._router.rank}) >= self._router.size - 1
 
+    def over(self, src: int | None = None) -> bool:
+        """Whether every ``recv`` from ``src`` (``None``: any rank) now fails at once.
+
+        A loop that receives from any rank asks this after an error: a stream that a rank
+        broke as it died fails one receive (``PeerFailedError``) while the others may still
+        send.
+
+        Returns:
+            Whether the communicator is closed, or every rank it could come from closed the
+            channel, is gone, or said it failed.
+        """
+        return self._router._closed or self._ended(src) or bool(self._gone(src))
+
     def listen(self, listener: Callable[[Entry], None]) -> None:
         """Hand every message to ``listener`` as it arrives, instead of queuing it.
 
