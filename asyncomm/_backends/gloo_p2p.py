@@ -8,7 +8,7 @@ from a Python call with a buffer too small. So asyncomm's sends on gloo begin wi
 (a magic number, a data tag, the payload's size):
 
 - a payload of at most 64 KiB follows the header in the same message, which every receive takes into
-  a buffer of ``first_bytes()`` (a copy on each side: these sends copy anyway, as eager sends);
+  a buffer of ``FIRST_BYTES`` (a copy on each side: these sends copy anyway, as eager sends);
 - a larger one travels as a second message on a tag of the reserved range (``tags.GLOO_DATA``),
   which the receive posts once the header has said that the payload fits its buffer, straight into
   it; one that does not fit is taken whole and dropped. The data tags are used round robin per peer,
@@ -46,24 +46,20 @@ SHORT = sys.platform.startswith("linux")  # a message may be shorter than its re
 FOREVER = datetime.timedelta(days=365)  # how long a point-to-point wait may take
 
 
-def first_bytes() -> int:
-    """The size of every receive of a first message: a header and the longest inline payload
-    (64 KiB; 4 KiB in all where a message must fill its receive: see the note)."""
-    return HEADER.size + (64 << 10) if SHORT else 4096
+# The size of every receive of a first message: a header and the longest inline payload
+# (64 KiB; 4 KiB in all where a message must fill its receive: see the note).
+FIRST_BYTES = HEADER.size + (64 << 10) if SHORT else 4096
 
 
 def _header(data_tag: int, size: int, payload: torch.Tensor | None = None) -> torch.Tensor:
-    """A first message: the header, then ``payload``'s ``size`` bytes if given (written
-    through addresses, sparing torch's dispatch of a slice and a copy)."""
-    if SHORT:
-        message = torch.empty(HEADER.size + (0 if payload is None else size), dtype=torch.uint8)
-    else:
-        message = torch.zeros(first_bytes(), dtype=torch.uint8)
-    at = message.data_ptr()
-    ctypes.memmove(at, HEADER.pack(MAGIC, data_tag, size), HEADER.size)
+    """A first message: the header, then ``payload``'s ``size`` bytes if given (read through
+    their address in one call, sparing torch's dispatch of a slice and a copy)."""
+    message = HEADER.pack(MAGIC, data_tag, size)
     if payload is not None and size:
-        ctypes.memmove(at + HEADER.size, payload.data_ptr(), size)
-    return message
+        message += ctypes.string_at(payload.data_ptr(), size)
+    if not SHORT:
+        message = message.ljust(FIRST_BYTES, b"\0")
+    return torch.frombuffer(bytearray(message), dtype=torch.uint8)
 
 
 NOTHING = _header(0, 0)  # an empty message (ends a peer's receive; only ever read)
@@ -82,7 +78,7 @@ class Outgoing:
         """Return the first message of ``tensor`` to ``dst``, and its data and data tag if it
         has a second (``None``, 0: the payload is in the first, a copy)."""
         size = tensor.nbytes
-        if size <= first_bytes() - HEADER.size:
+        if size <= FIRST_BYTES - HEADER.size:
             return _header(0, size, tensor), None, 0
         with self._lock:
             busy = self._busy.setdefault(dst, set())
@@ -104,22 +100,26 @@ class Outgoing:
 
 
 _SPARE = 16  # first messages' buffers a backend keeps free for its next receives
+# a first message's buffer: the tensor gloo receives into, a NumPy view of it, its address
+Buffer = tuple[torch.Tensor, Any, int]
 
 
 class Incoming:
     """One receive into ``tensor``: the buffer its first message lands in (one of ``spare``,
     if any is free), then the rest."""
 
-    __slots__ = ("_refused", "_spare", "_tensor", "first")
+    __slots__ = ("_buffer", "_refused", "_spare", "_tensor", "first")
 
-    def __init__(self, tensor: torch.Tensor, spare: collections.deque[torch.Tensor]) -> None:
+    def __init__(self, tensor: torch.Tensor, spare: collections.deque[Buffer]) -> None:
         self._tensor = tensor
         self._spare = spare
         try:  # (pop and append are atomic: receives are issued and finish on any thread)
-            self.first = spare.pop()
+            self._buffer = spare.pop()
         except IndexError:
-            self.first = torch.empty(first_bytes(), dtype=torch.uint8)
-        ctypes.memset(self.first.data_ptr(), 0, HEADER.size)  # (a raw empty message: no magic)
+            first = torch.empty(FIRST_BYTES, dtype=torch.uint8)
+            self._buffer = (first, first.numpy(), first.data_ptr())
+        self.first = self._buffer[0]
+        HEADER.pack_into(self._buffer[1], 0, 0, 0, 0)  # (a raw empty message: no magic)
         self._refused: CommError | None = None
 
     def take(self, pg: Any, work: Any, src: int | None) -> None:
@@ -130,8 +130,8 @@ class Incoming:
         """
         work.wait(FOREVER)
         source = work._source_rank() if src is None else src
-        at = self.first.data_ptr()
-        magic, data_tag, size = HEADER.unpack(ctypes.string_at(at, HEADER.size))
+        _, view, at = self._buffer
+        magic, data_tag, size = HEADER.unpack_from(view)
         tensor = self._tensor
         if magic != MAGIC:
             self._refused = MismatchError(f"rank {source} sent a message asyncomm's send did "
@@ -147,7 +147,7 @@ class Incoming:
         elif size:
             ctypes.memmove(tensor.data_ptr(), at + HEADER.size, size)
         if len(self._spare) < _SPARE:  # gloo is done with it: the next receive may take it
-            self._spare.append(self.first)
+            self._spare.append(self._buffer)
 
     def result(self, source: int) -> int:
         """On the loop: ``source``, or the refusal of a message that did not fit."""

@@ -183,7 +183,7 @@ class TorchBackend(Backend):
         self._splits = 0
         self._eager = Reaper()
         self._outgoing = gloo_p2p.Outgoing()  # the data tags of large sends (see gloo_p2p)
-        self._spare: collections.deque[torch.Tensor] = collections.deque()  # see gloo_p2p
+        self._spare: collections.deque[gloo_p2p.Buffer] = collections.deque()  # see gloo_p2p
         self.posted = InFlight()  # ``Posted`` operations (see the note on teardown)
         tuned = settings.read()
         self._eager_bytes = tuned.eager_bytes  # see the note on eager sends
