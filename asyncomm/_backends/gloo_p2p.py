@@ -8,7 +8,7 @@ from a Python call with a buffer too small. So asyncomm's sends on gloo begin wi
 (a magic number, a data tag, the payload's size):
 
 - a payload of at most 64 KiB follows the header in the same message, which every receive takes into
-  a buffer of ``FIRST_BYTES`` (a copy on each side: these sends copy anyway, as eager sends);
+  a buffer of ``first_bytes()`` (a copy on each side: these sends copy anyway, as eager sends);
 - a larger one travels as a second message on a tag of the reserved range (``tags.GLOO_DATA``),
   which the receive posts once the header has said that the payload fits its buffer, straight into
   it; one that does not fit is taken whole and dropped. The data tags are used round robin per peer,
@@ -46,9 +46,10 @@ SHORT = sys.platform.startswith("linux")  # a message may be shorter than its re
 FOREVER = datetime.timedelta(days=365)  # how long a point-to-point wait may take
 
 
-# The size of every receive of a first message: a header and the longest inline payload
-# (64 KiB; 4 KiB in all where a message must fill its receive: see the note).
-FIRST_BYTES = HEADER.size + (64 << 10) if SHORT else 4096
+def first_bytes() -> int:
+    """The size of every receive of a first message: a header and the longest inline payload
+    (64 KiB; 4 KiB in all where a message must fill its receive: see the note)."""
+    return HEADER.size + (64 << 10) if SHORT else 4096
 
 
 def _header(data_tag: int, size: int, payload: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,7 +59,7 @@ def _header(data_tag: int, size: int, payload: torch.Tensor | None = None) -> to
     if payload is not None and size:
         message += ctypes.string_at(payload.data_ptr(), size)
     if not SHORT:
-        message = message.ljust(FIRST_BYTES, b"\0")
+        message = message.ljust(first_bytes(), b"\0")
     return torch.frombuffer(bytearray(message), dtype=torch.uint8)
 
 
@@ -78,7 +79,7 @@ class Outgoing:
         """Return the first message of ``tensor`` to ``dst``, and its data and data tag if it
         has a second (``None``, 0: the payload is in the first, a copy)."""
         size = tensor.nbytes
-        if size <= FIRST_BYTES - HEADER.size:
+        if size <= first_bytes() - HEADER.size:
             return _header(0, size, tensor), None, 0
         with self._lock:
             busy = self._busy.setdefault(dst, set())
@@ -116,7 +117,7 @@ class Incoming:
         try:  # (pop and append are atomic: receives are issued and finish on any thread)
             self._buffer = spare.pop()
         except IndexError:
-            first = torch.empty(FIRST_BYTES, dtype=torch.uint8)
+            first = torch.empty(first_bytes(), dtype=torch.uint8)
             self._buffer = (first, first.numpy(), first.data_ptr())
         self.first = self._buffer[0]
         HEADER.pack_into(self._buffer[1], 0, 0, 0, 0)  # (a raw empty message: no magic)
