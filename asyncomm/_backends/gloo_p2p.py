@@ -101,7 +101,7 @@ class Outgoing:
 
 
 _SPARE = 16  # first messages' buffers a backend keeps free for its next receives
-# a first message's buffer: the tensor gloo receives into, a NumPy view of it, its address
+# a first message's buffer: gloo's tensor, a NumPy view (struct reads it, no torch call), address
 Buffer = tuple[torch.Tensor, Any, int]
 
 
