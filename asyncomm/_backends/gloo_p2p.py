@@ -101,8 +101,7 @@ class Outgoing:
 
 
 _SPARE = 16  # first messages' buffers a backend keeps free for its next receives
-# a first message's buffer: gloo's tensor, a NumPy view (struct reads it, no torch call), address
-Buffer = tuple[torch.Tensor, Any, int]
+Buffer = tuple[torch.Tensor, Any, int]  # a receive's: tensor, NumPy view (for struct), address
 
 
 class Incoming:
