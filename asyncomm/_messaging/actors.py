@@ -300,8 +300,8 @@ class Host:
         return self._result(rank, name, method, *await self._answer_of(call_id, future, timeout))
 
     def in_flight(self) -> list[int]:
-        """The rank of each call of this rank's in flight."""
-        return [pending[0] for pending in self._calls.values()]
+        """The rank of each of this rank's calls whose reply has not come (still in flight)."""
+        return [pending[0] for pending in self._calls.values() if not pending[1].done()]
 
     def on_dead(self, callback: Callable[[int], None]) -> None:
         """Call ``callback(rank)`` for each rank found gone from now on."""
