@@ -55,12 +55,12 @@ def first_bytes() -> int:
 def _header(data_tag: int, size: int, payload: torch.Tensor | None = None) -> torch.Tensor:
     """A first message: the header, then ``payload``'s ``size`` bytes if given (read through
     their address in one call, sparing torch's dispatch of a slice and a copy)."""
-    message = HEADER.pack(MAGIC, data_tag, size)
+    message = bytearray(HEADER.pack(MAGIC, data_tag, size))  # (writable, as frombuffer wants)
     if payload is not None and size:
         message += ctypes.string_at(payload.data_ptr(), size)
     if not SHORT:
         message = message.ljust(first_bytes(), b"\0")
-    return torch.frombuffer(bytearray(message), dtype=torch.uint8)
+    return torch.frombuffer(message, dtype=torch.uint8)
 
 
 NOTHING = _header(0, 0)  # an empty message (ends a peer's receive; only ever read)
