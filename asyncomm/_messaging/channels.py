@@ -233,7 +233,7 @@ class Channel:
             if box.ended and self._ended(src):
                 who = "every other rank" if src is None else f"rank {src}"
                 raise CommClosedError(f"rank {router.rank}: channel {self.tag}: {who} closed it")
-            if router._closed:
+            if router.closed:
                 raise CommClosedError(f"rank {router.rank}: channel {self.tag}: the "
                                       "communicator is closed")
             gone = self._gone(src) if router.dead or router.told else None
@@ -324,7 +324,7 @@ class Channel:
             Whether the communicator is closed, or every rank it could come from closed the
             channel, is gone, or said it failed.
         """
-        return self._router._closed or self._ended(src) or bool(self._gone(src))
+        return self._router.closed or self._ended(src) or bool(self._gone(src))
 
     def listen(self, listener: Callable[[Entry], None]) -> None:
         """Hand every message to ``listener`` as it arrives, instead of queuing it.
@@ -392,7 +392,7 @@ class Channel:
         self._closed = True
         self._windows.clear()  # (sends go the slow way, which refuses them)
         router = self._router
-        if router._closed:
+        if router.closed:
             return
         for dst in router.others(None):
             router.notify(Kind.EOS, self.tag, dst)

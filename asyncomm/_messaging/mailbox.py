@@ -196,7 +196,7 @@ class Delivery:
         # credit goes back in batches (see ``took``, and the router's note on flow control):
         # smaller ones would cost the sender more credit frames, each a packet of its own
         self.batch, self._batch_bytes = max(1, window // 2), window_bytes // 4
-        self._closed = False
+        self.closed = False  # set by ``Router.close``; channels read it
         self.dead: dict[int, BaseException] = {}  # peers known gone, and how we know
         self._mailboxes: dict[int, Mailbox] = {}
         # frames of a source queued behind one whose buffers are on their way (a small
@@ -451,7 +451,7 @@ class Delivery:
         done[0] = done[1] = 0
         if src == self.rank:
             self._credit(self.rank, tag, messages, nbytes)
-        elif not self._closed and src not in self.dead:  # (closing: its peers close too)
+        elif not self.closed and src not in self.dead:  # (closing: its peers close too)
             self.link.queue_small(src, Kind.CREDIT, tag, 0, _credit_body(messages, nbytes))
 
     def _credit(self, src: int, tag: int, messages: int, nbytes: int) -> None:

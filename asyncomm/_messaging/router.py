@@ -156,12 +156,12 @@ class Router(Delivery):
         window = self._windows.get((dst, tag))
         if window is None:
             window = self._windows[(dst, tag)] = Window(
-                dst != self.rank and dst not in self.dead and not self._closed)
+                dst != self.rank and dst not in self.dead and not self.closed)
         return window
 
     async def send(self, frame: Encoded, tag: int, dst: int, timeout: float = math.inf) -> None:
         """Send an encoded message; wait for credit first, then until its buffers are free."""
-        if self._closed:
+        if self.closed:
             raise CommClosedError(f"rank {self.rank}: channel {tag}: the communicator is closed")
         if dst in self.dead:
             raise self.gone(f"channel {tag} send to peer {dst}", dst)
@@ -202,7 +202,7 @@ class Router(Delivery):
         """Return whether ``peer`` may be alive; probe it unless it was probed just now."""
         if peer in self.dead:
             return False
-        if peer == self.rank or self._closed or peer in self._byes:
+        if peer == self.rank or self.closed or peer in self._byes:
             # no probe after our goodbye (a probe is a message), nor of a rank that closed
             return True
         now = time.monotonic()
@@ -318,7 +318,7 @@ class Router(Delivery):
         deadline = time.monotonic() + timeout  # (inf: no deadline)
         try:
             while True:
-                if self._closed:
+                if self.closed:
                     raise CommClosedError(f"rank {self.rank}: channel {tag} send to peer "
                                           f"{dst}: the communicator is closed")
                 if dst in self.dead:
@@ -446,14 +446,14 @@ class Router(Delivery):
         for (its goodbye is said for it). A live rank that never closes leaves the link's
         receive posted after ``timeout``.
         """
-        if self._closed:
+        if self.closed:
             return
         if self.size > 1:  # who is gone says no goodbye: ask everyone still expected
             for peer in self.others(None):
                 if peer not in self._byes:
                     self._probed.pop(peer, None)
                     self.alive(peer)
-        self._closed = True
+        self.closed = True
         for window in self._windows.values():
             window.open = False  # small frames go through ``send`` now, which refuses them
         if self.size > 1:
