@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -87,11 +88,27 @@ def _busiest() -> str:
         f" (load {Path('/proc/loadavg').read_text().strip()})")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
+def _free_ports(n: int) -> list[int]:
+    """``n`` distinct ports free now, outside the kernel's ephemeral range.
+
+    A port found by binding to 0 is an ephemeral one: any process binding to 0 (a gloo pair,
+    a store, in a test running beside this one) may take it before the daemons bind it, and
+    slurmctld then exits ("Address already in use"). A port outside that range is taken
+    only by a process that names it.
+    """
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    outside = [port for port in range(10_000, 65_536) if not low <= port <= high]
+    ports: list[int] = []
+    for port in random.Random().sample(outside, min(500, len(outside))):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free ports outside {low}-{high}")
 
 
 @pytest.fixture(scope="module")
@@ -107,11 +124,12 @@ def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
                     f"--log-file={home / 'log' / 'munged.log'}"], check=True, capture_output=True)
     node = socket.gethostname()
     conf = home / "slurm.conf"
+    controller_port, node_port = _free_ports(2)
     conf.write_text(f"""\
 ClusterName=asyncommtest
 SlurmctldHost={node}
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={controller_port}
+SlurmdPort={node_port}
 AuthType=auth/munge
 AuthInfo=socket={sock}
 CredType=cred/munge
