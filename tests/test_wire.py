@@ -23,9 +23,9 @@ from asyncomm._core.wire import (
     BufferKind,
     Codec,
     Descriptor,
+    Head,
     Kind,
     Limits,
-    allocate,
     decode,
     decode_head,
     encode,
@@ -36,6 +36,11 @@ FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
 DTYPES = list(wire._DTYPES.values())
 SHAPES = [(), (0,), (5,), (2, 0, 3), (2, 3, 4)]
+
+
+def allocate(head: Head) -> list[torch.Tensor]:
+    """One flat uint8 CPU tensor per descriptor, to receive the buffers into."""
+    return [torch.empty(d.nbytes, dtype=torch.uint8) for d in head.descriptors]
 
 
 def transfer(obj: object, codec: Codec = Codec.DEFAULT) -> tuple[Any, list[torch.Tensor]]:
@@ -391,7 +396,7 @@ def test_pickle_frame_on_a_default_channel_is_never_unpickled() -> None:
 def test_decode_checks_buffers() -> None:
     head = decode_head(encode(Kind.DATA, 0, 0, torch.zeros(2))[0])
     for wrong in [[], [torch.empty(7, dtype=torch.uint8)], [torch.empty(2)]]:
-        with pytest.raises(ValueError, match="allocate"):
+        with pytest.raises(ValueError, match="one flat uint8 CPU tensor each"):
             decode(head, wrong, Codec.DEFAULT)
     assert head.descriptors == (Descriptor(torch.float32, (2,), 8, BufferKind.TENSOR),)
 
@@ -486,11 +491,28 @@ def test_small_frames_keep_the_general_rules() -> None:
         assert type(out) is torch.Tensor and torch.equal(out, t.detach()) and not out.is_conj()
     with pytest.raises(TypeError, match="cannot carry Timestamp at data"):
         small.encode(msgpack.Timestamp(1, 0))
+    with pytest.raises(TypeError, match=r"a torch\.sparse_coo tensor at data;"):
+        small.encode(torch.eye(2).to_sparse())  # a lone tensor of another layout
     with pytest.raises(TypeError, match=r"cannot carry an int beyond 64 bits at data\[0\]"):
         small.encode([2**64])
     assert small.encode(torch.zeros(small.BYTES)) is None  # a frame, not small
     assert small.encode(bytes(small.BYTES + 1)) is None
     assert small.encode(torch.zeros((1,) * 17)) is None  # beyond the dims: encode says so
+
+
+def test_flat_lists_decode_as_frames_do() -> None:
+    # A flat list's tensors are laid inline as they lie once their kind was laid out
+    # before: a view of that kind laid out otherwise, fewer dims allowed, an int beyond
+    # 64 bits and a list beyond the room still take the general rules.
+    laid, view = torch.arange(6.0).reshape(3, 2), torch.arange(6.0).reshape(2, 3).T
+    z = torch.randn(2, dtype=torch.complex64)
+    for flat in ([7, "e", True, None, laid, 2.5], [laid, view], [view], [z, z.conj()], []):
+        for _ in range(2):  # the second time, every kind in it is known
+            assert same(small_transfer(flat), transfer(flat)[0])
+    assert small.encode([laid], max_ndim=1) is None  # too many dims for these limits
+    with pytest.raises(TypeError, match=r"an int beyond 64 bits at data\[1\]"):
+        small.encode([laid, 2**64])
+    assert small.encode([torch.zeros(small.BYTES // 16)] * 8) is None  # beyond the room
 
 
 LONE = bytes(small.encode(torch.zeros(2)) or b"")  # ext 3: its head (3 bytes), descriptor, data

@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, Final, NamedTuple
 
@@ -83,17 +84,40 @@ RUN_COUNT_AT: Final = HEAD.size + 1
 DATA: Final = int(Kind.DATA)
 BYTES: Final = 8 << 10  # the most bytes a small frame's body holds
 _LIMITS: Final = Limits()
-# Packs exact scalars, lists and dicts; refuses the rest (a packer of its own: one of the
-# thread's would do as well, but costs a lookup; this one calls no Python code while it
-# packs, so the GIL keeps threads from sharing it at once).
-_strict = msgpack.Packer(use_bin_type=True, strict_types=True).pack
 
 
-def _fresh_strict(packed: bytes) -> None:
-    """Replace the strict packer after a large message (it keeps its grown buffer)."""
-    global _strict
-    if len(packed) > 4 * BYTES:
-        _strict = msgpack.Packer(use_bin_type=True, strict_types=True).pack
+class _Packers(threading.local):
+    """This thread's packers of small bodies (a hook is Python code, so a thread can be
+    switched mid-pack: threads share no packer). ``strict`` packs exact scalars, lists and
+    dicts, and refuses the rest; ``flat`` packs a flat list (``_FLAT_ITEMS``) whose tensors
+    ``_lay_known`` lays inline."""
+
+    def __init__(self) -> None:
+        self.strict: Callable[[object], bytes] = msgpack.Packer(
+            use_bin_type=True, strict_types=True).pack
+        self.flat: Callable[[object], bytes] = msgpack.Packer(
+            use_bin_type=True, strict_types=True, default=_lay_known).pack
+
+    def renew(self) -> None:
+        """Replace the packers (after a large body: a packer keeps its buffer as it grew)."""
+        type(self).__init__(self)
+
+
+def _lay_known(item: object) -> msgpack.ExtType:
+    """Return ``item`` laid inline, a tensor laid out before (``_known``) within the default
+    dims; raise ``_NotLaid`` at anything else (the hook of ``_Packers.flat``)."""
+    if type(item) is torch.Tensor:
+        known = _known(item, _LIMITS.max_ndim)
+        if known is not None:
+            return known.inline(item)
+    raise _NotLaid
+
+
+class _NotLaid(Exception):
+    """Raised by ``_lay_known``: the message takes the full lowering."""
+
+
+_packers = _Packers()
 
 
 class _TooBig(Exception):
@@ -120,34 +144,25 @@ class _Inline(_Outgoing):
     def tensor(self, t: torch.Tensor) -> msgpack.ExtType:
         """Lay a tensor inline, read where it lies (no flat view: the cheapest)."""
         known = _known(t, self.max_ndim)
-        if known is not None:
-            self.room -= known.nbytes
-            if self.room < 0:
+        if known is None:
+            code = _CODES.get(t.dtype) if t.layout is torch.strided else None
+            if code is None:
+                return _tensor(t, self)  # which refuses it
+            if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
+                t = t.detach().cpu().resolve_conj().resolve_neg().contiguous()  # as laid inline
+            if t.nbytes > self.room or t.dim() > self.max_ndim:
                 raise _TooBig
-            return _inline_ext(known.descriptor + known.data(t))
-        code = _CODES.get(t.dtype) if t.layout is torch.strided else None
-        if code is None:
-            return _tensor(t, self)  # which refuses it
-        t = _as_laid(t)
-        nbytes, shape = t.nbytes, tuple(t.shape)
-        self.room -= nbytes
-        if self.room < 0 or len(shape) > self.max_ndim:
+            known = _keep_known(t, code)
+        self.room -= known.nbytes
+        if self.room < 0:
             raise _TooBig
-        _keep_known(t, code, shape, nbytes)
-        return _inline_ext(_laid(code, BufferKind.TENSOR, shape, nbytes) + _bytes_of(t))
+        return known.inline(t)
 
 
 def _inline_ext(payload: bytes) -> msgpack.ExtType:
     """Return ``ExtType(3, payload)``, made as the tuple it is (its checking ``__new__`` costs
     as much as the rest of a small tensor's encoding)."""
     return tuple.__new__(msgpack.ExtType, (_EXT_INLINE, payload))  # type: ignore[type-var]
-
-
-def _as_laid(t: torch.Tensor) -> torch.Tensor:
-    """Return ``t`` as its bytes are laid out inline: contiguous host memory, conj/neg resolved."""
-    if not (t.is_cpu and t.is_contiguous()) or t.is_conj() or t.is_neg():
-        return t.detach().cpu().resolve_conj().resolve_neg().contiguous()
-    return t
 
 
 def _bytes_of(t: torch.Tensor) -> bytes:
@@ -197,47 +212,32 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
         known = _known(obj, max_ndim)
         if known is not None and known.nbytes <= room - 256:
             return known.lone + known.data(obj)
-        if obj.layout is torch.strided:
-            code = _CODES.get(obj.dtype)
-            if code is not None and obj.nbytes > room - 256:
-                return None  # too large for a small frame: it travels as a frame
-            if code is not None:
-                t = _as_laid(obj)
-                shape = tuple(t.shape)
-                if len(shape) <= max_ndim:
-                    _keep_known(obj, code, shape, t.nbytes)
-                    return _lone_small(code, shape, t.nbytes) + _bytes_of(t)
+        if obj.layout is _STRIDED and obj.nbytes > room - 256:
+            return None  # too large for a small frame: it travels as a frame
     if type(obj) is not list:  # a list is likelier to hold a tensor: lowered at once
         try:
-            body: bytes = _strict(obj)  # only exact scalars, lists and dicts pass
+            body: bytes = _packers.strict(obj)  # only exact scalars, lists and dicts pass
         except (TypeError, OverflowError):
             pass
         else:  # ... and ExtType, Timestamp, which msgpack packs as they are: lowered instead
             if len(body) > room:
-                _fresh_strict(body)
+                if len(body) > 4 * BYTES:
+                    _packers.renew()
                 return None
             if body.translate(_EXT_BYTES).find(1) < 0:
                 return body
-    if type(obj) is list and _FLAT_ITEMS.issuperset(map(type, obj)):  # (a C-level pass)
-        # Scalars and tensors side by side (an actor's request or reply): one pass, the
-        # scalars as they are; an int beyond 64 bits leaves msgpack to the full lowering.
-        items, laid = obj, 0
-        for i, x in enumerate(obj):
-            if type(x) is torch.Tensor:
-                known = _known(x, max_ndim)
-                if known is None:  # not laid out before, or not as it lies: the full lowering
-                    break
-                if items is obj:
-                    items = list(obj)
-                items[i] = _inline_ext(known.descriptor + known.data(x))
-                laid += known.nbytes
+    if (type(obj) is list and max_ndim >= _LIMITS.max_ndim
+            and _FLAT_ITEMS.issuperset(map(type, obj))):  # (a C-level pass)
+        # Scalars and tensors side by side (an actor's request or reply): packed in one call;
+        # a tensor not laid out before and an int beyond 64 bits take the full lowering.
+        try:
+            body = _packers.flat(obj)
+        except _NotLaid:
+            pass
         else:
-            try:
-                body = _pack(items)
-            except OverflowError:
-                pass
-            else:
-                return body if len(body) <= room and laid <= room else None
+            if len(body) > 4 * BYTES:
+                _packers.renew()
+            return body if len(body) <= room else None
     try:
         out = _Inline(room, max_ndim)
         body = _pack(_lower(obj, out))
@@ -267,8 +267,13 @@ class _Known(NamedTuple):
         """Return a copy of ``t``'s bytes (``t`` laid out as it lies)."""
         return self.array.from_address(t.data_ptr()).raw
 
+    def inline(self, t: torch.Tensor) -> msgpack.ExtType:
+        """Return ``t`` laid inline (an extension: its descriptor, then a copy of its bytes)."""
+        return _inline_ext(self.descriptor + self.data(t))
 
-_KNOWN: dict[tuple[torch.dtype, torch.Size], _Known] = {}  # tensors laid out before, by kind
+
+# tensors laid out before, by kind (each of them fits a small frame)
+_KNOWN: dict[tuple[torch.dtype, torch.Size], _Known] = {}
 
 
 def _known(t: torch.Tensor, max_ndim: int) -> _Known | None:
@@ -281,19 +286,21 @@ def _known(t: torch.Tensor, max_ndim: int) -> _Known | None:
     return None
 
 
-def _keep_known(t: torch.Tensor, code: int, shape: tuple[int, ...], nbytes: int) -> None:
+def _keep_known(t: torch.Tensor, code: int) -> _Known:
+    """Keep what ``_known`` returns for ``t``'s kind (``t`` laid out as it lies); return it."""
     if len(_KNOWN) >= 256:
         _KNOWN.clear()
-    _KNOWN[(t.dtype, t.shape)] = _Known(_laid(code, BufferKind.TENSOR, shape, nbytes),
-                                        _lone_small(code, shape, nbytes), nbytes,
-                                        not t.is_complex(), len(shape), ctypes.c_char * nbytes)
+    shape, nbytes = tuple(t.shape), t.nbytes
+    known = _KNOWN[(t.dtype, t.shape)] = _Known(
+        _laid(code, BufferKind.TENSOR, shape, nbytes), _lone_small(code, shape, nbytes), nbytes,
+        not t.is_complex(), len(shape), ctypes.c_char * nbytes)
+    return known
 # The bytes that start a msgpack extension (fixext 1-16, ext 8/16/32): a body without any
 # holds none (one with some may, or may only hold them as data).
 # As a table for ``bytes.translate``: 1 for those bytes, 0 for the others.
 _EXT_BYTES: Final = bytes(1 if 0xc7 <= b <= 0xc9 or 0xd4 <= b <= 0xd8 else 0 for b in range(256))
 
 
-@functools.lru_cache(maxsize=256)
 def _lone_small(code: int, shape: tuple[int, ...], nbytes: int) -> bytes:
     """Return the body's prefix of a lone tensor: an inline extension's head and descriptor."""
     descriptor = _laid(code, BufferKind.TENSOR, shape, nbytes)
@@ -374,20 +381,18 @@ def _message(unpacker: msgpack.Unpacker, data: bytes, limits: Limits) -> object:
 
 
 def _hook(limits: Limits) -> Callable[[int, bytes], object]:
-    """Return the extension hook of small frames under ``limits`` (one per limits, kept)."""
-    last = _LAST_HOOK[0]
-    if last[0] is limits:  # the commonest: the limits of the last call (a dataclass's
-        return last[1]  # hash, computed in Python, costs more than the rest of the lookup)
-    hook = _HOOKS.get(limits)
+    """Return the extension hook of small frames under ``limits`` (kept by the one limit it
+    checks, the dims)."""
+    max_ndim = limits.max_ndim
+    hook = _HOOKS.get(max_ndim)
     if hook is None:
         def hook(code: int, payload: bytes) -> object:
             if code == _EXT_INLINE:
-                return inline_buffer(payload, limits)
+                return inline_buffer(payload, max_ndim)
             if code == _EXT_TUPLE:
                 raise _HasTuple  # (``read_structure`` takes tuple markers before the hook)
             raise ProtocolError(f"frame structure has an unknown extension {code}")
-        _HOOKS[limits] = hook
-    _LAST_HOOK[0] = (limits, hook)
+        _HOOKS[max_ndim] = hook
     return hook
 
 
@@ -395,13 +400,12 @@ class _HasTuple(Exception):
     """Raised by the hook at a tuple's marker: the structure is unpacked again, with tuples."""
 
 
-_HOOKS: dict[Limits, Callable[[int, bytes], object]] = {}
-_LAST_HOOK: list[tuple[Limits | None, Callable[[int, bytes], object]]] = [(None, print)]
+_HOOKS: dict[int, Callable[[int, bytes], object]] = {}
 
 
-def inline_buffer(payload: bytes | memoryview, limits: Limits = _LIMITS) -> object:
+def inline_buffer(payload: bytes | memoryview, max_ndim: int = _LIMITS.max_ndim) -> object:
     """Rebuild an inline buffer, checked as ``decode_head`` checks a descriptor."""
-    if len(payload) < _DESC.size or payload[2] > limits.max_ndim:
+    if len(payload) < _DESC.size or payload[2] > max_ndim:
         raise ProtocolError("inline buffer: truncated, or too many dims")
     size = _DESCS[payload[2]].size
     if len(payload) < size:

@@ -4,7 +4,7 @@ A frame is a *head* followed by raw *buffers*. The head is a fixed prefix, one d
 and the *structure* (the message with every buffer replaced by a reference to it). Buffers travel
 from their own memory: tensors, arrays and large ``bytes`` are never copied into the head. This
 module does no I/O; a transport sends ``encode``'s head and buffers, and the other side calls
-``decode_head`` -> ``allocate`` -> (receive into the buffers) -> ``decode``.
+``decode_head`` -> (receive each buffer into a flat uint8 CPU tensor) -> ``decode``.
 
 Note: layout (integers little-endian; buffers hold little-endian elements)::
 
@@ -508,13 +508,8 @@ def _misfit(dtype: torch.dtype, shape: tuple[int, ...], nbytes: int, kind: Buffe
 _PICKLE_ONLY: Final = "pickle frames carry only BYTES buffers"
 
 
-def allocate(head: Head) -> list[torch.Tensor]:
-    """Return one empty flat uint8 CPU tensor per descriptor, to receive the buffers into."""
-    return [torch.empty(d.nbytes, dtype=torch.uint8) for d in head.descriptors]
-
-
 def decode(head: Head, buffers: list[torch.Tensor], expect: Codec) -> object:
-    """Rebuild the message from a head and its received buffers (as made by ``allocate``):
+    """Rebuild the message from a head and its received buffers (a flat uint8 CPU tensor each):
     tensors and arrays are views of them, not copies.
 
     Raises:
@@ -527,10 +522,10 @@ def decode(head: Head, buffers: list[torch.Tensor], expect: Codec) -> object:
                             f"{Codec(expect).name}; refused without decoding")
     descriptors = head.descriptors
     if len(buffers) != len(descriptors):
-        raise ValueError("buffers do not match the frame's descriptors; use allocate(head)")
+        raise ValueError("buffers do not match the descriptors: one flat uint8 CPU tensor each")
     for b, d in zip(buffers, descriptors, strict=True):  # cheaper than b.shape and b.device
         if b.dtype is not torch.uint8 or b.dim() != 1 or b.numel() != d.nbytes or not b.is_cpu:
-            raise ValueError("buffers do not match the frame's descriptors; use allocate(head)")
+            raise ValueError("buffers do not match the descriptors: one flat uint8 CPU tensor each")
     if head.lone:  # the commonest of large messages: one tensor
         return _rebuild(descriptors[0], buffers[0])
     data, structure = list(buffers), memoryview(head.structure)
