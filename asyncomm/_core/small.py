@@ -98,9 +98,10 @@ class _Packers(threading.local):
         self.flat: Callable[[object], bytes] = msgpack.Packer(
             use_bin_type=True, strict_types=True, default=_lay_known).pack
 
-    def renew(self) -> None:
-        """Replace the packers (after a large body: a packer keeps its buffer as it grew)."""
-        type(self).__init__(self)
+    def packed(self, body: bytes) -> None:
+        """Replace the packers after a large ``body`` (a packer keeps its buffer as it grew)."""
+        if len(body) > 4 * BYTES:
+            type(self).__init__(self)
 
 
 def _lay_known(item: object) -> msgpack.ExtType:
@@ -221,8 +222,7 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
             pass
         else:  # ... and ExtType, Timestamp, which msgpack packs as they are: lowered instead
             if len(body) > room:
-                if len(body) > 4 * BYTES:
-                    _packers.renew()
+                _packers.packed(body)
                 return None
             if body.translate(_EXT_BYTES).find(1) < 0:
                 return body
@@ -235,8 +235,7 @@ def encode(obj: object, room: int = BYTES, max_ndim: int = 16) -> bytes | None:
         except _NotLaid:
             pass
         else:
-            if len(body) > 4 * BYTES:
-                _packers.renew()
+            _packers.packed(body)
             return body if len(body) <= room else None
     try:
         out = _Inline(room, max_ndim)
