@@ -590,14 +590,10 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
-class _Queue:
+class _Queue(queue.SimpleQueue[Any]):
     """A peer's queue of buffers, and whether a thread serves it yet."""
 
-    def __init__(self) -> None:
-        self._items: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self.put = self._items.put
-        self.get = self._items.get
-        self.served = False
+    served = False
 
 
 def _nodelay(sock: socket.socket) -> None:
