@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 from mpi4py import MPI
@@ -34,18 +35,10 @@ KEPT = 64  # buffers noted or kept per communicator, of sends and of receives
 Key = tuple[tuple[int, int, Any], int, int]
 
 
-class _Mark:
-    """What an entry holds for its last operation before it has a handle: read as a
-    handle's ``_keep`` is (None: done, the request idle)."""
-
-    __slots__ = ("_keep",)
-
-    def __init__(self, keep: object) -> None:
-        self._keep = keep
-
-
-IDLE = _Mark(None)  # a persistent request's last operation before its first: none, done
-SEEN: Any = (None, _Mark(True))  # a buffer, peer and tag seen once (no request made yet)
+# What an entry holds for its last operation before it has a handle: read as a handle's
+# ``_keep`` is (None: done, the request idle).
+IDLE = SimpleNamespace(_keep=None)  # a persistent request's before its first: none, done
+SEEN: Any = (None, SimpleNamespace(_keep=True))  # a buffer, peer and tag seen once: no request yet
 
 
 class Requests:
