@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import functools
 import threading
 import time
@@ -382,16 +383,9 @@ class GlooLink(Link):
     def _read_now(self, src: int, raw: torch.Tensor) -> PeerFailedError | None:
         """Read ``src``'s next bytes into ``raw``, waiting for them; return a failure."""
         assert self._lane is not None
-        done = threading.Event()
-        failures: list[PeerFailedError | None] = []
-
-        def read(failure: PeerFailedError | None) -> None:
-            failures.append(failure)
-            done.set()
-
-        self._lane.recv(src, lambda: [raw], read)
-        done.wait()
-        return failures[0]
+        read: concurrent.futures.Future[PeerFailedError | None] = concurrent.futures.Future()
+        self._lane.recv(src, lambda: [raw], read.set_result)
+        return read.result()
 
     def _follow_batch(self, src: int, view: memoryview) -> None:
         """Ask for the data of a batch's frames, in order (see ``Link.send``)."""
