@@ -218,7 +218,9 @@ class Reductions:
         first, ahead of the others held (its request is in flight)."""
         if kept.last._keep is not None:
             kept.wanted = True
-            self._hold_first(sink, functools.partial(self.start, sink, kept, tensor, then))
+            if self.held is None:
+                self.held = collections.deque()
+            self.held.appendleft((sink, functools.partial(self.start, sink, kept, tensor, then)))
             return
         request = kept.start(tensor.data_ptr())
         finish: Callable[[Any], object] = kept.finish
@@ -269,11 +271,6 @@ class Reductions:
             kept.last = handle
             self._poller.follow(request, handle, kept.finish)
         return handle
-
-    def _hold_first(self, sink: Sink, issue: Callable[[], object]) -> None:
-        if self.held is None:
-            self.held = collections.deque()
-        self.held.appendleft((sink, issue))
 
     def release(self) -> None:
         """Issue the collectives held, in order, up to one whose request is still busy."""
