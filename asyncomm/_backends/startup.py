@@ -117,25 +117,7 @@ _store_lock = threading.Lock()
 
 
 async def base_store(env: LaunchEnv, timeout: float) -> Any:
-    """Return this process's rendezvous store, made once and reused by every init."""
-    key = (env.master_addr, env.master_port, env.rank, env.size)
-    with _store_lock:
-        store = _stores.get(key)
-    if store is not None:
-        return store
-    if env.size == 1:
-        store = dist.HashStore()  # type: ignore[attr-defined]
-    else:
-        store = await reach_store(functools.partial(
-            dist.TCPStore, env.master_addr, env.master_port,  # type: ignore[attr-defined]
-            env.size, is_master=env.hosts_store, timeout=datetime.timedelta(seconds=timeout),
-            wait_for_workers=False), env, timeout)
-    with _store_lock:
-        return _stores.setdefault(key, store)
-
-
-async def reach_store(make: Callable[[], T], env: LaunchEnv, timeout: float) -> T:
-    """Make this rank's rendezvous store (``make``: its server, or a client) within ``timeout``.
+    """Return this process's rendezvous store, made once and reused by every init.
 
     torch's store client bounds its wait for a connection, not for the answer to its first question:
     a port some other program listens on (a squatted ``MASTER_PORT``) would hold a rank until that
@@ -147,20 +129,34 @@ async def reach_store(make: Callable[[], T], env: LaunchEnv, timeout: float) -> 
         CommError: the store's port is taken (this rank hosts it).
     """
     rank, host, port = env.rank, env.master_addr, env.master_port
-    made = on_daemon(make, "asyncomm-store")
-    try:
-        return await asyncio.wait_for(asyncio.shield(made), timeout + STORE_GRACE_S)
-    except asyncio.TimeoutError:
-        made.add_done_callback(_ignored)  # it may fail later still: nobody waits for it then
-        raise CommTimeoutError(
-            f"rank {rank}: init: the rendezvous store at {host}:{port} did not answer within "
-            f"{timeout:g} s: is MASTER_PORT another program's?") from None
-    except Exception as exc:
-        if env.hosts_store and ("EADDRINUSE" in str(exc) or "address already in use" in str(exc)):
-            raise CommError(f"rank {rank}: init: cannot host the rendezvous store on port "
-                            f"{port} of {host}: it is taken (MASTER_PORT; another job or "
-                            "program has it)") from exc
-        raise
+    key = (host, port, rank, env.size)
+    with _store_lock:
+        store = _stores.get(key)
+    if store is not None:
+        return store
+    if env.size == 1:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+    else:
+        made = on_daemon(functools.partial(
+            dist.TCPStore, host, port, env.size,  # type: ignore[attr-defined]
+            is_master=env.hosts_store, timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False), "asyncomm-store")
+        try:
+            store = await asyncio.wait_for(asyncio.shield(made), timeout + STORE_GRACE_S)
+        except asyncio.TimeoutError:
+            made.add_done_callback(_ignored)  # it may fail later still: nobody waits for it
+            raise CommTimeoutError(
+                f"rank {rank}: init: the rendezvous store at {host}:{port} did not answer "
+                f"within {timeout:g} s: is MASTER_PORT another program's?") from None
+        except Exception as exc:
+            if env.hosts_store and ("EADDRINUSE" in str(exc)
+                                    or "address already in use" in str(exc)):
+                raise CommError(f"rank {rank}: init: cannot host the rendezvous store on port "
+                                f"{port} of {host}: it is taken (MASTER_PORT; another job or "
+                                "program has it)") from exc
+            raise
+    with _store_lock:
+        return _stores.setdefault(key, store)
 
 
 class Watch:
