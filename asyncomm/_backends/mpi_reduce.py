@@ -164,7 +164,8 @@ class Reductions:
         self._kept: list[Kept] = []
         # collectives held back, in order, with their sinks (``None``: nothing held)
         self.held: collections.deque[tuple[Sink, Callable[[], object]]] | None = None
-        self._settled: list[asyncio.Future[None]] = []
+        self._unheld = asyncio.Event()  # set while nothing is held
+        self._unheld.set()
 
     def table(self, dtype: torch.dtype, op: ops.ReduceOp) -> dict[int, _Kind] | None:
         """Return the kinds of all-reduce of ``dtype`` and ``op`` by bytes (``None``: never
@@ -220,6 +221,7 @@ class Reductions:
             kept.wanted = True
             if self.held is None:
                 self.held = collections.deque()
+                self._unheld.clear()
             self.held.appendleft((sink, functools.partial(self.start, sink, kept, tensor, then)))
             return
         request = kept.start(tensor.data_ptr())
@@ -289,17 +291,12 @@ class Reductions:
 
     def _none_held(self) -> None:
         self.held = None
-        for waiter in self._settled:
-            if not waiter.done():
-                waiter.set_result(None)
-        self._settled.clear()
+        self._unheld.set()
 
     async def settled(self) -> None:
         """Return once no collective is held back."""
         while self.held is not None:
-            waiter = self._loop.create_future()
-            self._settled.append(waiter)
-            await waiter
+            await self._unheld.wait()
 
     def close(self) -> None:
         """Fail what is held; free the requests not in flight (those are the poller's)."""
