@@ -97,13 +97,6 @@ def classify(exc: BaseException) -> type[CommError]:
     return CommError
 
 
-def _abort(pg: dist.ProcessGroup) -> None:
-    """Make gloo close every connection of ``pg``, failing all it has pending (see close)."""
-    scratch = torch.empty(1, dtype=torch.uint8)
-    with contextlib.suppress(RuntimeError):  # the timeout, as intended
-        pg.recv_anysource([scratch], tags.GLOO_ABORT).wait(datetime.timedelta(milliseconds=1))
-
-
 class _Destroyed:
     """What a closed backend holds instead of the group it destroyed (see ``_let_go``)."""
 
@@ -541,7 +534,11 @@ class TorchBackend(Backend):
         if (self._release is None or self.size == 1 or not dist.is_initialized()
                 or not self._busy()):
             return
-        _abort(self._pg)
+        # a receive whose timeout makes gloo close every connection of the group (see the note)
+        scratch = torch.empty(1, dtype=torch.uint8)
+        with contextlib.suppress(RuntimeError):  # the timeout, as intended
+            self._pg.recv_anysource([scratch], tags.GLOO_ABORT).wait(
+                datetime.timedelta(milliseconds=1))
         if self._link is not None:
             self._link.stop()
         deadline = time.monotonic() + timeout
