@@ -78,30 +78,24 @@ def on_daemon(step: Callable[[], T], name: str) -> asyncio.Future[T]:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
-    def body() -> None:
-        try:
-            value, error = step(), None
-        except BaseException as exc:  # handed to the loop
-            value, error = None, exc
-        _hand(loop, future, value, error)
-
-    threading.Thread(target=body, name=name, daemon=True).start()
-    return future
-
-
-def _hand(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], value: Any,
-          error: BaseException | None) -> None:
-    """From any thread: settle ``future`` on ``loop`` (unless it is settled, or the loop gone)."""
-    def settle() -> None:
-        if future.done():
+    def settle(value: Any, error: BaseException | None) -> None:
+        if future.done():  # (given up on)
             return
         if error is not None:
             future.set_exception(error)
         else:
             future.set_result(value)
 
-    with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
-        loop.call_soon_threadsafe(settle)
+    def body() -> None:
+        try:
+            value, error = step(), None
+        except BaseException as exc:  # handed to the loop
+            value, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(settle, value, error)
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return future
 
 
 def _ignored(future: asyncio.Future[Any]) -> None:
@@ -175,8 +169,6 @@ class Watch:
 
         A failure of ``step`` itself is announced and re-raised (see the note on failing fast).
         """
-        loop = asyncio.get_running_loop()
-        failed: asyncio.Future[dict[int, str]] = loop.create_future()
         finished = threading.Event()
 
         def announced() -> T:
@@ -189,21 +181,21 @@ class Watch:
             finally:
                 finished.set()
 
-        def watch() -> None:
+        def watch() -> dict[int, str]:
             while not finished.wait(POLL_S):
                 others = {r: why for r, why in self._failures().items() if r != self.rank}
                 if others:
-                    _hand(loop, failed, others, None)
-                    return
+                    return others
+            return {}  # (the step ended)
 
         done = on_daemon(announced, "asyncomm-init")
-        threading.Thread(target=watch, name="asyncomm-init-watch", daemon=True).start()
+        failed = on_daemon(watch, "asyncomm-init-watch")
         try:
             await asyncio.wait((done, failed), return_when=asyncio.FIRST_COMPLETED)
         finally:
             finished.set()
-        if done.done():
-            return done.result()
+        if done.done() or not failed.result():
+            return await done
         raise PeerFailedError(f"rank {self.rank}: init: {_said(failed.result())}")
 
     def _failures(self) -> dict[int, str]:
