@@ -126,11 +126,9 @@ def _unflatten(flat: torch.Tensor,
         return None
 
     def copy_out(_: Any) -> object:
-        offset = 0
-        for tensor in tensors:
-            n = tensor.numel()
-            tensor.view(-1).copy_(flat[offset:offset + n])
-            offset += n
+        parts = torch.split(flat, [t.numel() for t in tensors])
+        for tensor, part in zip(tensors, parts, strict=True):
+            tensor.view(-1).copy_(part)
         return None
 
     return copy_out
