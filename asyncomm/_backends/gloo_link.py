@@ -88,13 +88,6 @@ PING: bytes = signal(tags.PING)  # see the note on dead peers
 _AT = PREAMBLE.size
 
 
-def _ping_message() -> torch.Tensor:
-    message = bytearray(_AT + len(PING) if SHORT else ENVELOPE_BYTES)
-    PREAMBLE.pack_into(message, 0, len(PING), len(PING), 0, 0)
-    message[_AT:_AT + len(PING)] = PING
-    return torch.frombuffer(message, dtype=torch.uint8)
-
-
 class Endpoint(Transport, Protocol):
     """What the gloo link needs of its backend beyond receives: its eager sends."""
 
@@ -158,7 +151,10 @@ class GlooLink(Link):
         self._listener: threading.Thread | None = None
         self._stopped = False
         self._drained = loop.create_future()  # the listener has nothing posted
-        self._ping = _ping_message()  # only read: every probe sends the same bytes
+        ping = bytearray(_AT + len(PING) if SHORT else ENVELOPE_BYTES)
+        PREAMBLE.pack_into(ping, 0, len(PING), len(PING), 0, 0)
+        ping[_AT:_AT + len(PING)] = PING
+        self._ping = torch.frombuffer(ping, dtype=torch.uint8)  # only read: every probe sends it
         # as goodbye found them: the live ranks that drain this one and that this one drains
         # (None: no live peer is left to drain this rank)
         self._drainer: int | None = None
