@@ -50,13 +50,6 @@ _handlers: list[object] = []  # every handler made: C++ may call one until the p
 _lock = threading.Lock()
 
 
-def _cxx() -> ctypes.CDLL | None:
-    try:
-        return ctypes.CDLL("libstdc++.so.6")
-    except OSError:  # another C++ runtime (macOS' libc++): gloo aborts there as before
-        return None
-
-
 def _exception_name(lib: ctypes.CDLL) -> str:
     """Return the C++ type of the exception being handled, demangled ('' if none)."""
     current = lib.__cxa_current_exception_type
@@ -84,8 +77,9 @@ def watch(loop: asyncio.AbstractEventLoop, listener: Halting) -> None:
             loop.call_soon_threadsafe(listener.halted, halted_by)
         if _installed is not None:
             return
-        lib = _cxx()
-        if lib is None:
+        try:
+            lib = ctypes.CDLL("libstdc++.so.6")
+        except OSError:  # another C++ runtime (macOS' libc++): gloo aborts there as before
             return
         setter = lib._ZSt13set_terminatePFvvE  # std::set_terminate
         setter.restype = ctypes.c_void_p
