@@ -45,8 +45,6 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
     """Describe this process's launch from its environment variables."""
     env = os.environ if environ is None else environ
     chosen = settings.read(env)
-    override = chosen.backend
-
     addr = env.get("MASTER_ADDR", "127.0.0.1")
     port = _int(env, "MASTER_PORT", 29500)
     hosted = chosen.store == "client" or (
@@ -55,11 +53,9 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
 
     if any(name in env for name in MPI_RANK_VARS):
         launcher, rank, size = "mpi", -1, -1  # MPI itself knows; see the MPI backend
-        auto = "mpi"
     elif "RANK" in env and "WORLD_SIZE" in env:
         launcher = "asyncomm" if chosen.store == "client" else "torchrun"
         rank, size = _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1)
-        auto = "gloo"
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         launcher = "slurm"
         rank, size = _int(env, "SLURM_PROCID", 0), _int(env, "SLURM_NTASKS", 1)
@@ -67,13 +63,13 @@ def detect(environ: Mapping[str, str] | None = None) -> LaunchEnv:
         if "MASTER_PORT" not in env:  # one per job, below Linux's ephemeral ports (32768 on),
             # which srun, slurmd and every connection take: a rank's store cannot collide
             port = 20000 + zlib.crc32(env.get("SLURM_JOB_ID", "0").encode()) % 12000
-        auto = "gloo"
     else:
-        launcher, rank, size, auto = "none", 0, 1, "gloo"
+        launcher, rank, size = "none", 0, 1
 
     if launcher != "mpi" and not 0 <= rank < size:
         raise ValueError(f"launcher {launcher!r} gave rank {rank} outside a world of {size}")
-    return LaunchEnv(launcher, rank, size, addr, port, hosted, override or auto)
+    auto = "mpi" if launcher == "mpi" else "gloo"
+    return LaunchEnv(launcher, rank, size, addr, port, hosted, chosen.backend or auto)
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -88,14 +84,9 @@ def _int(env: Mapping[str, str], name: str, default: int) -> int:
 
 def _first_slurm_host(env: Mapping[str, str]) -> str | None:
     """Return the first host of a Slurm node list such as ``node[03-05,7],gpu1``."""
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
-    if not nodelist:
-        return None
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or ""
     match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
     if match is None:
         return None
-    prefix, ranges = match.group(1), match.group(2)
-    if ranges is None:
-        return prefix
-    first = ranges.split(",")[0].split("-")[0]
-    return prefix + first
+    prefix, ranges = match.groups()
+    return prefix if ranges is None else prefix + re.split("[,-]", ranges)[0]
