@@ -139,7 +139,9 @@ class _Inline(_Outgoing):
         self.room -= nbytes
         if self.room < 0 or len(shape) > self.max_ndim:  # ``encode`` refuses the latter
             raise _TooBig
-        data = _bytes_of(buffer) if isinstance(buffer, torch.Tensor) else bytes(buffer)
+        # a tensor's bytes are copied where they lie (contiguous CPU memory): the cheapest
+        data = (ctypes.string_at(buffer.data_ptr(), buffer.nbytes)
+                if isinstance(buffer, torch.Tensor) else bytes(buffer))
         return _inline_ext(_laid(code, kind, shape, nbytes) + data)
 
     def tensor(self, t: torch.Tensor) -> msgpack.ExtType:
@@ -164,11 +166,6 @@ def _inline_ext(payload: bytes) -> msgpack.ExtType:
     """Return ``ExtType(3, payload)``, made as the tuple it is (its checking ``__new__`` costs
     as much as the rest of a small tensor's encoding)."""
     return tuple.__new__(msgpack.ExtType, (_EXT_INLINE, payload))  # type: ignore[type-var]
-
-
-def _bytes_of(t: torch.Tensor) -> bytes:
-    """Return a copy of a contiguous CPU tensor's bytes (read where they lie: the cheapest)."""
-    return ctypes.string_at(t.data_ptr(), t.nbytes)
 
 
 @functools.lru_cache(maxsize=256)
@@ -290,25 +287,22 @@ def _keep_known(t: torch.Tensor, code: int) -> _Known:
     if len(_KNOWN) >= 256:
         _KNOWN.clear()
     shape, nbytes = tuple(t.shape), t.nbytes
-    known = _KNOWN[(t.dtype, t.shape)] = _Known(
-        _laid(code, BufferKind.TENSOR, shape, nbytes), _lone_small(code, shape, nbytes), nbytes,
-        not t.is_complex(), len(shape), ctypes.c_char * nbytes)
-    return known
-# The bytes that start a msgpack extension (fixext 1-16, ext 8/16/32): a body without any
-# holds none (one with some may, or may only hold them as data).
-# As a table for ``bytes.translate``: 1 for those bytes, 0 for the others.
-_EXT_BYTES: Final = bytes(1 if 0xc7 <= b <= 0xc9 or 0xd4 <= b <= 0xd8 else 0 for b in range(256))
-
-
-def _lone_small(code: int, shape: tuple[int, ...], nbytes: int) -> bytes:
-    """Return the body's prefix of a lone tensor: an inline extension's head and descriptor."""
     descriptor = _laid(code, BufferKind.TENSOR, shape, nbytes)
+    # ``lone``: the head of the inline extension a lone tensor is, then its descriptor
     size = len(descriptor) + nbytes
     ext = (struct.pack(">BBb", 0xc7, size, _EXT_INLINE) if size < 1 << 8
            else struct.pack(">BHb", 0xc8, size, _EXT_INLINE) if size < 1 << 16
            else struct.pack(">BIb", 0xc9, size, _EXT_INLINE))
-    return ext + descriptor
+    known = _KNOWN[(t.dtype, t.shape)] = _Known(
+        descriptor, ext + descriptor, nbytes, not t.is_complex(), len(shape),
+        ctypes.c_char * nbytes)
+    return known
 
+
+# The bytes that start a msgpack extension (fixext 1-16, ext 8/16/32): a body without any
+# holds none (one with some may, or may only hold them as data).
+# As a table for ``bytes.translate``: 1 for those bytes, 0 for the others.
+_EXT_BYTES: Final = bytes(1 if 0xc7 <= b <= 0xc9 or 0xd4 <= b <= 0xd8 else 0 for b in range(256))
 
 def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
     """Rebuild the message of a small frame's body (tensors get memory of their own).
