@@ -412,8 +412,12 @@ class Poller:
             for _ in range(spin.tests):
                 if test(request, scratch):
                     break
-            else:
-                return self._young(sink, request, entry, since)
+            else:  # not done: its task looks again after a loop turn while the wait is young
+                now = time.perf_counter()
+                if not since:
+                    sink._spin = (self, request, entry, now)
+                    return True
+                return bool(now - since < spin.max_s)
             outcome = self._outcome()
         except BaseException as exc:
             outcome = exc
@@ -431,15 +435,6 @@ class Poller:
             self._active -= entry[2]
         self._settle(entry, outcome)
         return False
-
-    def _young(self, sink: Any, request: Any, entry: Any, since: float) -> bool:
-        """A spun request not done after its tests: whether its task looks again after a
-        loop turn (while its wait is young; see ``spin``)."""
-        now = time.perf_counter()
-        if not since:
-            sink._spin = (self, request, entry, now)
-            return True
-        return bool(now - since < self._spin.max_s)
 
     def _settle(self, entry: tuple[Sink, Finish | None, bool], outcome: Any) -> None:
         """Settle the sink of a request that completed (taken out of the lists already)."""
