@@ -55,9 +55,15 @@ class Buffers:
         """Return a flat uint8 tensor of ``nbytes`` to receive into."""
         if nbytes < self.least:
             return torch.empty(nbytes, dtype=torch.uint8)
-        with self._lock:
-            buffer = self._reuse(nbytes)
-            if buffer is None:
+        with self._lock:  # the free buffer of nbytes freed last (see the note on reuse)
+            self._collect_oldest()
+            free = self._free.get(nbytes)
+            if not free:
+                self._collect()
+                free = self._free.get(nbytes)
+            if free:
+                buffer = free.pop()
+            else:
                 if self._kept + nbytes > self.limit:
                     self._evict(self._kept + nbytes - self.limit)
                     if self._kept + nbytes > self.limit:
@@ -76,15 +82,6 @@ class Buffers:
         """Keep nothing more (tensors over lent buffers stay valid: they hold them)."""
         with self._lock:
             self._lent, self._free, self._kept = collections.deque(), {}, 0
-
-    def _reuse(self, nbytes: int) -> bytearray | None:
-        """Return the free buffer of ``nbytes`` freed last (see the note on reuse)."""
-        self._collect_oldest()
-        free = self._free.get(nbytes)
-        if not free:
-            self._collect()
-            free = self._free.get(nbytes)
-        return free.pop() if free else None
 
     def _collect_oldest(self) -> None:
         """Move the oldest lent buffers nothing refers to any more to the free ones."""
