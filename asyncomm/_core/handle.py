@@ -206,18 +206,13 @@ class Handle(Generic[T]):
                 event = threading.Event()
                 self._loop.call_soon_threadsafe(self._add_event, event)
                 finished = event.wait(timeout)
-            else:
-                finished = self._loop.run_until_complete(self._settled(timeout))
+            else:  # (a wait that times out leaves the task be, to end with the handle)
+                task = asyncio.ensure_future(self._quiet(), loop=self._loop)
+                done, _ = self._loop.run_until_complete(asyncio.wait([task], timeout=timeout))
+                finished = bool(done)
             if not finished:
                 raise CommTimeoutError(f"{describe(*self._what)}: wait() gave up after {timeout} s")
         return self.result()
-
-    async def _settled(self, timeout: float | None) -> bool:
-        try:
-            await asyncio.wait_for(asyncio.shield(asyncio.ensure_future(self._quiet())), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
 
     async def _quiet(self) -> None:
         with contextlib.suppress(BaseException):  # the error is raised by result()
