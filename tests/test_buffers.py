@@ -13,7 +13,7 @@ def test_small_buffers_are_fresh_memory() -> None:
     buffers = Buffers(limit=4 * MIB, least=64 << 10)
     t = buffers.take(1000)
     assert t.dtype is torch.uint8 and t.numel() == 1000
-    assert buffers.kept == 0
+    assert buffers._kept == 0
 
 
 def test_a_buffer_is_lent_again_only_once_every_view_of_it_is_gone() -> None:
@@ -31,21 +31,21 @@ def test_a_buffer_is_lent_again_only_once_every_view_of_it_is_gone() -> None:
     del array
     third = buffers.take(MIB)
     assert third.data_ptr() == address
-    assert buffers.kept == 3 * MIB
+    assert buffers._kept == 3 * MIB
     del fourth
 
 
 def test_at_most_limit_bytes_are_kept() -> None:
     buffers = Buffers(limit=2 * MIB)
     held = [buffers.take(MIB) for _ in range(3)]  # the third is fresh memory, not kept
-    assert buffers.kept == 2 * MIB
+    assert buffers._kept == 2 * MIB
     assert all(t.numel() == MIB for t in held)
     del held
     other = buffers.take(MIB + 4096)  # free buffers of another size make room
     assert other.numel() == MIB + 4096
-    assert buffers.kept == MIB + 4096
+    assert buffers._kept == MIB + 4096
     buffers.clear()
-    assert buffers.kept == 0
+    assert buffers._kept == 0
     other[0] = 1  # still valid: it holds its memory
 
 
@@ -63,7 +63,7 @@ def test_the_buffer_freed_last_is_lent_again() -> None:
         addresses.add(t.data_ptr())
         del t
     assert len(addresses) == 1
-    assert buffers.kept == 4 * MIB
+    assert buffers._kept == 4 * MIB
 
 
 def test_a_kept_message_does_not_hold_back_the_others() -> None:

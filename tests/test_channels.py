@@ -1415,7 +1415,7 @@ async def check_forged_batches(comm: Comm) -> dict[str, str]:
                     await ch.recv(src=0, timeout=10.0)
                 refusals[what] = str(refused.value)
                 assert (await ch.recv(src=2, timeout=10.0)).data == "from 2"
-                assert sub._router.link._buffers.kept == 0  # nothing was allocated
+                assert sub._router.link._buffers._kept == 0  # nothing was allocated
                 if sub.backend == "gloo":  # nor is any data expected (asked of the lane)
                     assert 0 not in sub._router.link._lane._readers  # type: ignore[attr-defined]
             else:
@@ -1532,7 +1532,11 @@ async def check_bursts_travel_as_runs(comm: Comm) -> None:
         if sub.rank == 0:
             for c in (ch, other):  # each channel's first message checks its rank
                 await c.send("first", 1)
-            counts = sub._router.link._outbox.counts  # (items, frames) of a packet waiting
+            packets = sub._router.link._outbox._packets
+
+            def counts(dst: int) -> tuple[int, int]:  # (items, frames) of a packet waiting
+                return packets[dst].items, packets[dst].frames
+
             await sub.barrier()  # the receivers wait
             for i in range(5):  # (the first leaves at once, the rest wait)
                 await ch.send({"i": i}, 1)
@@ -1626,7 +1630,7 @@ async def check_large_messages_keep_their_memory(comm: Comm) -> None:
                 await ack.send(i, 0)
             for i, t in kept.items():
                 assert bool(torch.all(t == i)), i
-            assert 0 < sub._router.link._buffers.kept < count * n * 4
+            assert 0 < sub._router.link._buffers._kept < count * n * 4
         await sub.barrier()
 
 

@@ -49,7 +49,7 @@ class Buffers:
         self._lock = threading.Lock()  # the gloo link lends on its listener thread
         self._lent: collections.deque[bytearray] = collections.deque()  # oldest first
         self._free: dict[int, list[bytearray]] = {}  # per size, freed last at the end
-        self._kept = 0
+        self._kept = 0  # the bytes kept, lent and free
 
     def take(self, nbytes: int) -> torch.Tensor:
         """Return a flat uint8 tensor of ``nbytes`` to receive into."""
@@ -72,11 +72,6 @@ class Buffers:
                 self._kept += nbytes
             self._lent.append(buffer)
         return torch.frombuffer(buffer, dtype=torch.uint8)
-
-    @property
-    def kept(self) -> int:
-        """Return the bytes kept, lent and free."""
-        return self._kept
 
     def clear(self) -> None:
         """Keep nothing more (tensors over lent buffers stay valid: they hold them)."""

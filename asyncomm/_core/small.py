@@ -568,8 +568,3 @@ class Outbox:
     def dsts(self) -> list[int]:
         """Return the destinations whose packets wait, in the order they were begun."""
         return list(self._packets)
-
-    def counts(self, dst: int) -> tuple[int, int] | None:
-        """Return the items (frames and runs) and frames of ``dst``'s packet, or ``None``."""
-        packet = self._packets.get(dst)
-        return None if packet is None else (packet.items, packet.frames)
