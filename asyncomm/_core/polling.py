@@ -225,17 +225,7 @@ class Ticker:
 
 
 _tickers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Ticker] = (
-    weakref.WeakKeyDictionary())
-
-
-def ticker(loop: asyncio.AbstractEventLoop, tick_s: float) -> Ticker | None:
-    """Return the loop's ticker (one per loop), or ``None`` where ``tick_s`` is 0."""
-    if not tick_s:
-        return None
-    made = _tickers.get(loop)
-    if made is None:
-        made = _tickers[loop] = Ticker(loop, tick_s)
-    return made
+    weakref.WeakKeyDictionary())  # one per loop, shared by its pollers
 
 
 _computes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[int]] = (
@@ -307,9 +297,9 @@ class Poller:
         self._active_busy_s = polling.active_busy_s
         self._max_backoff_s = polling.max_backoff_s
         self._spin = Spin(loop, polling.spin_tests, polling.spin_max_s)
-        self._ticker = ticker(loop, polling.tick_s) if polling.tick_s < polling.max_backoff_s \
-            else None
-        if self._ticker is not None:
+        self._ticker: Ticker | None = None
+        if 0 < polling.tick_s < polling.max_backoff_s:
+            self._ticker = _tickers[loop] = _tickers.get(loop) or Ticker(loop, polling.tick_s)
             self._ticker.hold()  # until ``drain``
         self._computing = computing(loop)
         self._requests: list[Any] = []
