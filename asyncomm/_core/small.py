@@ -406,20 +406,18 @@ def inline_buffer(payload: bytes | memoryview, max_ndim: int = _LIMITS.max_ndim)
     raw = bytes(payload[:size])
     data = payload[size:]
     fast = _TENSORS.get(raw)
-    if fast is not None and len(data) == fast[1]:  # the commonest: a tensor checked before
-        tensor = torch.frombuffer(bytearray(data), dtype=fast[0])
-        return tensor if fast[2] is None else tensor.reshape(fast[2])
-    d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
-    if len(data) != d.nbytes:
-        raise ProtocolError(f"inline buffer of {len(data)} bytes declares {d.nbytes}")
-    if d.kind is BufferKind.TENSOR and d.nbytes and d.dtype is not torch.bool:
-        _TENSORS[raw] = (d.dtype, d.nbytes, None if len(d.shape) == 1 else d.shape)
-        tensor = torch.frombuffer(bytearray(data), dtype=d.dtype)
-        return tensor if len(d.shape) == 1 else tensor.reshape(d.shape)
-    if d.kind is BufferKind.BYTES:
-        return bytes(data)
-    return _rebuild(d, torch.frombuffer(bytearray(data), dtype=torch.uint8) if d.nbytes
-                    else torch.empty(0, dtype=torch.uint8))
+    if fast is None or len(data) != fast[1]:  # not the commonest: a tensor checked before
+        d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
+        if len(data) != d.nbytes:
+            raise ProtocolError(f"inline buffer of {len(data)} bytes declares {d.nbytes}")
+        if d.kind is BufferKind.BYTES:
+            return bytes(data)
+        if d.kind is not BufferKind.TENSOR or not d.nbytes or d.dtype is torch.bool:
+            return _rebuild(d, torch.frombuffer(bytearray(data), dtype=torch.uint8) if d.nbytes
+                            else torch.empty(0, dtype=torch.uint8))
+        fast = _TENSORS[raw] = (d.dtype, d.nbytes, None if len(d.shape) == 1 else d.shape)
+    tensor = torch.frombuffer(bytearray(data), dtype=fast[0])
+    return tensor if fast[2] is None else tensor.reshape(fast[2])
 
 
 _INLINE_DESCRIPTORS: dict[bytes, Descriptor] = {}  # checked already (shapes repeat)
