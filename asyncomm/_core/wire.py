@@ -417,21 +417,6 @@ def _head(kind: int, codec: int, tag: int, seq: int, descriptors: list[_Laid],
     return b"".join((prefix, body, structure))
 
 
-def _prefix(data: bytes | memoryview, limits: Limits) -> tuple[int, ...]:
-    if len(data) < PREFIX_BYTES:
-        raise ProtocolError(f"frame head truncated: {len(data)} of at least {PREFIX_BYTES} bytes")
-    magic, version, kind, codec, flags, tag, seq, count, nstruct, size = _PREFIX.unpack_from(data)
-    if magic != MAGIC:
-        raise ProtocolError("not an asyncomm frame (bad magic)")
-    if version != VERSION:
-        raise ProtocolError(f"frame version {version} is unknown (this side speaks {VERSION})")
-    if kind not in _KINDS or codec not in _CODECS or flags:
-        raise ProtocolError(f"frame head has unknown kind {kind}, codec {codec} or flags {flags}")
-    if not PREFIX_BYTES <= size <= limits.max_head_bytes:
-        raise ProtocolError(f"frame head of {size} bytes (limit {limits.max_head_bytes})")
-    return size, kind, codec, tag, seq, count, nstruct
-
-
 def decode_head(data: bytes | memoryview, limits: Limits = Limits()) -> Head:
     """Parse and validate one head; nothing is allocated for the buffers yet.
 
@@ -440,7 +425,17 @@ def decode_head(data: bytes | memoryview, limits: Limits = Limits()) -> Head:
     """
     # bytes (what transports hand over) is read as it is; anything else through a byte view.
     view = data if type(data) is bytes else memoryview(data).cast("B")
-    size, kind, codec, tag, seq, count, nstruct = _prefix(view, limits)
+    if len(view) < PREFIX_BYTES:
+        raise ProtocolError(f"frame head truncated: {len(view)} of at least {PREFIX_BYTES} bytes")
+    magic, version, kind, codec, flags, tag, seq, count, nstruct, size = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise ProtocolError("not an asyncomm frame (bad magic)")
+    if version != VERSION:
+        raise ProtocolError(f"frame version {version} is unknown (this side speaks {VERSION})")
+    if kind not in _KINDS or codec not in _CODECS or flags:
+        raise ProtocolError(f"frame head has unknown kind {kind}, codec {codec} or flags {flags}")
+    if not PREFIX_BYTES <= size <= limits.max_head_bytes:
+        raise ProtocolError(f"frame head of {size} bytes (limit {limits.max_head_bytes})")
     if len(view) != size:
         raise ProtocolError(f"frame head declares {size} bytes, {len(view)} present")
     if count > limits.max_buffers:
