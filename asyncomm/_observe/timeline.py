@@ -82,19 +82,8 @@ def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
 
 def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
     """Return the intersection of the unions of ``a`` and ``b``, sorted and disjoint."""
-    left, right = union(a), union(b)
-    out: list[Interval] = []
-    i = j = 0
-    while i < len(left) and j < len(right):
-        start = max(left[i][0], right[j][0])
-        end = min(left[i][1], right[j][1])
-        if start < end:
-            out.append((start, end))
-        if left[i][1] < right[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
+    left = union(a)
+    return subtract(left, subtract(left, b))
 
 
 @dataclass(frozen=True)
