@@ -26,8 +26,7 @@ def watch(loop: asyncio.AbstractEventLoop, label: str) -> None:
     """Watch ``loop`` (the running one) until it closes; once per loop, later calls do nothing."""
     if loop in _watched:
         return
-    dog = _watched[loop] = _Watchdog(loop, label, settings.read().blocked_s)
-    dog.start()
+    _watched[loop] = _Watchdog(loop, label, settings.read().blocked_s)
 
 
 def stand_down(loop: asyncio.AbstractEventLoop) -> None:
@@ -45,8 +44,6 @@ class _Watchdog:
         self._beat = time.monotonic()
         self._loop_thread = threading.get_ident()
         self.quiet = False  # (``stand_down``)
-
-    def start(self) -> None:
         self._tick()
         threading.Thread(target=self._watch, name="asyncomm-watchdog", daemon=True).start()
 
