@@ -85,7 +85,7 @@ class Comm(Collectives, Peers):
         self._deadlines = Deadlines(loop, self._expired, self._timeout, chosen.stall_s,
                                     self._stalled,
                                     chosen.probe_s if own.probes_peers else 0.0, self._check_peers)
-        status.register(label, self)
+        status.register(label, self._status)
         status.on_failure(self._told)
         self._checker: Checker | None = None
         if chosen.debug:

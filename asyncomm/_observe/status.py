@@ -41,7 +41,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from asyncomm._core import settings
 
@@ -58,14 +58,8 @@ FAILED_AT, SERVES_AT = "asyncomm-failed-at ", "asyncomm-serves-at "
 _SHOWN = 3  # pending operations named per rank
 
 
-class Reporter(Protocol):
-    """A communicator as the status server sees it."""
-
-    def _status(self) -> dict[str, Any]:
-        """Return this rank's state of the communicator (see ``Comm._status``)."""
-
-
-_reporters: dict[str, weakref.ref[Reporter]] = {}
+Reporter = Callable[[], dict[str, Any]]  # a communicator's state (``Comm._status``)
+_reporters: dict[str, weakref.WeakMethod[Reporter]] = {}
 _servers: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, str] = weakref.WeakKeyDictionary()
 _listeners: list[weakref.WeakMethod[Callable[[str, int, str, bool], None]]] = []
 failed: set[tuple[str, int]] = set()  # (world label, rank) of each failure told or heard
@@ -73,8 +67,9 @@ ending = False  # this process's program ended after a peer's failure; it waits 
 
 
 def register(label: str, reporter: Reporter) -> None:
-    """Answer questions about the communicator ``label`` with ``reporter``'s state."""
-    _reporters[label] = weakref.ref(reporter)
+    """Answer questions about the communicator ``label`` with ``reporter()`` (a bound
+    method, held weakly)."""
+    _reporters[label] = weakref.WeakMethod(reporter)
 
 
 async def serve() -> str:
@@ -150,7 +145,7 @@ async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
             ref = _reporters.get(line[len(_REQUEST):].strip().decode(errors="replace"))
             reporter = ref() if ref is not None else None
             if reporter is not None:
-                state = {**reporter._status(), "ending": ending}
+                state = {**reporter(), "ending": ending}
         writer.write(json.dumps(state).encode() + b"\n")
         await writer.drain()
     except (OSError, asyncio.TimeoutError, asyncio.CancelledError, ValueError):
