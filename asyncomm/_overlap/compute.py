@@ -27,6 +27,7 @@ import torch
 
 from asyncomm._core import instrument, settings
 from asyncomm._core.errors import CommError
+from asyncomm._core.handle import reraise
 from asyncomm._core.polling import computing
 from asyncomm._core.progress import Inbox
 
@@ -59,14 +60,6 @@ def _value(value: T) -> T:
     return value
 
 
-def _raise(exc: BaseException) -> None:
-    raise exc
-
-
-def _any_error(exc: BaseException) -> type[CommError]:
-    return CommError  # unused: ``_Settle`` raises the compute's own exception
-
-
 _Job = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any], str, _Settle]
 
 
@@ -74,7 +67,7 @@ class _Worker:
     """The compute threads of one event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, threads: int) -> None:
-        self.inbox = Inbox(loop, _any_error)
+        self.inbox = Inbox(loop, lambda _: CommError)  # (unused: ``_Settle`` raises fn's own)
         self.running = computing(loop)  # computes in flight: pollers poll less busily meanwhile
         self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self.stream: Any = None  # a CUDA side stream, made on the first CUDA compute
@@ -90,7 +83,7 @@ class _Worker:
             try:
                 value = self.run(fn, args, kwargs, name)
             except BaseException as exc:
-                self.inbox.put(sink, _raise, exc)
+                self.inbox.put(sink, functools.partial(reraise, exc), None)
             else:
                 self.inbox.put(sink, _value, value)
 
