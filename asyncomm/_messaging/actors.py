@@ -48,7 +48,7 @@ from asyncomm._core.errors import (
     RemoteError,
 )
 from asyncomm._core.wire import Codec
-from asyncomm._messaging.channels import Channel
+from asyncomm._messaging.channels import Channel, traced
 from asyncomm._messaging.mailbox import Encoded, Entry, Message
 from asyncomm._messaging.router import Router
 
@@ -237,23 +237,10 @@ class Host:
     def call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
              kwargs: dict[str, Any], timeout: float | None) -> Awaitable[Any]:
         """Call ``name.method(*args, **kwargs)`` on ``rank``; the awaitable gives its result."""
+        called = self._call(rank, name, method, args, kwargs, timeout)
         if self.probe.recording is None:
-            return self._call(rank, name, method, args, kwargs, timeout)  # no layer between
-        return self._traced_call(rank, name, method, args, kwargs, timeout)
-
-    async def _traced_call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
-                           kwargs: dict[str, Any], timeout: float | None) -> Any:
-        trace = self.probe.recording
-        assert trace is not None
-        start, error = time.perf_counter(), None
-        try:
-            return await self._call(rank, name, method, args, kwargs, timeout)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            trace.message("actor_call", 0, rank, None, self.probe.id, start, error,
-                          f"{name}.{method}")
+            return called  # no layer between
+        return traced(called, self.probe, "actor_call", 0, rank, None, f"{name}.{method}")
 
     async def _call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
                     kwargs: dict[str, Any], timeout: float | None) -> Any:

@@ -7,9 +7,10 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import TypeVar
 
-from asyncomm._core import wire
+from asyncomm._core import instrument, wire
 from asyncomm._core.errors import CommClosedError, CommTimeoutError, ProtocolError
 from asyncomm._core.small import encode as small_encode
 from asyncomm._core.wire import Codec, Kind
@@ -19,6 +20,22 @@ from asyncomm._messaging.router import Router, Window
 __all__ = ["Channel", "Message", "codec_of"]
 
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
+T = TypeVar("T")
+
+
+async def traced(work: Awaitable[T], probe: instrument.Probe, kind: str, nbytes: int,
+                 peer: int | None, tag: int | None, name: str | None = None) -> T:
+    """Await ``work`` (a send, an actor call), recorded in ``probe``'s recording as it runs."""
+    recording = probe.recording
+    assert recording is not None
+    start, error = time.perf_counter(), None
+    try:
+        return await work
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        recording.message(kind, nbytes, peer, tag, probe.id, start, error, name)
 
 
 class Channel:
@@ -136,21 +153,10 @@ class Channel:
 
     async def _send(self, frame: Encoded, dst: int, timeout: float | None) -> None:
         router = self._router
-        limit = self._timeout if timeout is None else timeout
-        trace = router.probe.recording if self._user else None
-        if trace is None:
-            await router.send(frame, self.tag, dst, limit)
-            return
-        start, error = time.perf_counter(), None
-        try:
-            await router.send(frame, self.tag, dst, limit)
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            nbytes = size_of(frame)
-            trace.message("channel_send", nbytes, dst, self.tag, router.probe.id, start,
-                          error)
+        sent = router.send(frame, self.tag, dst, self._timeout if timeout is None else timeout)
+        if self._user and router.probe.recording is not None:
+            sent = traced(sent, router.probe, "channel_send", size_of(frame), dst, self.tag)
+        await sent
 
     async def recv(self, src: int | None = None, *, timeout: float | None = None) -> Message:
         """Receive the next message; a cancelled call loses nothing.
