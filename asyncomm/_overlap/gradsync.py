@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import threading
 from collections.abc import Iterator
@@ -62,18 +63,15 @@ class _Bucket:
     def __init__(self, indices: list[int], params: list[nn.Parameter],
                  shared: SharedSum | None = None) -> None:
         self.indices = indices  # into GradSync._params, in bucket order
-        self.offsets: list[int] = []
-        offset = 0
-        for i in indices:
-            self.offsets.append(offset)
-            offset += params[i].numel()
+        sizes = [params[i].numel() for i in indices]
+        self.offsets = list(itertools.accumulate(sizes[:-1], initial=0))
         first = params[indices[0]]
         self.shared = shared  # summed through shared memory in wait(), not all-reduced
         self.flat: torch.Tensor | None = None
         if shared is not None:
             self.flat = shared.mine
         elif len(indices) > 1:
-            self.flat = torch.zeros(offset, dtype=first.dtype, device=first.device)
+            self.flat = torch.zeros(sum(sizes), dtype=first.dtype, device=first.device)
         self.reduced = self.flat  # what this step all-reduces (alone: set by the hook)
         self.in_place = False  # alone, and ``reduced`` is the parameter's own .grad
         self.pending = len(indices)
