@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from multiprocessing.connection import Connection, Listener, wait
 from pathlib import Path
 from typing import Any, cast
+from unittest import mock
 
 import asyncomm
 from asyncomm._core.env import MPI_RANK_VARS
@@ -204,20 +205,16 @@ class World:
     def _log_tail(self, lines: int = 60) -> str:
         text = []
         for log in self._logs:
-            try:
+            with contextlib.suppress(OSError):
                 text.append(f"{log.name}:\n" + "\n".join(
                     log.read_text(errors="replace").splitlines()[-lines:]))
-            except OSError:
-                pass
         return "\n".join(text)
 
     def stop(self) -> None:
         """Stop the ranks (politely, then not)."""
         for conn in self._conns:
-            try:
+            with contextlib.suppress(OSError):
                 conn.send(("stop", 0, "", "", ()))
-            except OSError:
-                pass
         deadline = time.monotonic() + 5.0
         for proc in self._procs:
             try:
@@ -283,16 +280,8 @@ async def fresh(comm: asyncomm.Comm,
         env: environment variables set while it is made, for settings read then
             (``ASYNCOMM_DEBUG``, ``ASYNCOMM_MAX_MESSAGE_BYTES``), and restored after.
     """
-    saved = {name: os.environ.get(name) for name in env or {}}
-    os.environ.update(env or {})
-    try:
+    with mock.patch.dict(os.environ, env or {}):
         sub = await comm.group(range(comm.size))
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = value
     assert sub is not None
     try:
         yield sub

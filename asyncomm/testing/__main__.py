@@ -1,5 +1,6 @@
 """``python -m asyncomm.testing``: a rank of a test world (see ``asyncomm.testing._rank``)."""
 
-from asyncomm.testing._rank import main
+import asyncomm
+from asyncomm.testing._rank import serve
 
-main()
+asyncomm.run(serve)

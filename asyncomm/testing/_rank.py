@@ -89,8 +89,3 @@ def _print_tasks() -> None:
             awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
         print("\n".join(lines), file=sys.stderr)
     sys.stderr.flush()
-
-
-def main() -> None:
-    """Serve checks on this rank."""
-    asyncomm.run(serve)
