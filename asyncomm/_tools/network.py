@@ -23,8 +23,10 @@ and ``Network`` raises ``PermissionError`` then.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -109,21 +111,19 @@ class Network:
 
     def _shape(self, ns: str) -> None:
         if self.delay is not None:
-            netem = ["delay", self.delay]
+            qdisc = ["netem", "delay", self.delay]
             if self.rate is not None:
-                netem += ["rate", self.rate]
-            try:
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", INTERFACE, "root",
-                    "netem", *netem)
-            except RuntimeError as exc:
-                raise ValueError(f"delay {self.delay}: this kernel has no netem ({exc}); "
-                                 "only --rate (tbf) can be emulated here") from None
+                qdisc += ["rate", self.rate]
         elif self.rate is not None:
-            try:
-                _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", INTERFACE, "root",
-                    "tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms")
-            except RuntimeError as exc:
-                raise ValueError(f"rate {self.rate}: {exc}") from None
+            qdisc = ["tbf", "rate", self.rate, "burst", "256kb", "latency", "50ms"]
+        else:
+            return
+        try:
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", INTERFACE, "root", *qdisc)
+        except RuntimeError as exc:
+            raise ValueError(f"delay {self.delay}: this kernel has no netem ({exc}); only "
+                             "--rate (tbf) can be emulated here" if self.delay is not None
+                             else f"rate {self.rate}: {exc}") from None
 
     def _hosts_file(self, ns: str, k: int) -> None:
         folder = _NETNS_ETC / ns
@@ -170,10 +170,8 @@ exec ip netns exec "$ns" unshare --uts sh -c "hostname $name && $*"
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
                                   check=False).stdout.split()
             for pid in pids:
-                try:
-                    os.kill(int(pid), 9)
-                except (ProcessLookupError, ValueError):
-                    pass
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
             shutil.rmtree(_NETNS_ETC / ns, ignore_errors=True)
         self._made.clear()
