@@ -33,12 +33,6 @@ BUBBLE_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 BUBBLE_TARGET = 1.15
 
 
-def mlp(n_stages: int, width: int) -> list[nn.Module]:
-    """The stages of the comparison's model, the same on every rank (seeded)."""
-    torch.manual_seed(0)
-    return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n_stages)]
-
-
 class _Sleeps(torch.autograd.Function):
     """Identity that sleeps ``forward_s`` forward and ``backward_s`` backward (GIL released)."""
 
@@ -86,7 +80,7 @@ async def _timed(comm: Comm, step: Callable[[], Awaitable[Any]], steps: int) -> 
     return float(per_step.item())
 
 
-def _torch_step(comm: Comm, name: str, modules: dict[int, nn.Module], n_stages: int,
+def _torch_step(name: str, modules: dict[int, nn.Module], n_stages: int,
                 n_microbatches: int, x: torch.Tensor, y: torch.Tensor
                 ) -> Callable[[], Awaitable[None]]:
     """One step of torch.distributed.pipelining on this rank's stages (blocking calls)."""
@@ -131,11 +125,13 @@ async def versus_torch(comm: Comm, width: int, batch: int, n_microbatches: int,
     records = []
     for name in TORCH_SCHEDULES:
         schedule = pipeline.get(name, comm.size, n_microbatches)
-        model = mlp(schedule.n_stages, width)
-        mine = {s: model[s] for s in schedule.stages_of(comm.rank)}
+        torch.manual_seed(0)  # the same model on every rank
+        model = [nn.Sequential(nn.Linear(width, width), nn.Tanh())
+                 for _ in range(schedule.n_stages)]
+        mine: dict[int, nn.Module] = {s: model[s] for s in schedule.stages_of(comm.rank)}
         ours, pipe = _ours_step(comm, schedule, copy.deepcopy(mine), x, y)
-        theirs = _torch_step(comm, name, copy.deepcopy(mine), schedule.n_stages,
-                             n_microbatches, x, y)
+        theirs = _torch_step(name, copy.deepcopy(mine), schedule.n_stages, n_microbatches,
+                             x, y)
         variants = {"torch": theirs, "asyncomm": ours}
         samples: dict[str, list[float]] = {v: [] for v in variants}
         for _ in range(rounds):
