@@ -124,20 +124,17 @@ def _start(slot: Slot, grad: torch.Tensor | None, n: int
     return slot.output, grad
 
 
-def _input_gradient_of(slot: Slot, stage: int) -> torch.Tensor | None:
-    x = slot.inputs
-    if stage == 0 or x is None:
-        return None
-    return x.grad if x.requires_grad and x.grad is not None else torch.zeros_like(x)
-
-
 def whole_backward(slot: Slot, grad: torch.Tensor | None, n: int,
                    stage: int) -> tuple[torch.Tensor | None, float]:
     """Run the backward of ``slot``: weights' gradients accumulate; return the input's."""
     begin = time.perf_counter()
     root, seed = _start(slot, grad, n)
     torch.autograd.backward(root, seed)
-    return _input_gradient_of(slot, stage), time.perf_counter() - begin
+    x = slot.inputs
+    if stage == 0 or x is None:
+        return None, time.perf_counter() - begin
+    grad_input = x.grad if x.requires_grad and x.grad is not None else torch.zeros_like(x)
+    return grad_input, time.perf_counter() - begin
 
 
 def input_gradient(slot: Slot, grad: torch.Tensor | None, n: int, stage: int,

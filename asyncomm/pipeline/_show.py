@@ -12,13 +12,6 @@ def _number(value: float) -> str:
     return f"{value:g}"
 
 
-def _backward_costs(simulation: Simulation) -> str:
-    b, w = _number(simulation.b_cost), _number(simulation.w_cost)
-    if simulation.schedule.splits_backward:
-        return f"B={b} W={w}"
-    return f"B+W={_number(simulation.b_cost + simulation.w_cost)}"
-
-
 def render(simulation: Simulation, step: float | None = None) -> str:
     """Return the step x rank grid of ``simulation`` as text, with its bubble and peak.
 
@@ -34,9 +27,12 @@ def render(simulation: Simulation, step: float | None = None) -> str:
     header = ["step", *(f"rank {rank}" for rank in range(schedule.n_ranks))]
     table = [header, *([str(index), *cells] for index, cells in enumerate(rows))]
     widths = [max(len(line[column]) for line in table) for column in range(len(header))]
+    backward = (f"B={_number(simulation.b_cost)} W={_number(simulation.w_cost)}"
+                if schedule.splits_backward
+                else f"B+W={_number(simulation.b_cost + simulation.w_cost)}")
     lines = [f"{schedule.name}: {schedule.n_ranks} ranks, {schedule.n_stages} stages, "
              f"{schedule.n_microbatches} microbatches; costs F={_number(simulation.f_cost)} "
-             f"{_backward_costs(simulation)} message={_number(simulation.comm_cost)}; "
+             f"{backward} message={_number(simulation.comm_cost)}; "
              f"one row per {_number(step)} time"]
     for line in table:
         cells = [line[0].rjust(widths[0])]
