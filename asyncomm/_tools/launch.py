@@ -338,14 +338,7 @@ def _listen_on_loopback() -> socket.socket:
     Binding port 0 ourselves gets a free port without a probe-then-bind race and keeps the
     store off every other interface; until a store adopts it, clients wait in its backlog.
     """
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
+    return socket.create_server(("127.0.0.1", 0), backlog=128)
 
 
 def _serve_store(sock: socket.socket) -> object:
