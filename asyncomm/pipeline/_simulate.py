@@ -195,12 +195,10 @@ class Simulation:
         the smaller of the forward and backward costs instead, and each row then shows
         what runs at its middle.
         """
-        costs = (self.f_cost, self.b_cost, self.comm_cost, self.w_cost)
-        step = Fraction(0)
-        for cost in (Fraction(c).limit_denominator(1000) for c in costs):
-            step = Fraction(math.gcd(step.numerator * cost.denominator,
-                                     cost.numerator * step.denominator),
-                            step.denominator * cost.denominator)
+        costs = [Fraction(c).limit_denominator(1000)
+                 for c in (self.f_cost, self.b_cost, self.comm_cost, self.w_cost)]
+        common = math.lcm(*(cost.denominator for cost in costs))
+        step = Fraction(math.gcd(*(int(cost * common) for cost in costs)), common)
         if step > 0 and self.makespan / float(step) <= _MAX_ROWS:
             return float(step)
         return min(c for c in (self.f_cost, self.b_cost, self.w_cost) if c > 0)
