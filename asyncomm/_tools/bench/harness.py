@@ -8,6 +8,7 @@ alike; tables give the median over rounds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import platform
 import time
@@ -102,22 +103,17 @@ def meta(comm: Comm, rounds: int, quick: bool) -> Record:
     meta: Record = {
         "backend": comm.backend, "ranks": comm.size,
         "loop": "uvloop" if loop == "uvloop" else "asyncio",
-        "torch": torch.__version__, "mpi4py": _version("mpi4py"), "mpi_library": None,
+        "torch": torch.__version__, "mpi4py": None, "mpi_library": None,
         "python": platform.python_version(), "rounds": rounds, "quick": quick,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    with contextlib.suppress(metadata.PackageNotFoundError):
+        meta["mpi4py"] = metadata.version("mpi4py")
     if comm.backend == "mpi":
         from mpi4py import MPI
 
         meta["mpi_library"] = MPI.Get_library_version().strip().splitlines()[0]
     return meta
-
-
-def _version(dist: str) -> str | None:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return None
 
 
 def size_text(n: int) -> str:
