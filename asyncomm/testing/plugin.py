@@ -36,10 +36,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def _pool(config: pytest.Config) -> WorldPool:
-    pool = config.stash.get(_POOL, None)
-    if pool is None:
-        pool = config.stash[_POOL] = WorldPool()
-    return pool
+    return config.stash.setdefault(_POOL, WorldPool())
 
 
 @pytest.fixture(scope="session")
