@@ -64,12 +64,7 @@ class Action:
     def __post_init__(self) -> None:
         if not isinstance(self.op, Op):
             raise TypeError(f"Action.op must be an Op, got {self.op!r}")
-        for field in ("stage", "microbatch"):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"Action.{field} must be an int, got {value!r}")
-            if value < 0:
-                raise ValueError(f"Action.{field} must be >= 0, got {value}")
+        _check_counts(0, **{"Action.stage": self.stage, "Action.microbatch": self.microbatch})
 
     def __str__(self) -> str:
         return f"{self.op.value}{self.microbatch}@s{self.stage}"
@@ -169,12 +164,12 @@ class Schedule:
         return "\n".join(" ".join(map(str, rank_actions)) for rank_actions in self.actions)
 
 
-def _check_counts(**counts: object) -> None:
+def _check_counts(least: int = 1, **counts: object) -> None:
     for what, value in counts.items():
         if not isinstance(value, int) or isinstance(value, bool):
             raise TypeError(f"{what} must be an int, got {value!r}")
-        if value < 1:
-            raise ValueError(f"{what} must be >= 1, got {value}")
+        if value < least:
+            raise ValueError(f"{what} must be >= {least}, got {value}")
 
 
 def _as_action(item: Action | str) -> Action:
