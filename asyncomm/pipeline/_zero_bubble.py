@@ -83,10 +83,32 @@ def _greedy(n_ranks: int, n_microbatches: int, placement: Sequence[int],
     orders: list[list[Action]] = [[] for _ in range(n_ranks)]
     left = 3 * n_stages * n_microbatches
     time = 0
+
+    def pick(rank: int) -> Action | None:
+        """The action ``rank`` starts at ``time``: a ready B, else a ready F, else a W."""
+        never = time + 1
+        ready_b = [(next_b[s], -s) for s in hosted[rank]
+                   if next_b[s] < n_microbatches
+                   and f_end.get((s, next_b[s]), never) <= time
+                   and (s == last or b_end.get((s + 1, next_b[s]), never) <= time)]
+        if ready_b:
+            mb, stage = min(ready_b)
+            return Action(Op.B, -stage, mb)
+        if held[rank] < limit:
+            ready_f = [(next_f[s], -s) for s in hosted[rank]
+                       if next_f[s] < n_microbatches
+                       and (s == 0 or f_end.get((s - 1, next_f[s]), never) <= time)]
+            if ready_f:
+                mb, stage = min(ready_f)
+                return Action(Op.F, -stage, mb)
+        if waiting_w[rank]:
+            stage, mb = waiting_w[rank].popleft()
+            return Action(Op.W, stage, mb)
+        return None
+
     while left:
         for rank in range(n_ranks):
-            action = _pick(rank, time, hosted[rank], last, n_microbatches, f_end, b_end,
-                           next_f, next_b, waiting_w[rank], held[rank] < limit)
+            action = pick(rank)
             if action is None:
                 continue
             stage, mb = action.stage, action.microbatch
@@ -107,28 +129,3 @@ def _greedy(n_ranks: int, n_microbatches: int, placement: Sequence[int],
             raise RuntimeError("zero-bubble list scheduling made no progress")
     return orders
 
-
-def _pick(rank: int, time: int, stages: list[int], last: int, n_microbatches: int,
-          f_end: dict[tuple[int, int], int], b_end: dict[tuple[int, int], int],
-          next_f: list[int], next_b: list[int], waiting_w: deque[tuple[int, int]],
-          room: bool) -> Action | None:
-    """The action ``rank`` starts at ``time``: a ready B, else a ready F, else a W."""
-    never = time + 1
-    ready_b = [(next_b[s], -s) for s in stages
-               if next_b[s] < n_microbatches
-               and f_end.get((s, next_b[s]), never) <= time
-               and (s == last or b_end.get((s + 1, next_b[s]), never) <= time)]
-    if ready_b:
-        mb, stage = min(ready_b)
-        return Action(Op.B, -stage, mb)
-    if room:
-        ready_f = [(next_f[s], -s) for s in stages
-                   if next_f[s] < n_microbatches
-                   and (s == 0 or f_end.get((s - 1, next_f[s]), never) <= time)]
-        if ready_f:
-            mb, stage = min(ready_f)
-            return Action(Op.F, -stage, mb)
-    if waiting_w:
-        stage, mb = waiting_w.popleft()
-        return Action(Op.W, stage, mb)
-    return None
