@@ -222,11 +222,9 @@ class Simulation:
         if not step > 0:
             raise ValueError(f"step must be > 0, got {step}")
         with_stage = self.schedule.stages_per_rank > 1
-        starts, computes = [], []
-        for timeline in self.timelines:
-            spans = [span for span in timeline if span.action.op.is_compute]
-            starts.append([span.start for span in spans])
-            computes.append(spans)
+        computes = [[span for span in timeline if span.action.op.is_compute]
+                    for timeline in self.timelines]
+        starts = [[span.start for span in spans] for spans in computes]
         rows = []
         for row in range(math.ceil(self.makespan / step - 1e-9)):
             middle = (row + 0.5) * step
