@@ -304,6 +304,7 @@ def _keep_known(t: torch.Tensor, code: int) -> _Known:
 # As a table for ``bytes.translate``: 1 for those bytes, 0 for the others.
 _EXT_BYTES: Final = bytes(1 if 0xc7 <= b <= 0xc9 or 0xd4 <= b <= 0xd8 else 0 for b in range(256))
 
+
 def decode(body: bytes | memoryview, limits: Limits = _LIMITS) -> object:
     """Rebuild the message of a small frame's body (tensors get memory of their own).
 
