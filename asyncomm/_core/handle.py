@@ -140,7 +140,12 @@ class Handle(Generic[T]):
         return self._state != _PENDING
 
     def result(self) -> T:
-        """Return the result of a completed operation; raise its error if it failed."""
+        """Return the result of a completed operation; raise its error if it failed.
+
+        Raises:
+            CommError: the operation failed (its subclass says how: timeout, peer, ...).
+            asyncio.InvalidStateError: the operation is still in flight.
+        """
         if self._state == _DONE:
             return self._value  # type: ignore[no-any-return]
         if self._state == _FAILED:
@@ -172,7 +177,11 @@ class Handle(Generic[T]):
 
     def add_done_callback(self, callback: Callable[[Handle[T]], None]) -> None:
         """Call ``callback(self)`` on the loop thread once the operation ends (now, if it has):
-        unlike a future's, at once, in the same loop iteration."""
+        unlike a future's, at once, in the same loop iteration.
+
+        Args:
+            callback: called with this handle; it reads the outcome with ``result()``.
+        """
         if self._state != _PENDING:
             callback(self)
         elif self._callbacks is None:

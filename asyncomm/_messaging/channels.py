@@ -326,6 +326,9 @@ class Channel:
         broke as it died fails one receive (``PeerFailedError``) while the others may still
         send.
 
+        Args:
+            src: the rank asked about, or ``None``: every rank a message could come from.
+
         Returns:
             Whether the communicator is closed, or every rank it could come from closed the
             channel, is gone, or said it failed.
