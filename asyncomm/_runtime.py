@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import inspect
 import os
 import sys
 import traceback
@@ -264,20 +265,27 @@ def _one_line(kind: type[BaseException], value: BaseException, tb: TracebackType
 
 
 def run_loop(coro: Coroutine[Any, Any, T]) -> T:
-    """Run ``coro`` to completion on a new event loop (uvloop when available)."""
-    factory: Callable[[], asyncio.AbstractEventLoop] | None = None
-    if settings.read().loop != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            factory = uvloop.new_event_loop
-    if sys.version_info >= (3, 11):
-        with asyncio.Runner(loop_factory=factory) as runner:
-            return runner.run(coro)
-    loop = factory() if factory is not None else asyncio.new_event_loop()  # pragma: no cover
-    try:  # pragma: no cover
-        return loop.run_until_complete(coro)
-    finally:  # pragma: no cover
-        loop.close()
+    """Run ``coro`` to completion on a new event loop (uvloop when available).
+
+    A signal that lands before the loop begins ``coro`` (Ctrl-C as a rank starts) leaves it
+    closed, never begun: not said at exit to be "never awaited"."""
+    try:
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = None
+        if settings.read().loop != "asyncio":
+            try:
+                import uvloop
+            except ImportError:
+                pass
+            else:
+                factory = uvloop.new_event_loop
+        if sys.version_info >= (3, 11):
+            with asyncio.Runner(loop_factory=factory) as runner:
+                return runner.run(coro)
+        loop = factory() if factory is not None else asyncio.new_event_loop()  # pragma: no cover
+        try:  # pragma: no cover
+            return loop.run_until_complete(coro)
+        finally:  # pragma: no cover
+            loop.close()
+    finally:
+        if inspect.getcoroutinestate(coro) == inspect.CORO_CREATED:
+            coro.close()

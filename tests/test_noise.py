@@ -211,3 +211,25 @@ Broken()
 def test_an_interrupt_in_a_callback_is_not_reported_by_the_rank(tmp_path: Path) -> None:
     _, err = run(tmp_path, UNRAISABLE, 1, "gloo")
     assert "KeyboardInterrupt" not in err and "ValueError: still said" in err, err
+
+
+# Ctrl-C may land after ``asyncomm.run`` made main's coroutine but before the loop began it
+# (as the loop is made): the coroutine never runs, and Python would say so at exit.
+INTERRUPTED_EARLY = """
+import asyncio, uvloop, asyncomm
+
+def interrupted():
+    raise KeyboardInterrupt  # where Ctrl-C lands: as the loop is made
+
+uvloop.new_event_loop = asyncio.events.new_event_loop = interrupted
+
+async def main(comm):
+    pass
+
+asyncomm.run(main)
+"""
+
+
+def test_an_interrupt_before_the_loop_begins_main_says_nothing_of_it(tmp_path: Path) -> None:
+    code, err = run(tmp_path, INTERRUPTED_EARLY, 1, "gloo")
+    assert code == 130 and "never awaited" not in err, err
