@@ -11,8 +11,12 @@ here knows what a recorder does with the reports.
 
 from __future__ import annotations
 
+import time
 import weakref
-from typing import Any, Protocol
+from collections.abc import Awaitable
+from typing import Any, Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class Recording(Protocol):
@@ -59,6 +63,20 @@ class Probe:
     def _attach(self, recording: Recording) -> None:
         self.recording = recording
         self.id = recording.attach(self.rank, self.size, self.backend)
+
+    async def traced(self, work: Awaitable[T], kind: str, nbytes: int, peer: int | None,
+                     tag: int | None, name: str | None = None) -> T:
+        """Await ``work`` (a send, an actor call); report it as a message (while recording)."""
+        recording = self.recording
+        assert recording is not None
+        start, error = time.perf_counter(), None
+        try:
+            return await work
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            recording.message(kind, nbytes, peer, tag, self.id, start, error, name)
 
     def close(self) -> None:
         """The communicator closed: report no more."""

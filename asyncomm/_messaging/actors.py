@@ -48,7 +48,7 @@ from asyncomm._core.errors import (
     RemoteError,
 )
 from asyncomm._core.wire import Codec
-from asyncomm._messaging.channels import Channel, traced
+from asyncomm._messaging.channels import Channel
 from asyncomm._messaging.mailbox import Encoded, Entry, Message
 from asyncomm._messaging.router import Router
 
@@ -240,7 +240,7 @@ class Host:
         called = self._call(rank, name, method, args, kwargs, timeout)
         if self.probe.recording is None:
             return called  # no layer between
-        return traced(called, self.probe, "actor_call", 0, rank, None, f"{name}.{method}")
+        return self.probe.traced(called, "actor_call", 0, rank, None, f"{name}.{method}")
 
     async def _call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
                     kwargs: dict[str, Any], timeout: float | None) -> Any:

@@ -7,10 +7,9 @@ import asyncio
 import functools
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Callable, Iterable
 
-from asyncomm._core import instrument, wire
+from asyncomm._core import wire
 from asyncomm._core.errors import CommClosedError, CommTimeoutError, ProtocolError
 from asyncomm._core.small import encode as small_encode
 from asyncomm._core.wire import Codec, Kind
@@ -20,22 +19,6 @@ from asyncomm._messaging.router import Router, Window
 __all__ = ["Channel", "Message", "codec_of"]
 
 _CODECS = {"default": Codec.DEFAULT, "pickle": Codec.PICKLE}
-T = TypeVar("T")
-
-
-async def traced(work: Awaitable[T], probe: instrument.Probe, kind: str, nbytes: int,
-                 peer: int | None, tag: int | None, name: str | None = None) -> T:
-    """Await ``work`` (a send, an actor call), recorded in ``probe``'s recording as it runs."""
-    recording = probe.recording
-    assert recording is not None
-    start, error = time.perf_counter(), None
-    try:
-        return await work
-    except BaseException as exc:
-        error = exc
-        raise
-    finally:
-        recording.message(kind, nbytes, peer, tag, probe.id, start, error, name)
 
 
 class Channel:
@@ -155,7 +138,7 @@ class Channel:
         router = self._router
         sent = router.send(frame, self.tag, dst, self._timeout if timeout is None else timeout)
         if self._user and router.probe.recording is not None:
-            sent = traced(sent, router.probe, "channel_send", size_of(frame), dst, self.tag)
+            sent = router.probe.traced(sent, "channel_send", size_of(frame), dst, self.tag)
         await sent
 
     async def recv(self, src: int | None = None, *, timeout: float | None = None) -> Message:

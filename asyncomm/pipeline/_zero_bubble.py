@@ -128,4 +128,3 @@ def _greedy(n_ranks: int, n_microbatches: int, placement: Sequence[int],
         if time > 6 * n_stages * n_microbatches + 4 * n_stages:  # cannot happen: a bug
             raise RuntimeError("zero-bubble list scheduling made no progress")
     return orders
-
