@@ -405,7 +405,7 @@ def gone(pid):  # (a process of this host, ended: a zombie until the launcher re
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] in "ZX"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (reaped before, or as, it is read)
         return True
 
 async def main(comm):
