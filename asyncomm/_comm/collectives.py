@@ -48,6 +48,9 @@ class Collectives:
 
         Returns:
             A handle that resolves to ``None``.
+
+        Raises:
+            CommTimeoutError, PeerFailedError, MismatchError, CommClosedError: from the handle.
         """
         return self._issue("barrier", self._backend.barrier, (), None, None, timeout)
 
@@ -62,6 +65,10 @@ class Collectives:
 
         Returns:
             A handle that resolves to ``tensor``.
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is sent.
+            CommTimeoutError, PeerFailedError, MismatchError, CommClosedError: from the handle.
         """
         t = self._args.tensor(tensor, "broadcast")
         src = self._args.peer(src, "broadcast", "src")
@@ -78,6 +85,10 @@ class Collectives:
 
         Returns:
             A handle that resolves to ``tensor``.
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is sent.
+            CommTimeoutError, PeerFailedError, MismatchError, CommClosedError: from the handle.
         """
         if self._quick and timeout is None:  # see Comm's note on quick operations
             quick_ops = self._quick_ops.get(op)
@@ -112,6 +123,10 @@ class Collectives:
 
         Returns:
             A handle that resolves to ``tensor``.
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is sent.
+            CommTimeoutError, PeerFailedError, MismatchError, CommClosedError: from the handle.
         """
         t = self._args.tensor(tensor, "reduce")
         dst = self._args.peer(dst, "reduce", "dst")
@@ -130,6 +145,10 @@ class Collectives:
 
         Returns:
             A handle that resolves to the parts in rank order (``out``, if given).
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is sent.
+            CommTimeoutError, PeerFailedError, MismatchError, CommClosedError: from the handle.
         """
         t = self._args.tensor(tensor, "all_gather", writes=False)
         outs = self._outputs(out, t, "all_gather")
@@ -149,6 +168,10 @@ class Collectives:
 
         Returns:
             A handle that resolves to the parts in rank order on ``dst``, ``None`` elsewhere.
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is sent.
+            CommTimeoutError, PeerFailedError, MismatchError, CommClosedError: from the handle.
         """
         t = self._args.tensor(tensor, "gather", writes=False)
         dst = self._args.peer(dst, "gather", "dst")
@@ -169,6 +192,10 @@ class Collectives:
 
         Returns:
             A handle that resolves to ``tensor``.
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is sent.
+            CommTimeoutError, PeerFailedError, MismatchError, CommClosedError: from the handle.
         """
         t = self._args.tensor(tensor, "scatter")
         src = self._args.peer(src, "scatter", "src")
@@ -193,6 +220,10 @@ class Collectives:
 
         Returns:
             A handle that resolves to ``tensor``.
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is sent.
+            CommTimeoutError, PeerFailedError, MismatchError, CommClosedError: from the handle.
         """
         t = self._args.tensor(tensor, "reduce_scatter")
         parts = self._args.tensors(chunks, "reduce_scatter", "chunks", like=t, writes=False)
@@ -211,6 +242,10 @@ class Collectives:
 
         Returns:
             A handle that resolves to ``outputs``, as a list.
+
+        Raises:
+            TypeError, ValueError: bad arguments, before anything is sent.
+            CommTimeoutError, PeerFailedError, MismatchError, CommClosedError: from the handle.
         """
         ins = self._args.tensors(inputs, "all_to_all", "inputs", like=None, writes=False)
         outs = self._args.tensors(outputs, "all_to_all", "outputs", like=None)
