@@ -35,12 +35,16 @@ from asyncomm._backends.split_backward import torch_split
 class StepStats:
     """Times of one step on this rank.
 
-    ``busy_s`` is the time spent in this rank's forward and backward computes,
-    ``wall_s`` the step from its start to its last send's completion;
-    ``bubble`` is ``1 - busy_s / wall_s``, the fraction of the step this rank
-    waited. ``start`` and ``end`` are ``time.perf_counter()`` readings: on one
-    host they are comparable between ranks, so ``1 - sum(busy_s) / (n_ranks *
-    (max(end) - min(start)))`` is the simulator's bubble, idle tails included.
+    ``bubble`` is ``1 - busy_s / wall_s``, the fraction of the step this rank waited.
+
+    Attributes:
+        wall_s: seconds of the step, from its start to its last send's completion.
+        busy_s: seconds spent in this rank's forward and backward computes.
+        forward_s: of those, the forwards'.
+        backward_s: of those, the backwards' (Ws included).
+        start, end: ``time.perf_counter()`` at the step's start and end: on one host they
+            are comparable between ranks, so ``1 - sum(busy_s) / (n_ranks * (max(end) -
+            min(start)))`` is the simulator's bubble, idle tails included.
     """
 
     wall_s: float

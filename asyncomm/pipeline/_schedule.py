@@ -53,6 +53,11 @@ _ACTION = re.compile(r"(SEND_F|SEND_B|RECV_F|RECV_B|F|B|W)(\d+)@s(\d+)")
 class Action:
     """One step of a rank's list: ``op`` for ``microbatch`` on (global, virtual) ``stage``.
 
+    Args:
+        op: what the step does.
+        stage: the stage's global index, an int >= 0.
+        microbatch: the microbatch's index, an int >= 0.
+
     Raises:
         TypeError, ValueError: ``op`` is not an ``Op``, or a number is not an int >= 0.
     """
@@ -73,6 +78,12 @@ class Action:
     def parse(cls, text: str) -> Action:
         """Parse the compact form written by ``str(action)``, e.g. ``"RECV_B2@s0"``.
 
+        Args:
+            text: one action's text; spaces around it are ignored.
+
+        Returns:
+            The action it names.
+
         Raises:
             ValueError: ``text`` is not of the form ``<OP><microbatch>@s<stage>``.
         """
@@ -89,13 +100,23 @@ class Action:
 class Schedule:
     """The action list of every rank of a pipeline, in execution order.
 
-    ``n_stages`` is the total number of (virtual) stages, ``n_ranks * stages_per_rank``;
-    stage ``s`` lives on rank ``placement[s]``, by default ``s % n_ranks``. Constructing a
-    schedule checks only its shape; :func:`asyncomm.pipeline.validate` checks that it is
-    complete, consistent and free of deadlocks.
+    Constructing a schedule checks only its shape; :func:`asyncomm.pipeline.validate` checks
+    that it is complete, consistent and free of deadlocks. The arguments are kept as
+    attributes of the same names (``actions`` and ``placement`` as tuples).
+
+    Args:
+        name: the schedule's name, shown in errors and charts.
+        n_ranks: pipeline ranks, an int >= 1.
+        n_stages: total (virtual) stages, ``n_ranks * stages_per_rank``.
+        n_microbatches: microbatches per step, an int >= 1.
+        actions: per rank, its ``Action`` list in execution order.
+        placement: the rank of each stage (``placement[s]`` hosts stage ``s``), the same
+            number of stages on every rank; default: stage ``s`` on rank ``s % n_ranks``.
 
     Raises:
-        TypeError, ValueError: a count, action list or placement of the wrong type or shape.
+        TypeError: a count is not an int, or an action list holds something not an ``Action``.
+        ValueError: a count is below 1, ``n_stages`` is not a multiple of ``n_ranks``, there
+            is not one action list per rank, or ``placement`` does not fit as said above.
     """
 
     name: str
@@ -146,13 +167,27 @@ class Schedule:
         return any(a.op is Op.W for rank_actions in self.actions for a in rank_actions)
 
     def rank_of(self, stage: int) -> int:
-        """Return the rank that hosts ``stage``; ``ValueError`` if there is no such stage."""
+        """Return the rank that hosts ``stage``.
+
+        Args:
+            stage: a stage index.
+
+        Raises:
+            ValueError: ``stage`` is not in ``0..n_stages - 1``.
+        """
         if not 0 <= stage < self.n_stages:
             raise ValueError(f"stage {stage} out of range 0..{self.n_stages - 1}")
         return stage % self.n_ranks if self.placement is None else self.placement[stage]
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        """Return the stages ``rank`` hosts, in increasing order; ``ValueError`` if no such rank."""
+        """Return the stages ``rank`` hosts, in increasing order.
+
+        Args:
+            rank: a rank of the pipeline.
+
+        Raises:
+            ValueError: ``rank`` is not in ``0..n_ranks - 1``.
+        """
         if not 0 <= rank < self.n_ranks:
             raise ValueError(f"rank {rank} out of range 0..{self.n_ranks - 1}")
         if self.placement is None:
@@ -311,7 +346,13 @@ def one_f_one_b(n_ranks: int, n_microbatches: int) -> Schedule:
 
     Rank ``r`` runs ``min(n_ranks - r - 1, n_microbatches)`` warm-up forwards, so it holds
     at most ``min(n_microbatches, n_ranks - r)`` activations instead of GPipe's all.
-    Arguments and errors as :func:`gpipe`'s.
+
+    Args:
+        n_ranks: pipeline ranks, one stage each.
+        n_microbatches: microbatches per step.
+
+    Raises:
+        TypeError, ValueError: a count is not an int >= 1.
     """
     _check_counts(n_ranks=n_ranks, n_microbatches=n_microbatches)
     compute = []

@@ -18,6 +18,10 @@ def render(simulation: Simulation, step: float | None = None) -> str:
     One row per time step (see :meth:`Simulation.grid`), one column per rank; an empty
     cell is a rank idle (or waiting for a message) during that step.
 
+    Args:
+        simulation: the timed run, as :func:`simulate` returns it.
+        step: the time per row; default: :meth:`Simulation.step_size`.
+
     Raises:
         ValueError: ``step`` is not > 0.
     """
@@ -48,8 +52,13 @@ def render(simulation: Simulation, step: float | None = None) -> str:
 def plot(simulation: Simulation, path: str | os.PathLike[str]) -> None:
     """Write the Gantt chart of ``simulation`` to the PNG file ``path`` (matplotlib, Agg).
 
+    Args:
+        simulation: the timed run, as :func:`simulate` returns it.
+        path: the file to write (replaced if it exists).
+
     Raises:
         ImportError: matplotlib is not installed (``pip install 'asyncomm[plot]'``).
+        OSError: ``path`` cannot be written.
     """
     # A bare Figure draws with Agg and leaves pyplot's global state (and any GUI) alone.
     from matplotlib.figure import Figure

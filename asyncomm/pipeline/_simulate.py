@@ -157,7 +157,13 @@ def _check_order(schedule: Schedule, rank: int, position: dict[Action, tuple[int
 
 @dataclass(frozen=True)
 class Interval:
-    """When one action ran in the simulation: from ``start`` to ``end``."""
+    """When one action ran in the simulation: from ``start`` to ``end``.
+
+    Attributes:
+        start: when the action began (simulated time).
+        end: when it ended (a send ends as it begins: sends never block).
+        action: the action.
+    """
 
     start: float
     end: float
@@ -170,6 +176,7 @@ class Simulation:
 
     Attributes:
         schedule: what ran.
+        f_cost, b_cost, comm_cost, w_cost: the costs it ran with (:func:`simulate`'s).
         timelines: per rank, every action of its list with its start and end.
         makespan: when the last action ended.
         bubble: fraction of rank time spent idle: ``1 - compute / (n_ranks * makespan)``.
@@ -243,6 +250,9 @@ class Simulation:
 def validate(schedule: Schedule) -> None:
     """Check that ``schedule`` is complete, consistent and free of deadlocks.
 
+    Args:
+        schedule: the schedule to check.
+
     Raises:
         ScheduleError: the first problem found, naming the rank, the index in its list and
             the action: a stage on the wrong rank, an out-of-range stage or microbatch, a
@@ -258,8 +268,18 @@ def simulate(schedule: Schedule, f_cost: float = 1.0, b_cost: float = 1.0,
              comm_cost: float = 0.0, w_cost: float = 1.0) -> Simulation:
     """Validate ``schedule`` and time it with the given costs per forward, B, message and W.
 
-    A backward that is not split (a schedule without W actions) costs ``b_cost +
-    w_cost``: 2 by default, so that 1F1B and ZB-H1 compare with F = B = W.
+    Args:
+        schedule: the schedule to check and time.
+        f_cost: the time of a forward.
+        b_cost: the time of a B; a backward that is not split (a schedule without W
+            actions) costs ``b_cost + w_cost``: 2 by default, so that 1F1B and ZB-H1
+            compare with F = B = W.
+        comm_cost: the time a message takes between ranks (between two stages of one
+            rank: none).
+        w_cost: the time of a W.
+
+    Returns:
+        The timed run: every action's interval, the makespan, bubble and peak activations.
 
     Raises:
         ScheduleError, TypeError: as :func:`validate`; ``TypeError`` too for a cost that is

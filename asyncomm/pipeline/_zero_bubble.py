@@ -37,7 +37,13 @@ def zbh1(n_ranks: int, n_microbatches: int) -> Schedule:
     than in 1F1B -- at most ``n_ranks``, 1F1B's peak on rank 0); then its last Bs,
     each followed by a W, and the Ws left. With F = B = W its makespan is
     ``3 m + (p - 1)`` against 1F1B's ``3 m + 3 (p - 1)``: a third of the bubble.
-    Arguments and errors as :func:`~asyncomm.pipeline.gpipe`'s.
+
+    Args:
+        n_ranks: pipeline ranks, one stage each.
+        n_microbatches: microbatches per step.
+
+    Raises:
+        TypeError, ValueError: a count is not an int >= 1.
     """
     _check_counts(n_ranks=n_ranks, n_microbatches=n_microbatches)
     orders = []
@@ -51,6 +57,12 @@ def zbh1(n_ranks: int, n_microbatches: int) -> Schedule:
 def v_placement(n_ranks: int) -> tuple[int, ...]:
     """Return ZB-V's placement of ``2 * n_ranks`` stages: rank r hosts r and 2 n_ranks - 1 - r.
 
+    Args:
+        n_ranks: pipeline ranks.
+
+    Returns:
+        The rank of each stage, as ``Schedule``'s ``placement`` takes it.
+
     Raises:
         TypeError, ValueError: ``n_ranks`` is not an int >= 1.
     """
@@ -61,7 +73,12 @@ def v_placement(n_ranks: int) -> tuple[int, ...]:
 def zbv(n_ranks: int, n_microbatches: int) -> Schedule:
     """Build ZB-V: two stages per rank in a V, backwards split; nearly no bubble.
 
-    Arguments and errors as :func:`~asyncomm.pipeline.gpipe`'s (but two stages a rank).
+    Args:
+        n_ranks: pipeline ranks, two stages each (placed by :func:`v_placement`).
+        n_microbatches: microbatches per step.
+
+    Raises:
+        TypeError, ValueError: a count is not an int >= 1.
     """
     _check_counts(n_ranks=n_ranks, n_microbatches=n_microbatches)
     placement = v_placement(n_ranks)
