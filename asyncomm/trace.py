@@ -50,6 +50,9 @@ def start(directory: str | os.PathLike[str]) -> None:
     already, into DIR, and stays there: a warning says so, and
     ``directory()`` tells where the files go.
 
+    Args:
+        directory: where each rank writes its file, ``rank{R}.json``.
+
     Raises:
         ValueError: this program started tracing into another directory already.
     """
@@ -68,6 +71,9 @@ class span:  # a context manager named like the function it reads as
     ``with asyncomm.trace.span("forward"): ...`` (or ``async with``): for
     compute that runs on the event loop itself, which ``asyncomm.compute``
     spans cannot show. Nothing is recorded while tracing is off.
+
+    Args:
+        name: the span's name on the timeline.
 
     Raises:
         TypeError: ``name`` is not a str.
@@ -103,8 +109,16 @@ def ddp(model: DistributedDataParallel) -> DistributedDataParallel:
     ready, as ``ddp:all_reduce`` with its bytes; and, as ``ddp:wait``, the
     time DDP's backward waits for them: from the step's last bucket (backward
     has every gradient then) until all are ready, which is not compute. Call
-    it once, before training (DDP takes one hook); while tracing is off
-    nothing is recorded.
+    it once, before training; while tracing is off nothing is recorded.
+
+    Args:
+        model: a ``DistributedDataParallel`` model with no communication hook yet.
+
+    Returns:
+        ``model``, its hook registered.
+
+    Raises:
+        RuntimeError: ``model`` has a communication hook already (DDP takes one).
     """
     from asyncomm._backends import ddp_hook  # (torch's DDP hooks load only for DDP's users)
 
@@ -132,7 +146,15 @@ def work(handle: Any, kind: str, tensor: torch.Tensor | None = None) -> Any:
     """Put a collective issued on ``comm.raw`` (or any torch ``Work``) on this rank's
     timeline, from now until it completes, as ``torch:KIND``; return ``handle``.
 
-    ``work(comm.raw.allreduce([t]), "all_reduce", t)``: ``tensor`` gives its bytes.
+    ``work(comm.raw.allreduce([t]), "all_reduce", t)``.
+
+    Args:
+        handle: the ``Work`` a torch collective returned.
+        kind: what the collective is (``"all_reduce"``): its name is ``torch:KIND``.
+        tensor: the tensor it moves, whose bytes are recorded (None: 0 bytes).
+
+    Returns:
+        ``handle``, as it was.
     """
     recording = _recorder.recorder()
     if recording is not None:

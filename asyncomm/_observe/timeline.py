@@ -44,7 +44,14 @@ SYNC_KINDS = frozenset({"barrier"})
 
 
 def union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Return the union of ``intervals`` as sorted, disjoint intervals."""
+    """Return the union of ``intervals`` as sorted, disjoint intervals.
+
+    Args:
+        intervals: ``(start, end)`` pairs; empty ones (``end <= start``) are left out.
+
+    Returns:
+        The union, sorted, intervals that touch or overlap joined into one.
+    """
     merged: list[Interval] = []
     for start, end in sorted(intervals):
         if end <= start:
@@ -58,12 +65,27 @@ def union(intervals: Iterable[Interval]) -> list[Interval]:
 
 
 def length(intervals: Iterable[Interval]) -> float:
-    """Return the total length of the union of ``intervals``."""
+    """Return the total length of the union of ``intervals``.
+
+    Args:
+        intervals: ``(start, end)`` pairs (as :func:`union` takes them).
+
+    Returns:
+        The length covered, each stretch counted once.
+    """
     return sum(end - start for start, end in union(intervals))
 
 
 def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """Return the union of ``a`` less the union of ``b``, sorted and disjoint."""
+    """Return the union of ``a`` less the union of ``b``, sorted and disjoint.
+
+    Args:
+        a: ``(start, end)`` pairs to cut from.
+        b: ``(start, end)`` pairs to cut out.
+
+    Returns:
+        The intervals covered by ``a`` and not by ``b``.
+    """
     out: list[Interval] = []
     cut, first = union(b), 0
     for start, end in union(a):
@@ -81,14 +103,32 @@ def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
 
 
 def intersect(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
-    """Return the intersection of the unions of ``a`` and ``b``, sorted and disjoint."""
+    """Return the intersection of the unions of ``a`` and ``b``, sorted and disjoint.
+
+    Args:
+        a: ``(start, end)`` pairs.
+        b: ``(start, end)`` pairs.
+
+    Returns:
+        The intervals covered by both ``a`` and ``b``.
+    """
     left = union(a)
     return subtract(left, subtract(left, b))
 
 
 @dataclass(frozen=True)
 class Overlap:
-    """How much of one rank's communication ran under compute (seconds)."""
+    """How much of one rank's communication ran under compute (seconds).
+
+    Attributes:
+        communication: time communication was in flight and progressing.
+        compute: time compute ran.
+        hidden: communication time under compute.
+        exposed: communication time with no compute running (``communication - hidden``).
+        spans: how many communication spans were recorded.
+        stalled: time communication was in flight under compute and not progressing
+            (counted in none of the above).
+    """
 
     communication: float  # in flight and progressing
     compute: float
@@ -106,9 +146,19 @@ class Overlap:
 def measure(communication: Iterable[Interval], compute: Iterable[Interval],
             stalled: Iterable[Interval] = (), holding: Iterable[Interval] = ()) -> Overlap:
     """Return the overlap metrics of communication and compute spans (seconds, as every
-    figure of a trace; any one unit gives its figures in that unit); communication within
-    ``stalled`` did not progress, nor under ``holding`` (compute on the thread that makes
-    it progress, a part of ``compute``): under compute such counts only as stalled."""
+    figure of a trace; any one unit gives its figures in that unit).
+
+    Args:
+        communication: the communication spans, ``(start, end)`` each.
+        compute: the compute spans.
+        stalled: when communication did not progress: under compute, it counts only as
+            stalled there.
+        holding: compute on the thread that makes communication progress (a part of
+            ``compute``): communication under it counts only as stalled.
+
+    Returns:
+        The metrics, an :class:`Overlap`.
+    """
     spans = list(communication)
     every = union(spans)
     work = union(compute)
@@ -123,9 +173,15 @@ def measure(communication: Iterable[Interval], compute: Iterable[Interval],
 def load(directory: str | Path) -> list[dict[str, Any]]:
     """Read every rank's file of a trace directory, in rank order.
 
+    Args:
+        directory: the trace directory, holding the ranks' ``rank*.json`` files.
+
+    Returns:
+        Each file's contents, by rank (files of no rank last, by process id).
+
     Raises:
         FileNotFoundError: the directory holds no rank files.
-        ValueError: a file is not an asyncomm trace.
+        ValueError: a file is not an asyncomm trace (or not JSON).
     """
     files = sorted(Path(directory).glob("rank*.json"))
     ranks: list[dict[str, Any]] = []
@@ -165,6 +221,13 @@ def merge(directory: str | Path) -> dict[str, Any]:
     Complete ("X") events, ``pid`` = rank, compute and communication on separate lanes
     (``tid``); ``ts``/``dur`` in microseconds from the earliest event. Operations that never
     completed are left out.
+
+    Args:
+        directory: the trace directory, as :func:`load` reads it.
+
+    Returns:
+        The trace: ``{"traceEvents": [...], "displayTimeUnit": "ms", "otherData": {...}}``,
+        to write as JSON.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`load`.
@@ -255,8 +318,15 @@ def _spans(trace: dict[str, Any], us_per_unit: float, sync: bool = False
 
 
 def overlap(trace: dict[str, Any], sync: bool = False) -> dict[int, Overlap]:
-    """Return each rank's overlap metrics (seconds) from a merged trace; barriers count as
-    communication only where ``sync``."""
+    """Return each rank's overlap metrics (seconds) from a merged trace.
+
+    Args:
+        trace: a merged trace, as :func:`merge` returns it.
+        sync: count barriers as communication too.
+
+    Returns:
+        Per rank, in rank order, its :class:`Overlap`.
+    """
     comm, work, stalls, holding = _spans(trace, 1e6, sync)
     return {pid: measure(comm.get(pid, []), work.get(pid, []), stalls.get(pid, []),
                          holding.get(pid, []))
@@ -265,7 +335,15 @@ def overlap(trace: dict[str, Any], sync: bool = False) -> dict[int, Overlap]:
 
 def steps(trace: dict[str, Any], sync: bool = False) -> dict[int, list[Overlap]]:
     """Return each rank's overlap metrics (seconds) per step: from each of its
-    ``trace.step()`` marks to its next (the last step ends at its last span)."""
+    ``trace.step()`` marks to its next (the last step ends at its last span).
+
+    Args:
+        trace: a merged trace, as :func:`merge` returns it.
+        sync: count barriers as communication too.
+
+    Returns:
+        Per rank that marked steps, an :class:`Overlap` for each of its steps, in order.
+    """
     comm, work, stalls, holding = _spans(trace, 1e6, sync)
     found: dict[int, list[Overlap]] = {}
     for pid, marks in _marks(trace).items():
@@ -291,8 +369,17 @@ def window(trace: dict[str, Any], first: int, last: int) -> Interval:
     """The time (seconds) from the earliest rank's start of step ``first`` to the latest
     rank's start of step ``last + 1`` (or its last span).
 
+    Args:
+        trace: a merged trace, as :func:`merge` returns it.
+        first: the first step, counted from 0 (``trace.step()`` marks).
+        last: the last step, ``first`` or later.
+
+    Returns:
+        ``(start, end)``, in seconds, as :func:`draw`'s ``panels`` take it.
+
     Raises:
-        ValueError: no rank marked that many steps.
+        ValueError: ``first`` is negative, ``last`` is before it, or a rank marked no step
+            ``first`` (or the trace marks no steps).
     """
     marks = _marks(trace)
     if not marks or first < 0 or last < first or any(len(m) <= first for m in marks.values()):
@@ -308,7 +395,14 @@ def window(trace: dict[str, Any], first: int, last: int) -> Interval:
 
 
 def report(metrics: dict[int, Overlap]) -> str:
-    """Return the metrics as a table, one row per rank, in milliseconds."""
+    """Return the metrics as a table, one row per rank, in milliseconds.
+
+    Args:
+        metrics: per rank, its :class:`Overlap` (as :func:`overlap` returns them).
+
+    Returns:
+        The table, a header line then the rows, in ``metrics``' order.
+    """
     lines = [f"{'rank':>4}  {'spans':>6}  {'comm ms':>10}  {'hidden ms':>10}  "
              f"{'exposed ms':>10}  {'compute ms':>10}  {'stalled ms':>10}  {'hidden':>6}"]
     for rank, m in metrics.items():
@@ -325,9 +419,17 @@ def draw(trace: dict[str, Any], path: str | Path, title: str | None = None,
 
     Each row shows the union of the rank's compute spans in one colour, of its transfers
     (ops, channels, actors, torch's own collectives) in another, of its barriers in a third
-    and, in a fourth, the communication in flight that was not progressing (stalls). With
-    ``panels``, ``(label, (start, end))`` in seconds (as ``window`` gives), each such time
-    is drawn beside the others, from its own start; else the whole run. Returns ``path``.
+    and, in a fourth, the communication in flight that was not progressing (stalls).
+
+    Args:
+        trace: a merged trace, as :func:`merge` returns it.
+        path: the PNG file to write.
+        title: a title over the figure (None: none).
+        panels: ``(label, (start, end))`` pairs, in seconds (as :func:`window` gives): each
+            such time is drawn beside the others, from its own start; empty: the whole run.
+
+    Returns:
+        ``path``, as a ``Path``.
 
     Raises:
         ImportError: matplotlib is not installed (``pip install 'asyncomm[plot]'``).
@@ -383,10 +485,17 @@ def summarise(directory: str | Path, json_path: str | Path | None = None,
               chosen: Sequence[tuple[int, int]] = ()) -> dict[int, Overlap]:
     """Merge a trace directory, write its trace JSON and PNG, print and return its metrics.
 
-    The files go to ``json_path`` and ``png_path``, by default ``trace.json`` and
-    ``timeline.png`` in ``directory``; without matplotlib no PNG is drawn. With ``chosen``
-    ranges of steps (first, last: see ``trace.step``) it also prints their figures, rank
-    by rank, and the PNG shows only them, each range beside the others.
+    Without matplotlib no PNG is drawn.
+
+    Args:
+        directory: the trace directory, as :func:`load` reads it.
+        json_path: where to write the merged trace (None: ``trace.json`` in ``directory``).
+        png_path: where to draw the timeline (None: ``timeline.png`` in ``directory``).
+        chosen: ranges of steps, ``(first, last)`` (see ``trace.step``): their figures are
+            printed too, rank by rank, and the PNG shows only them, each beside the others.
+
+    Returns:
+        Per rank, its :class:`Overlap` over the whole run.
 
     Raises:
         FileNotFoundError, ValueError: as :func:`load`, and :func:`window`.
