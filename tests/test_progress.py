@@ -37,7 +37,7 @@ async def test_a_poll_that_finds_ends_the_spin() -> None:
 
 async def test_a_poll_that_finds_what_is_not_awaited_hands_over_to_then() -> None:
     spin = Spin(asyncio.get_running_loop(), tests=8, max_s=1e-3)
-    poll, then = Polls(found=2), Polls(found=3)  # (the probe finds a frame; a sweep its data)
+    poll, then = Polls(found=2), Polls(found=3)  # (the pump finds a frame; a sweep its data)
     done = iter([False, True])
     assert spin.run(poll, lambda: next(done), then)
     assert (poll.calls, then.calls) == (2, 3)
@@ -219,7 +219,7 @@ def test_awaited_collectives_let_other_tasks_run(world2: World) -> None:
     assert max(longest) <= (100 if world2.backend == "gloo" else 1000), longest
 
 
-async def check_a_message_goes_before_a_look(comm: Comm) -> int:
+async def check_a_message_goes_before_its_task_spins(comm: Comm) -> int:
     # A channel message waits for the loop iteration's end to leave (with the iteration's
     # others); a task that then awaits an operation the peer joins only once the message is
     # in (gloo: a collective, MPI: a receive) must send it before it spins. The sender's
@@ -253,8 +253,8 @@ async def check_a_message_goes_before_a_look(comm: Comm) -> int:
         return rounds
 
 
-def test_a_message_goes_before_its_task_looks(world2: World) -> None:
-    assert world2.run(check_a_message_goes_before_a_look)[0] == 40
+def test_a_message_goes_before_its_task_spins(world2: World) -> None:
+    assert world2.run(check_a_message_goes_before_its_task_spins)[0] == 40
 
 
 async def check_finished_once(comm: Comm) -> list[list[int]]:

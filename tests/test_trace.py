@@ -91,7 +91,7 @@ def _compute_span(name: str, start: float, end: float) -> dict[str, Any]:
             "thread": 0}
 
 
-def test_merge_aligns_hosts_by_wall_clock_and_keeps_lanes_free_of_overlaps(
+def test_merge_aligns_hosts_by_wall_clock_and_keeps_rows_free_of_overlaps(
         tmp_path: Path) -> None:
     # Rank 1's perf_counter runs 1000 s behind rank 0's; their wall anchors line them up.
     _rank_file(tmp_path, 0, "a", 10.0, 50 * 10**9, [
@@ -106,8 +106,8 @@ def test_merge_aligns_hosts_by_wall_clock_and_keeps_lanes_free_of_overlaps(
     rank1 = next(e for e in spans if e["pid"] == 1)
     assert rank1["ts"] == pytest.approx(1000.0)  # us after rank 0's first event
     assert rank1["args"] == {"kind": "all_reduce", "bytes": 8, "seq": 1, "comm": 0}
-    lanes = {(e["pid"], e["tid"]) for e in spans if e["cat"] == "op"}
-    assert len(lanes) == 3  # rank 0's two concurrent ops on two lanes
+    rows = {(e["pid"], e["tid"]) for e in spans if e["cat"] == "op"}
+    assert len(rows) == 3  # rank 0's two concurrent ops on two rows
     assert all(e["tid"] != f["tid"] for e in spans for f in spans
                if e["cat"] == "compute" and f["cat"] == "op")
     metrics = overlap(trace)
@@ -122,11 +122,11 @@ def test_merge_aligns_hosts_by_wall_clock_and_keeps_lanes_free_of_overlaps(
 async def check_start_records_until_stop(comm: Comm, directory: str) -> int:
     peer = 1 - comm.rank
     # Without ASYNCOMM_TRACE (the test worlds have none) nothing records.
-    assert comm._probe.recording is None and not asyncomm.trace.enabled()
+    assert comm._instrument.recording is None and not asyncomm.trace.enabled()
     assert instrument._current is None
     asyncomm.trace.start(directory)
     try:
-        assert asyncomm.trace.enabled() and comm._probe.recording is not None
+        assert asyncomm.trace.enabled() and comm._instrument.recording is not None
         t = torch.ones(16)
         await comm.all_reduce(t)
         if comm.rank == 0:
@@ -156,7 +156,7 @@ async def check_start_records_until_stop(comm: Comm, directory: str) -> int:
     assert message["kind"] == ("channel_send" if comm.rank == 0 else "channel_recv")
     assert all(e["start"] <= e["end"] for e in doc["events"])
     # Off again: nothing more is recorded or written, and the hook is gone.
-    assert comm._probe.recording is None and not asyncomm.trace.enabled()
+    assert comm._instrument.recording is None and not asyncomm.trace.enabled()
     assert instrument._current is None
     before = path.read_bytes()
     await comm.all_reduce(t)
@@ -265,8 +265,8 @@ def test_run_trace_records_what_each_rank_issued(tmp_path: Path, backend: str) -
     for event in spans:
         assert isinstance(event["name"], str) and event["ts"] >= 0 and event["dur"] >= 0
         assert isinstance(event["tid"], int) and isinstance(event["args"], dict)
-    for lane in {(e["pid"], e["tid"]) for e in spans}:  # X events of a lane never overlap
-        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if (e["pid"], e["tid"]) == lane)
+    for row in {(e["pid"], e["tid"]) for e in spans}:  # X events of a row never overlap
+        mine = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if (e["pid"], e["tid"]) == row)
         assert all(a[1] <= b[0] + 1e-3 for a, b in itertools.pairwise(mine))  # us, rounding
     assert Counter(e["name"] for e in spans if e["cat"] == "op") == {
         kind: 2 * n for kind, n in ISSUED.items()}

@@ -376,14 +376,14 @@ class MpiBackend(Backend):
             self._probe_receives(alone)
             if not alone:
                 return  # found (or failed)
-            self._poller.probe(self._look)
+            self._poller.add_pump(self._probe_waiting)
         self._probing.append(receive)
         if hasattr(sink, "_spin"):  # a handle: awaited, it looks for its message itself
             sink._spin = (self,)
 
     def spin(self, sink: Handle[Any]) -> bool:
         """An awaited receive that probes first: look for its message a while now, as a
-        channel's receive does (``Poller.spin_until``: the poller's probe looks, for this
+        channel's receive does (``Poller.spin_until``: the poller's pump looks, for this
         receive and those before it, in order). Return whether its handle may look again
         after a loop turn (see ``Handle.__await__``): once its message is found, as the
         poller's requests do; while it is not, no (it waits; the poller goes on looking)."""
@@ -395,11 +395,11 @@ class MpiBackend(Backend):
         engine = sink._spin  # found: its receive is posted, and the poller's to finish
         return engine is not None and bool(engine[0].spin(sink))
 
-    def _look(self) -> bool:
-        """The poller's probe while receives look for their messages (see PROBE_FIRST)."""
+    def _probe_waiting(self) -> bool:
+        """The poller's pump while receives wait for their messages (see PROBE_FIRST)."""
         found = self._probe_receives(self._probing)
         if not self._probing:
-            self._poller.unprobe(self._look)
+            self._poller.remove_pump(self._probe_waiting)
         return found
 
     def _probe_receives(self, receives: list[_Probing]) -> bool:

@@ -71,7 +71,7 @@ PACKET_FRAMES = 16  # a burst's packets go so often: the receiver decodes as the
 class MpiLink(Link):
     """Link messages of at most ``MESSAGE_BYTES``, sized exactly, polled from the loop: what
     both forms share (sending, data receives); each finds link messages its own way
-    (``pump``, the poller's probe)."""
+    (``pump``, one of the poller's pumps)."""
 
     def __init__(self, backend: Transport, comm: Any, loop: asyncio.AbstractEventLoop,
                  poller: Poller, classify: Classify) -> None:
@@ -87,11 +87,11 @@ class MpiLink(Link):
     def open(self, arrivals: Any, limits: Any) -> None:
         super().open(arrivals, limits)
         self._open = True
-        self._poller.probe(self.pump)
+        self._poller.add_pump(self.pump)
 
     def stop(self) -> None:
         self._open = False
-        self._poller.unprobe(self.pump)
+        self._poller.remove_pump(self.pump)
         self._buffers.clear()
 
     polls = True
@@ -147,7 +147,7 @@ class MpiLink(Link):
 
     @abstractmethod
     def pump(self) -> bool:
-        """Take the link messages that are there (the poller's probe); return whether any
+        """Take the link messages that are there (a poller's pump); return whether any
         was."""
 
 

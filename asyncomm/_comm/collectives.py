@@ -17,7 +17,7 @@ from asyncomm._core.arguments import Arguments
 from asyncomm._core.backend import Backend
 from asyncomm._core.errors import CommError
 from asyncomm._core.handle import Deadlines, Handle
-from asyncomm._core.instrument import Probe
+from asyncomm._core.instrument import Instrument
 from asyncomm._core.ops import ReduceOp
 
 Buffer = TypeVar("Buffer", torch.Tensor, np.ndarray)  # type: ignore[type-arg]
@@ -30,7 +30,7 @@ class Collectives:
     _rank: int
     _backend: Backend
     _args: Arguments
-    _probe: Probe
+    _instrument: Instrument
     _deadlines: Deadlines
     _quick: bool  # the backend has quick operations
     _quick_ops: dict[object, dict[torch.dtype, object]]  # per op, per dtype: the backend's
@@ -92,7 +92,7 @@ class Collectives:
         """
         if self._quick and timeout is None:  # see Comm's note on quick operations
             quick_ops = self._quick_ops.get(op)
-            if quick_ops is not None and self._probe.recording is None:
+            if quick_ops is not None and self._instrument.recording is None:
                 seq = self._seq + 1
                 handle = self._backend.quick_all_reduce(
                     tensor, quick_ops, (self._rank, "all_reduce", seq, None, None))

@@ -95,9 +95,9 @@ class Comm(Collectives, Peers):
         self._quick = backend.quick and self._checker is None
         # Every communicator routes channel frames, so that closing is symmetric: each
         # router waits for every other's goodbye (see the note on closing in _core.link).
-        recorder.start_from_env()  # before the probe: traced from the first operation
-        self._probe = instrument.Probe(backend.rank, backend.size, backend.name)
-        self._router = Router(backend.rank, backend.size, own.link(), backend, self._probe,
+        recorder.start_from_env()  # before the instrument: traced from the first operation
+        self._instrument = instrument.Instrument(backend.rank, backend.size, backend.name)
+        self._router = Router(backend.rank, backend.size, own.link(), backend, self._instrument,
                               chosen.probe_s)
         self._router.on_dead.append(self._peer_died)
         backend.on_halt(self._halted)
@@ -166,9 +166,9 @@ class Comm(Collectives, Peers):
         self._last_op, self._last_tensor = op, keep
         handle: Handle[Any] = Handle(self._loop, (self._rank, op, seq, peer, tag), result, keep)
         handle._hold = self._hold
-        trace = self._probe.recording
+        trace = self._instrument.recording
         if trace is not None:  # before starting: an eager send may finish inside
-            trace.issued(handle, self._probe.id, keep)
+            trace.issued(handle, self._instrument.id, keep)
         if self._checker is not None and checked(op):  # debug mode: see _checks
             self._checker.submit(handle, op, args,
                                  lambda: self._start(handle, start, args, deferred=True))
@@ -255,7 +255,7 @@ class Comm(Collectives, Peers):
                  peer: int, tag: int) -> Handle[Any] | None:
         """``send``'s or ``recv``'s quick path (see the note); ``None``: take the usual one."""
         if (type(peer) is int and type(tag) is int and peer in self._peers
-                and 0 <= tag <= self._max_tag and self._probe.recording is None):
+                and 0 <= tag <= self._max_tag and self._instrument.recording is None):
             seq = self._seq + 1
             handle = quick(tensor, peer, tag, (self._rank, op, seq, peer, tag))
             if handle is not None:
@@ -620,7 +620,7 @@ class Comm(Collectives, Peers):
         await self._router.close(linger)
         self._own.close()
         self._backend.close()
-        self._probe.close()
+        self._instrument.close()
 
     @property
     def progresses_alone(self) -> bool:

@@ -2,11 +2,11 @@
 
 Note on cost
 ------------
-Each communicator owns a ``Probe``; its operations, channel messages and actor calls read
-``probe.recording`` and report only when it is set: one attribute check each while nobody records.
-An observer (the trace recorder) ``install``s itself: every open probe, and every probe made later,
-then reports to it, under the id its ``attach`` gave. Compute spans report through ``span``. Nothing
-here knows what a recorder does with the reports.
+Each communicator owns an ``Instrument``; its operations, channel messages and actor calls
+read ``instrument.recording`` and report only when it is set: one attribute check each while
+nobody records. An observer (the trace recorder) ``install``s itself: every open instrument,
+and every one made later, then reports to it, under the id its ``attach`` gave. Compute spans
+report through ``span``. Nothing here knows what a recorder does with the reports.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Recording(Protocol):
         to ``end`` (``time.perf_counter`` s)."""
 
 
-class Probe:
+class Instrument:
     """Where one communicator reports: ``recording`` is None while nobody records."""
 
     __slots__ = ("__weakref__", "backend", "id", "rank", "recording", "size")
@@ -58,7 +58,7 @@ class Probe:
         self.id = 0
         if _current is not None:
             self._attach(_current)
-        _probes.add(self)
+        _instruments.add(self)
 
     def _attach(self, recording: Recording) -> None:
         self.recording = recording
@@ -80,23 +80,23 @@ class Probe:
 
     def close(self) -> None:
         """The communicator closed: report no more."""
-        _probes.discard(self)
+        _instruments.discard(self)
         recording, self.recording = self.recording, None
         if recording is not None:
             recording.detached()
 
 
-_probes: weakref.WeakSet[Probe] = weakref.WeakSet()
+_instruments: weakref.WeakSet[Instrument] = weakref.WeakSet()
 _current: Recording | None = None
 
 
 def install(recording: Recording) -> None:
-    """Have every open and future probe, and every compute, report to ``recording``."""
+    """Have every open and future instrument, and every compute, report to ``recording``."""
     global _current
     _current = recording
-    for probe in list(_probes):
-        if probe.recording is None:
-            probe._attach(recording)
+    for instrument in list(_instruments):
+        if instrument.recording is None:
+            instrument._attach(recording)
 
 
 def uninstall(recording: Recording) -> None:
@@ -104,9 +104,9 @@ def uninstall(recording: Recording) -> None:
     global _current
     if _current is recording:
         _current = None
-    for probe in list(_probes):
-        if probe.recording is recording:
-            probe.recording = None
+    for instrument in list(_instruments):
+        if instrument.recording is recording:
+            instrument.recording = None
 
 
 def span(name: str, start: float, end: float) -> None:

@@ -256,8 +256,8 @@ class Poller:
     completion the loop polls with ``call_soon`` for a while, then backs off exponentially: for
     ``active_busy_s`` while *active* requests (collectives and sends, which MPI advances only inside
     MPI calls) are in flight, so that large transfers are not slowed, else for ``busy_s``, then
-    polling at most every ``max_backoff_s``. *Probes* (``probe``) are called at every poll, with or
-    without requests in flight: the MPI channel link finds its messages so. ``kick`` resets the
+    polling at most every ``max_backoff_s``. *Pumps* (``add_pump``) are called at every poll, with
+    or without requests in flight: the MPI channel link finds its messages so. ``kick`` resets the
     back-off. While a compute runs on the loop's threads (counted by ``computing``) and the ticker
     wakes the poller, it does not poll busily for receives: a busy loop takes the core and the GIL
     the compute needs, and the ticker sees their messages within ``tick_s``.
@@ -306,7 +306,7 @@ class Poller:
         self._entries: list[tuple[Sink, Finish | None, bool]] = []
         self._active = 0  # pending requests that need polling to make progress
         self._fresh: list[Any] = []  # sinks whose requests join the lists as the iteration ends
-        self._probes: list[Callable[[], bool]] = []
+        self._pumps: list[Callable[[], bool]] = []
         self._timer: asyncio.Handle | None = None
         self._busy = False  # a poll runs or is due at the next loop iteration
         self._delay = 0.0
@@ -434,18 +434,19 @@ class Poller:
         else:
             deliver(sink, finish, outcome, self._classify)
 
-    def probe(self, probe: Callable[[], bool]) -> None:
-        """Call ``probe()`` at every poll until ``unprobe``; it returns whether it found work.
+    def add_pump(self, pump: Callable[[], bool]) -> None:
+        """Call ``pump()`` at every poll until ``remove_pump``; it returns whether it found work
+        (it takes what arrived: a link's receive, say).
 
-        A probe keeps the poller polling with nothing in flight (backing off when idle).
+        A pump keeps the poller polling with nothing in flight (backing off when idle).
         """
-        self._probes.append(probe)
+        self._pumps.append(pump)
         self.kick()
 
-    def unprobe(self, probe: Callable[[], bool]) -> None:
-        """Stop calling ``probe``."""
-        if probe in self._probes:
-            self._probes.remove(probe)
+    def remove_pump(self, pump: Callable[[], bool]) -> None:
+        """Stop calling ``pump``."""
+        if pump in self._pumps:
+            self._pumps.remove(pump)
 
     def kick(self) -> None:
         """Poll at once and busily for a while: something is expected soon."""
@@ -487,8 +488,8 @@ class Poller:
                     finished.append((entry, outcome))
                 for entry, outcome in reversed(finished):
                     self._settle(entry, outcome)
-        for probe in tuple(self._probes) if len(self._probes) > 1 else self._probes:
-            if probe():  # (a probe may unregister itself: a copy of several)
+        for pump in tuple(self._pumps) if len(self._pumps) > 1 else self._pumps:
+            if pump():  # (a pump may remove itself: a copy of several)
                 news = True
         return news
 
@@ -505,10 +506,10 @@ class Poller:
 
         Return whether ``done()`` became true.
         """
-        if len(self._probes) == 1 and not self._requests and not self._fresh:
-            # the commonest (one link, no request in flight): the probe alone, until it
+        if len(self._pumps) == 1 and not self._requests and not self._fresh:
+            # the commonest (one link, no request in flight): the pump alone, until it
             # finds something not awaited (a frame whose data it began to receive)
-            return self._spin.run(self._probes[0], done, self.sweep)
+            return self._spin.run(self._pumps[0], done, self.sweep)
         return self._spin.run(self.sweep, done)
 
     def refused(self) -> bool:
@@ -523,7 +524,7 @@ class Poller:
         if self.sweep():
             self._last_busy = self._last_news = now
             self._delay = 0.0
-        if not self._requests and not self._probes:
+        if not self._requests and not self._pumps:
             self._busy = False
             return
         window = (self._active_busy_s if self._active else
@@ -555,7 +556,7 @@ class Poller:
             self._timer.cancel()
             self._timer = None
         self._busy = False
-        self._probes.clear()
+        self._pumps.clear()
         if self._ticker is not None:
             self._ticker.release()
             self._ticker = None

@@ -93,7 +93,7 @@ class Host:
         self.rank = rank
         self._router = router
         self._timeout = timeout
-        self.probe = router.probe  # (its recording, if any: calls are traced then)
+        self.instrument = router.instrument  # (its recording, if any: calls are traced then)
         self._requests = Channel(router, tags.ACTOR_REQUEST, Codec.DEFAULT, math.inf)
         self._replies = Channel(router, tags.ACTOR_REPLY, Codec.DEFAULT, math.inf)
         self._actors: dict[str, _Inbox] = {}
@@ -238,9 +238,9 @@ class Host:
              kwargs: dict[str, Any], timeout: float | None) -> Awaitable[Any]:
         """Call ``name.method(*args, **kwargs)`` on ``rank``; the awaitable gives its result."""
         called = self._call(rank, name, method, args, kwargs, timeout)
-        if self.probe.recording is None:
+        if self.instrument.recording is None:
             return called  # no layer between
-        return self.probe.traced(called, "actor_call", 0, rank, None, f"{name}.{method}")
+        return self.instrument.traced(called, "actor_call", 0, rank, None, f"{name}.{method}")
 
     async def _call(self, rank: int, name: str, method: str, args: tuple[Any, ...],
                     kwargs: dict[str, Any], timeout: float | None) -> Any:

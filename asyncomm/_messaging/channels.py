@@ -54,7 +54,7 @@ class Channel:
         self._polls = router.link.polls  # whether ``spin_until`` may find anything
         self._refused = router.link.refused
         self._has: dict[int, Callable[[], bool]] = {}  # per source: ``_has_from``
-        self._probe_of = router.probe
+        self._instrument = router.instrument
         self._size = router.size
         self._max_ndim = router.limits.max_ndim
 
@@ -81,7 +81,7 @@ class Channel:
         try:
             if window is None:  # another codec, or a rank not checked before
                 await self._send_slowly(obj, dst, timeout)
-            elif ((self._user and self._probe_of.recording is not None)
+            elif ((self._user and self._instrument.recording is not None)
                   or not self._post(window, dst, self.tag, obj, self._small_room,
                                     self._max_ndim, self._window)):  # (commonest: queued)
                 await self._send(self._router.encode(self.tag, obj, self.codec), dst, timeout)
@@ -110,7 +110,7 @@ class Channel:
             window = self._windows[dst] = self._router.window_to(dst, self.tag)
         # Queued by ``Link.post`` if small and the window lets it; else ``send`` waits for
         # credit, says why it cannot send, delivers to this rank itself, or traces it.
-        if self._user and self._probe_of.recording is not None:
+        if self._user and self._instrument.recording is not None:
             return False
         return self._post(window, dst, self.tag, obj, self._small_room, self._max_ndim,
                           self._window)
@@ -137,8 +137,8 @@ class Channel:
     async def _send(self, frame: Encoded, dst: int, timeout: float | None) -> None:
         router = self._router
         sent = router.send(frame, self.tag, dst, self._timeout if timeout is None else timeout)
-        if self._user and router.probe.recording is not None:
-            sent = router.probe.traced(sent, "channel_send", size_of(frame), dst, self.tag)
+        if self._user and router.instrument.recording is not None:
+            sent = router.instrument.traced(sent, "channel_send", size_of(frame), dst, self.tag)
         await sent
 
     async def recv(self, src: int | None = None, *, timeout: float | None = None) -> Message:
@@ -162,7 +162,7 @@ class Channel:
         spun = False
         if src is not None and (type(src) is not int or not 0 <= src < self._size):
             self._check_rank("recv", "src", src)
-        if not self._user or self._probe_of.recording is None:
+        if not self._user or self._instrument.recording is None:
             box = self._box
             while True:
                 entry = box.take(src)
@@ -179,7 +179,7 @@ class Channel:
                 if not self._spin_until(box.has_frames if src is None else self._has_from(src)):
                     return await self._wait(src, limit, spun=True)
                 spun = True
-        trace = self._probe_of.recording
+        trace = self._instrument.recording
         assert trace is not None  # (traced: said above)
         start, error, message = time.perf_counter(), None, None
         try:
@@ -190,7 +190,7 @@ class Channel:
         finally:
             nbytes = 0 if message is None else self._received
             peer = src if message is None else message.src
-            trace.message("channel_recv", nbytes, peer, self.tag, self._probe_of.id, start,
+            trace.message("channel_recv", nbytes, peer, self.tag, self._instrument.id, start,
                           error)
         return message
 
@@ -338,14 +338,14 @@ class Channel:
             ProtocolError: the frame was refused on arrival, or is of the wrong codec.
         """
         if type(entry) is Message and self._small_room and (
-                not self._user or self._probe_of.recording is None):
+                not self._user or self._instrument.recording is None):
             # the commonest (an actor's request or reply): nothing to check, nothing to trace
             self._router.took(entry, self._box)
             return entry
         router = self._router
         router.took(entry, self._box)
         if type(entry) is Message:  # a small message: decoded on arrival (the default codec's)
-            if self._user and router.probe.recording is not None:  # its bytes, as sent
+            if self._user and router.instrument.recording is not None:  # its bytes, as sent
                 self._received = len(small_encode(entry[2], self._small_room, self._max_ndim)
                                      or b"") if self._small_room else 0
             if not self._small_room:
@@ -354,7 +354,7 @@ class Channel:
                                     f"of codec {self.codec.name}; refused")
             return entry
         frame: Frame = entry  # type: ignore[assignment]
-        if self._user and router.probe.recording is not None:
+        if self._user and router.instrument.recording is not None:
             self._received = max(frame.charge, 0)
         if frame.error is not None:
             raise frame.error

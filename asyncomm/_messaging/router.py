@@ -106,11 +106,11 @@ class Router(Delivery):
     """This rank's receive loop and send side for every channel of one communicator."""
 
     def __init__(self, rank: int, size: int, link: Link, peers: Backend,
-                 probe: instrument.Probe, probe_s: float = 0.5) -> None:
+                 instrument: instrument.Instrument, probe_s: float = 0.5) -> None:
         super().__init__(rank, frame_limits(), link, WINDOW, WINDOW_BYTES)
         self.size = size
         self.peers = peers  # the communicator's backend: receives only a peer's message ends
-        self.probe = probe  # where channels and actors report, while someone records
+        self.instrument = instrument  # where channels and actors report, while someone records
         self.probe_s = probe_s  # see the note on dead peers
         self.window, self.window_bytes = WINDOW, WINDOW_BYTES
         # the most bytes of a small frame's body (see ``small``)

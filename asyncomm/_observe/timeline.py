@@ -1,11 +1,11 @@
 """Read the ranks' trace files: one Chrome/Perfetto trace, overlap metrics, a PNG timeline.
 
-Note on lanes
--------------
+Note on rows
+------------
 Trace viewers draw the complete ("X") events of one thread as a stack, so events of one
 thread must nest. Operations in flight together do not, so each rank's communication is
-spread over as few lanes (tids) as keep every lane free of overlaps, and so is compute.
-Compute lanes are tids 1, 2, ...; communication lanes start at tid 100.
+spread over as few rows (tids) as keep every row free of overlaps, and so is compute.
+Compute rows are tids 1, 2, ...; communication rows start at tid 100.
 
 Note on the metrics
 -------------------
@@ -204,21 +204,21 @@ def _clock(ranks: Sequence[dict[str, Any]]) -> list[float]:
     return [doc["anchor"]["wall_ns"] / 1e9 - doc["anchor"]["perf_counter"] for doc in ranks]
 
 
-def _lanes(spans: list[dict[str, Any]], base: int) -> None:
-    """Give each span a ``tid`` from ``base`` on so that spans of a lane never overlap."""
-    ends: list[float] = []  # per lane, the end of its last span
+def _rows(spans: list[dict[str, Any]], base: int) -> None:
+    """Give each span a ``tid`` from ``base`` on so that spans of a row never overlap."""
+    ends: list[float] = []  # per row, the end of its last span
     for span in sorted(spans, key=lambda s: (s["start"], -s["end"])):
-        lane = next((i for i, end in enumerate(ends) if end <= span["start"]), len(ends))
-        if lane == len(ends):
+        row = next((i for i, end in enumerate(ends) if end <= span["start"]), len(ends))
+        if row == len(ends):
             ends.append(0.0)
-        ends[lane] = span["end"]
-        span["tid"] = base + lane
+        ends[row] = span["end"]
+        span["tid"] = base + row
 
 
 def merge(directory: str | Path) -> dict[str, Any]:
     """Merge a trace directory's rank files into one Chrome/Perfetto trace-event object.
 
-    Complete ("X") events, ``pid`` = rank, compute and communication on separate lanes
+    Complete ("X") events, ``pid`` = rank, compute and communication on separate rows
     (``tid``); ``ts``/``dur`` in microseconds from the earliest event. Operations that never
     completed are left out.
 
@@ -246,8 +246,8 @@ def merge(directory: str | Path) -> dict[str, Any]:
         mine = [span for span in spans[pid] if span["cat"] != "step"]
         compute = [s for s in mine if s["cat"] == "compute"]
         comm = [s for s in mine if s["cat"] not in ("compute", "stall", "wait")]
-        _lanes(compute, COMPUTE_TID)
-        _lanes(comm, COMM_TID)
+        _rows(compute, COMPUTE_TID)
+        _rows(comm, COMM_TID)
         for span in mine:
             if span["cat"] in ("stall", "wait"):
                 span["tid"] = STALL_TID if span["cat"] == "stall" else WAIT_TID
@@ -256,12 +256,12 @@ def merge(directory: str | Path) -> dict[str, Any]:
         events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
                        "args": {"sort_index": pid}})
         for tid in sorted({s["tid"] for s in mine}):
-            lane = (f"compute {tid - COMPUTE_TID}" if tid < WAIT_TID
-                    else "waiting, not compute" if tid == WAIT_TID
-                    else "in flight, not progressing" if tid == STALL_TID
-                    else f"communication {tid - COMM_TID}")
+            row = (f"compute {tid - COMPUTE_TID}" if tid < WAIT_TID
+                  else "waiting, not compute" if tid == WAIT_TID
+                  else "in flight, not progressing" if tid == STALL_TID
+                  else f"communication {tid - COMM_TID}")
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
-                           "args": {"name": lane}})
+                           "args": {"name": row}})
         for span in mine:
             events.append(_event(pid, span, zero))
         for index, mark in enumerate(s for s in spans[pid] if s["cat"] == "step"):
