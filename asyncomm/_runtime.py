@@ -113,6 +113,9 @@ def run(main: Callable[[Comm], Awaitable[T]], *, backend: str | None = None,
         main: the program, called with this rank's ``Comm``.
         backend, timeout: as for :class:`init`.
 
+    Returns:
+        What ``main`` returned.
+
     Raises:
         ValueError, CommError: as :class:`init`; and whatever ``main`` raised.
     """

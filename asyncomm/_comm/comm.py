@@ -212,6 +212,9 @@ class Comm(Collectives, Peers):
             tag: matches the receiver's ``tag``.
             timeout: seconds until the handle fails (default: the communicator's).
 
+        Returns:
+            A handle that resolves to ``None`` once ``tensor`` may be reused.
+
         Raises:
             TypeError, ValueError: bad arguments, before anything is sent.
             CommTimeoutError, PeerFailedError, CommClosedError: from the handle.
@@ -235,6 +238,9 @@ class Comm(Collectives, Peers):
             src: the sending rank; ``None``: any rank.
             tag: matches the sender's ``tag``.
             timeout: seconds until the handle fails (default: the communicator's).
+
+        Returns:
+            A handle that resolves to the source rank once ``tensor`` holds the message.
 
         Raises:
             TypeError, ValueError: bad arguments, before anything is posted.

@@ -67,6 +67,9 @@ def endpoint(method: F) -> F:
     Args:
         method: the method (``async def`` or plain); its arguments and result travel as
             channel messages of the default codec.
+
+    Returns:
+        ``method`` itself, marked.
     """
     setattr(method, _ENDPOINT, True)
     return method

@@ -144,6 +144,9 @@ async def compute(fn: Callable[..., T], *args: Any, name: str | None = None,
         fn: what to run, called with ``args`` and ``kwargs``.
         name: the span's label in traces (default: the function's name).
 
+    Returns:
+        What ``fn`` returned.
+
     Raises:
         TypeError: ``fn`` is not callable, or ``name`` is not a str.
         Exception: whatever ``fn`` raised.

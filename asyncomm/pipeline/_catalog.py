@@ -29,6 +29,9 @@ def get(name: str, n_ranks: int, n_microbatches: int, **kw: Any) -> Schedule:
         n_microbatches: microbatches per step.
         kw: for the builder (``stages_per_rank`` for ``"interleaved"``).
 
+    Returns:
+        The schedule the builder makes.
+
     Raises:
         ValueError: unknown name, or the builder rejects its arguments.
         TypeError: ``name`` is not a str, or a keyword the builder does not take.

@@ -231,6 +231,9 @@ def parse(text: str, *, name: str = "custom", n_stages: int | None = None,
         n_microbatches: default: one past the highest microbatch named.
         placement: the rank of each stage (default: stage ``s`` on rank ``s % n_ranks``).
 
+    Returns:
+        The schedule (not validated: see :func:`asyncomm.pipeline.validate`).
+
     Raises:
         ValueError: a line holds something that is not an action, or no line holds any.
     """
@@ -263,6 +266,9 @@ def from_compute(compute: Sequence[Iterable[Action | str]], *, name: str = "cust
         n_stages: total stages; default as in :func:`parse`.
         n_microbatches: default: one past the highest microbatch named.
         placement: the rank of each stage (default: stage ``s`` on rank ``s % n_ranks``).
+
+    Returns:
+        The schedule (not validated: see :func:`asyncomm.pipeline.validate`).
 
     Raises:
         ValueError: a rank's list holds a send or a receive, or text that is no action.
@@ -331,6 +337,9 @@ def gpipe(n_ranks: int, n_microbatches: int) -> Schedule:
         n_ranks: pipeline ranks, one stage each.
         n_microbatches: microbatches per step.
 
+    Returns:
+        The schedule.
+
     Raises:
         TypeError, ValueError: a count is not an int >= 1.
     """
@@ -350,6 +359,9 @@ def one_f_one_b(n_ranks: int, n_microbatches: int) -> Schedule:
     Args:
         n_ranks: pipeline ranks, one stage each.
         n_microbatches: microbatches per step.
+
+    Returns:
+        The schedule.
 
     Raises:
         TypeError, ValueError: a count is not an int >= 1.
@@ -382,6 +394,9 @@ def interleaved_1f1b(n_ranks: int, n_microbatches: int, stages_per_rank: int = 2
         n_ranks: pipeline ranks.
         n_microbatches: microbatches per step, a multiple of ``n_ranks``.
         stages_per_rank: virtual stages per rank.
+
+    Returns:
+        The schedule.
 
     Raises:
         ValueError: ``n_microbatches`` is not a multiple of ``n_ranks`` (the grouping above

@@ -42,6 +42,9 @@ def zbh1(n_ranks: int, n_microbatches: int) -> Schedule:
         n_ranks: pipeline ranks, one stage each.
         n_microbatches: microbatches per step.
 
+    Returns:
+        The schedule.
+
     Raises:
         TypeError, ValueError: a count is not an int >= 1.
     """
@@ -76,6 +79,9 @@ def zbv(n_ranks: int, n_microbatches: int) -> Schedule:
     Args:
         n_ranks: pipeline ranks, two stages each (placed by :func:`v_placement`).
         n_microbatches: microbatches per step.
+
+    Returns:
+        The schedule.
 
     Raises:
         TypeError, ValueError: a count is not an int >= 1.
