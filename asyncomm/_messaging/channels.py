@@ -137,8 +137,8 @@ class Channel:
     async def _send(self, frame: Encoded, dst: int, timeout: float | None) -> None:
         router = self._router
         sent = router.send(frame, self.tag, dst, self._timeout if timeout is None else timeout)
-        if self._user and router.instrument.recording is not None:
-            sent = router.instrument.traced(sent, "channel_send", size_of(frame), dst, self.tag)
+        if self._user and self._instrument.recording is not None:
+            sent = self._instrument.traced(sent, "channel_send", size_of(frame), dst, self.tag)
         await sent
 
     async def recv(self, src: int | None = None, *, timeout: float | None = None) -> Message:
@@ -345,7 +345,7 @@ class Channel:
         router = self._router
         router.took(entry, self._box)
         if type(entry) is Message:  # a small message: decoded on arrival (the default codec's)
-            if self._user and router.instrument.recording is not None:  # its bytes, as sent
+            if self._user and self._instrument.recording is not None:  # its bytes, as sent
                 self._received = len(small_encode(entry[2], self._small_room, self._max_ndim)
                                      or b"") if self._small_room else 0
             if not self._small_room:
@@ -354,7 +354,7 @@ class Channel:
                                     f"of codec {self.codec.name}; refused")
             return entry
         frame: Frame = entry  # type: ignore[assignment]
-        if self._user and router.instrument.recording is not None:
+        if self._user and self._instrument.recording is not None:
             self._received = max(frame.charge, 0)
         if frame.error is not None:
             raise frame.error
