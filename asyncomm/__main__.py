@@ -4,4 +4,5 @@ import sys
 
 from asyncomm._tools.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importable: ``from asyncomm.__main__ import main``
+    sys.exit(main())

@@ -15,12 +15,11 @@ from pathlib import Path
 import pytest
 
 import asyncomm
-from asyncomm._tools import mpiexec as _mpiexec
-from asyncomm.testing import World, WorldPool
+from asyncomm.testing import World, WorldPool, find_mpiexec
 
 BACKENDS = [
     "gloo",
-    pytest.param("mpi", marks=pytest.mark.skipif(_mpiexec.find() is None,
+    pytest.param("mpi", marks=pytest.mark.skipif(find_mpiexec() is None,
                                                  reason="mpiexec not installed")),
 ]
 _started = [0.0]  # the session's start (time.time()): older files are not the session's

@@ -286,58 +286,6 @@ def test_groups(world4: World) -> None:
     world4.run(check_groups)
 
 
-async def check_small_all_reduces_kept_in_step(comm: Comm) -> list[object]:
-    """Small all-reduces (kept persistent requests on MPI, see ``_backends/mpi_reduce``):
-    more of a kind in flight than it keeps requests for, among other collectives; each
-    rank taking its own path (quick, usual, another tensor each time); a split after."""
-    async with asyncomm.testing.fresh(comm) as sub:
-        reductions = getattr(sub._backend, "_reductions", None)
-        held = []
-        t = torch.zeros(2)
-        for i in range(6):  # one tensor again and again
-            t.fill_(i + sub.rank)
-            assert await sub.all_reduce(t) is t
-            assert t.tolist() == [2.0 * i + 1] * 2, (i, t)
-        for i in range(6):  # each rank its own way: a deadline, a view, a fresh tensor
-            way = (i + sub.rank) % 3
-            memory = torch.full((4,), -1.0)
-            x = memory[1:3] if way == 1 else torch.zeros(2)
-            x.fill_(i + sub.rank)
-            await sub.all_reduce(x, timeout=30.0 if way == 0 else None)
-            assert x.tolist() == [2.0 * i + 1] * 2, (i, way, x)
-            assert memory[0].item() == memory[3].item() == -1.0  # nothing beyond the view
-        xs = [torch.full((2,), float(i + sub.rank)) for i in range(10)]
-        other = torch.full((3,), float(sub.rank))
-        if sub.rank == 1:  # issued once rank 0's five are: those stay in flight till then,
-            await sub.recv(torch.zeros(1), 0, tag=77)  # so rank 0's fifth is held
-        handles = [sub.all_reduce(x) for x in xs[:5]]  # more than a kind keeps requests for
-        held.append(reductions is not None and reductions.held is not None)
-        if sub.rank == 0:
-            await sub.send(torch.zeros(1), 1, tag=77)
-        handles += [sub.broadcast(other, src=1), sub.all_reduce(xs[5], "max"), sub.barrier()]
-        handles += [sub.all_reduce(x) for x in xs[6:]]
-        await asyncio.gather(*handles)
-        assert [x[0].item() for x in xs[:5] + xs[6:]] == [2.0 * i + 1 for i in range(10)
-                                                          if i != 5], xs
-        assert xs[5].tolist() == [5.0 + 1] * 2 and other.tolist() == [1.0] * 3
-        for _ in range(3):  # averages (the usual path) kept too; the last in flight
-            avg = torch.full((2,), float(sub.rank))
-            handle = sub.all_reduce(avg, "avg")
-        await handle
-        assert avg.tolist() == [0.5, 0.5]
-        pair = await sub.group([0, 1])  # a collective after the kept ones
-        if pair is not None:
-            await pair.close()
-        kept = 0 if reductions is None else len(reductions._kept)
-    return [*held, kept]
-
-
-def test_small_all_reduces_kept_in_step(world2: World) -> None:
-    ranks = world2.run(check_small_all_reduces_kept_in_step)
-    if world2.backend == "mpi":  # kept, and on rank 0 collectives were held back
-        assert [kept >= 4 for _, kept in ranks] == [True, True] and ranks[0][0], ranks
-
-
 async def check_a_kept_all_reduce_that_timed_out(comm: Comm) -> list[float]:
     """An all-reduce of a kept kind times out on rank 0 (rank 1 comes late); the next
     ones of its kind, which need its request again, go once it is done, in order."""

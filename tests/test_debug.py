@@ -14,7 +14,6 @@ import torch
 
 import asyncomm
 from asyncomm import Comm
-from asyncomm._core import settings
 from asyncomm.testing import World, fresh, run_script
 
 
@@ -178,12 +177,3 @@ def test_an_uncaught_mismatch_is_said_once_and_the_ending_is_no_stall(
                                    "collectives differ"), proc.stderr
     assert "The above exception was the direct cause" not in proc.stderr, proc.stderr
     assert "abort_job" not in proc.stderr, proc.stderr
-
-
-def test_debug_flag(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ASYNCOMM_DEBUG", raising=False)
-    assert not settings.read().debug
-    monkeypatch.setenv("ASYNCOMM_DEBUG", "0")
-    assert not settings.read().debug
-    monkeypatch.setenv("ASYNCOMM_DEBUG", "1")
-    assert settings.read().debug

@@ -8,7 +8,6 @@ import contextlib
 import logging
 import os
 import re
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,6 @@ import torch
 
 import asyncomm
 from asyncomm import Comm, CommTimeoutError
-from asyncomm._observe import status
 from asyncomm.testing import World, fresh, run_script
 
 HINT = "rerun with ASYNCOMM_DEBUG=1"
@@ -241,28 +239,6 @@ def test_errors_read_as_asyncomm_errors() -> None:
     assert asyncomm.CommTimeoutError.__module__ == "asyncomm"
     error = asyncomm.PeerFailedError("x")
     assert f"{type(error).__module__}.{type(error).__qualname__}" == "asyncomm.PeerFailedError"
-
-
-def test_ranks_that_differ_only_in_durations_are_grouped() -> None:
-    # the ranks' clocks started a few ms apart: 1.04 s and 0.96 s print as 1.0 and 1.1
-    said = status.summary([(2, "broadcast #1 pending for 1.0 s"), (0, "finished"),
-                           (1, "broadcast #1 pending for 1.1 s"),
-                           (3, "recv #2 peer 1 tag {7} pending for 2.0 s")])
-    assert said == ("rank 0: finished; ranks 1, 2: broadcast #1 pending for 1.0-1.1 s; "
-                    "rank 3: recv #2 peer 1 tag {7} pending for 2.0 s"), said
-
-
-def test_a_consequent_failure_is_said_in_one_line_as_python_words_it(
-        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    from asyncomm import _runtime
-
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # _quietly installs its own
-    monkeypatch.setattr(_runtime, "_previous_hook", None)
-    error = asyncomm.PeerFailedError("rank 2: all_reduce #2: rank 1 failed")
-    _runtime._quietly(error, "asyncomm: rank 2 stopped: ")
-    sys.excepthook(type(error), error, None)
-    assert capsys.readouterr().err == ("asyncomm: rank 2 stopped: asyncomm.PeerFailedError: "
-                                       "rank 2: all_reduce #2: rank 1 failed\n")
 
 
 SURVIVORS = """

@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncomm._tools import mpiexec, network
-from asyncomm.testing import run_command
+from asyncomm.testing import find_mpiexec, mpiexec_flavour, network, run_command
 
 HERE = Path(__file__).parent
 SCENARIOS = str(HERE / "multihost_scenarios.py")
@@ -86,10 +85,10 @@ def test_torchrun_on_two_hosts_runs_every_scenario(net: network.Network) -> None
 
 def test_mpiexec_with_a_host_list_runs_every_scenario(net: network.Network,
                                                       tmp_path: Path) -> None:
-    program = mpiexec.find()
+    program = find_mpiexec()
     if program is None:
         pytest.skip("mpiexec not installed")
-    if mpiexec.flavour(program) != "hydra":
+    if mpiexec_flavour(program) != "hydra":
         pytest.skip("the host list and ssh stand-in are given in Hydra's (MPICH's) options")
     sent = [_bytes_sent(net, h) for h in range(2)]
     ssh = net.ssh_stand_in(tmp_path)
@@ -166,14 +165,3 @@ def test_asyncomm_run_on_emulated_hosts_with_a_shaped_link(tmp_path: Path) -> No
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     assert "shaped 0 host1 tbf" in done.stdout and "shaped 1 host2 tbf" in done.stdout, \
         done.stdout
-
-
-def test_each_host_gives_gloo_the_interface_that_reaches_the_first(net: network.Network) -> None:
-    probe = ("from asyncomm._backends import gloo_net; "
-             f"c = gloo_net.choose({{'WORLD_SIZE': '4', 'LOCAL_WORLD_SIZE': '2'}}, "
-             f"'{net.addresses[0]}'); print(c.interface, c.address)")
-    probes = [net.run(host, [sys.executable, "-c", probe], env=_env(), stdout=subprocess.PIPE,
-                      stderr=subprocess.PIPE, text=True) for host in range(2)]
-    for host, proc in enumerate(probes):
-        out, err = proc.communicate(timeout=LIMIT_S)
-        assert out.split() == [network.INTERFACE, net.addresses[host]], err

@@ -110,7 +110,7 @@ def test_the_graph_sees_a_circle() -> None:
 
 
 SOURCES = ("*.py", "*.pyx", "*.pxd", "*.c", "*.cc", "*.cpp", "*.h", "*.hpp")
-MAX_PACKAGE_LINES = 19_428  # the whole package, every source it ships (compiled ones too)
+MAX_PACKAGE_LINES = 19_442  # the whole package, every source it ships (compiled ones too)
 
 
 def _sources() -> list[Path]:
@@ -140,3 +140,49 @@ def test_backends_alone_import_the_engines() -> None:
             if any(n == e or n.startswith(e + ".") for n in names for e in engines):
                 outside.append(str(path.relative_to(ROOT)))
     assert not outside, f"torch.distributed or mpi4py imported outside the backends: {outside}"
+
+
+# What a behaviour test may read of objects that are not asyncomm's (the standard library's
+# and torch's own underscored names), and of the test's own classes (``self``).
+NOT_ASYNCOMMS = {"self", "os", "sys", "torch", "np", "asyncio", "threading", "signal", "socket"}
+
+
+def private_reaches(source: str) -> list[str]:
+    """Return where ``source`` reaches past asyncomm's public API: a private module imported
+    or named (in a script it runs, too), or an underscored attribute read."""
+    reaches = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = node.value.replace(";", " ").split()
+        reaches += [f"line {node.lineno}: {n}" for n in names
+                    if n.startswith("asyncomm.") and n.split(".")[1][:1] == "_"
+                    and not n.startswith("asyncomm.__")]
+        if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in NOT_ASYNCOMMS)):
+            reaches.append(f"line {node.lineno}: .{node.attr}")
+    return reaches
+
+
+def test_behaviour_tests_use_the_public_api() -> None:
+    # A test in tests/ is a user's: it passes as long as the documented behaviour holds, so
+    # the insides can change under it. A test that reaches in on purpose lives in
+    # tests/internals/ and says why in its docstring.
+    reaching = {path.name: found for path in sorted((ROOT / "tests").glob("test_*.py"))
+                if path.name != "test_layout.py"  # (this file names private modules as data)
+                and (found := private_reaches(path.read_text()))}
+    assert not reaching, reaching
+
+
+def test_private_reaches_are_seen() -> None:
+    assert sorted(private_reaches("from asyncomm._core import wire\nfrom asyncomm import Comm\n"
+                           "import asyncomm._tools.cli\ncomm._router.link\nself._x\n"
+                           "S = 'from asyncomm._backends import gloo_net; x'\n"
+                           "from asyncomm.__main__ import main")) == [
+        "line 1: asyncomm._core", "line 1: asyncomm._core.wire", "line 3: asyncomm._tools.cli",
+        "line 4: ._router", "line 6: asyncomm._backends"]

@@ -21,8 +21,7 @@ import torch
 
 import asyncomm
 from asyncomm import Comm
-from asyncomm._tools.launch import host_store
-from asyncomm.testing import World, run_script
+from asyncomm.testing import World, host_store, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -266,7 +265,9 @@ async def main() -> None:
         await session(round_)
     print("reinit ok", flush=True)
 
-asyncomm._runtime.run_loop(main())
+import uvloop  # the loop asyncomm.run runs its ranks on
+
+uvloop.run(main())
 """
 
 
@@ -466,7 +467,9 @@ async def main():
         await asyncio.sleep(0.01)
     say("threads:", asyncomm_threads())
 
-asyncomm._runtime.run_loop(main())
+import uvloop  # the loop asyncomm.run runs its ranks on
+
+uvloop.run(main())
 """
 
 
@@ -505,7 +508,9 @@ async def main():
     await comm.close()
     print("closed after", time.monotonic() - started, "s", flush=True)
 
-asyncomm._runtime.run_loop(main())
+import uvloop  # the loop asyncomm.run runs its ranks on
+
+uvloop.run(main())
 """
 
 
@@ -574,7 +579,9 @@ async def main():
         await comm.channel(21).send("done", 1)
     await comm.close()
 
-asyncomm._runtime.run_loop(main())
+import uvloop  # the loop asyncomm.run runs its ranks on
+
+uvloop.run(main())
 """
 
 

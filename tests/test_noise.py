@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 import asyncomm
-from asyncomm._core import errors
-from asyncomm._tools.mpiexec import find as find_mpiexec
+from asyncomm.testing import find_mpiexec
 
 ROOT = Path(asyncomm.__file__).resolve().parents[1]
 BACKENDS = ["gloo", pytest.param("mpi", marks=pytest.mark.skipif(
@@ -147,23 +146,6 @@ def test_a_killed_mpi_rank_is_said_once(tmp_path: Path) -> None:
     said = (out + err).strip().splitlines()  # MPICH's banner, when it comes, is left out
     assert len(said) == 1 and re.match(r"asyncomm run: .*rank 1 killed by SIGKILL", said[0]), (
         out + err)
-
-
-@pytest.mark.parametrize(("said", "gist"), [
-    ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
-     "by peer [127.0.0.1]:41348. This is typically caused by a remote worker crashing. Check "
-     "the logs of the remote worker before reporting an error. GLHF!",
-     "Connection closed by peer [127.0.0.1]:41348"),
-    ("it raised RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/"
-     "unbound_buffer.cc:78] Timed out waiting 100ms for recv operation to complete",
-     "it raised RuntimeError: Timed out waiting 100ms for recv operation to complete"),
-    ("Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/tcp/pair.cc:152] "
-     "no error", "Gloo connectFullMesh failed with no error"),
-    ("[enforce fail at ../gloo/transport/tcp/pair.cc:446] op.preamble.length <= op.nbytes. "
-     "16 vs 8", "op.preamble.length <= op.nbytes. 16 vs 8"),
-])
-def test_an_error_gist_has_no_cpp_source_location(said: str, gist: str) -> None:
-    assert errors.gist(RuntimeError(said)) == gist
 
 
 # A gloo error of the program's own (a raw receive that times out) while its peers wait in an

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncomm import pipeline
-from asyncomm._tools.cli import main
+from asyncomm.__main__ import main
 from asyncomm.pipeline import Action, Op, Schedule, ScheduleError
 
 

@@ -86,7 +86,9 @@ async def main():
         await cycle(number)
     print("cycles ok", flush=True)
 
-asyncomm._runtime.run_loop(main())
+import uvloop  # the loop asyncomm.run runs its ranks on
+
+uvloop.run(main())
 """
 
 

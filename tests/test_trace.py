@@ -19,9 +19,7 @@ from torch import nn
 
 import asyncomm
 from asyncomm import Comm
-from asyncomm._core import instrument
-from asyncomm._observe import recorder as _trace
-from asyncomm._tools import cli as _cli
+from asyncomm.__main__ import main as cli
 from asyncomm.testing import World, run_command
 from asyncomm.trace import Overlap, intersect, measure, merge, overlap, steps, subtract, union
 
@@ -75,7 +73,7 @@ def test_stalled_communication_under_compute_is_neither_hidden_nor_exposed() -> 
 
 def _rank_file(directory: Path, rank: int, host: str, perf: float, wall_ns: int,
                events: list[dict[str, Any]]) -> None:
-    doc = {"format": _trace.FORMAT, "version": _trace.VERSION, "rank": rank, "size": 2,
+    doc = {"format": "asyncomm-trace", "version": 1, "rank": rank, "size": 2,
            "host": host, "pid": 100 + rank, "anchor": {"perf_counter": perf, "wall_ns": wall_ns},
            "comms": [{"rank": rank, "size": 2, "backend": "gloo"}], "events": events}
     (directory / f"rank{rank}.json").write_text(json.dumps(doc))
@@ -122,11 +120,10 @@ def test_merge_aligns_hosts_by_wall_clock_and_keeps_rows_free_of_overlaps(
 async def check_start_records_until_stop(comm: Comm, directory: str) -> int:
     peer = 1 - comm.rank
     # Without ASYNCOMM_TRACE (the test worlds have none) nothing records.
-    assert comm._instrument.recording is None and not asyncomm.trace.enabled()
-    assert instrument._current is None
+    assert not asyncomm.trace.enabled()
     asyncomm.trace.start(directory)
     try:
-        assert asyncomm.trace.enabled() and comm._instrument.recording is not None
+        assert asyncomm.trace.enabled()
         t = torch.ones(16)
         await comm.all_reduce(t)
         if comm.rank == 0:
@@ -155,9 +152,8 @@ async def check_start_records_until_stop(comm: Comm, directory: str) -> int:
     [message] = [e for e in doc["events"] if e["cat"] == "channel"]
     assert message["kind"] == ("channel_send" if comm.rank == 0 else "channel_recv")
     assert all(e["start"] <= e["end"] for e in doc["events"])
-    # Off again: nothing more is recorded or written, and the hook is gone.
-    assert comm._instrument.recording is None and not asyncomm.trace.enabled()
-    assert instrument._current is None
+    # Off again: nothing more is recorded or written.
+    assert not asyncomm.trace.enabled()
     before = path.read_bytes()
     await comm.all_reduce(t)
     await asyncomm.compute(torch.mm, torch.ones(8, 8), torch.ones(8, 8))
@@ -226,7 +222,7 @@ def _run_traced(tmp_path: Path, backend: str) -> tuple[subprocess.CompletedProce
     (out / "rank7.json").write_text("{}")  # an earlier run's: the launcher clears it
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path}
-    env.pop(_trace.ENV, None)
+    env.pop("ASYNCOMM_TRACE", None)
     done = run_command([sys.executable, "-m", "asyncomm", "run", "-n", "2", "--backend", backend,
                         "--trace", str(out), script.name], 90, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -275,9 +271,9 @@ def test_run_trace_records_what_each_rank_issued(tmp_path: Path, backend: str) -
     assert done.stderr.count(f"RuntimeWarning: asyncomm: tracing into {out}") == 2, done.stderr
     if backend == "gloo":  # the command, once: own output paths
         png, merged = tmp_path / "t.png", tmp_path / "t.json"
-        assert _cli.main(["trace", str(out), "--png", str(png), "--json", str(merged)]) == 0
+        assert cli(["trace", str(out), "--png", str(png), "--json", str(merged)]) == 0
         assert png.read_bytes()[:8] == PNG and json.loads(merged.read_text()) == trace
-        assert _cli.main(["trace", str(tmp_path)]) == 2  # no rank files there
+        assert cli(["trace", str(tmp_path)]) == 2  # no rank files there
 
 
 async def check_torch_collectives_on_the_timeline(comm: Comm, directory: str
@@ -321,10 +317,10 @@ def test_ddp_and_raw_collectives_are_on_the_timeline(world2: World, tmp_path: Pa
     assert sorted(per_step) == [0, 1] and all(
         len(s) == 3 and all(m.communication > 0 for m in s) for s in per_step.values()), per_step
     png = tmp_path / "steps.png"
-    assert _cli.main(["trace", str(tmp_path), "--steps", "1:1", "--steps", "2:2", "--png",
+    assert cli(["trace", str(tmp_path), "--steps", "1:1", "--steps", "2:2", "--png",
                       str(png)]) == 0  # two panels side by side
     assert png.read_bytes().startswith(b"\x89PNG")
-    assert _cli.main(["trace", str(tmp_path), "--steps", "5:6"]) == 2  # not that many steps
+    assert cli(["trace", str(tmp_path), "--steps", "5:6"]) == 2  # not that many steps
 
 
 async def check_gradsync_sum_on_the_timeline(comm: Comm, directory: str) -> list[dict[str, Any]]:

@@ -9,6 +9,10 @@ for failures and hangs, after which the world is restarted).
 
 The pytest plugin (``asyncomm.testing.plugin``, registered for pytest when
 asyncomm is installed) runs ``async def test_x(comm)`` tests so: see its note.
+
+For tests that start ranks by hand: ``find_mpiexec`` (and ``mpiexec_flavour``),
+``host_store`` (a rendezvous store on a port it holds), and ``network`` (emulated
+hosts: network namespaces on one machine, docs/several-hosts.md).
 """
 
 from __future__ import annotations
@@ -30,6 +34,10 @@ from unittest import mock
 
 import asyncomm
 from asyncomm._core.env import MPI_RANK_VARS
+from asyncomm._tools import network
+from asyncomm._tools.launch import host_store
+from asyncomm._tools.mpiexec import find as find_mpiexec
+from asyncomm._tools.mpiexec import flavour as mpiexec_flavour
 
 _ADDRESS = "ASYNCOMM_TEST_ADDRESS"  # where a rank connects back to (read by ``_rank``)
 _KEY = "ASYNCOMM_TEST_KEY"
@@ -107,7 +115,7 @@ class World:
                 self._spawn([mpiexec, "-n", str(self.size), *_mpiexec.local_options(mpiexec),
                              *command], env, self._logs[0])
             else:
-                self._store, store_port = _launch.host_store()
+                self._store, store_port = host_store()
                 for rank, mine in enumerate(_launch.local_world(self.size, store_port)):
                     self._spawn(command, {**env, **mine}, self._logs[rank])
             conns: dict[int, Connection] = {}
@@ -349,3 +357,8 @@ def run_command(argv: Sequence[str], timeout: float, *, cwd: Path | str | None =
                 out, err = launcher.communicate()
             raise subprocess.TimeoutExpired(argv, timeout, out, err) from None
     return subprocess.CompletedProcess(argv, launcher.returncode, out, err)
+
+
+__all__ = ["CHECK_TIMEOUT_S", "START_TIMEOUT_S", "World", "WorldFailure", "WorldPool",
+           "find_mpiexec", "fresh", "host_store", "mpiexec_flavour", "network", "run_command",
+           "run_script"]

@@ -32,7 +32,11 @@ _modules: dict[str, ModuleType] = {}
 def _load(path: str, qualname: str) -> Callable[..., Any]:
     module = _modules.get(path)
     if module is None:
-        sys.path.insert(0, str(Path(path).parent))
+        # Imported as pytest imports it: its folder first on the path, and every folder above
+        # it that holds a conftest.py (pytest put those on the path as it loaded them).
+        folder = Path(path).resolve().parent
+        sys.path[:0] = [str(folder), *(str(f) for f in folder.parents
+                                       if (f / "conftest.py").is_file())]
         spec = importlib.util.spec_from_file_location(f"asyncomm_check_{len(_modules)}", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)

@@ -1,10 +1,17 @@
-"""Which interface gloo gets across hosts, and how its connection failures are worded."""
+"""Which interface gloo gets across hosts, and how its connection failures are worded
+(internals, on purpose: ``gloo_net`` and ``startup`` called directly)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from collections.abc import Iterator
+
 import pytest
+from test_hosts import LIMIT_S, _env
 
 from asyncomm._backends import gloo_net, startup
+from asyncomm.testing import network
 
 REFUSED = RuntimeError(
     "Gloo connectFullMesh failed with [../third_party/gloo/gloo/transport/tcp/pair.cc:152] "
@@ -66,3 +73,22 @@ def test_failures_to_join_are_said_together_when_they_say_the_same() -> None:
                           5: "store timeout"})
     assert said == ("ranks 2, 3 failed to join: gloo dialed 127.0.0.1:1; "
                     "rank 5 failed to join: store timeout")
+
+
+@pytest.fixture(scope="module")
+def net() -> Iterator[network.Network]:
+    with network.Network(2) as made:
+        yield made
+
+
+@pytest.mark.skipif(network.missing() is not None, reason=network.missing() or "")
+@pytest.mark.timeout(600)
+def test_each_host_gives_gloo_the_interface_that_reaches_the_first(net: network.Network) -> None:
+    probe = ("from asyncomm._backends import gloo_net; "
+             f"c = gloo_net.choose({{'WORLD_SIZE': '4', 'LOCAL_WORLD_SIZE': '2'}}, "
+             f"'{net.addresses[0]}'); print(c.interface, c.address)")
+    probes = [net.run(host, [sys.executable, "-c", probe], env=_env(), stdout=subprocess.PIPE,
+                      stderr=subprocess.PIPE, text=True) for host in range(2)]
+    for host, proc in enumerate(probes):
+        out, err = proc.communicate(timeout=LIMIT_S)
+        assert out.split() == [network.INTERFACE, net.addresses[host]], err

@@ -1,4 +1,5 @@
-"""Environment detection, and the launchers asyncomm does not own: torchrun, mpiexec."""
+"""Environment detection (internals, on purpose): who launched this process, and the
+launchers asyncomm does not own (torchrun, mpiexec); and how `ASYNCOMM_DEBUG` is read."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from asyncomm._core import settings
 from asyncomm._core.env import detect
 from asyncomm._tools import mpiexec as _mpiexec
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bare_process_is_a_world_of_one() -> None:
@@ -95,3 +97,12 @@ def test_unchanged_under_mpiexec(tmp_path: Path) -> None:
         pytest.skip("mpiexec not installed")
     out = _run([mpiexec, "-n", "2", sys.executable], tmp_path)
     assert "rank 0/2 mpi 3" in out and "rank 1/2 mpi 3" in out
+
+
+def test_debug_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ASYNCOMM_DEBUG", raising=False)
+    assert not settings.read().debug
+    monkeypatch.setenv("ASYNCOMM_DEBUG", "0")
+    assert not settings.read().debug
+    monkeypatch.setenv("ASYNCOMM_DEBUG", "1")
+    assert settings.read().debug

@@ -1,4 +1,7 @@
-"""``asyncomm bench``: the smoke runs complete and write sane records (no timing thresholds)."""
+"""``asyncomm bench``: the smoke runs complete and write sane records (no timing thresholds).
+
+Internals on purpose: the sections' parts are called directly (measurements, tables, the
+soak's checks), and the pipeline section's measurements run on a pooled world."""
 
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ from typing import Any
 
 import pytest
 
+from asyncomm import Comm
 from asyncomm._tools import bench
 from asyncomm._tools import mpiexec as _mpiexec
 from asyncomm._tools import soak as _soak
 from asyncomm._tools.bench import channels, core, harness
-from asyncomm.testing import run_command
+from asyncomm.testing import World, run_command
 
 BACKEND = "both" if _mpiexec.find() is not None else "gloo"
 EXPECTED = ("gloo", "mpi") if BACKEND == "both" else ("gloo",)
@@ -113,3 +117,27 @@ def test_the_core_table_says_whether_targets_are_met() -> None:
     assert core.verdict(rec("allreduce", 8, "mpi", 1.9, 2.3)) == "<= 2x, <= naive: met"
     assert core.verdict(rec("allreduce", 8, "gloo", 3.0, 3.1)) == "<= naive: met"
     assert core.verdict(rec("pingpong", 64, "mpi", 9.0, 1.0)) == ""
+
+
+async def check_bench(comm: Comm) -> None:
+    """``asyncomm bench pipeline``'s measurements run and give sane records (no timing limits)."""
+    from asyncomm._tools.bench import pipeline as bench
+
+    records = await bench.bubble(comm, 0.001, 2 * comm.size, steps=1)
+    if comm.backend == "gloo":
+        records += await bench.versus_torch(comm, width=8, batch=8, n_microbatches=2,
+                                            rounds=1, steps=1)
+    assert [(r["test"], r["schedule"]) for r in records] == [
+        *(("bubble", s) for s in bench.BUBBLE_SCHEDULES),
+        *((("vs_torch", s) for s in bench.TORCH_SCHEDULES) if comm.backend == "gloo" else ())]
+    for r in records:
+        assert r["ratio"] > 0, r
+        if r["test"] == "bubble":
+            assert 0 < r["theory"] < 1 and r["measured"] < 1, r
+    text = "\n".join(bench.table([{"backend": comm.backend, "ranks": comm.size, "torch": "x",
+                                   "rounds": 1, **r} for r in records]))
+    assert "interleaved" in text and ("1f1b" in text)
+
+
+def test_bench_measurements_run(world2: World) -> None:
+    world2.run(check_bench)

@@ -1,5 +1,8 @@
 """A channel's receive is a coroutine that takes nothing until it runs, and a closed
-communicator's link and router are collected: real worlds, both backends."""
+communicator's link and router are collected: real worlds, both backends.
+
+Internals on purpose: what is collected is the router and its link, and "nothing taken"
+is read from the mailbox."""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""``GradSync``: gradients averaged in backward equal DDP's (gloo) or the local average (MPI)."""
+"""``GradSync``: gradients averaged in backward equal DDP's (gloo) or the local average (MPI).
+
+Internals on purpose: the checks read its buckets, to see each bucket's all-reduce issued
+during backward in bucket order, reduced in place, or summed through shared memory; and they
+take shared memory away to see it fall back."""
 
 from __future__ import annotations
 
