@@ -242,7 +242,7 @@ async def session(round_: int) -> None:
         assert g is not None
         await g.barrier()
         print(f"round {round_} sum {t.item():g}", flush=True)
-    assert comm.closed
+    assert comm.closed and g.closed  # a communicator's close closes the groups made from it
     await comm.close()  # idempotent
     try:
         comm.barrier()

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from asyncomm import Comm, CommClosedError, GradSync, RemoteError, pipeline
+from asyncomm import Comm, GradSync, RemoteError, pipeline
 from asyncomm.testing import World
 
 WIDTH, MICROBATCHES, BATCH = 6, 4, 8
@@ -238,19 +238,6 @@ async def check_cancel_told(comm: Comm) -> None:
     await pipe.close()
 
 
-async def check_comm_close_closes_pipeline(comm: Comm) -> None:
-    """``comm.close()`` closes a pipeline made on it (its own communicator too)."""
-    schedule = pipeline.get("1f1b", comm.size, MICROBATCHES)
-    data = batches(2)
-    pipe = pipeline.Pipeline(comm, schedule, pipeline.split(build(2), 2),
-                             nn.functional.mse_loss)
-    for x, y in data:  # step 2 runs on the pipeline's own communicator
-        await pipe.step(x if pipe.first else None, y if pipe.last_stage else None)
-    await comm.close()
-    with pytest.raises(CommClosedError):
-        await pipe.step(*data[0])
-
-
 class _FailsBackward(torch.autograd.Function):
     """Identity forward; its backward raises."""
 
@@ -307,10 +294,6 @@ def test_cancel_told(world2: World) -> None:
 
 def test_groups_agree_after_a_failed_first_step(world2: World) -> None:
     world2.run(check_groups_agree_after_a_failed_first_step, 12)
-
-
-def test_comm_close_closes_the_pipeline(world2: World) -> None:
-    world2.run(check_comm_close_closes_pipeline)
 
 
 class Where(nn.Module):

@@ -10,15 +10,11 @@ another has already left -- and are repeated, because the abort came only someti
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from asyncomm.testing import run_script
-
-HERE = Path(__file__).resolve().parent
 
 CYCLES = """
 import asyncio, faulthandler, sys, threading, time, torch, asyncomm
@@ -93,18 +89,17 @@ uvloop.run(main())
 
 
 def test_ending_with_operations_in_flight_never_aborts_gloo(tmp_path: Path) -> None:
-    script = tmp_path / "cycles.py"
-    script.write_text(CYCLES.replace("int(sys.argv[1])", "1"))
     # Two ranks (rank 1 leaves while rank 0's collective waits on it) keep the exits short;
-    # the three-rank cycles below add a peer that stays but never joins. Four exits: the
-    # abort this guards against came in 4 of 4 before the fix.
-    proc = subprocess.run([sys.executable, str(HERE / "exit_loop.py"), str(script), "2", "4"],
-                          capture_output=True, text=True, timeout=100)
-    said = proc.stdout + proc.stderr
-    assert proc.returncode == 0, said
-    assert said.count("exit codes [0, 0]") == 4, said
-    assert said.count("cycles ok") == 8, said
-    assert "terminate" not in said and "Traceback" not in said, said
+    # the three-rank cycles below add a peer that stays but never joins. ``asyncomm run``
+    # forks its gloo ranks from a launcher that loaded torch, and each ends as Python ends
+    # (finalization, atexit). Four runs: the abort this guards against came in 4 of 4
+    # before the fix.
+    for _ in range(4):
+        proc = run_script(CYCLES.replace("int(sys.argv[1])", "1"), tmp_path, 2, "gloo")
+        said = proc.stdout + proc.stderr
+        assert proc.returncode == 0, said
+        assert said.count("cycles ok") == 2, said
+        assert "terminate" not in said and "Traceback" not in said, said
 
 
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
@@ -115,32 +110,6 @@ def test_closing_with_operations_in_flight_leaves_nothing_behind(tmp_path: Path,
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("cycles ok") == 3, proc.stdout + proc.stderr
     assert "terminate" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
-
-
-RELEASE_AFTER_LEAVING = """
-import asyncio, os, torch, asyncomm
-
-async def main(comm):
-    await comm.barrier()
-    if comm.rank == 1:
-        os._exit(0)  # leaves at once, as a rank that fails does (its connections close)
-    await asyncio.sleep(1.0)
-    # What a rank does when a rank that left asked it to end its any-source receive:
-    comm._backend.release(1, 9)  # private: the router's call, for a peer gone meanwhile
-    print("released quietly", flush=True)
-    os._exit(0)
-
-asyncomm.run(main)
-"""
-
-
-def test_a_release_for_a_rank_that_left_is_quiet(tmp_path: Path) -> None:
-    # A rank leaving on an error asks a live peer to end its stuck receive and goes at
-    # once: by the time the peer acts, the connection may be closed. The peer goes on
-    # quietly (it logged a traceback from gloo's send, in 1 of 8 runs of the cycles above).
-    proc = run_script(RELEASE_AFTER_LEAVING, tmp_path, 2, "gloo", timeout=60)
-    assert "released quietly" in proc.stdout, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
 
 
 NEVER_CLOSED = """

@@ -158,6 +158,14 @@ async def check_start_records_until_stop(comm: Comm, directory: str) -> int:
     await comm.all_reduce(t)
     await asyncomm.compute(torch.mm, torch.ones(8, 8), torch.ones(8, 8))
     assert path.read_bytes() == before
+    # And on again: the communicator records into the new trace, only what came after.
+    asyncomm.trace.start(directory + "-again")
+    try:
+        await comm.all_reduce(t)
+    finally:
+        again = asyncomm.trace.stop()
+    ops = [e["kind"] for e in json.loads(again.read_text())["events"] if e["cat"] == "op"]
+    assert ops == ["all_reduce"], ops
     await comm.barrier()  # the peer has written its file too
     assert sorted(os.listdir(directory)) == sorted(f"rank{r}.json" for r in range(comm.size))
     return int(message["bytes"])

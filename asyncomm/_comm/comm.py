@@ -340,7 +340,7 @@ class Comm(Collectives, Peers):
         """Return the channel ``tag`` of this communicator (one object per tag).
 
         Args:
-            tag: any int >= 0 (channels are not limited by ``max_tag``).
+            tag: any int from 0 to 2**62 - 1 (channels are not limited by ``max_tag``).
             codec: ``"default"`` carries tensors, arrays, bytes, str, numbers, ``None``
                 and lists/tuples/dicts of these, and never unpickles; ``"pickle"``
                 carries any picklable object (trusted peers only).

@@ -35,9 +35,10 @@ from unittest import mock
 import asyncomm
 from asyncomm._core.env import MPI_RANK_VARS
 from asyncomm._tools import network
-from asyncomm._tools.launch import host_store
+from asyncomm._tools.launch import host_store, local_world
 from asyncomm._tools.mpiexec import find as find_mpiexec
 from asyncomm._tools.mpiexec import flavour as mpiexec_flavour
+from asyncomm._tools.mpiexec import local_options
 
 _ADDRESS = "ASYNCOMM_TEST_ADDRESS"  # where a rank connects back to (read by ``_rank``)
 _KEY = "ASYNCOMM_TEST_KEY"
@@ -91,9 +92,6 @@ class World:
             RuntimeError: a rank exited or did not connect in time (their output
                 is in the message), or the MPI world finds no ``mpiexec``.
         """
-        from asyncomm._tools import launch as _launch
-        from asyncomm._tools import mpiexec as _mpiexec
-
         key = secrets.token_bytes(16)
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
             host, port = listener.address
@@ -108,15 +106,15 @@ class World:
             command = [sys.executable, "-m", "asyncomm.testing"]  # see ``_rank``
             self._logs = [Path(self._logdir.name) / f"rank{r}.log" for r in range(self.size)]
             if self.backend == "mpi":
-                mpiexec = _mpiexec.find()
+                mpiexec = find_mpiexec()
                 if mpiexec is None:
                     raise RuntimeError("mpiexec not found: pip install 'asyncomm[mpi]'")
                 self._logs = [Path(self._logdir.name) / "mpiexec.log"]
-                self._spawn([mpiexec, "-n", str(self.size), *_mpiexec.local_options(mpiexec),
+                self._spawn([mpiexec, "-n", str(self.size), *local_options(mpiexec),
                              *command], env, self._logs[0])
             else:
                 self._store, store_port = host_store()
-                for rank, mine in enumerate(_launch.local_world(self.size, store_port)):
+                for rank, mine in enumerate(local_world(self.size, store_port)):
                     self._spawn(command, {**env, **mine}, self._logs[rank])
             conns: dict[int, Connection] = {}
             pids: dict[int, int] = {}
@@ -161,9 +159,10 @@ class World:
             self.start()
         self._requests += 1
         request = self._requests
-        path = str(Path(sys.modules[check.__module__].__file__ or "").resolve())
+        path = Path(sys.modules[check.__module__].__file__ or "").resolve()
+        folders = [f for f in sys.path if f and path.is_relative_to(Path(f).resolve())]
         for conn in self._conns:
-            conn.send(("run", request, path, check.__qualname__, args))
+            conn.send(("run", request, str(path), folders, check.__qualname__, args))
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
         deadline = time.monotonic() + timeout
@@ -222,7 +221,7 @@ class World:
         """Stop the ranks (politely, then not)."""
         for conn in self._conns:
             with contextlib.suppress(OSError):
-                conn.send(("stop", 0, "", "", ()))
+                conn.send(("stop", 0, "", [], "", ()))
         deadline = time.monotonic() + 5.0
         for proc in self._procs:
             try:
@@ -314,9 +313,7 @@ def run_script(source: str, directory: Path, n: int, backend: str = "gloo",
     Raises:
         subprocess.TimeoutExpired: it took longer than ``timeout`` seconds.
     """
-    from asyncomm._tools import mpiexec as _mpiexec
-
-    if backend == "mpi" and _mpiexec.find() is None:
+    if backend == "mpi" and find_mpiexec() is None:
         import pytest
 
         pytest.skip("mpiexec not installed")

@@ -29,14 +29,12 @@ from asyncomm.testing import fresh
 _modules: dict[str, ModuleType] = {}
 
 
-def _load(path: str, qualname: str) -> Callable[..., Any]:
+def _load(path: str, folders: list[str], qualname: str) -> Callable[..., Any]:
     module = _modules.get(path)
     if module is None:
-        # Imported as pytest imports it: its folder first on the path, and every folder above
-        # it that holds a conftest.py (pytest put those on the path as it loaded them).
-        folder = Path(path).resolve().parent
-        sys.path[:0] = [str(folder), *(str(f) for f in folder.parents
-                                       if (f / "conftest.py").is_file())]
+        # its folder first, then the test process's own that hold it (where pytest put a
+        # conftest's): what the check file imports is found as it was there
+        sys.path[:0] = [str(Path(path).parent), *folders]
         spec = importlib.util.spec_from_file_location(f"asyncomm_check_{len(_modules)}", path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
@@ -61,11 +59,12 @@ async def serve(comm: asyncomm.Comm) -> None:
     loop.add_signal_handler(signal.SIGUSR1, _print_tasks)
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
     while True:
-        command, request, path, qualname, args = await loop.run_in_executor(None, conn.recv)
+        command, request, path, folders, qualname, args = await loop.run_in_executor(None,
+                                                                                conn.recv)
         if command == "stop":
             break
         try:
-            check = _load(path, qualname)
+            check = _load(path, folders, qualname)
             # a communicator of the check's own, over every rank: what it leaves (operations
             # in flight, channels, actors, groups) closes with it, so the next check starts
             # clean; a check that raised leaves without waiting

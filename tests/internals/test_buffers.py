@@ -1,4 +1,5 @@
-"""Receive buffers of large frames: lent again only once nothing refers to them."""
+"""Receive buffers of large frames: lent again only once nothing refers to them.
+(Internals on purpose: ``_core/buffers.py``'s ``Buffers``, driven directly.)"""
 
 from __future__ import annotations
 

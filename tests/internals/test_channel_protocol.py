@@ -3,7 +3,9 @@
 Flow control is read where it lives (a sender waiting for credit in its window, frames
 held in a mailbox); the link's messages are counted, held back or forged (heads, packets,
 runs, batches, oversized messages) to see each refused for its own channel or source
-alone; large frames' buffers are read to see them lent again. Each check says which.
+alone; large frames' buffers are read to see them lent again. Some checks make a
+``Channel`` on the router directly (no peer checks), put an MPI link of the other kind in,
+or read the gloo lane's readers and writers and the communicator's unopened channels.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Internals on purpose: the checks read its buckets, to see each bucket's all-reduce issued
 during backward in bucket order, reduced in place, or summed through shared memory; and they
-take shared memory away to see it fall back."""
+take shared memory away to see it fall back. The bench's ``gradsync`` section runs here
+too, on a pooled world."""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
 """gloo's data lane on its own: two lanes in one process, real sockets and shared memory.
+(Internals on purpose: ``_backends/gloo_lane.py``'s ``Lane``, its handshake and its ways
+out, driven directly.)
 
 Every byte arrives in order into the buffers asked for, through a ring of shared
 memory (peers on one host) or the socket alone; a peer that goes mid-buffer fails

@@ -1,6 +1,9 @@
-"""Pipeline steps that fail, reaching into the pipeline on purpose: its point-to-point
-operations (to send what a failed step's posted receives wait for, which gloo cannot cancel),
-their tags, and its failure notices (to send a stale one)."""
+"""Pipeline steps that fail or change shape, and a pipeline closed with its communicator.
+
+Internals on purpose: the pipeline's point-to-point communicator (to send what a failed
+step's posted receives wait for, which gloo cannot cancel, and to see it closed with the
+communicator the pipeline was made on), its tags, and its failure notices (to send a stale
+one)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import torch
 from test_pipeline_exec import BATCH, MICROBATCHES, WIDTH, batches, build, reference
 from torch import nn
 
-from asyncomm import Comm, RemoteError, pipeline
+from asyncomm import Comm, CommClosedError, RemoteError, pipeline
 from asyncomm.testing import World
 
 
@@ -127,3 +130,21 @@ async def check_failure_told(comm: Comm) -> None:
 
 def test_failure_told(world2: World) -> None:
     world2.run(check_failure_told)
+
+
+async def check_comm_close_closes_pipeline(comm: Comm) -> None:
+    """``comm.close()`` closes a pipeline made on it (its own communicator too)."""
+    schedule = pipeline.get("1f1b", comm.size, MICROBATCHES)
+    data = batches(2)
+    pipe = pipeline.Pipeline(comm, schedule, pipeline.split(build(2), 2),
+                             nn.functional.mse_loss)
+    for x, y in data:  # step 2 runs on the pipeline's own communicator
+        await pipe.step(x if pipe.first else None, y if pipe.last_stage else None)
+    await comm.close()
+    assert pipe._p2p is not None and pipe._p2p.closed  # its own communicator too
+    with pytest.raises(CommClosedError):
+        await pipe.step(*data[0])
+
+
+def test_comm_close_closes_the_pipeline(world2: World) -> None:
+    world2.run(check_comm_close_closes_pipeline)

@@ -1,4 +1,8 @@
-"""The wire format and codecs: round trips, refusals, and hostile heads (single process)."""
+"""The wire format and codecs: round trips, refusals, and hostile heads (single process).
+
+Internals on purpose: ``_core/wire.py`` and ``_core/small.py`` encode and decode frames
+directly, and a ``Delivery`` (``_messaging/mailbox.py``) is fed frames by hand, its
+mailboxes read, to see what it refuses and what it keeps."""
 
 from __future__ import annotations
 
