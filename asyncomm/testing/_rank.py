@@ -59,8 +59,8 @@ async def serve(comm: asyncomm.Comm) -> None:
     loop.add_signal_handler(signal.SIGUSR1, _print_tasks)
     faulthandler.register(signal.SIGUSR1, all_threads=True, chain=True)
     while True:
-        command, request, path, folders, qualname, args = await loop.run_in_executor(None,
-                                                                                conn.recv)
+        asked = await loop.run_in_executor(None, conn.recv)
+        command, request, path, folders, qualname, args = asked
         if command == "stop":
             break
         try:

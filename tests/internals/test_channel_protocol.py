@@ -28,6 +28,7 @@ from test_channels import WINDOW, MiB, expect_nothing, until
 import asyncomm
 from asyncomm import Channel, Comm
 from asyncomm._core import small, tags, wire
+from asyncomm._core.messages import BATCH, PACKET, PREAMBLE
 from asyncomm._core.wire import Kind
 from asyncomm._messaging.router import frame_limits
 from asyncomm.testing import World, fresh
@@ -739,10 +740,13 @@ def test_padded_gloo_link_messages(world: World) -> None:
     assert len(lengths) >= 8 and set(lengths) == {4096}, lengths
 
 
+def as_packet(body: bytes) -> bytearray:
+    """Return the link message that carries ``body`` as a packet of small frames."""
+    return bytearray(PREAMBLE.pack(0, len(body), 0, PACKET) + body)
+
+
 def forged_batches() -> dict[str, bytes]:
     """Link messages that claim to hold envelopes of large frames, but do not."""
-    from asyncomm._core.messages import BATCH, PREAMBLE
-
     def batch(*entries: bytes) -> bytes:
         body = b"".join(entries)
         return PREAMBLE.pack(0, len(body), 0, BATCH) + body
@@ -825,7 +829,7 @@ async def check_corrupt_small_frames(comm: Comm) -> None:
             await sub.barrier()
             head = small.HEAD.pack(small.FRAME_BYTE, 1, small.U64_BYTE, 911, small.U64_BYTE, 1)
             cut = small.PACKET_HEAD.pack(small.ARRAY_BYTE, 1) + head[:-3]  # a frame's head, cut
-            link._arrive(0, bytearray(struct.pack("<IIII", 0, len(cut), 0, 1) + cut))  # as if sent
+            link._arrive(0, as_packet(cut))  # as if sent
             with pytest.raises(asyncomm.ProtocolError, match="stream from rank 0 broken"):
                 await other.recv(0, timeout=10.0)
             await sub.barrier()
@@ -851,7 +855,7 @@ async def check_forged_packet_items(comm: Comm) -> None:
                                           True),
                                          (msgpack.packb([[1, 912, 2, "ok"], [1, "912", 3, 0]]),
                                           False)):
-                link._arrive(0, bytearray(struct.pack("<IIII", 0, len(forged), 0, 1) + forged))
+                link._arrive(0, as_packet(forged))
                 assert (await ch.recv(0, timeout=10.0)).data == "ok"
                 error = "frame from rank 0 refused" if channel_only else "stream from rank 0"
                 with pytest.raises(asyncomm.ProtocolError, match=error):
@@ -874,7 +878,7 @@ async def check_forged_runs(comm: Comm) -> None:
             for forged in (msgpack.packb([[small.RUN, 913, 0, ["a", "b"]],
                                           [small.RUN, 913, 5, ["c", "d"]]]),
                            msgpack.packb([[small.RUN, 913, 7, "e"]])):
-                link._arrive(0, bytearray(struct.pack("<IIII", 0, len(forged), 0, 1) + forged))
+                link._arrive(0, as_packet(forged))
             assert [(await ch.recv(0, timeout=10.0)).data for _ in range(2)] == ["a", "b"]
             with pytest.raises(asyncomm.ProtocolError, match="frame 5 from rank 0 where 2 "
                                "was due"):
