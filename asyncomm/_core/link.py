@@ -214,12 +214,22 @@ class Link(ABC):
 
     def send_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
         """Send a small frame (``body`` at most ``small_room`` bytes) to ``dst``: the first since
-        the last ``flush`` at once (``_send_first``), later ones queued until the next
-        ``flush`` or until the packet is full. A failure to send a packet fails ``dst``."""
-        if dst not in self._went:
-            self._send_first(dst, kind, tag, seq, body)
+        the last ``flush`` at once, so that a task that then blocks the loop has not left it
+        behind; later ones queued until the next ``flush`` or until the packet is full. A
+        failure to send a packet fails ``dst``."""
+        if dst in self._went:
+            self.queue_small(dst, kind, tag, seq, body)
             return
-        self.queue_small(dst, kind, tag, seq, body)
+        self._went.add(dst)
+        if not self._flush_asked:
+            self._flush_asked = True
+            self._loop.call_soon(self._flush_at_turn_end)
+        if self._waiting and (self._outbox.queued(dst) or self._batches):
+            # what waits for dst (credit, say) goes first, in the same packet where it is one
+            self.queue_small(dst, kind, tag, seq, body)
+            self._flush_to(dst)
+        else:  # the commonest: nothing waits, a packet of its own laid out in one step
+            self._send_packet(Outbox.alone(kind, tag, seq, body), dst)
 
     def queue_small(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
         """Queue a small frame in ``dst``'s packet, never alone: it goes at the next ``flush``,
@@ -244,20 +254,6 @@ class Link(ABC):
         window.messages_out = out + 1
         window.seq += 1
         return True
-
-    def _send_first(self, dst: int, kind: int, tag: int, seq: int, body: bytes) -> None:
-        """Send the first small frame to ``dst`` since the last flush at once, so that a task
-        that then blocks the loop has not left it behind; what waits for ``dst`` (credit, say)
-        goes first, in the same packet where it is one."""
-        self._went.add(dst)
-        if not self._flush_asked:
-            self._flush_asked = True
-            self._loop.call_soon(self._flush_at_turn_end)
-        if self._waiting and (self._outbox.queued(dst) or self._batches):  # (some for dst?)
-            self.queue_small(dst, kind, tag, seq, body)
-            self._flush_to(dst)
-        else:  # the commonest: nothing waits, a packet of its own laid out in one step
-            self._send_packet(Outbox.alone(kind, tag, seq, body), dst)
 
     def _begun(self, dst: int, queued: int = 1) -> bool:
         """Something for ``dst`` began to wait (``queued``, as ``Outbox.put`` answers: 1 a

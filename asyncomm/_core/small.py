@@ -322,10 +322,11 @@ def unpack_packet(data: bytes | memoryview, limits: Limits = _LIMITS) -> list[An
     Raises:
         ProtocolError: a malformed packet or frame (``split_packet`` tells which).
     """
+    hook = _HOOKS.get(limits.max_ndim) or _hook(limits)
     try:
-        items = unpack(data, _hook(limits), passing=_HasTuple)
+        items = unpack(data, hook, passing=_HasTuple)
     except _HasTuple:  # a tuple in it (its marker, an extension): unpacked again, tuples rebuilt
-        items = read_structure(data, _hook(limits))
+        items = read_structure(data, hook)
     if type(items) is not list:
         raise ProtocolError("a packet that is not an array")
     return items
@@ -382,6 +383,11 @@ def _hook(limits: Limits) -> Callable[[int, bytes], object]:
     if hook is None:
         def hook(code: int, payload: bytes) -> object:
             if code == _EXT_INLINE:
+                # the commonest first: a tensor of a kind checked before, by its descriptor
+                fast = _TENSORS.get(payload[:_DESC_BYTES[payload[2]]]) if len(payload) > 2 else None
+                if fast is not None and len(payload) == fast[1] and payload[2] <= max_ndim:
+                    tensor = torch.frombuffer(bytearray(payload[fast[2]:]), dtype=fast[0])
+                    return tensor if fast[3] is None else tensor.reshape(fast[3])
                 return inline_buffer(payload, max_ndim)
             if code == _EXT_TUPLE:
                 raise _HasTuple  # (``read_structure`` takes tuple markers before the hook)
@@ -397,8 +403,9 @@ class _HasTuple(Exception):
 _HOOKS: dict[int, Callable[[int, bytes], object]] = {}
 
 
-def inline_buffer(payload: bytes | memoryview, max_ndim: int = _LIMITS.max_ndim) -> object:
-    """Rebuild an inline buffer, checked as ``decode_head`` checks a descriptor."""
+def inline_buffer(payload: bytes, max_ndim: int = _LIMITS.max_ndim) -> object:
+    """Rebuild an inline buffer, checked as ``decode_head`` checks a descriptor (a tensor's
+    kind, once checked, is kept: the hook of small frames rebuilds the next at once)."""
     if len(payload) < _DESC.size or payload[2] > max_ndim:
         raise ProtocolError("inline buffer: truncated, or too many dims")
     size = _DESCS[payload[2]].size
@@ -406,25 +413,24 @@ def inline_buffer(payload: bytes | memoryview, max_ndim: int = _LIMITS.max_ndim)
         raise ProtocolError("inline buffer truncated")
     raw = bytes(payload[:size])
     data = payload[size:]
-    fast = _TENSORS.get(raw)
-    if fast is None or len(data) != fast[1]:  # not the commonest: a tensor checked before
-        d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
-        if len(data) != d.nbytes:
-            raise ProtocolError(f"inline buffer of {len(data)} bytes declares {d.nbytes}")
-        if d.kind is BufferKind.BYTES:
-            return bytes(data)
-        if d.kind is not BufferKind.TENSOR or not d.nbytes or d.dtype is torch.bool:
-            return _rebuild(d, torch.frombuffer(bytearray(data), dtype=torch.uint8) if d.nbytes
-                            else torch.empty(0, dtype=torch.uint8))
-        fast = _TENSORS[raw] = (d.dtype, d.nbytes, None if len(d.shape) == 1 else d.shape)
-    tensor = torch.frombuffer(bytearray(data), dtype=fast[0])
-    return tensor if fast[2] is None else tensor.reshape(fast[2])
+    d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
+    if len(data) != d.nbytes:
+        raise ProtocolError(f"inline buffer of {len(data)} bytes declares {d.nbytes}")
+    if d.kind is BufferKind.BYTES:
+        return bytes(data)
+    if d.kind is not BufferKind.TENSOR or not d.nbytes or d.dtype is torch.bool:
+        return _rebuild(d, torch.frombuffer(bytearray(data), dtype=torch.uint8) if d.nbytes
+                        else torch.empty(0, dtype=torch.uint8))
+    _TENSORS[raw] = (d.dtype, size + d.nbytes, size, None if len(d.shape) == 1 else d.shape)
+    tensor = torch.frombuffer(bytearray(data), dtype=d.dtype)
+    return tensor if len(d.shape) == 1 else tensor.reshape(d.shape)
 
 
 _INLINE_DESCRIPTORS: dict[bytes, Descriptor] = {}  # checked already (shapes repeat)
-# ... of those, the tensors a plain view rebuilds (non-empty, not bool): dtype, bytes, and
-# shape (None: flat as it comes), read without the descriptor's attributes
-_TENSORS: dict[bytes, tuple[torch.dtype, int, tuple[int, ...] | None]] = {}
+# ... of those, the tensors a plain view rebuilds (non-empty, not bool), by their descriptor's
+# bytes: dtype, the payload's bytes, the descriptor's, and shape (None: flat as it comes)
+_TENSORS: dict[bytes, tuple[torch.dtype, int, int, tuple[int, ...] | None]] = {}
+_DESC_BYTES: Final = [s.size for s in _DESCS]  # a descriptor's bytes, by its ndim
 
 
 def _inline_descriptor(raw: bytes) -> Descriptor:
@@ -458,6 +464,7 @@ _lay_packet_head = PACKET_HEAD.pack_into  # (buffer, at, ARRAY_BYTE, frames)
 _PREAMBLE_PACK = PREAMBLE.pack
 _alone_head = struct.Struct(PACKET_HEAD.format + HEAD.format[1:]).pack  # packet head, frame head
 _ALONE_BYTES = PACKET_HEAD_BYTES + _SMALL_HEAD_BYTES
+_join = bytearray().join  # (one bytearray of the parts, made in one step)
 
 
 class Packet(bytearray):
@@ -555,10 +562,9 @@ class Outbox:
     def alone(kind: int, tag: int, seq: int, body: bytes) -> bytearray:
         """Return the packet of one small frame, laid out whole: what ``take`` would return
         had the frame been queued alone (a frame that leaves at once, see ``link``)."""
-        packet = bytearray(_PREAMBLE_PACK(0, _ALONE_BYTES + len(body), 0, PACKET))
-        packet += _alone_head(ARRAY_BYTE, 1, FRAME_BYTE, kind, U64_BYTE, tag, U64_BYTE, seq)
-        packet += body
-        return packet
+        return _join((_PREAMBLE_PACK(0, _ALONE_BYTES + len(body), 0, PACKET),
+                      _alone_head(ARRAY_BYTE, 1, FRAME_BYTE, kind, U64_BYTE, tag, U64_BYTE, seq),
+                      body))
 
     def queued(self, dst: int) -> bool:
         """Return whether a packet for ``dst`` waits."""

@@ -235,28 +235,6 @@ class Delivery:
             return
         self.items(src, items)
 
-    def _in_order(self, box: Mailbox, src: int, kind: int, seq: int, data: Any) -> None:
-        """Keep in ``box`` the next of ``src``'s messages: ``data`` a ``Message`` (a frame of
-        kind DATA, sequence number ``seq``) or a list of them (a run from ``seq`` on)."""
-        if kind == DATA:  # the commonest: the channel's next message
-            box.seqs[src] = seq + 1
-            if box.listener is None:
-                box.frames.append(data)
-                if box.waiters:
-                    box.came(src)
-            else:
-                box.listener(data)
-            return
-        box.seqs[src] = seq + len(data)
-        if box.listener is not None:
-            for message in data:
-                box.put(message)
-            return
-        box.frames.extend(data)
-        if box.waiters:
-            for _ in data:  # each wakes a receiver waiting for src (if one still waits)
-                box.came(src)
-
     def items(self, src: int, items: list[Any]) -> None:
         """The small frames of a packet from ``src``, decoded (``small.unpack_packet``'s items):
         each message kept in its mailbox (the link calls this where it decoded them itself)."""
@@ -280,8 +258,25 @@ class Delivery:
                 if not self._one(src, item):
                     return
                 continue
-            self._in_order(box, src, kind, seq, _new(Message, (src, tag, data)) if kind == DATA
-                           else [_new(Message, (src, tag, obj)) for obj in data])
+            if kind == DATA:  # the commonest: the channel's next message
+                box.seqs[src] = seq + 1
+                if box.listener is None:
+                    box.frames.append(_new(Message, (src, tag, data)))
+                    if box.waiters:
+                        box.came(src)
+                else:
+                    box.listener(_new(Message, (src, tag, data)))
+                continue
+            box.seqs[src] = seq + len(data)  # a run: its messages from ``seq`` on
+            messages = [_new(Message, (src, tag, obj)) for obj in data]
+            if box.listener is not None:
+                for message in messages:
+                    box.put(message)
+                continue
+            box.frames.extend(messages)
+            if box.waiters:
+                for _ in messages:  # each wakes a receiver waiting for src (if one still waits)
+                    box.came(src)
 
     def _one(self, src: int, item: object) -> bool:
         """Take one packet item as a small frame (or run); return whether ``src`` may go on."""

@@ -550,6 +550,18 @@ def test_hostile_small_frames_are_refused_before_allocation(body: bytes, message
         small.unpack_packet(packet)
 
 
+def test_a_tensor_kind_rebuilt_before_is_still_checked() -> None:
+    # A kind rebuilt once is kept, and the next of it is rebuilt at once: a body of that kind
+    # whose bytes differ from what it declares, or beyond the dims allowed, is still refused.
+    for _ in range(2):
+        assert torch.equal(small.decode(LONE), torch.zeros(2))  # type: ignore[arg-type]
+    for body in (inline(DESC + bytes(7)), inline(DESC + bytes(9))):
+        with pytest.raises(ProtocolError, match="declares"):
+            small.decode(body)
+    with pytest.raises(ProtocolError, match="too many dims"):
+        small.decode(LONE, wire.Limits(max_ndim=0))
+
+
 @pytest.mark.usefixtures("no_allocation_or_unpickling")
 @FUZZ
 @given(data=st.binary(max_size=200), marked=st.sampled_from([b"", LONE[:3], b"\x91"]))
