@@ -322,7 +322,7 @@ def unpack_packet(data: bytes | memoryview, limits: Limits = _LIMITS) -> list[An
     Raises:
         ProtocolError: a malformed packet or frame (``split_packet`` tells which).
     """
-    hook = _HOOKS.get(limits.max_ndim) or _hook(limits)
+    hook = _hook(limits)
     try:
         items = unpack(data, hook, passing=_HasTuple)
     except _HasTuple:  # a tuple in it (its marker, an extension): unpacked again, tuples rebuilt
