@@ -384,10 +384,12 @@ def _hook(limits: Limits) -> Callable[[int, bytes], object]:
         def hook(code: int, payload: bytes) -> object:
             if code == _EXT_INLINE:
                 # the commonest first: a tensor of a kind checked before, by its descriptor
-                fast = _TENSORS.get(payload[:_DESC_BYTES[payload[2]]]) if len(payload) > 2 else None
-                if fast is not None and len(payload) == fast[1] and payload[2] <= max_ndim:
-                    tensor = torch.frombuffer(bytearray(payload[fast[2]:]), dtype=fast[0])
-                    return tensor if fast[3] is None else tensor.reshape(fast[3])
+                size = _DESC_BYTES[payload[2]] if len(payload) > 2 else 0
+                kind = _TENSORS.get(payload[:size])
+                if kind is not None and len(payload) == size + kind[1] and payload[2] <= max_ndim:
+                    dtype, _, shape = kind
+                    tensor = torch.frombuffer(bytearray(payload[size:]), dtype=dtype)
+                    return tensor if shape is None else tensor.reshape(shape)
                 return inline_buffer(payload, max_ndim)
             if code == _EXT_TUPLE:
                 raise _HasTuple  # (``read_structure`` takes tuple markers before the hook)
@@ -421,15 +423,15 @@ def inline_buffer(payload: bytes, max_ndim: int = _LIMITS.max_ndim) -> object:
     if d.kind is not BufferKind.TENSOR or not d.nbytes or d.dtype is torch.bool:
         return _rebuild(d, torch.frombuffer(bytearray(data), dtype=torch.uint8) if d.nbytes
                         else torch.empty(0, dtype=torch.uint8))
-    _TENSORS[raw] = (d.dtype, size + d.nbytes, size, None if len(d.shape) == 1 else d.shape)
+    _TENSORS[raw] = (d.dtype, d.nbytes, None if len(d.shape) == 1 else d.shape)
     tensor = torch.frombuffer(bytearray(data), dtype=d.dtype)
     return tensor if len(d.shape) == 1 else tensor.reshape(d.shape)
 
 
 _INLINE_DESCRIPTORS: dict[bytes, Descriptor] = {}  # checked already (shapes repeat)
-# ... of those, the tensors a plain view rebuilds (non-empty, not bool), by their descriptor's
-# bytes: dtype, the payload's bytes, the descriptor's, and shape (None: flat as it comes)
-_TENSORS: dict[bytes, tuple[torch.dtype, int, int, tuple[int, ...] | None]] = {}
+# ... of those, the tensors a plain view rebuilds (non-empty, not bool): dtype, bytes of data,
+# and shape (None: flat as it comes)
+_TENSORS: dict[bytes, tuple[torch.dtype, int, tuple[int, ...] | None]] = {}
 _DESC_BYTES: Final = [s.size for s in _DESCS]  # a descriptor's bytes, by its ndim
 
 

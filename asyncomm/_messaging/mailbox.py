@@ -260,12 +260,13 @@ class Delivery:
                 continue
             if kind == DATA:  # the commonest: the channel's next message
                 box.seqs[src] = seq + 1
+                message = _new(Message, (src, tag, data))
                 if box.listener is None:
-                    box.frames.append(_new(Message, (src, tag, data)))
+                    box.frames.append(message)
                     if box.waiters:
                         box.came(src)
                 else:
-                    box.listener(_new(Message, (src, tag, data)))
+                    box.listener(message)
                 continue
             box.seqs[src] = seq + len(data)  # a run: its messages from ``seq`` on
             messages = [_new(Message, (src, tag, obj)) for obj in data]

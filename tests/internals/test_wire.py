@@ -555,7 +555,8 @@ def test_a_tensor_kind_rebuilt_before_is_still_checked() -> None:
     # whose bytes differ from what it declares, or beyond the dims allowed, is still refused.
     for _ in range(2):
         assert torch.equal(small.decode(LONE), torch.zeros(2))  # type: ignore[arg-type]
-    for body in (inline(DESC + bytes(7)), inline(DESC + bytes(9))):
+    for data in (bytes(4), bytes(7), bytes(9), bytes(12)):  # (4 and 12 make whole floats)
+        body = inline(DESC + data)
         with pytest.raises(ProtocolError, match="declares"):
             small.decode(body)
     with pytest.raises(ProtocolError, match="too many dims"):
