@@ -383,13 +383,6 @@ def _hook(limits: Limits) -> Callable[[int, bytes], object]:
     if hook is None:
         def hook(code: int, payload: bytes) -> object:
             if code == _EXT_INLINE:
-                # the commonest first: a tensor of a kind checked before, by its descriptor
-                size = _DESC_BYTES[payload[2]] if len(payload) > 2 else 0
-                kind = _TENSORS.get(payload[:size])
-                if kind is not None and len(payload) == size + kind[1] and payload[2] <= max_ndim:
-                    dtype, _, shape = kind
-                    tensor = torch.frombuffer(bytearray(payload[size:]), dtype=dtype)
-                    return tensor if shape is None else tensor.reshape(shape)
                 return inline_buffer(payload, max_ndim)
             if code == _EXT_TUPLE:
                 raise _HasTuple  # (``read_structure`` takes tuple markers before the hook)
@@ -406,15 +399,19 @@ _HOOKS: dict[int, Callable[[int, bytes], object]] = {}
 
 
 def inline_buffer(payload: bytes, max_ndim: int = _LIMITS.max_ndim) -> object:
-    """Rebuild an inline buffer, checked as ``decode_head`` checks a descriptor (a tensor's
-    kind, once checked, is kept: the hook of small frames rebuilds the next at once)."""
+    """Rebuild an inline buffer, checked as ``decode_head`` checks a descriptor (a plain
+    tensor's kind, once checked, is kept: the next of it is rebuilt at once)."""
+    size = _DESC_BYTES[payload[2]] if len(payload) > 2 else 0
+    kind = _TENSORS.get(payload[:size])  # (the commonest: a tensor of a kind checked before)
+    if kind is not None and len(payload) == size + kind[1] and payload[2] <= max_ndim:
+        dtype, _, shape = kind
+        tensor = torch.frombuffer(bytearray(payload[size:]), dtype=dtype)
+        return tensor if shape is None else tensor.reshape(shape)
     if len(payload) < _DESC.size or payload[2] > max_ndim:
         raise ProtocolError("inline buffer: truncated, or too many dims")
-    size = _DESCS[payload[2]].size
     if len(payload) < size:
         raise ProtocolError("inline buffer truncated")
-    raw = bytes(payload[:size])
-    data = payload[size:]
+    raw, data = payload[:size], payload[size:]
     d = _INLINE_DESCRIPTORS.get(raw) or _inline_descriptor(raw)
     if len(data) != d.nbytes:
         raise ProtocolError(f"inline buffer of {len(data)} bytes declares {d.nbytes}")
@@ -424,8 +421,7 @@ def inline_buffer(payload: bytes, max_ndim: int = _LIMITS.max_ndim) -> object:
         return _rebuild(d, torch.frombuffer(bytearray(data), dtype=torch.uint8) if d.nbytes
                         else torch.empty(0, dtype=torch.uint8))
     _TENSORS[raw] = (d.dtype, d.nbytes, None if len(d.shape) == 1 else d.shape)
-    tensor = torch.frombuffer(bytearray(data), dtype=d.dtype)
-    return tensor if len(d.shape) == 1 else tensor.reshape(d.shape)
+    return inline_buffer(payload, max_ndim)  # (kept now: rebuilt as the next of its kind)
 
 
 _INLINE_DESCRIPTORS: dict[bytes, Descriptor] = {}  # checked already (shapes repeat)
