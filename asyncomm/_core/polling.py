@@ -8,6 +8,7 @@ engines that complete requests on threads are in ``progress``.
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 import weakref
@@ -38,6 +39,24 @@ def due_at(loop: asyncio.AbstractEventLoop) -> list[Callable[[], object]]:
     return _due.setdefault(loop, [])
 
 
+class _Turn:
+    """The loop turn that a loop's spinning tasks asked for (see ``Spin``'s note on fairness):
+    one per loop, shared by its spins, so that its other work knows when tasks hold it."""
+
+    __slots__ = ("asked", "given")
+
+    def __init__(self) -> None:
+        self.asked = 0.0  # when a turn was asked that has not come yet (0: none)
+        self.given = -math.inf  # when the last turn asked for came
+
+    def came(self) -> None:
+        self.asked = 0.0
+        self.given = time.perf_counter()
+
+
+_turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Turn] = weakref.WeakKeyDictionary()
+
+
 class Spin:
     """Spin-then-park for the tasks of one engine: a few ``tests``, then polls for up to
     ``max_s``; found, the task goes on with no loop iteration and no wake-up; not found, it
@@ -56,8 +75,8 @@ class Spin:
     ----------------
     A task that finds what it spins for goes on without a loop iteration, so tasks that succeed one
     after the other (a ping-pong) could keep the loop from everything else. Each spin therefore asks
-    the loop for a turn, and no task spins while a turn asked for more than ``FAIR_S`` ago has not
-    come: it yields that turn instead (``refused``).
+    the loop for a turn (one turn for all the spins of a loop, ``_Turn``), and no task spins while a
+    turn asked for more than ``FAIR_S`` ago has not come: it yields that turn instead (``refused``).
 
     Note on what is due
     -------------------
@@ -75,7 +94,7 @@ class Spin:
         self.tests = tests  # 0: no spinning at all
         self.max_s = max_s
         self.misses = 0  # waits in a row whose spin found nothing
-        self._turn = 0.0  # when the loop was asked for a turn that has not come yet (0: none)
+        self._turn = _turns.setdefault(loop, _Turn())
         # whether the last ``run`` was refused until that turn comes (not: it polled): its
         # task yields the turn and spins then (parking costs it a poll and a wake-up)
         self.refused = False
@@ -125,14 +144,19 @@ class Spin:
             return False
         if self._due:  # what the peers may be waiting for goes first (see the note)
             self._run_due()
-        if not self._turn:
-            self._turn = time.perf_counter()
-            self._loop.call_soon(self._turned)
+        turn = self._turn
+        if not turn.asked:
+            turn.asked = time.perf_counter()
+            self._loop.call_soon(turn.came)
             return True
-        return time.perf_counter() - self._turn <= FAIR_S
+        return time.perf_counter() - turn.asked <= FAIR_S
 
-    def _turned(self) -> None:
-        self._turn = 0.0
+    def holding(self) -> bool:
+        """Return whether tasks hold the loop spinning (these or another poller's): a turn
+        they asked for has not come, or came within ``FAIR_S`` (they give it the next within
+        about as long: see the note on fairness)."""
+        turn = self._turn
+        return bool(turn.asked) or time.perf_counter() - turn.given < FAIR_S
 
     def _run_due(self) -> None:
         """Do the work due at the iteration's end now, in the order it was listed."""
@@ -158,7 +182,9 @@ class Ticker:
     late, several times a pipeline step. So for ``TICKING_S`` after its last news a poller backing
     off also asks the ticker, a thread that sleeps ``tick_s`` (the OS sleeps finer than the loop)
     and then schedules the poll on the loop; the millisecond timer stays as a floor. It ticks only
-    then, so a rank whose waits are long is not woken by it.
+    then, so a rank whose waits are long is not woken by it; and not while tasks hold the loop
+    spinning (``Spin.holding``): they poll for themselves, a tick could not run before the turn they
+    give anyway, and its thread's wake-up takes the GIL and a core from them and their peers.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, tick_s: float) -> None:
@@ -536,7 +562,8 @@ class Poller:
             self._busy = False
             self._delay = min(max(2 * self._delay, 1e-5), self._max_backoff_s)
             self._timer = self._loop.call_later(self._delay, self._poll)
-            if self._ticker is not None and now - self._last_news < TICKING_S:
+            if (self._ticker is not None and now - self._last_news < TICKING_S
+                    and not self._spin.holding()):
                 self._ticker.want(self._ticked)  # sooner than the loop's timers can
 
     def _ticked(self) -> None:

@@ -105,6 +105,29 @@ async def test_no_spin_while_the_loop_is_kept_from_its_turn() -> None:
     assert spin.run(Polls(found=1))
 
 
+async def test_the_spins_of_a_loop_share_its_turn() -> None:
+    # Two pollers' spins on one loop (a communicator's requests, its link's messages): once
+    # the turn one asked for is overdue by FAIR_S, the other is refused too; and both say
+    # that tasks hold the loop (its poller's ticker is then not woken) until FAIR_S after
+    # the turn came.
+    loop = asyncio.get_running_loop()
+    one, other = Spin(loop, tests=8, max_s=1e-3), Spin(loop, tests=8, max_s=1e-3)
+    assert not one.holding() and not other.holding()
+    assert one.run(Polls(found=1))
+    after = time.perf_counter()  # (the turn was asked before this)
+    assert one.holding() and other.holding()
+    while time.perf_counter() - after <= FAIR_S:  # the task goes on, never yielding
+        pass
+    poll = Polls(found=1)
+    assert not other.run(poll)
+    assert poll.calls == 0 and other.refused
+    await asyncio.sleep(0)  # the loop turns
+    assert other.run(Polls(found=1))
+    await asyncio.sleep(0)
+    await asyncio.sleep(2 * FAIR_S)  # no spin since the turn it asked for came
+    assert not one.holding() and not other.holding()
+
+
 async def test_a_spin_does_its_loops_work_due_first() -> None:
     loop, done = asyncio.get_running_loop(), []
     other = asyncio.new_event_loop()  # (another thread's loop, say)
@@ -117,6 +140,7 @@ async def test_a_spin_does_its_loops_work_due_first() -> None:
         assert Spin(loop, tests=4, max_s=1e-3).run(Polls(found=1))
         assert done == ["first", "second"]  # before the poll, in the order listed
         assert not mine and len(theirs) == 1  # (another loop's work waits for that loop)
+        await asyncio.sleep(0)  # the turn that spin asked for comes (the next may spin then)
         said: list[dict[str, object]] = []
         loop.set_exception_handler(lambda _, context: said.append(context))
         mine.extend([lambda: 1 / 0, lambda: done.append("first")])  # a failing work is
