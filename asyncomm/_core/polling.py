@@ -8,7 +8,6 @@ engines that complete requests on threads are in ``progress``.
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
 import time
 import weakref
@@ -43,15 +42,14 @@ class _Turn:
     """The loop turn that a loop's spinning tasks asked for (see ``Spin``'s note on fairness):
     one per loop, shared by its spins, so that its other work knows when tasks hold it."""
 
-    __slots__ = ("asked", "given")
+    __slots__ = ("asked",)
 
     def __init__(self) -> None:
         self.asked = 0.0  # when a turn was asked that has not come yet (0: none)
-        self.given = -math.inf  # when the last turn asked for came
 
     def came(self) -> None:
+        """The loop's turn came: the tasks that spun gave the loop back."""
         self.asked = 0.0
-        self.given = time.perf_counter()
 
 
 _turns: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Turn] = weakref.WeakKeyDictionary()
@@ -152,11 +150,9 @@ class Spin:
         return time.perf_counter() - turn.asked <= FAIR_S
 
     def holding(self) -> bool:
-        """Return whether tasks hold the loop spinning (these or another poller's): a turn
-        they asked for has not come, or came within ``FAIR_S`` (they give it the next within
-        about as long: see the note on fairness)."""
-        turn = self._turn
-        return bool(turn.asked) or time.perf_counter() - turn.given < FAIR_S
+        """Return whether tasks of this loop (any poller's) hold it spinning: a turn they
+        asked for has not come yet."""
+        return bool(self._turn.asked)
 
     def _run_due(self) -> None:
         """Do the work due at the iteration's end now, in the order it was listed."""
@@ -183,8 +179,10 @@ class Ticker:
     off also asks the ticker, a thread that sleeps ``tick_s`` (the OS sleeps finer than the loop)
     and then schedules the poll on the loop; the millisecond timer stays as a floor. It ticks only
     then, so a rank whose waits are long is not woken by it; and not while tasks hold the loop
-    spinning (``Spin.holding``): they poll for themselves, a tick could not run before the turn they
-    give anyway, and its thread's wake-up takes the GIL and a core from them and their peers.
+    spinning (``Spin.holding``: a turn they asked for has not come). They give the loop a turn at
+    least every ``FAIR_S``, which a tick would wait for too; while they spin, a message for this
+    poller waits for such a turn and the poller's own timer (at most ``max_backoff_s``) instead,
+    and the thread's wake-ups do not take the GIL and a core from them and their peers.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, tick_s: float) -> None:

@@ -106,10 +106,9 @@ async def test_no_spin_while_the_loop_is_kept_from_its_turn() -> None:
 
 
 async def test_the_spins_of_a_loop_share_its_turn() -> None:
-    # Two pollers' spins on one loop (a communicator's requests, its link's messages): once
-    # the turn one asked for is overdue by FAIR_S, the other is refused too; and both say
-    # that tasks hold the loop (its poller's ticker is then not woken) until FAIR_S after
-    # the turn came.
+    # Two pollers' spins on one loop (a communicator's requests, its link's messages): both
+    # say that tasks hold the loop (its pollers then do not wake the ticker) while the turn
+    # one asked for has not come; once it is overdue by FAIR_S, the other is refused too.
     loop = asyncio.get_running_loop()
     one, other = Spin(loop, tests=8, max_s=1e-3), Spin(loop, tests=8, max_s=1e-3)
     assert not one.holding() and not other.holding()
@@ -122,10 +121,46 @@ async def test_the_spins_of_a_loop_share_its_turn() -> None:
     assert not other.run(poll)
     assert poll.calls == 0 and other.refused
     await asyncio.sleep(0)  # the loop turns
-    assert other.run(Polls(found=1))
-    await asyncio.sleep(0)
-    await asyncio.sleep(2 * FAIR_S)  # no spin since the turn it asked for came
     assert not one.holding() and not other.holding()
+    assert other.run(Polls(found=1))
+    assert one.holding()
+
+
+class Ticks:
+    """A ticker made up for the test: what a poller asked of it."""
+
+    def __init__(self) -> None:
+        self.wanted = 0
+
+    def want(self, callback: Callable[[], None]) -> None:
+        self.wanted += 1
+
+    def release(self) -> None:
+        pass
+
+
+async def test_a_poller_backing_off_does_not_wake_the_ticker_while_tasks_hold_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # A poller whose pump finds something at every poll, never busy after it (busy_s 0):
+    # each poll backs off and, its news recent, asks the ticker; but not while a turn that
+    # spinning tasks asked for (another poller's spin, here) has not come.
+    monkeypatch.setenv("ASYNCOMM_BUSY_US", "0")
+    loop = asyncio.get_running_loop()
+    poller = polling.Poller(loop, lambda request, scratch: False, None, lambda: None,
+                            lambda requests: [], lambda exc: CommTimeoutError)
+    ticks = poller._ticker = Ticks()  # type: ignore[assignment]
+    poller.add_pump(lambda: True)
+    try:
+        poller._poll()
+        assert ticks.wanted == 1
+        assert Spin(loop, tests=8, max_s=1e-3).run(Polls(found=1))  # a task spins
+        poller._poll()
+        assert ticks.wanted == 1  # held: not asked
+        await asyncio.sleep(0)  # the turn comes
+        poller._poll()
+        assert ticks.wanted == 2
+    finally:
+        poller.drain()
 
 
 async def test_a_spin_does_its_loops_work_due_first() -> None:
