@@ -112,7 +112,7 @@ def test_the_graph_sees_a_circle() -> None:
 
 
 SOURCES = ("*.py", "*.pyx", "*.pxd", "*.c", "*.cc", "*.cpp", "*.h", "*.hpp")
-MAX_PACKAGE_LINES = 19_463  # the whole package, every source it ships (compiled ones too)
+MAX_PACKAGE_LINES = 19_450  # the whole package, every source it ships (compiled ones too)
 
 
 def _sources() -> list[Path]:

@@ -260,24 +260,11 @@ class Delivery:
                 continue
             if kind == DATA:  # the commonest: the channel's next message
                 box.seqs[src] = seq + 1
-                message = _new(Message, (src, tag, data))
-                if box.listener is None:
-                    box.frames.append(message)
-                    if box.waiters:
-                        box.came(src)
-                else:
-                    box.listener(message)
+                box.put(_new(Message, (src, tag, data)))
                 continue
             box.seqs[src] = seq + len(data)  # a run: its messages from ``seq`` on
-            messages = [_new(Message, (src, tag, obj)) for obj in data]
-            if box.listener is not None:
-                for message in messages:
-                    box.put(message)
-                continue
-            box.frames.extend(messages)
-            if box.waiters:
-                for _ in messages:  # each wakes a receiver waiting for src (if one still waits)
-                    box.came(src)
+            for obj in data:
+                box.put(_new(Message, (src, tag, obj)))
 
     def _one(self, src: int, item: object) -> bool:
         """Take one packet item as a small frame (or run); return whether ``src`` may go on."""

@@ -1,8 +1,9 @@
 """Spinning: a task about to wait polls for what it waits for itself, briefly and fairly.
 
-Internals on purpose: ``Spin`` and ``Ticker`` (``_core/polling.py``) driven directly with
-polls made up for the test, the fairness bound changed by hand, and the poller and
-bridge of a real communicator read to see a message leave before its task spins."""
+Internals on purpose: ``Spin``, ``Ticker`` and a ``Poller`` (``_core/polling.py``) driven
+directly with polls (and a ticker) made up for the test, the fairness bound changed by hand,
+and the poller and bridge of a real communicator read to see a message leave before its
+task spins."""
 
 from __future__ import annotations
 
